@@ -1,0 +1,796 @@
+"""Transformer-XL (Dai et al., 2019, "Attentive Language Models Beyond a Fixed-Length Context"), one file.
+
+Reads top to bottom like the paper:
+
+1. ``TransformerXLConfig``            - every hyper-parameter, validated (names the bad field).
+2. ``sinusoid_embedding``             - the relative position table R (Sec. 3.3).
+3. ``rel_shift``                      - Appendix B's shift, as a zero-copy strided view.
+4. ``attention_mask``                 - causal mask over [memory; segment], with ``same_length``.
+5. ``RelPartialLearnableMultiHeadAttn`` - the relative attention with the four terms (a)-(d).
+6. ``PositionwiseFF`` / ``TransformerXLLayer`` - post-LN (default) or pre-LN layers.
+7. ``AdaptiveEmbedding`` / ``ProjectedAdaptiveLogSoftmax`` - adaptive input and softmax (fp32).
+8. ``TransformerXL``                  - embedding, layers and the segment-level recurrence (memory).
+9. ``TransformerXLLM`` / ``TransformerXLForSequenceClassification`` - the heads.
+
+Conventions: everything is batch-first. ``input_ids`` is ``[B, T]``; a memory is a list with one tensor per
+layer, ``mems[l]`` of shape ``[B, M, d_model]``, holding the (detached) *inputs* of layer ``l`` for the last
+``M <= mem_len`` positions. Memories are explicit inputs and outputs: the modules keep no hidden state. Shape
+comments use B batch, T query (segment) length, M memory length, K = M + T key length, H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.pretrained import PretrainedMixin
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Configuration
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransformerXLConfig:
+    """Hyper-parameters of a Transformer-XL model (names as in the paper's code)."""
+
+    n_token: int = 256
+    """Vocabulary size."""
+    n_layer: int = 2
+    """Number of Transformer-XL layers."""
+    d_model: int = 64
+    """Width of the hidden states (and of the memory)."""
+    n_head: int = 2
+    """Number of attention heads."""
+    d_head: int = 32
+    """Width of one attention head (n_head * d_head need not equal d_model)."""
+    d_inner: int = 256
+    """Inner width of the position-wise feed-forward network."""
+    d_embed: int | None = None
+    """Width of the (first cluster of the) adaptive embedding; None means d_model."""
+    div_val: int = 1
+    """Adaptive input/softmax divisor: cluster i has width d_embed // div_val**i (1 = one table)."""
+    cutoffs: list[int] = field(default_factory=list)
+    """Adaptive softmax cluster boundaries, increasing, each < n_token ([] = plain softmax)."""
+    tie_weight: bool = True
+    """Tie the softmax output weights to the input embedding tables."""
+    tie_projs: list[bool] | None = None
+    """Per cluster: tie the softmax projection to the embedding projection. None = [False] + [True] * len(cutoffs)
+    (the WikiText-103 recipe: head projection untied, tail projections tied)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, positional embeddings, attention output, feed-forward and the final hidden state."""
+    dropatt: float = 0.0
+    """Dropout on the attention probabilities."""
+    pre_lnorm: bool = False
+    """Pre-LayerNorm layers (x + f(LN(x))) instead of the paper's post-LayerNorm (LN(x + f(x)))."""
+    untie_r: bool = False
+    """One pair of position biases u (r_w_bias), v (r_r_bias) per layer instead of one shared by all layers."""
+    same_length: bool = False
+    """Every query attends to the same number (mem_len) of keys, itself included."""
+    clamp_len: int = -1
+    """Relative distances above clamp_len share one positional embedding (<= 0: no clamping)."""
+    mem_len: int = 0
+    """Default number of past hidden states kept as memory per layer (0 = no recurrence)."""
+    layer_norm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    init: Literal["normal", "uniform"] = "normal"
+    """Weight initialisation: N(0, init_std) or U(-init_range, init_range)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation (LayerNorm weights ~ N(1, init_std))."""
+    init_range: float = 0.1
+    """Range of the uniform initialisation."""
+    proj_init_std: float = 0.01
+    """Standard deviation of the adaptive embedding/softmax projections."""
+    num_labels: int = 2
+    """Number of labels of the sequence-classification head (1 = regression)."""
+    pad_token_id: int | None = None
+    """Padding token (sequence classification pools the last token that is not padding)."""
+
+    def __post_init__(self) -> None:
+        self.cutoffs = list(self.cutoffs)
+        if self.d_embed is None:
+            self.d_embed = self.d_model
+        if self.tie_projs is None:
+            self.tie_projs = [False] + [True] * len(self.cutoffs)
+        self.tie_projs = [bool(t) for t in self.tie_projs]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"TransformerXLConfig.{name} = {getattr(self, name)!r}: {why}")
+
+        for name in ("n_token", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, "must be a positive integer")
+        for name in ("mem_len", "clamp_len"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                bad(name, "must be an integer")
+        if self.mem_len < 0:
+            bad("mem_len", "must be >= 0")
+        c = self.cutoffs
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in c):
+            bad("cutoffs", "must be a list of integers")
+        if any(b <= a for a, b in zip([0, *c], [*c, self.n_token], strict=True)):
+            bad("cutoffs", f"must be strictly increasing, > 0 and < n_token ({self.n_token})")
+        if len(self.tie_projs) != len(c) + 1:
+            bad("tie_projs", f"needs one entry per cluster (len(cutoffs) + 1 = {len(c) + 1})")
+        if self.div_val > 1 and self.d_embed // self.div_val ** len(c) < 1:
+            bad("div_val", f"gives a zero-width embedding for the last cluster (d_embed={self.d_embed})")
+        for name in ("dropout", "dropatt"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                bad(name, "must be in [0, 1)")
+        if self.init not in ("normal", "uniform"):
+            bad("init", "must be 'normal' or 'uniform'")
+        for name in ("init_std", "init_range", "proj_init_std", "layer_norm_epsilon"):
+            if getattr(self, name) <= 0:
+                bad(name, "must be > 0")
+        if self.same_length and self.mem_len == 0:
+            bad("same_length", "needs mem_len > 0 (the window of mem_len keys would be empty)")
+        if self.num_labels < 1:
+            bad("num_labels", "must be >= 1")
+
+    @property
+    def n_clusters(self) -> int:
+        """Number of tail clusters of the adaptive softmax."""
+        return len(self.cutoffs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerXLConfig:
+        """Build from a dict; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerXLConfig field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Relative positional encoding R (Sec. 3.3): sinusoids of the distance i - j, sin half then cos half.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sinusoid_embedding(
+    klen: int, d_model: int, clamp_len: int = -1, device=None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """R for the distances ``klen-1, ..., 1, 0`` (column j of a score row holds distance klen-1-j)."""
+    pos_seq = torch.arange(klen - 1, -1, -1.0, device=device, dtype=dtype)  # [K], descending distances
+    if clamp_len > 0:
+        pos_seq = pos_seq.clamp(max=clamp_len)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, device=device, dtype=dtype) / d_model))  # [D/2]
+    sinusoid = torch.outer(pos_seq, inv_freq)  # [K, D/2]
+    return torch.cat([sinusoid.sin(), sinusoid.cos()], dim=-1)  # [K, D]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Appendix B: the shift. The raw term B+D is computed for all K distances with one matmul,
+#    bd_raw[.., i, k] = (q_i + v) . W_kR R_{K-1-k}. Query i (absolute index M+i) needs distance M+i-j at key j,
+#    i.e. bd[.., i, j] = bd_raw[.., i, j + T-1-i]. Row-major that is element (T-1) + i*(K-1) + j of each
+#    [T, K] block: a strided view with row stride K-1 and offset T-1, no copy and no padding. Entries with
+#    j > M+i read the next row; they are exactly the causally masked ones.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rel_shift(bd_raw: Tensor) -> Tensor:
+    """Shift ``[..., T, K]`` scores from distance order to key order (Appendix B), as a view.
+
+    Only each ``[T, K]`` block must be contiguous; the leading dimensions may have any strides.
+    """
+    *lead, qlen, klen = bd_raw.shape
+    if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != klen:
+        bd_raw = bd_raw.contiguous()
+    stride = (*bd_raw.stride()[:-2], klen - 1, 1)
+    return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. The mask over [memory; segment]: query i (absolute position M+i) sees key j iff j <= M+i (causal), and with
+#    same_length also j > M+i-mem_len, i.e. a window of exactly mem_len keys including itself once that many
+#    exist (identical to the reference PyTorch code's triu/tril construction, including K = mem_len + T).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device=None) -> Tensor:
+    """Boolean ``[T, K]`` mask, True = masked."""
+    i = torch.arange(qlen, device=device)[:, None] + mlen  # absolute query positions
+    j = torch.arange(mlen + qlen, device=device)[None, :]
+    mask = j > i
+    if same_length:
+        mask |= j <= i - mem_len
+    return mask  # [T, K]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Relative multi-head attention (Sec. 3.3, Eq. for A^rel):
+#      A_ij = (a) q_i.k_j + (b) q_i.W_kR R_{i-j} + (c) u.k_j + (d) v.W_kR R_{i-j}
+#           = (q_i + u).k_j  +  (q_i + v).W_kR R_{i-j}
+#    so (a)+(c) is one matmul with q + u (r_w_bias) and (b)+(d) one matmul with q + v (r_r_bias) against the
+#    projected positions, followed by the shift. Queries are projected for the T current rows only; keys and
+#    values for [memory; segment] (or taken from a cache of already projected memory keys/values).
+# ---------------------------------------------------------------------------------------------------------
+
+
+class RelPartialLearnableMultiHeadAttn(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.n_head, self.d_head = cfg.n_head, cfg.d_head
+        hd = cfg.n_head * cfg.d_head
+        self.qkv_net = nn.Linear(cfg.d_model, 3 * hd, bias=False)  # rows [W_q; W_kE; W_v]
+        self.r_net = nn.Linear(cfg.d_model, hd, bias=False)  # W_kR
+        self.o_net = nn.Linear(hd, cfg.d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.dropatt = nn.Dropout(cfg.dropatt)
+        self.pre_lnorm = cfg.pre_lnorm
+        self.scale = 1.0 / math.sqrt(cfg.d_head)
+
+    def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        hd = self.n_head * self.d_head
+        kv = F.linear(x, self.qkv_net.weight[hd:])  # [B, L, 2*H*Dh]
+        kv = kv.view(x.shape[0], x.shape[1], 2, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
+        return kv[0], kv[1]  # [B, H, L, Dh] each
+
+    def project_kv(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of layer inputs ``h`` [B, L, D] (what a K/V cache of the memory holds)."""
+        return self._kv(self.layer_norm(h) if self.pre_lnorm else h)
+
+    def forward(
+        self,
+        h: Tensor,
+        pos_emb: Tensor,
+        r_w_bias: Tensor,
+        r_r_bias: Tensor,
+        mask: Tensor,
+        mem: Tensor | None = None,
+        mem_kv: tuple[Tensor, Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
+        """``h`` [B, T, D] segment, ``pos_emb`` [K, D], ``mask`` [T, K] (True = masked).
+
+        The memory is given either as hidden states ``mem`` [B, M, D] or as their projected keys/values
+        ``mem_kv`` (two [B, H, M, Dh], see ``project_kv``). Returns the layer output [B, T, D], the attention
+        probabilities [B, H, T, K] when ``need_weights``, and the keys/values of the current segment.
+        """
+        B, T, _ = h.shape
+        H, Dh = self.n_head, self.d_head
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        q = F.linear(x, self.qkv_net.weight[: H * Dh]).view(B, T, H, Dh)  # queries of the segment only
+        if mem_kv is not None:
+            k_cur, v_cur = self._kv(x)  # [B, H, T, Dh]
+            k = torch.cat([mem_kv[0], k_cur], dim=2)  # [B, H, K, Dh]
+            v = torch.cat([mem_kv[1], v_cur], dim=2)
+        else:
+            if mem is not None and mem.shape[1] > 0:
+                x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
+            k, v = self._kv(x)  # one GEMM over [memory; segment], [B, H, K, Dh]
+            k_cur, v_cur = k[:, :, -T:], v[:, :, -T:]
+        K = k.shape[2]
+        r_k = self.r_net(pos_emb).view(K, H, Dh)  # W_kR R, [K, H, Dh]
+
+        q_w = (q + r_w_bias).transpose(1, 2)  # q + u, [B, H, T, Dh]
+        q_r = (q + r_r_bias).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # q + v, [H, B*T, Dh]
+        bd = torch.bmm(q_r, r_k.permute(1, 2, 0))  # (b)+(d) by distance, one GEMM per head, [H, B*T, K]
+        bd = rel_shift(bd.view(H, B, T, K).transpose(0, 1))  # (b)+(d) by key, [B, H, T, K]
+
+        grad = torch.is_grad_enabled() and q.requires_grad
+        if need_weights or grad or (self.training and self.dropatt.p > 0):
+            ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
+            score = _fp32(ac).add_(bd).mul_(self.scale).masked_fill_(mask, float("-inf"))  # fp32
+            prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
+            attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
+        else:
+            # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
+            bias = (bd * self.scale).masked_fill(mask, float("-inf")).to(q_w.dtype)  # [B, H, T, K]
+            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=self.scale)
+            prob = None
+        attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, H * Dh)))  # [B, T, D]
+        out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
+        return out, prob, (k_cur, v_cur)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. Position-wise feed-forward and the layer.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PositionwiseFF(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.layer_1 = nn.Linear(cfg.d_model, cfg.d_inner)
+        self.layer_2 = nn.Linear(cfg.d_inner, cfg.d_model)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.pre_lnorm = cfg.pre_lnorm
+
+    def forward(self, h: Tensor) -> Tensor:
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        y = self.drop(self.layer_2(self.drop(F.relu(self.layer_1(x)))))  # [B, T, D]
+        return h + y if self.pre_lnorm else self.layer_norm(h + y)
+
+
+class TransformerXLLayer(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.attn = RelPartialLearnableMultiHeadAttn(cfg)
+        self.ff = PositionwiseFF(cfg)
+
+    def forward(self, h: Tensor, pos_emb: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, mask: Tensor, **kw):
+        out, prob, kv = self.attn(h, pos_emb, r_w_bias, r_r_bias, mask, **kw)
+        return self.ff(out), prob, kv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. Adaptive input (Baevski & Auli) and projected adaptive log-softmax (Grave et al.).
+#    Cluster i covers token ids [ends[i], ends[i+1]) with ends = [0, *cutoffs, n_token]; its width is
+#    d_embed // div_val**i. With div_val == 1 there is one table (and one projection iff d_embed != d_model).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fp32(x: Tensor) -> Tensor:
+    """At least fp32 (half-precision tensors are upcast; fp64 stays fp64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _cluster_dims(cfg: TransformerXLConfig) -> list[int]:
+    if cfg.div_val == 1:
+        return [cfg.d_embed]
+    return [cfg.d_embed // cfg.div_val**i for i in range(cfg.n_clusters + 1)]
+
+
+def _has_projs(cfg: TransformerXLConfig) -> bool:
+    return cfg.div_val > 1 or cfg.d_embed != cfg.d_model
+
+
+class AdaptiveEmbedding(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.ends = [0, *cfg.cutoffs, cfg.n_token]
+        self.div_val = cfg.div_val
+        self.emb_scale = cfg.d_model**0.5
+        dims = _cluster_dims(cfg)
+        if cfg.div_val == 1:
+            self.emb_layers = nn.ModuleList([nn.Embedding(cfg.n_token, dims[0])])
+        else:
+            sizes = [r - l for l, r in zip(self.ends[:-1], self.ends[1:], strict=True)]
+            self.emb_layers = nn.ModuleList([nn.Embedding(n, d) for n, d in zip(sizes, dims, strict=True)])
+        n_proj = len(self.emb_layers) if _has_projs(cfg) else 0
+        self.emb_projs = nn.ParameterList(
+            [nn.Parameter(torch.empty(cfg.d_model, self.emb_layers[i].embedding_dim)) for i in range(n_proj)]
+        )
+
+    def _project(self, i: int, x: Tensor) -> Tensor:
+        return F.linear(x, self.emb_projs[i]) if len(self.emb_projs) else x
+
+    def forward(self, input_ids: Tensor) -> Tensor:  # [B, T] -> [B, T, d_model]
+        if self.div_val == 1:
+            return self._project(0, self.emb_layers[0](input_ids)) * self.emb_scale
+        # Every cluster embeds every token at a clamped index and the right cluster is selected with where:
+        # no data-dependent shapes, no host sync, dtype-consistent under autocast.
+        out = None
+        for i, (l, r) in enumerate(zip(self.ends[:-1], self.ends[1:], strict=True)):
+            emb_i = self._project(i, self.emb_layers[i]((input_ids - l).clamp(0, r - l - 1)))  # [B, T, D]
+            in_i = ((input_ids >= l) & (input_ids < r)).unsqueeze(-1)
+            out = emb_i if out is None else torch.where(in_i, emb_i, out)
+        return out * self.emb_scale
+
+
+class ProjectedAdaptiveLogSoftmax(nn.Module):
+    """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
+    cutoffs[0] + i - 1, the Hugging Face order); log p(tail token) = head log-prob of its cluster + tail
+    log-prob. Always computed in fp32."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.n_token = cfg.n_token
+        self.ends = [0, *cfg.cutoffs, cfg.n_token]
+        self.shortlist = self.ends[1]
+        self.n_clusters = cfg.n_clusters
+        self.div_val = cfg.div_val
+        dims = _cluster_dims(cfg)
+        if cfg.n_clusters > 0:
+            self.cluster_weight = nn.Parameter(torch.empty(cfg.n_clusters, cfg.d_embed))
+            self.cluster_bias = nn.Parameter(torch.empty(cfg.n_clusters))
+        if cfg.div_val == 1:
+            self.out_layers = nn.ModuleList([nn.Linear(cfg.d_embed, cfg.n_token)])
+            proj_dims = [cfg.d_embed] * (cfg.n_clusters + 1) if _has_projs(cfg) else []
+        else:
+            sizes = [r - l for l, r in zip(self.ends[:-1], self.ends[1:], strict=True)]
+            self.out_layers = nn.ModuleList([nn.Linear(d, n) for d, n in zip(dims, sizes, strict=True)])
+            proj_dims = dims
+        self.out_projs = nn.ParameterList([nn.Parameter(torch.empty(cfg.d_model, d)) for d in proj_dims])
+
+    def _cluster_params(self, i: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Weight [n_i, d_i], bias [n_i] and projection [d_model, d_i] (or None) of cluster i, fp32."""
+        if self.div_val == 1:
+            l, r = self.ends[i], self.ends[i + 1]
+            w, b = self.out_layers[0].weight[l:r], self.out_layers[0].bias[l:r]
+        else:
+            w, b = self.out_layers[i].weight, self.out_layers[i].bias
+        if i == 0 and self.n_clusters > 0:
+            w = torch.cat([w, self.cluster_weight], dim=0)
+            b = torch.cat([b, self.cluster_bias], dim=0)
+        proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
+        return _fp32(w), _fp32(b), proj
+
+    def _log_softmax(self, h: Tensor, i: int) -> Tensor:
+        w, b, proj = self._cluster_params(i)
+        if proj is not None:
+            h = h @ proj  # [N, d_i]
+        return F.log_softmax(F.linear(h, w, b), dim=-1)
+
+    def forward(self, hidden: Tensor, targets: Tensor | None = None, return_log_probs: bool = False):
+        """``hidden`` [N, d_model], ``targets`` [N] (-100 = ignore).
+
+        Returns (per-token NLL [N] in input order (0 where ignored) or None, log-probs [N, V] or None).
+        """
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = _fp32(hidden)
+            head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters]
+            nll = log_probs = None
+            if return_log_probs:
+                parts = [head[:, : self.shortlist]]
+                for i in range(1, self.n_clusters + 1):
+                    parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i))
+                log_probs = torch.cat(parts, dim=-1)  # [N, V]
+            if targets is not None:
+                nll = self._nll(h, head, log_probs, targets)
+        return nll, log_probs
+
+    def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
+        valid = targets != -100
+        if ((targets < 0) & valid).any() or (targets >= self.n_token).any():
+            raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
+        t = targets.where(valid, 0)
+        if log_probs is not None:
+            return -log_probs.gather(1, t[:, None]).squeeze(1) * valid
+        # Head tokens read the head directly; a tail cluster's logits are computed only for its own targets.
+        lp = head.gather(1, t.clamp(max=self.shortlist - 1)[:, None]).squeeze(1)  # [N]
+        for i in range(1, self.n_clusters + 1):
+            l, r = self.ends[i], self.ends[i + 1]
+            idx = ((t >= l) & (t < r)).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            tail = self._log_softmax(h.index_select(0, idx), i)  # [n_i, r - l]
+            lp_i = head[idx, self.shortlist + i - 1] + tail.gather(1, (t[idx] - l)[:, None]).squeeze(1)
+            lp = lp.index_copy(0, idx, lp_i)  # stays in input order
+        return -lp * valid
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. The model: embedding, layers, and the segment-level recurrence (Sec. 3.2).
+#      h_{tau+1}^{n-1} ~ [SG(m_tau^{n-1}) ; h_{tau+1}^{n-1}]   (memory = stop-gradient of cached layer inputs)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransformerXLModelOutput:
+    last_hidden_state: Tensor
+    """[B, T, d_model] output of the last layer (after the final dropout)."""
+    mems: list[Tensor] | None
+    """Memory for the next segment: n_layer tensors [B, M', d_model] (None when mem_len == 0)."""
+    hidden_states: list[Tensor] | None = None
+    """n_layer + 1 tensors [B, T, d_model]: the input of every layer, then the final output."""
+    attentions: list[Tensor] | None = None
+    """n_layer tensors [B, H, T, K] of attention probabilities."""
+    kv: list[tuple[Tensor, Tensor]] | None = None
+    """Per layer, the projected keys/values of the current segment (two [B, H, T, Dh]), when asked."""
+
+
+class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
+    config_class = TransformerXLConfig
+
+    def init_weights(self) -> None:
+        """The original initialisation (``weights_init`` of the reference ``train.py``)."""
+        cfg = self.config
+
+        def weight_(t: Tensor) -> None:
+            if cfg.init == "uniform":
+                nn.init.uniform_(t, -cfg.init_range, cfg.init_range)
+            else:
+                nn.init.normal_(t, 0.0, cfg.init_std)
+
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                weight_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                weight_(module.weight)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, cfg.init_std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, AdaptiveEmbedding):
+                for p in module.emb_projs:
+                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
+            elif isinstance(module, ProjectedAdaptiveLogSoftmax):
+                for p in module.out_projs:
+                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
+                if module.n_clusters > 0:
+                    weight_(module.cluster_weight)
+                    nn.init.zeros_(module.cluster_bias)
+            elif isinstance(module, TransformerXL):
+                weight_(module.r_w_bias)
+                weight_(module.r_r_bias)
+        # The embedding tables come last so that tied output layers carry the embedding initialisation.
+        for m in self.modules():
+            if isinstance(m, AdaptiveEmbedding):
+                for emb in m.emb_layers:
+                    weight_(emb.weight)
+
+
+class TransformerXL(TransformerXLPreTrainedModel):
+    """The base model: token ids -> hidden states, with explicit memories."""
+
+    def __init__(self, config: TransformerXLConfig, *, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.word_emb = AdaptiveEmbedding(config)
+        self.drop = nn.Dropout(config.dropout)
+        bias_shape = (
+            (config.n_layer, config.n_head, config.d_head)
+            if config.untie_r
+            else (
+                config.n_head,
+                config.d_head,
+            )
+        )
+        self.r_w_bias = nn.Parameter(torch.empty(bias_shape))  # u
+        self.r_r_bias = nn.Parameter(torch.empty(bias_shape))  # v
+        self.layers = nn.ModuleList([TransformerXLLayer(config) for _ in range(config.n_layer)])
+        if init:
+            self.init_weights()
+
+    def _check_mems(self, mems: list[Tensor], batch: int) -> int:
+        cfg = self.config
+        shapes = [tuple(m.shape) for m in mems]
+        if len(mems) != cfg.n_layer or any(
+            len(s) != 3 or s[0] != batch or s[2] != cfg.d_model or s[1] != shapes[0][1] for s in shapes
+        ):
+            raise ValueError(
+                f"mems must be {cfg.n_layer} tensors of shape [batch={batch}, M, d_model={cfg.d_model}] "
+                f"(batch-first; Hugging Face mems are time-major: transpose them), got {shapes}"
+            )
+        return shapes[0][1]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        mems: list[Tensor] | None = None,
+        *,
+        mem_len: int | None = None,
+        same_length: bool | None = None,
+        clamp_len: int | None = None,
+        ext_len: int = 0,
+        mem_kv: list[tuple[Tensor, Tensor]] | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        return_kv: bool = False,
+    ) -> TransformerXLModelOutput:
+        """Run one segment ``input_ids`` [B, T] on top of the memory ``mems``.
+
+        ``mems=None`` is an empty memory (the original PyTorch code); pass ``n_layer`` zero tensors
+        ``[B, mem_len, d_model]`` to reproduce Hugging Face's / the TF code's zero memory. ``mem_len``,
+        ``same_length`` and ``clamp_len`` default to the config and can be changed per call (evaluation with a
+        longer memory). The returned memory keeps the last ``mem_len`` layer inputs, excluding the last
+        ``ext_len`` positions of the segment (they will be fed again as extended context). ``mem_kv`` gives the
+        memory as already projected keys/values per layer (a K/V cache; ``mems`` is then only used for the
+        memory update).
+        """
+        cfg = self.config
+        mem_len = cfg.mem_len if mem_len is None else mem_len
+        same_length = cfg.same_length if same_length is None else same_length
+        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+        if same_length and mem_len <= 0:
+            raise ValueError("same_length=True needs mem_len > 0")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        lo, hi = torch.aminmax(input_ids)
+        if lo < 0 or hi >= cfg.n_token:
+            raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
+        mlen = self._check_mems(mems, B) if mems else 0
+        if mem_kv is not None:
+            if len(mem_kv) != cfg.n_layer or (mems and mem_kv[0][0].shape[2] != mlen):
+                raise ValueError("mem_kv needs one (k, v) pair per layer, as long as mems")
+            mlen = mem_kv[0][0].shape[2]
+
+        word_emb = self.word_emb(input_ids)  # [B, T, D]
+        mask = attention_mask(T, mlen, same_length, mem_len, device=input_ids.device)  # [T, K]
+        exact = torch.float64 if word_emb.dtype == torch.float64 else torch.float32
+        pos_emb = sinusoid_embedding(mlen + T, cfg.d_model, clamp_len, input_ids.device, exact)  # [K, D]
+        pos_emb = self.drop(pos_emb.to(word_emb.dtype))
+        h = self.drop(word_emb)
+
+        hids, attns, kvs = [h], [], []
+        for i, layer in enumerate(self.layers):
+            u = self.r_w_bias[i] if cfg.untie_r else self.r_w_bias
+            v = self.r_r_bias[i] if cfg.untie_r else self.r_r_bias
+            h, prob, kv = layer(
+                h,
+                pos_emb,
+                u,
+                v,
+                mask,
+                mem=mems[i] if mems and mem_kv is None else None,
+                mem_kv=mem_kv[i] if mem_kv is not None else None,
+                need_weights=output_attentions,
+            )
+            hids.append(h)
+            attns.append(prob)
+            kvs.append(kv)
+        h = self.drop(h)
+        hids[-1] = h
+
+        new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len)
+        return TransformerXLModelOutput(
+            last_hidden_state=h,
+            mems=new_mems,
+            hidden_states=hids if output_hidden_states else None,
+            attentions=attns if output_attentions else None,
+            kv=kvs if return_kv else None,
+        )
+
+    @staticmethod
+    @torch.no_grad()
+    def _update_mems(
+        hids: list[Tensor], mems: list[Tensor] | None, mlen: int, qlen: int, mem_len: int, ext_len: int
+    ) -> list[Tensor] | None:
+        """Keep the last ``mem_len`` layer inputs of [memory; segment], ending ``ext_len`` before the end.
+
+        (The reference code swaps ``qlen`` and ``mlen`` here; harmless only when ``ext_len == 0``.)
+        Positions are absolute: the memory covers [0, mlen), the segment [mlen, mlen + qlen). Without ``mems``
+        (e.g. memory given only as a K/V cache) only segment positions can be kept.
+        """
+        if mem_len <= 0:
+            return None
+        end = mlen + max(0, qlen - ext_len)
+        beg = max(0, end - mem_len)
+        if mems:
+            return [torch.cat([m, h], dim=1)[:, beg:end].detach() for m, h in zip(mems, hids, strict=True)]
+        return [h[:, max(0, beg - mlen) : end - mlen].detach() for h in hids]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 9. Heads.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransformerXLLMOutput:
+    losses: Tensor | None
+    """[B, T] NLL of ``targets`` in input order (0 where ignored); [B, T-1] with ``labels``."""
+    loss: Tensor | None
+    """Mean NLL over the scored (not ignored) tokens."""
+    log_probs: Tensor | None
+    """[B, T, n_token] log-probabilities, when ``return_log_probs``."""
+    mems: list[Tensor] | None
+    last_hidden_state: Tensor
+    hidden_states: list[Tensor] | None = None
+    attentions: list[Tensor] | None = None
+    kv: list[tuple[Tensor, Tensor]] | None = None
+
+
+class TransformerXLLM(TransformerXLPreTrainedModel):
+    """Transformer-XL with the (adaptive) softmax language-model head."""
+
+    def __init__(self, config: TransformerXLConfig, *, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.transformer = TransformerXL(config, init=False)
+        self.crit = ProjectedAdaptiveLogSoftmax(config)
+        self.tie_weights()
+        if init:
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Share output weights with the embedding tables and (per ``tie_projs``) the projections."""
+        cfg, emb = self.config, self.transformer.word_emb
+        if cfg.tie_weight:
+            for out_layer, emb_layer in zip(self.crit.out_layers, emb.emb_layers, strict=True):
+                out_layer.weight = emb_layer.weight
+        if len(self.crit.out_projs):
+            for i, tie in enumerate(cfg.tie_projs):
+                if tie:
+                    self.crit.out_projs[i] = emb.emb_projs[0 if cfg.div_val == 1 else i]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        targets: Tensor | None = None,
+        mems: list[Tensor] | None = None,
+        return_log_probs: bool = False,
+        *,
+        labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> TransformerXLLMOutput:
+        """``targets[b, t]`` is the token after ``input_ids[b, t]`` (the original convention, all T positions
+        scored); ``labels`` is the Hugging Face convention (``labels = input_ids``, shifted inside, T-1 scores).
+        -100 marks ignored positions. Other keyword arguments go to ``TransformerXL.forward``."""
+        if targets is not None and labels is not None:
+            raise ValueError("pass either targets (next tokens) or labels (HF convention), not both")
+        out = self.transformer(input_ids, mems, **kwargs)
+        h = out.last_hidden_state  # [B, T, D]
+        B, T, D = h.shape
+        if labels is not None:
+            h, targets = h[:, :-1], labels[:, 1:]
+        if targets is not None and targets.shape != h.shape[:2]:
+            raise ValueError(f"targets must have shape {tuple(h.shape[:2])}, got {tuple(targets.shape)}")
+        nll, log_probs = self.crit(h.reshape(-1, D), None if targets is None else targets.reshape(-1), return_log_probs)
+        losses = loss = None
+        if nll is not None:
+            losses = nll.view(targets.shape)
+            loss = losses.sum() / (targets != -100).sum().clamp(min=1)
+        if log_probs is not None:
+            log_probs = log_probs.view(*h.shape[:2], -1)
+        return TransformerXLLMOutput(
+            losses=losses,
+            loss=loss,
+            log_probs=log_probs,
+            mems=out.mems,
+            last_hidden_state=out.last_hidden_state,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            kv=out.kv,
+        )
+
+
+@dataclass
+class SequenceClassifierOutput:
+    loss: Tensor | None
+    logits: Tensor
+    """[B, num_labels]."""
+    mems: list[Tensor] | None
+    hidden_states: list[Tensor] | None = None
+    attentions: list[Tensor] | None = None
+
+
+class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
+    """Scores the hidden state of the last token that is not ``pad_token_id`` (right padding)."""
+
+    def __init__(self, config: TransformerXLConfig, *, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.transformer = TransformerXL(config, init=False)
+        self.score = nn.Linear(config.d_model, config.num_labels, bias=False)
+        if init:
+            self.init_weights()
+
+    def forward(
+        self, input_ids: Tensor, labels: Tensor | None = None, mems: list[Tensor] | None = None, **kwargs: Any
+    ) -> SequenceClassifierOutput:
+        """``labels``: [B] class ids (num_labels > 1), [B] floats (num_labels == 1, regression) or
+        [B, num_labels] floats (multi-label)."""
+        out = self.transformer(input_ids, mems, **kwargs)
+        B, T = input_ids.shape
+        last = torch.full((B,), T - 1, device=input_ids.device)
+        if self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id  # [B, T]
+            # index of the last non-padding token (T-1 - position of the first real token from the right)
+            last = torch.where(real.any(1), T - 1 - real.flip(1).int().argmax(1), last)
+        pooled = out.last_hidden_state[torch.arange(B, device=input_ids.device), last]  # [B, D]
+        logits = self.score(pooled)  # [B, num_labels]
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1), labels.float())
+            elif labels.dtype in (torch.long, torch.int):
+                loss = F.cross_entropy(logits, labels)
+            else:
+                loss = F.binary_cross_entropy_with_logits(logits, labels.float())
+        return SequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            mems=out.mems,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )

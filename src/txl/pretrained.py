@@ -1,0 +1,160 @@
+"""Saving and loading models: ``config.json`` + ``model.safetensors``, never pickle.
+
+Tied parameters (embedding/softmax weights, tied projections) are one ``nn.Parameter`` in the model; the file
+stores each of them once, under its first name, and loading re-ties them through the model's constructor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT = "txl"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be used; the message says which and why."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for every parameter reachable under more than one name."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def unique_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without tied aliases, each tensor contiguous (what we write)."""
+    aliases = tied_aliases(module)
+    return {k: v.detach().contiguous() for k, v in module.state_dict().items() if k not in aliases}
+
+
+def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``tensors`` (no tied aliases needed) into ``module``; one error lists every bad key."""
+    expected = unique_state_dict(module)
+    aliases = tied_aliases(module)
+    for alias, canonical in aliases.items():  # a file may keep a tied tensor under its other name
+        if alias in tensors and canonical not in tensors:
+            tensors = {**tensors, canonical: tensors[alias]}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - set(aliases))
+    shapes = sorted(
+        f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(tensors) & set(expected)
+        if tensors[k].shape != expected[k].shape
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    if shapes:
+        problems.append(f"mis-shaped keys: {'; '.join(shapes)}")
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model config:\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers())
+        for k, t in tensors.items():
+            target = params.get(aliases.get(k, k), buffers.get(k))
+            target.copy_(t)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+class PretrainedMixin:
+    """``save_pretrained`` / ``from_pretrained`` for the model classes (``config_class`` + ``config``)."""
+
+    config_class: type
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (tied tensors once) into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": type(self).__name__}
+        config.update(self.config.to_dict())
+        tensors = unique_state_dict(self)
+        tmp = out / (WEIGHTS_NAME + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt", "txl_format_version": str(FORMAT_VERSION)})
+        os.replace(tmp, out / WEIGHTS_NAME)
+        atomic_write_bytes(out / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+        return out
+
+    @classmethod
+    def load_config(cls, directory: str | os.PathLike):
+        path = Path(directory) / CONFIG_NAME
+        data = read_json(path)
+        if data.pop("format", None) != FORMAT:
+            raise CheckpointError(
+                f'{path}: not a txl checkpoint config (no "format": "txl"); '
+                "to import a Hugging Face TransfoXL checkpoint run `txl convert hf SRC OUT`"
+            )
+        version = data.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+        data.pop("architecture", None)
+        try:
+            return cls.config_class.from_dict(data)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **config_overrides: Any) -> Self:
+        """Build the model from ``directory/config.json`` and load ``model.safetensors`` (strict).
+
+        ``config_overrides`` replace config fields (e.g. ``dropout=0.0``) before the model is built.
+        """
+        config = cls.load_config(directory)
+        if config_overrides:
+            config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
+        with torch.device("meta"):
+            model = cls(config, init=False)
+        model = model.to_empty(device="cpu")
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty keeps sharing, but re-tie explicitly in case a subclass does not
+        path = Path(directory) / WEIGHTS_NAME
+        load_weights(model, read_safetensors(path), str(path))
+        return model.eval()

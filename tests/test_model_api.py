@@ -1,0 +1,205 @@
+"""Config validation, initialisation, save/load round trips, the heads and basic generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import debug_config
+from txl import (
+    CheckpointError,
+    TransformerXL,
+    TransformerXLConfig,
+    TransformerXLForSequenceClassification,
+    TransformerXLLM,
+)
+from txl.generation import filter_logits, generate
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n_layer", 0),
+        ("d_model", -4),
+        ("n_head", 1.5),
+        ("cutoffs", [50, 20]),
+        ("cutoffs", [0, 20]),
+        ("cutoffs", [20, 97]),
+        ("tie_projs", [False]),
+        ("dropout", 1.0),
+        ("dropatt", -0.1),
+        ("mem_len", -1),
+        ("init", "xavier"),
+        ("init_std", 0.0),
+        ("div_val", 0),
+    ],
+)
+def test_config_validation_names_the_field(field, value):
+    extra = {"cutoffs": [20, 50]} if field == "tie_projs" else {}
+    with pytest.raises(ValueError, match=rf"TransformerXLConfig\.{field} = "):
+        debug_config(**{field: value, **extra})
+
+
+def test_config_defaults_and_round_trip():
+    cfg = debug_config(cutoffs=[20, 50], d_embed=None)
+    assert cfg.d_embed == cfg.d_model and cfg.tie_projs == [False, True, True]
+    assert TransformerXLConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown TransformerXLConfig field.*bogus"):
+        TransformerXLConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+    with pytest.raises(ValueError, match="same_length"):
+        debug_config(same_length=True, mem_len=0)
+
+
+def test_initialisation_follows_the_reference():
+    cfg = debug_config(n_token=3000, d_model=64, d_inner=256, cutoffs=[500, 1500], div_val=2, d_embed=64)
+    cfg.init_std, cfg.proj_init_std = 0.02, 0.01
+    model = TransformerXLLM(cfg)
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+    layer = model.transformer.layers[0]
+    assert abs(layer.attn.qkv_net.weight.std().item() - 0.02) < 0.002
+    assert abs(layer.attn.layer_norm.weight.mean().item() - 1.0) < 0.01
+    assert 0.01 < layer.attn.layer_norm.weight.std().item() < 0.03  # N(1, init_std), not constant 1
+    assert layer.ff.layer_1.bias.abs().max() == 0 and model.crit.cluster_bias.abs().max() == 0
+    assert abs(model.transformer.word_emb.emb_projs[0].std().item() - 0.01) < 0.002
+    assert abs(model.crit.out_projs[0].std().item() - 0.01) < 0.002
+    assert abs(model.transformer.r_w_bias.std().item() - 0.02) < 0.01
+    uniform = TransformerXLLM(debug_config(init="uniform", init_range=0.05))
+    assert uniform.transformer.layers[0].ff.layer_1.weight.abs().max() <= 0.05
+    torch.manual_seed(1)
+    a = TransformerXLLM(debug_config()).state_dict()
+    torch.manual_seed(1)
+    b = TransformerXLLM(debug_config()).state_dict()
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"cutoffs": [20, 50], "div_val": 2, "d_embed": 32},
+        {"cutoffs": [20, 50], "d_embed": 32},
+        {"untie_r": True},
+    ],
+    ids=["plain", "div_val2", "one_table_proj", "untie_r"],
+)
+def test_save_load_round_trip(tmp_path, overrides):
+    model = TransformerXLLM(debug_config(**overrides)).eval()
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "crit.out_layers.0.weight" not in keys  # tied tensors are stored once
+    assert "transformer.word_emb.emb_layers.0.weight" in keys
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["format"] == "txl" and config["architecture"] == "TransformerXLLM"
+    loaded = TransformerXLLM.from_pretrained(tmp_path)
+    assert not loaded.training
+    emb, crit = loaded.transformer.word_emb, loaded.crit
+    assert all(o.weight is e.weight for o, e in zip(crit.out_layers, emb.emb_layers, strict=True))
+    for i, tie in enumerate(loaded.config.tie_projs):
+        if len(crit.out_projs):
+            assert (crit.out_projs[i] is emb.emb_projs[0 if loaded.config.div_val == 1 else i]) == tie
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        a, b = model(ids, ids, return_log_probs=True), loaded(ids, ids, return_log_probs=True)
+    assert a.log_probs.equal(b.log_probs) and a.losses.equal(b.losses)
+    # a tie survives training: one update moves both names
+    loaded.train()
+    loaded(ids, ids).loss.backward()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p -= 0.1 * p.grad
+    assert loaded.crit.out_layers[0].weight.equal(loaded.transformer.word_emb.emb_layers[0].weight)
+
+
+def test_load_errors(tmp_path):
+    TransformerXLLM(debug_config()).save_pretrained(tmp_path / "ok")
+    with pytest.raises(CheckpointError, match="not found"):
+        TransformerXLLM.from_pretrained(tmp_path / "nothing")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{\n  "format": "txl",\n  oops\n}')
+    with pytest.raises(CheckpointError, match=r"config.json:3: invalid JSON"):
+        TransformerXLLM.from_pretrained(bad)
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "n_layer": 3}))
+    (bad / "model.safetensors").write_bytes((tmp_path / "ok" / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"missing keys: transformer\.layers\.2\."):
+        TransformerXLLM.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "d_inner": 40}))
+    with pytest.raises(CheckpointError, match=r"mis-shaped keys: .*ff\.layer_1\.bias: file \(32,\) vs model \(40,\)"):
+        TransformerXLLM.from_pretrained(bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        TransformerXLLM.from_pretrained(bad)
+
+
+def test_base_model_and_classifier_round_trip(tmp_path):
+    base = TransformerXL(debug_config()).eval()
+    base.save_pretrained(tmp_path / "base")
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        assert base(ids).last_hidden_state.equal(
+            TransformerXL.from_pretrained(tmp_path / "base")(ids).last_hidden_state
+        )
+    cls = TransformerXLForSequenceClassification(debug_config(num_labels=3, pad_token_id=0)).eval()
+    cls.save_pretrained(tmp_path / "cls")
+    with torch.no_grad():
+        assert cls(ids).logits.equal(
+            TransformerXLForSequenceClassification.from_pretrained(tmp_path / "cls")(ids).logits
+        )
+
+
+def test_classifier_pools_last_non_padding_token():
+    cfg = debug_config(n_token=150, num_labels=3, pad_token_id=0, cutoffs=[30, 90], d_embed=32, div_val=2)
+    model = TransformerXLForSequenceClassification(cfg).eval()
+    a = torch.randint(1, 150, (5,))
+    b = torch.randint(1, 150, (8,))
+    batch = torch.zeros(2, 8, dtype=torch.long)
+    batch[0, :5], batch[1] = a, b
+    with torch.no_grad():
+        out = model(batch, labels=torch.tensor([0, 2]))
+        alone_a = model(a[None]).logits
+        alone_b = model(b[None]).logits
+    assert out.logits.shape == (2, 3)  # works with d_embed != d_model (HF's head crashed there)
+    torch.testing.assert_close(out.logits[0], alone_a[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.logits[1], alone_b[0], atol=1e-6, rtol=0)
+    expected = torch.nn.functional.cross_entropy(out.logits, torch.tensor([0, 2]))
+    torch.testing.assert_close(out.loss, expected)
+    reg = TransformerXLForSequenceClassification(debug_config(n_token=150, num_labels=1))
+    out = reg(batch, labels=torch.tensor([0.5, -1.0]))
+    torch.testing.assert_close(
+        out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0]))
+    )
+    multi = TransformerXLForSequenceClassification(debug_config(n_token=150, num_labels=3))
+    targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    out = multi(batch, labels=targets)
+    torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, targets))
+
+
+def test_greedy_generation_with_memory_equals_recomputation():
+    model = TransformerXLLM(debug_config(mem_len=64)).eval()
+    prompt = torch.randint(0, 97, (2, 7))
+    ids = generate(model, prompt, 10, temperature=0.0)
+    assert ids.shape == (2, 17) and ids[:, :7].equal(prompt)
+    with torch.no_grad():  # recompute each step from scratch, no memory
+        expected = prompt
+        for _ in range(10):
+            nxt = model(expected, return_log_probs=True).log_probs[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, nxt], dim=1)
+    assert ids.equal(expected)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert generate(model, prompt, 5, generator=g1).equal(generate(model, prompt, 5, generator=g2))
+
+
+def test_filter_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, False, True]]
+    probs = logits.softmax(-1)[0]  # 0.09, 0.67, 0.24, 0.03
+    assert probs[1] < 0.8 < probs[1] + probs[2]
+    assert torch.isinf(filter_logits(logits, top_p=0.8)).tolist() == [[True, False, False, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[True, False, True, True]]
