@@ -31,5 +31,9 @@ format: setup
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
 
+bench: setup
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
