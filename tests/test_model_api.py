@@ -196,6 +196,20 @@ def test_greedy_generation_with_memory_equals_recomputation():
     assert generate(model, prompt, 5, generator=g1).equal(generate(model, prompt, 5, generator=g2))
 
 
+def test_generate_cli(tmp_path, capsys):
+    from txl.cli import main
+
+    model = TransformerXLLM(debug_config(mem_len=32)).eval()
+    model.save_pretrained(tmp_path)
+    main(["generate", "--model", str(tmp_path), "--prompt_ids", "[5, 6, 7]", "--max_new_tokens", "6"])
+    printed = json.loads(capsys.readouterr().out)
+    expected = generate(model, torch.tensor([[5, 6, 7]]), 6, temperature=0.0)[0, 3:].tolist()
+    assert printed == {"prompt_ids": [5, 6, 7], "new_ids": expected}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(tmp_path / "missing"), "--prompt_ids", "[1]"])
+    assert exit_info.value.code == 2 and "txl: error:" in capsys.readouterr().err
+
+
 def test_filter_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, False, True]]

@@ -25,8 +25,8 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
 
 
 def generate(
-    model: Path,
-    prompt_ids: list[int],
+    model: Path | None = None,
+    prompt_ids: list[int] | None = None,
     max_new_tokens: int = 20,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -46,6 +46,8 @@ def generate(
         mem_len: Memory length at generation (default: the model's mem_len).
         seed: Random seed for sampling.
     """
+    if model is None or not prompt_ids:
+        raise ValueError("txl generate needs --model DIR and --prompt_ids '[id, ...]'")
     import torch
 
     from txl.generation import generate as _generate

@@ -21,7 +21,6 @@ A bare ``TransfoXLModel`` checkpoint (keys without ``transformer.``) converts to
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from txl.modeling import TransformerXL, TransformerXLConfig, TransformerXLLM
-from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors
+from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors, tied_aliases
 
 # HF config field -> txl config field (fields not listed are ignored: the hub's files carry many).
 _CONFIG_MAP = {
@@ -221,8 +220,6 @@ def hf_state_dict_to_txl(
 
 def _check_hf_ties(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Tensors we tie (by config) must be equal in the file wherever the file has both copies."""
-    from txl.pretrained import tied_aliases
-
     for alias, canonical in tied_aliases(model).items():
         if alias in tensors and canonical in tensors and not torch.equal(tensors[alias], tensors[canonical]):
             raise CheckpointError(
@@ -253,8 +250,3 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
     if out is not None:
         model.save_pretrained(out)
     return model
-
-
-def describe(model: torch.nn.Module) -> str:
-    n = sum(p.numel() for p in model.parameters())
-    return json.dumps({"architecture": type(model).__name__, "parameters": n, **model.config.to_dict()})

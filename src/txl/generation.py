@@ -43,12 +43,12 @@ def generate(
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
     model.eval()
-    out, mems, new = input_ids, None, []
+    mems, new = None, []
     step_input = input_ids
     for _ in range(max_new_tokens):
-        res = model(step_input, mems=mems, return_log_probs=True, mem_len=mem_len)
+        res = model.transformer(step_input, mems, mem_len=mem_len)
         mems = res.mems
-        logits = res.log_probs[:, -1]  # [B, V]
+        _, logits = model.crit(res.last_hidden_state[:, -1], return_log_probs=True)  # [B, V] log-probs
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -56,4 +56,4 @@ def generate(
             nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
         new.append(nxt)
         step_input = nxt
-    return torch.cat([out, *new], dim=1)
+    return torch.cat([input_ids, *new], dim=1)
