@@ -62,7 +62,7 @@ def test_console_script_runs(tmp_path):
 
 def copy_fixture(tmp_path, name="word-adaptive-sharp"):
     dst = tmp_path / "hf"
-    dst.mkdir()
+    dst.mkdir(parents=True)
     shutil.copy(ORACLE / name / "config.json", dst / "config.json")
     return dst, load_file(str(ORACLE / name / "model.safetensors"))
 
@@ -101,7 +101,7 @@ def test_tied_copies_must_be_equal(tmp_path):
     save_file(hf, str(src / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"crit\.out_projs\.2 .*differ"):
         convert_hf_checkpoint(src)
-    src2, hf = copy_fixture(tmp_path / "b" if (tmp_path / "b").mkdir() is None else tmp_path)
+    src2, hf = copy_fixture(tmp_path / "second")
     hf["transformer.layers.1.dec_attn.r_w_bias"] = hf["transformer.r_w_bias"] * 2
     save_file(hf, str(src2 / "model.safetensors"))
     with pytest.raises(CheckpointError, match="r_w_bias.*differ"):

@@ -161,24 +161,21 @@ def hf_state_dict_to_txl(
         copies.setdefault(name, []).append((hf_name, value))
 
     for key, value in hf.items():
-        if not key.startswith(t) and not key.startswith("crit."):
+        if key.startswith("crit.") or not key.startswith(t):  # crit.* keeps its name; unknown keys too
             put(key, value, key)
             continue
-        rest = key[len(t) :] if key.startswith(t) else None
+        rest = key[len(t) :]
         if rest == "pos_emb.inv_freq":
             d = config.d_model
             expected = 1.0 / (10000 ** (torch.arange(0.0, d, 2.0) / d))
             if value.shape != expected.shape or not torch.allclose(value.float(), expected, rtol=1e-6):
                 raise CheckpointError(f"{source}: {key} is not the standard sinusoid inverse frequency table")
             continue
-        m = re.fullmatch(r"layers\.(\d+)\.dec_attn\.(r_w_bias|r_r_bias)", rest or "")
+        m = re.fullmatch(r"layers\.(\d+)\.dec_attn\.(r_w_bias|r_r_bias)", rest)
         if m:
             per_layer_bias[m.group(2)][int(m.group(1))] = value
             continue
-        if rest in ("r_w_bias", "r_r_bias"):
-            put(f"transformer.{rest}", value, key)
-            continue
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", rest or "")
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
         if m:
             for pat, rep in _LAYER_RENAMES:
                 if re.fullmatch(pat, m.group(2)):
@@ -187,10 +184,7 @@ def hf_state_dict_to_txl(
             else:
                 put(key, value, key)
             continue
-        if rest is not None:
-            put(f"transformer.{rest}", value, key)
-        else:
-            put(key, value, key)  # crit.* keeps its name
+        put(f"transformer.{rest}", value, key)
 
     for name, biases in per_layer_bias.items():
         if not biases:

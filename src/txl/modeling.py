@@ -448,7 +448,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
     def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
         valid = targets != -100
-        if ((targets < 0) & valid).any() or (targets >= self.n_token).any():
+        if (((targets < 0) & valid) | (targets >= self.n_token)).any():
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
         t = targets.where(valid, 0)
         if log_probs is not None:

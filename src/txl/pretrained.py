@@ -1,7 +1,7 @@
 """Saving and loading models: ``config.json`` + ``model.safetensors``, never pickle.
 
 Tied parameters (embedding/softmax weights, tied projections) are one ``nn.Parameter`` in the model; the file
-stores each of them once, under its first name, and loading re-ties them through the model's constructor.
+stores each of them once, under its first name; loading rebuilds the model and re-ties them (``tie_weights``).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class PretrainedMixin:
             model = cls(config, init=False)
         model = model.to_empty(device="cpu")
         if hasattr(model, "tie_weights"):
-            model.tie_weights()  # to_empty keeps sharing, but re-tie explicitly in case a subclass does not
+            model.tie_weights()  # to_empty gives every name its own tensor: the ties must be restored
         path = Path(directory) / WEIGHTS_NAME
         load_weights(model, read_safetensors(path), str(path))
         return model.eval()
