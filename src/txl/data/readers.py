@@ -1,0 +1,213 @@
+"""Where a dataset's train/valid/test text is, in each layout users have on disk.
+
+Every reader returns byte ranges of files (:class:`FileRange`), so splitting enwik8's single 100 MB file, or
+stripping text8's splits, never copies data.
+
+Layouts accepted, first match wins:
+
+* wt103, wt2: ``{train,valid,test}.txt`` (getdata.sh) or ``wiki.{train,valid,test}.tokens`` (the zip), also in
+  a ``wikitext-103/`` or ``wikitext-2/`` subfolder.
+* ptb: ``{split}.txt`` or ``ptb.{split}.txt``, also under ``simple-examples/data/``.
+* enwik8: ``{split}.txt.raw`` (getdata.sh), the raw ``enwik8`` file (last 5M / 5M bytes = valid / test), or raw
+  ``{split}.txt``.
+* text8: the same three layouts; each split is stripped of leading and trailing spaces as ``prep_text8.py`` does.
+* lm1b: ``training-monolingual.tokenized.shuffled/news.en-*`` (train) and
+  ``heldout-monolingual.tokenized.shuffled/news.en.heldout-000NN-of-00050`` (test = shard 0, valid = a chosen
+  shard), directly or under ``1-billion-word-language-modeling-benchmark-r13output/``, plus ``1b_word_vocab.txt``.
+* anything else: ``{split}.txt``, ``{train,valid,test}/*.txt``, or a flat folder of ``*.txt`` documents (sorted;
+  the last ones held out, see :func:`hold_out`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from txl.data.errors import DataError
+from txl.data.text import FileRange
+
+SPLITS = ("train", "valid", "test")
+LM1B_ROOT = "1-billion-word-language-modeling-benchmark-r13output"
+LM1B_TRAIN = "training-monolingual.tokenized.shuffled"
+LM1B_HELDOUT = "heldout-monolingual.tokenized.shuffled"
+LM1B_VOCAB = "1b_word_vocab.txt"
+HELDOUT_CHARS = 5_000_000  # enwik8 / text8: last 5M valid, last 5M test
+
+
+@dataclass
+class Layout:
+    """The files of one dataset: ranges per split, and where they were found (for messages)."""
+
+    splits: dict[str, list[FileRange]]
+    description: str
+    vocab_file: Path | None = None
+
+
+def _first(path: Path, candidates: list[str]) -> Path | None:
+    for c in candidates:
+        if (path / c).is_file():
+            return path / c
+    return None
+
+
+def _triple(path: Path, patterns: list[str]) -> dict[str, list[FileRange]] | None:
+    """``{split}``-substituted file names, all three present, in the first pattern that has them."""
+    for pat in patterns:
+        files = [path / pat.format(split=s) for s in SPLITS]
+        if all(f.is_file() for f in files):
+            return {s: [FileRange(f)] for s, f in zip(SPLITS, files, strict=True)}
+    return None
+
+
+def _looks_prepped(path: Path) -> bool:
+    """True for the space-separated symbol files of prep_enwik8.py / prep_text8.py."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    spaced_chars = len(head) > 4 and head[1:2] == b" " and head[3:4] == b" "  # "a n a r c h ..."
+    return spaced_chars or (bool(head) and set(head) <= set(b"0123456789 \n"))  # "60 109 101 ..."
+
+
+def _tail_split(file: Path, strip: bool) -> dict[str, list[FileRange]]:
+    size = os.path.getsize(file)
+    if size <= 2 * HELDOUT_CHARS:
+        raise DataError(f"{file}: {size} bytes, but the last {2 * HELDOUT_CHARS:,} are the valid and test splits")
+    cuts = [0, size - 2 * HELDOUT_CHARS, size - HELDOUT_CHARS, size]
+    return {s: [_strip(FileRange(file, a, b)) if strip else FileRange(file, a, b)] for s, a, b in _zip3(cuts)}
+
+
+def _zip3(cuts: list[int]):
+    return zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+
+
+def _strip(fr: FileRange) -> FileRange:
+    """Shrink a range past leading and trailing ASCII whitespace (``str.strip`` on text8's ASCII)."""
+    start, stop = fr.start, fr.stop()
+    with open(fr.path, "rb") as f:
+        while start < stop:
+            f.seek(start)
+            if f.read(1) not in b" \t\n\r\x0b\x0c":
+                break
+            start += 1
+        while stop > start:
+            f.seek(stop - 1)
+            if f.read(1) not in b" \t\n\r\x0b\x0c":
+                break
+            stop -= 1
+    return FileRange(fr.path, start, stop)
+
+
+def _char_dataset(name: str, path: Path, strip: bool) -> Layout:
+    if path.is_file():
+        return Layout(_tail_split(path, strip), f"{name} raw file {path}")
+    raw = _triple(path, ["{split}.txt.raw"])
+    if raw:
+        if strip:
+            raw = {s: [_strip(r) for r in rs] for s, rs in raw.items()}
+        return Layout(raw, f"{name} getdata.sh layout ({path}/{{split}}.txt.raw)")
+    single = _first(path, [name, f"{name}/{name}"])
+    if single:
+        return Layout(_tail_split(single, strip), f"{name} raw file {single}")
+    txt = _triple(path, ["{split}.txt"])
+    if txt:
+        if _looks_prepped(txt["train"][0].path):
+            raise DataError(
+                f"{path}/train.txt is in the space-separated format of prep_{name}.py; txl reads the raw bytes "
+                f"beside it ({{split}}.txt.raw, which getdata.sh also writes) or the raw '{name}' file."
+            )
+        if strip:
+            txt = {s: [_strip(r) for r in rs] for s, rs in txt.items()}
+        return Layout(txt, f"{name} raw splits ({path}/{{split}}.txt)")
+    raise DataError(
+        f"{path}: no {name} data found. Expected {{train,valid,test}}.txt.raw (getdata.sh), the raw '{name}' "
+        f"file, or raw {{train,valid,test}}.txt. Get it with: txl data get {name} --out {path}"
+    )
+
+
+def _lm1b(path: Path, valid_shard: int) -> Layout:
+    root = next((r for r in (path, path / LM1B_ROOT) if (r / LM1B_TRAIN).is_dir()), None)
+    if root is None:
+        raise DataError(f"{path}: no {LM1B_TRAIN}/ folder (alone or under {LM1B_ROOT}/). Get it: txl data get lm1b")
+    train = sorted(p for p in (root / LM1B_TRAIN).glob("news.en-*") if p.is_file())
+    if not train:
+        raise DataError(f"{root / LM1B_TRAIN}: no news.en-* training shards")
+    if not 0 <= valid_shard < 50:
+        raise DataError(f"valid_shard must be in 0..49 (0 is the test shard), not {valid_shard}")
+
+    def heldout(k: int, fallback: str) -> Path:
+        p = root / LM1B_HELDOUT / f"news.en.heldout-{k:05d}-of-00050"
+        if p.is_file():
+            return p
+        if k == 0 and (path / fallback).is_file():
+            return path / fallback
+        raise DataError(f"{p}: missing held-out shard {k}")
+
+    vocab = _first(path, [LM1B_VOCAB, f"{LM1B_ROOT}/{LM1B_VOCAB}"]) or _first(root.parent, [LM1B_VOCAB])
+    if vocab is None:
+        raise DataError(f"{path}: no {LM1B_VOCAB} (the vocabulary of the reference). Get it: txl data get lm1b")
+    splits = {
+        "train": [FileRange(p) for p in train],
+        "valid": [FileRange(heldout(valid_shard, "valid.txt"))],
+        "test": [FileRange(heldout(0, "test.txt"))],
+    }
+    what = f"One Billion Word at {root} ({len(train)} training shards, valid shard {valid_shard})"
+    return Layout(splits, what, vocab)
+
+
+def hold_out(files: list[Path]) -> dict[str, list[FileRange]]:
+    """A flat folder of documents: sorted, the last ~5% (at least one) test, the ~5% before them valid."""
+    if len(files) < 3:
+        raise DataError(
+            f"{files[0].parent if files else 'folder'}: {len(files)} .txt file(s); a folder dataset needs "
+            "train.txt, valid.txt and test.txt, train/ valid/ test/ subfolders, or at least 3 documents"
+        )
+    k = max(1, round(0.05 * len(files)))
+    return {
+        "train": [FileRange(f) for f in files[: -2 * k]],
+        "valid": [FileRange(f) for f in files[-2 * k : -k]],
+        "test": [FileRange(f) for f in files[-k:]],
+    }
+
+
+def _folder(path: Path) -> Layout:
+    txt = _triple(path, ["{split}.txt"])
+    if txt:
+        return Layout(txt, f"text splits {path}/{{train,valid,test}}.txt")
+    if all((path / s).is_dir() for s in SPLITS):
+        splits = {s: [FileRange(f) for f in sorted((path / s).glob("*.txt"))] for s in SPLITS}
+        for s, rs in splits.items():
+            if not rs:
+                raise DataError(f"{path / s}: no .txt files")
+        return Layout(splits, f"text folders {path}/{{train,valid,test}}/*.txt")
+    files = sorted(f for f in path.glob("*.txt") if f.is_file())
+    return Layout(hold_out(files), f"folder of {len(files)} documents {path}/*.txt")
+
+
+def find_splits(dataset: str, path: Path, *, valid_shard: int = 1) -> Layout:
+    """Locate the train/valid/test text of ``dataset`` under ``path`` (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder. Get a dataset with: txl data get NAME --out {path}")
+    if dataset in ("enwik8", "text8"):
+        layout = _char_dataset(dataset, path, strip=dataset == "text8")
+    elif dataset == "lm1b":
+        layout = _lm1b(path, valid_shard)
+    elif dataset in ("wt103", "wt2", "ptb"):
+        sub = {"wt103": "wikitext-103", "wt2": "wikitext-2", "ptb": "simple-examples/data"}[dataset]
+        pats = ["{split}.txt", "wiki.{split}.tokens", f"{sub}/wiki.{{split}}.tokens", "ptb.{split}.txt"]
+        pats.append(f"{sub}/ptb.{{split}}.txt")
+        splits = _triple(path, pats)
+        if splits is None:
+            raise DataError(
+                f"{path}: no {dataset} splits found (looked for {{train,valid,test}}.txt, wiki.*.tokens, "
+                f"ptb.*.txt, also under {sub}/). Get it with: txl data get {dataset} --out {path}"
+            )
+        layout = Layout(splits, f"{dataset} splits {splits['train'][0].path.parent}")
+    else:
+        if not path.is_dir():
+            raise DataError(f"{path}: a custom dataset is a folder of .txt files")
+        layout = _folder(path)
+    for split, ranges in layout.splits.items():
+        if sum(r.stop() - r.start for r in ranges) == 0:
+            raise DataError(f"{ranges[0].describe()}: the {split} split is empty")
+    return layout

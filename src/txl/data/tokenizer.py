@@ -1,0 +1,472 @@
+"""Word, character and byte tokenizers with the original code's vocabulary rule, saved as ``tokenizer.json``.
+
+Vocabulary order is the reference's ``Vocab.build_vocab``: the special symbols first, then every symbol by
+decreasing count, ties in first-seen order (``Counter.most_common``), cut by ``max_size`` and ``min_freq``. The
+adaptive softmax's ``cutoffs`` rely on that order, and converted checkpoints rely on the exact ids, so the
+vocabulary is built here in Python and never by ``tokenizers``' ``WordLevelTrainer`` (which breaks ties
+alphabetically).
+
+Kinds:
+
+* ``word`` — ``line.strip().split()`` (Python's Unicode whitespace), optional ``lower()``, then per line either
+  ``<eos>`` appended (``line_end="eos"``: WikiText, PTB) or ``<S> ... <S>`` around it (``line_end="double"``:
+  One Billion Word). ``<unk>`` takes out-of-vocabulary words when the vocabulary has it.
+* ``char`` — one symbol per Unicode character, newline included (text8, Shakespeare).
+* ``byte`` — one symbol per byte. By default all 256 values with id = byte value. ``drop_newlines=True`` is the
+  paper-compatible enwik8 mode: the reference writes enwik8 as decimal byte numbers, one text line per line of
+  the data, and its loader turns lines into tokens without ``<eos>``, so byte 10 never reaches the model and the
+  vocabulary is the 204 bytes that occur, ordered by count. bpc in the two modes differs slightly.
+
+Encoding of files is done here with Python's own ``str.split`` and numpy lookups (exact by construction); the
+``tokenizers`` object from :meth:`Tokenizer.to_hf` gives the same ids for one line of text (tested), so Hugging
+Face users can load the saved ``tokenizer.json`` with ``tokenizers.Tokenizer.from_file`` or
+``PreTrainedTokenizerFast(tokenizer_file=...)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from txl.data.errors import DataError
+from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset
+
+Kind = Literal["word", "char", "byte"]
+LineEnd = Literal["none", "eos", "double"]
+EOS, DOUBLE_EOS = "<eos>", "<S>"
+# str.split() splits on these four (FS, GS, RS, US); Rust's char::is_whitespace (tokenizers) does not.
+PY_ONLY_WHITESPACE = "\x1c\x1d\x1e\x1f"
+_ANY_CHAR = r"[\s\S]"
+
+
+def _byte_chars() -> list[str]:
+    """The printable stand-in character of each byte (GPT-2's table, which ``tokenizers``' ByteLevel uses)."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+BYTE_CHARS = _byte_chars()
+
+
+def smallest_uint(n: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds ids ``0..n-1``."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if n - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+@dataclass
+class Tokenizer:
+    """A vocabulary (``symbols[id]``) plus the rule that turns text into symbols."""
+
+    kind: Kind
+    symbols: list[str]
+    unk_token: str | None = None
+    line_end: LineEnd = "none"
+    lower_case: bool = False
+    drop_newlines: bool = False
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._index = {}
+        for i, s in enumerate(self.symbols):
+            if s in self._index:
+                raise DataError(f"duplicate symbol {s!r} in the vocabulary (ids {self._index[s]} and {i})")
+            self._index[s] = i
+        if self.unk_token is not None and self.unk_token not in self._index:
+            raise DataError(f"unk_token {self.unk_token!r} is not in the vocabulary")
+        if self.kind != "word" and self.line_end != "none":
+            raise DataError(f"line_end={self.line_end!r} needs a word tokenizer, not {self.kind!r}")
+        if self.drop_newlines and self.kind != "byte":
+            raise DataError("drop_newlines is the enwik8 paper mode of the byte tokenizer")
+        if self.kind == "byte" and not set(self.symbols) <= set(BYTE_CHARS):
+            raise DataError("a byte tokenizer's symbols must be byte characters")
+
+    # ----------------------------------------------------------------------------------------- vocabulary
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def eos_token(self) -> str | None:
+        return {"eos": EOS, "double": DOUBLE_EOS}.get(self.line_end)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return smallest_uint(self.vocab_size)
+
+    def token_to_id(self, symbol: str) -> int | None:
+        return self._index.get(symbol)
+
+    @property
+    def unk_id(self) -> int | None:
+        return None if self.unk_token is None else self._index[self.unk_token]
+
+    @cached_property
+    def _lut(self) -> np.ndarray:
+        """Code point (char) or byte value (byte) -> id, -1 where absent."""
+        if self.kind == "byte":
+            lut = np.full(256, -1, dtype=np.int64)
+            for b, ch in enumerate(BYTE_CHARS):
+                lut[b] = self._index.get(ch, -1)
+        else:
+            lut = np.full(0x110000, -1, dtype=np.int64)
+            for s, i in self._index.items():
+                if len(s) == 1:
+                    lut[ord(s)] = i
+        return lut
+
+    @classmethod
+    def bytes256(cls) -> Tokenizer:
+        """All 256 byte values, id = byte value (the faithful byte-level tokenizer)."""
+        return cls("byte", list(BYTE_CHARS))
+
+    @classmethod
+    def from_vocab_file(cls, path: Path, *, unk_token: str = "<UNK>", line_end: LineEnd = "double") -> Tokenizer:
+        """One Billion Word's ``1b_word_vocab.txt``: the first column of each line, in file order."""
+        symbols, seen = [], set()
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                parts = line.strip().split()
+                if not parts:
+                    raise DataError(f"{path}:{n}: empty line in the vocabulary file")
+                if parts[0] not in seen:
+                    seen.add(parts[0])
+                    symbols.append(parts[0])
+        if unk_token not in seen:
+            raise DataError(f"{path}: the vocabulary file has no {unk_token!r} line")
+        return cls("word", symbols, unk_token=unk_token, line_end=line_end)
+
+    @classmethod
+    def build(
+        cls,
+        kind: Kind,
+        sources: Sequence[FileRange],
+        *,
+        specials: Sequence[str] | None = None,
+        min_freq: int = 1,
+        max_size: int | None = None,
+        line_end: LineEnd = "none",
+        lower_case: bool = False,
+        drop_newlines: bool = False,
+        unk_token: str | None = "<unk>",
+        errors: str = "strict",
+    ) -> Tokenizer:
+        """Count ``sources`` and order the vocabulary like the reference (see the module docstring).
+
+        ``specials`` default to ``[<eos>]`` or ``[<S>]`` for word tokenizers with line ends. ``unk_token`` is used
+        for unknown symbols when it ends up in the vocabulary (from the text, or listed in ``specials``).
+        """
+        if kind == "byte" and not drop_newlines and specials is None and max_size is None and min_freq <= 1:
+            return cls.bytes256()
+        proto = cls(kind, [], line_end=line_end, lower_case=lower_case, drop_newlines=drop_newlines)
+        counts = proto.count(sources, errors=errors)
+        if specials is None:
+            specials = [proto.eos_token] if proto.eos_token else []
+        symbols = list(dict.fromkeys(specials))
+        present = set(symbols)
+        for sym, cnt in counts.most_common(max_size):
+            if cnt < min_freq:
+                break
+            if sym not in present:
+                present.add(sym)
+                symbols.append(sym)
+        unk = unk_token if unk_token in present else None
+        return cls(kind, symbols, unk, line_end, lower_case, drop_newlines)
+
+    def count(self, sources: Iterable[FileRange], errors: str = "strict") -> Counter:
+        """Symbol counts in first-seen order (a ``Counter``'s insertion order), like ``Vocab.count_file``."""
+        counter: Counter = Counter()
+        if self.kind == "word":
+            for fr in sources:
+                for tokens, _ in self._word_blocks(fr, errors):
+                    counter.update(tokens)
+            return counter
+        size = 256 if self.kind == "byte" else 0x110000
+        totals = np.zeros(size, dtype=np.int64)
+        first = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+        seen = 0
+        for fr in sources:
+            for units in self._units(fr, errors):
+                new = totals[units] == 0
+                if new.any():
+                    vals, idx = np.unique(units[new], return_index=True)
+                    fresh = first[vals] == np.iinfo(np.int64).max
+                    first[vals[fresh]] = seen + np.flatnonzero(new)[idx[fresh]]
+                totals += np.bincount(units, minlength=size)
+                seen += len(units)
+        used = np.flatnonzero(totals)
+        for u in used[np.argsort(first[used], kind="stable")]:
+            counter[BYTE_CHARS[u] if self.kind == "byte" else chr(u)] = int(totals[u])
+        return counter
+
+    # ------------------------------------------------------------------------------------------ encoding
+    def _word_blocks(self, fr: FileRange, errors: str) -> Iterator[tuple[list[str], list[int] | None]]:
+        """Symbols of a file range in blocks of whole lines (very long lines are cut at whitespace).
+
+        Yields ``(symbols, sentence_lengths)``; the lengths are given only for ``line_end="double"``.
+        The last line gets its line end even without a final newline, as the reference's line loop gives it.
+        """
+        carry = ""
+        for text in iter_text(fr, errors):
+            text = carry + text
+            k = text.rfind("\n")
+            if k < 0:
+                carry = text
+                if len(carry) > BLOCK_BYTES and self.line_end != "double":
+                    j = len(carry) - 1
+                    while j >= 0 and not carry[j].isspace():
+                        j -= 1
+                    if j > 0:
+                        yield self._split(carry[: j + 1], complete=False)
+                        carry = carry[j + 1 :]
+                continue
+            carry = text[k + 1 :]
+            yield self._split(text[: k + 1], complete=True)
+        if carry:
+            yield self._split(carry + "\n", complete=True)
+
+    def _split(self, text: str, complete: bool) -> tuple[list[str], list[int] | None]:
+        if self.lower_case:
+            text = text.lower()
+        if self.line_end == "double":
+            tokens: list[str] = []
+            lengths = []
+            for line in text.split("\n")[:-1]:
+                words = line.split()
+                tokens += [DOUBLE_EOS, *words, DOUBLE_EOS]
+                lengths.append(len(words) + 2)
+            return tokens, lengths
+        if self.line_end == "eos" and complete:
+            return text.replace("\n", f" {EOS} ").split(), None
+        return text.split(), None
+
+    def _units(self, fr: FileRange, errors: str) -> Iterator[np.ndarray]:
+        """Code points (char) or byte values (byte) of a file range, in blocks."""
+        if self.kind == "byte":
+            for _, data in iter_bytes(fr):
+                units = np.frombuffer(data, dtype=np.uint8)
+                yield units[units != 10] if self.drop_newlines else units
+        else:
+            for text in iter_text(fr, errors):
+                if self.lower_case:
+                    text = text.lower()
+                yield np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+
+    def encode_file(self, fr: FileRange, errors: str = "strict") -> Iterator[np.ndarray]:
+        """Ids of a file range, in blocks (int64 arrays); bounded memory for any file or line length."""
+        for ids, _ in self._encode_blocks(fr, errors):
+            yield ids
+
+    def encode_sentences(self, fr: FileRange, errors: str = "strict") -> Iterator[tuple[np.ndarray, list[int]]]:
+        """``(ids, sentence lengths)`` blocks of a ``line_end="double"`` tokenizer (One Billion Word)."""
+        if self.line_end != "double":
+            raise DataError("encode_sentences needs a tokenizer with line_end='double'")
+        yield from self._encode_blocks(fr, errors)
+
+    def _encode_blocks(self, fr: FileRange, errors: str) -> Iterator[tuple[np.ndarray, list[int] | None]]:
+        if self.kind == "word":
+            get, default = self._index.get, self.unk_id if self.unk_id is not None else -1
+            for tokens, lengths in self._word_blocks(fr, errors):
+                ids = np.fromiter(map(get, tokens, repeat(default)), dtype=np.int64, count=len(tokens))
+                if default < 0 and len(ids) and ids.min() < 0:
+                    self._unknown(fr, tokens[int(np.argmax(ids < 0))], errors)
+                yield ids, lengths
+            return
+        for units in self._units(fr, errors):
+            ids = self._lut[units]
+            if len(ids) and ids.min() < 0:
+                if self.unk_id is None:
+                    bad = int(units[int(np.argmax(ids < 0))])
+                    self._unknown(fr, BYTE_CHARS[bad] if self.kind == "byte" else chr(bad), errors)
+                ids[ids < 0] = self.unk_id
+            yield ids, None
+
+    def _unknown(self, fr: FileRange, symbol: str, errors: str) -> None:
+        """Raise the out-of-vocabulary error, naming the symbol and the first line where it occurs."""
+        if self.kind == "byte":
+            byte = BYTE_CHARS.index(symbol)
+            pos = next(p + data.index(bytes([byte])) for p, data in iter_bytes(fr) if bytes([byte]) in data)
+            line, col = line_of_offset(fr.path, pos)
+            what = f"byte 0x{byte:02x} (byte offset {pos}, column {col})"
+        else:
+            line = line_of_offset(fr.path, fr.start)[0]
+            for text in iter_text(fr, errors):
+                probe = text.lower() if self.lower_case else text
+                hit = self._find(probe, symbol)
+                if hit is not None:
+                    line += probe.count("\n", 0, hit)
+                    break
+                line += text.count("\n")
+            what = f"{'word' if self.kind == 'word' else 'character'} {symbol!r}"
+        raise DataError(
+            f"{fr.path}:{line}: {what} is not in the vocabulary and the tokenizer has no unknown token. "
+            "Build the vocabulary from this text, or use a vocabulary that contains an unknown token (<unk>)."
+        )
+
+    def _find(self, text: str, symbol: str) -> int | None:
+        if self.kind == "char":
+            k = text.find(symbol)
+            return None if k < 0 else k
+        pos = 0
+        for line in text.split("\n"):
+            if symbol in line.split():
+                return pos
+            pos += len(line) + 1
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a string (a prompt). In word mode a newline is the line-end symbol, as in the files."""
+        if self.kind == "byte":
+            data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            units = data[data != 10] if self.drop_newlines else data
+        elif self.kind == "char":
+            units = np.frombuffer((text.lower() if self.lower_case else text).encode("utf-32-le"), dtype="<u4")
+        else:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+            if self.lower_case:
+                text = text.lower()
+            lines = text.split("\n")
+            tokens = []
+            for i, line in enumerate(lines):
+                words = line.split()
+                if self.line_end == "double" and (words or i < len(lines) - 1):
+                    words = [DOUBLE_EOS, *words, DOUBLE_EOS] if i < len(lines) - 1 else [DOUBLE_EOS, *words]
+                tokens += words
+                if self.line_end == "eos" and i < len(lines) - 1:
+                    tokens.append(EOS)
+            ids = [self._index.get(t, -1 if self.unk_id is None else self.unk_id) for t in tokens]
+            if -1 in ids:
+                raise DataError(f"word {tokens[ids.index(-1)]!r} is not in the vocabulary (no unknown token)")
+            return ids
+        ids = self._lut[units]
+        if len(ids) and ids.min() < 0:
+            if self.unk_id is None:
+                bad = int(units[int(np.argmax(ids < 0))])
+                sym = f"byte 0x{bad:02x}" if self.kind == "byte" else f"character {chr(bad)!r}"
+                raise DataError(f"{sym} is not in the vocabulary (no unknown token)")
+            ids[ids < 0] = self.unk_id
+        return ids.tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ids: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
+        syms = [self.symbols[int(i)] for i in ids]
+        if self.kind == "byte":
+            return bytes(BYTE_CHARS.index(s) for s in syms).decode("utf-8", errors="replace")
+        if self.kind == "char":
+            return "".join(syms)
+        if self.line_end != "eos":
+            return " ".join(syms)
+        lines, line = [], []
+        for s in syms:
+            if s == EOS:
+                lines.append(" ".join(line))
+                line = []
+            else:
+                line.append(s)
+        return "\n".join([*lines, " ".join(line)])
+
+    # --------------------------------------------------------------------------------- tokenizer.json
+    def to_hf(self):
+        """The equivalent ``tokenizers.Tokenizer`` (encode one line at a time for the same ids)."""
+        from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers.models import WordLevel
+
+        tok = HFTokenizer(WordLevel(dict(self._index), unk_token=self.unk_token))
+        norms = []
+        if self.kind == "word":
+            norms += [normalizers.Replace(ch, " ") for ch in PY_ONLY_WHITESPACE]
+        elif self.kind == "char":
+            norms += [normalizers.Replace("\r\n", "\n"), normalizers.Replace("\r", "\n")]
+        if self.lower_case:
+            norms.append(normalizers.Lowercase())
+        if self.drop_newlines:
+            norms.append(normalizers.Replace("\n", ""))
+        if norms:
+            tok.normalizer = normalizers.Sequence(norms)
+        each_char = pre_tokenizers.Split(Regex(_ANY_CHAR), "isolated")
+        if self.kind == "word":
+            tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        elif self.kind == "char":
+            tok.pre_tokenizer = each_char
+            tok.decoder = decoders.Fuse()
+        else:
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tok.pre_tokenizer = pre_tokenizers.Sequence([byte_level, each_char])
+            tok.decoder = decoders.ByteLevel()
+        if self.eos_token is not None:
+            eos = (self.eos_token, self._index[self.eos_token])
+            single = "$A <eos>" if self.line_end == "eos" else "<S> $A <S>"
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[eos])
+        return tok
+
+    def to_json(self) -> str:
+        return self.to_hf().to_str(pretty=True)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def save(self, path: Path) -> Path:
+        """Write ``tokenizer.json`` atomically (``path`` may be a folder)."""
+        from txl.pretrained import atomic_write_bytes
+
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path = path / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, self.to_json().encode())
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> Tokenizer:
+        """Read a ``tokenizer.json`` written by :meth:`save` (``path`` may be a folder)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        from txl.pretrained import read_json
+
+        try:
+            obj = read_json(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such tokenizer file") from None
+        return cls.from_json_obj(obj, str(path))
+
+    @classmethod
+    def from_json_obj(cls, obj: dict, source: str = "tokenizer.json") -> Tokenizer:
+        try:
+            model = obj["model"]
+            if model.get("type") != "WordLevel":
+                raise KeyError("model.type")
+            vocab = model["vocab"]
+            symbols = [s for s, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+            if [vocab[s] for s in symbols] != list(range(len(symbols))):
+                raise KeyError("model.vocab ids")
+            pre = obj.get("pre_tokenizer") or {}
+            kind = {"WhitespaceSplit": "word", "Split": "char", "Sequence": "byte"}[pre.get("type")]
+            norms = (obj.get("normalizer") or {}).get("normalizers", [obj.get("normalizer")])
+            types = [(n or {}).get("type") for n in norms]
+            drop_nl = any(n and n.get("type") == "Replace" and n.get("content") == "" for n in norms)
+            line_end = "none"
+            post = obj.get("post_processor")
+            if post:
+                ids = [p["SpecialToken"]["id"] for p in post["single"] if "SpecialToken" in p]
+                line_end = "double" if ids == [DOUBLE_EOS, DOUBLE_EOS] else "eos"
+            unk = model.get("unk_token")
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DataError(f"{source}: not a txl word/char/byte tokenizer ({e})") from None
+        return cls(kind, symbols, unk if unk in vocab else None, line_end, "Lowercase" in types, drop_nl)
