@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 
+from txl.data.download import _say, sha256_file, write_atomic
 from txl.data.errors import DataError
 from txl.data.readers import SPLITS, Layout, find_splits
 from txl.data.sources import cache_home
@@ -116,11 +115,7 @@ class Corpus:
         return len(s) if isinstance(s, np.ndarray) else sum(len(sh.ids) for sh in s)
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _settings(cfg: DataConfig) -> tuple[dict, _Recipe]:
+def _settings(cfg: DataConfig) -> dict:
     if cfg.dataset not in RECIPES:
         raise DataError(f"unknown dataset {cfg.dataset!r}; expected one of {', '.join(RECIPES)}")
     recipe = RECIPES["custom" if cfg.dataset == "custom" else cfg.dataset]
@@ -145,13 +140,7 @@ def _settings(cfg: DataConfig) -> tuple[dict, _Recipe]:
     }
     if cfg.tokenizer_file:
         settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
-    return settings, recipe
-
-
-def _digest(path: Path) -> str:
-    from txl.data.download import sha256_file
-
-    return sha256_file(path)
+    return settings
 
 
 def _sources(layout: Layout) -> dict[str, list[dict]]:
@@ -162,11 +151,11 @@ def _sources(layout: Layout) -> dict[str, list[dict]]:
         for r in ranges:
             st = r.path.stat()
             if r.path not in digests:
-                digests[r.path] = _digest(r.path)
+                digests[r.path] = sha256_file(r.path)
             entry = {"path": str(r.path.resolve()), "start": r.start, "end": r.end, "size": st.st_size}
             out[split].append({**entry, "mtime_ns": st.st_mtime_ns, "sha256": digests[r.path]})
     if layout.vocab_file:
-        out["vocab_file"] = [{"path": str(layout.vocab_file.resolve()), "sha256": _digest(layout.vocab_file)}]
+        out["vocab_file"] = [{"path": str(layout.vocab_file.resolve()), "sha256": sha256_file(layout.vocab_file)}]
     return out
 
 
@@ -182,9 +171,9 @@ def _stale_sources(recorded: dict, layout: Layout) -> str | None:
             st = p.stat()
             if st.st_size != e["size"]:
                 return f"{p} changed size ({e['size']:,} -> {st.st_size:,} bytes)"
-            if st.st_mtime_ns != e["mtime_ns"] and _digest(p) != e["sha256"]:
+            if st.st_mtime_ns != e["mtime_ns"] and sha256_file(p) != e["sha256"]:
                 return f"{p} changed (sha256)"
-    if layout.vocab_file and recorded.get("vocab_file", [{}])[0].get("sha256") != _digest(layout.vocab_file):
+    if layout.vocab_file and recorded.get("vocab_file", [{}])[0].get("sha256") != sha256_file(layout.vocab_file):
         return f"{layout.vocab_file} changed"
     return None
 
@@ -202,7 +191,7 @@ def _check_arrays(folder: Path, arrays: dict, verify: bool) -> str | None:
                     return f"{p.name} is missing"
                 if p.stat().st_size != n * itemsize:
                     return f"{p.name} has {p.stat().st_size:,} bytes, expected {n * itemsize:,} (corrupt or truncated)"
-                if verify and _digest(p) != e[f"{key}_sha256"]:
+                if verify and sha256_file(p) != e[f"{key}_sha256"]:
                     return f"{p.name} does not match its recorded sha256 (corrupt)"
     return None
 
@@ -215,18 +204,16 @@ def _default_cache(cfg: DataConfig, settings: dict) -> Path:
 def _write_array(path: Path, chunks, dtype: np.dtype) -> tuple[int, str]:
     """Stream id chunks to ``path`` (atomically); return (count, sha256)."""
     h, n = hashlib.sha256(), 0
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for ids in chunks:
-                b = np.ascontiguousarray(ids, dtype=dtype).tobytes()
-                f.write(b)
-                h.update(b)
-                n += len(ids)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def encoded():
+        nonlocal n
+        for ids in chunks:
+            b = np.ascontiguousarray(ids, dtype=dtype).tobytes()
+            h.update(b)
+            n += len(ids)
+            yield b
+
+    write_atomic(path, encoded())
     return n, h.hexdigest()
 
 
@@ -304,7 +291,7 @@ def prepare_corpus(
     Keyword ``overrides`` set :class:`DataConfig` fields. ``verify`` re-hashes the cached arrays on load.
     """
     cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
-    settings, _ = _settings(cfg)
+    settings = _settings(cfg)
     layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard)
     folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
     meta_path = folder / META
@@ -335,7 +322,7 @@ def prepare_corpus(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "settings": settings,
-        "tokenizer_sha256": _digest(folder / "tokenizer.json"),
+        "tokenizer_sha256": sha256_file(folder / "tokenizer.json"),
         "vocab_size": tok.vocab_size,
         "sources": _sources(layout),
         "arrays": arrays,
@@ -357,7 +344,7 @@ def _why_stale(folder: Path, meta_path: Path, settings: dict, layout: Layout, ve
             changed = [k for k in settings if meta["settings"].get(k) != settings[k]]
             return f"settings changed ({', '.join(changed)})"
         tok_path = folder / "tokenizer.json"
-        if not tok_path.is_file() or _digest(tok_path) != meta["tokenizer_sha256"]:
+        if not tok_path.is_file() or sha256_file(tok_path) != meta["tokenizer_sha256"]:
             return "tokenizer.json is missing or was modified"
         return _stale_sources(meta["sources"], layout) or _check_arrays(folder, meta["arrays"], verify)
     except (ValueError, KeyError, TypeError, OSError) as e:

@@ -7,7 +7,8 @@ import http.client
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
@@ -23,6 +24,20 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(CHUNK * 8):
             h.update(chunk)
     return h.hexdigest()
+
+
+def write_atomic(dest: Path, chunks: Iterable[bytes]) -> None:
+    """Stream ``chunks`` into ``dest`` through a temporary file in the same folder (never a half-written dest)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _say(msg: str) -> None:
@@ -63,6 +78,20 @@ def _fetch(url: str, part: Path, size: int | None, log: Callable[[str], None], t
                     next_report += 0.1
 
 
+def _attempt(url: str, part: Path, size: int | None, log, timeout: float, failures: list[str]) -> bool:
+    """One try at completing ``part`` from ``url``; a failure is appended to ``failures``."""
+    try:
+        _fetch(url, part, size, log, timeout)
+        if size is not None and part.stat().st_size != size:
+            raise OSError(f"got {part.stat().st_size:,} bytes, expected {size:,}")
+        return True
+    except (URLError, HTTPError, OSError, http.client.HTTPException) as e:
+        failures.append(f"{url}: {e}")
+        if size is not None and part.exists() and part.stat().st_size > size:
+            part.unlink()
+        return False
+
+
 def download(
     urls: Sequence[str],
     dest: Path,
@@ -89,22 +118,9 @@ def download(
         log(f"{dest}: checksum mismatch, downloading it again")
         dest.unlink()
     part = dest.with_name(dest.name + ".part")
-    failures = []
-    for url in urls:
-        for _ in range(attempts):
-            try:
-                _fetch(url, part, size, log, timeout)
-                if size is not None and part.stat().st_size != size:
-                    raise OSError(f"got {part.stat().st_size:,} bytes, expected {size:,}")
-                break
-            except (URLError, HTTPError, OSError, http.client.HTTPException) as e:
-                failures.append(f"{url}: {e}")
-                if size is not None and part.exists() and part.stat().st_size > size:
-                    part.unlink()
-        else:
-            continue
-        break
-    else:
+    failures: list[str] = []
+    url = next((u for u in urls for _ in range(attempts) if _attempt(u, part, size, log, timeout, failures)), None)
+    if url is None:
         kept = f"; the partial file {part} is kept and the next run resumes it" if part.exists() else ""
         raise DataError(f"could not download {dest.name}{kept}:\n  " + "\n  ".join(failures))
     digest = sha256_file(part)

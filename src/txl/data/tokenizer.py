@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
@@ -59,6 +59,10 @@ def _byte_chars() -> list[str]:
 
 
 BYTE_CHARS = _byte_chars()
+
+
+def _not_in_vocab(symbol: str) -> None:
+    raise DataError(f"{symbol!r} is not in the vocabulary (and there is no unknown token)")
 
 
 def smallest_uint(n: int) -> np.dtype:
@@ -205,8 +209,7 @@ class Tokenizer:
                 new = totals[units] == 0
                 if new.any():
                     vals, idx = np.unique(units[new], return_index=True)
-                    fresh = first[vals] == np.iinfo(np.int64).max
-                    first[vals[fresh]] = seen + np.flatnonzero(new)[idx[fresh]]
+                    first[vals] = seen + np.flatnonzero(new)[idx]
                 totals += np.bincount(units, minlength=size)
                 seen += len(units)
         used = np.flatnonzero(totals)
@@ -288,13 +291,17 @@ class Tokenizer:
                 yield ids, lengths
             return
         for units in self._units(fr, errors):
-            ids = self._lut[units]
-            if len(ids) and ids.min() < 0:
-                if self.unk_id is None:
-                    bad = int(units[int(np.argmax(ids < 0))])
-                    self._unknown(fr, BYTE_CHARS[bad] if self.kind == "byte" else chr(bad), errors)
-                ids[ids < 0] = self.unk_id
-            yield ids, None
+            yield self._lookup(units, lambda sym, fr=fr: self._unknown(fr, sym, errors)), None
+
+    def _lookup(self, units: np.ndarray, unknown: Callable[[str], None]) -> np.ndarray:
+        """Ids of code points / byte values; ``unknown(symbol)`` raises for the first one outside the vocabulary."""
+        ids = self._lut[units]
+        if len(ids) and ids.min() < 0:
+            if self.unk_id is None:
+                bad = int(units[int(np.argmax(ids < 0))])
+                unknown(BYTE_CHARS[bad] if self.kind == "byte" else chr(bad))
+            ids[ids < 0] = self.unk_id
+        return ids
 
     def _unknown(self, fr: FileRange, symbol: str, errors: str) -> None:
         """Raise the out-of-vocabulary error, naming the symbol and the first line where it occurs."""
@@ -343,24 +350,17 @@ class Tokenizer:
             lines = text.split("\n")
             tokens = []
             for i, line in enumerate(lines):
-                words = line.split()
-                if self.line_end == "double" and (words or i < len(lines) - 1):
-                    words = [DOUBLE_EOS, *words, DOUBLE_EOS] if i < len(lines) - 1 else [DOUBLE_EOS, *words]
+                words, complete = line.split(), i < len(lines) - 1
+                if self.line_end == "double" and (words or complete):
+                    words = [DOUBLE_EOS, *words] + ([DOUBLE_EOS] if complete else [])
                 tokens += words
-                if self.line_end == "eos" and i < len(lines) - 1:
+                if self.line_end == "eos" and complete:
                     tokens.append(EOS)
             ids = [self._index.get(t, -1 if self.unk_id is None else self.unk_id) for t in tokens]
             if -1 in ids:
-                raise DataError(f"word {tokens[ids.index(-1)]!r} is not in the vocabulary (no unknown token)")
+                _not_in_vocab(tokens[ids.index(-1)])
             return ids
-        ids = self._lut[units]
-        if len(ids) and ids.min() < 0:
-            if self.unk_id is None:
-                bad = int(units[int(np.argmax(ids < 0))])
-                sym = f"byte 0x{bad:02x}" if self.kind == "byte" else f"character {chr(bad)!r}"
-                raise DataError(f"{sym} is not in the vocabulary (no unknown token)")
-            ids[ids < 0] = self.unk_id
-        return ids.tolist()
+        return self._lookup(units, _not_in_vocab).tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ids: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
