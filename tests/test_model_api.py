@@ -201,7 +201,19 @@ def test_generate_cli(tmp_path, capsys):
 
     model = TransformerXLLM(debug_config(mem_len=32)).eval()
     model.save_pretrained(tmp_path)
-    main(["generate", "--model", str(tmp_path), "--prompt_ids", "[5, 6, 7]", "--max_new_tokens", "6"])
+    main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt_ids",
+            "[5, 6, 7]",
+            "--max_new_tokens",
+            "6",
+            "--temperature",
+            "0",
+        ]
+    )
     printed = json.loads(capsys.readouterr().out)
     expected = generate(model, torch.tensor([[5, 6, 7]]), 6, temperature=0.0)[0, 3:].tolist()
     assert printed == {"prompt_ids": [5, 6, 7], "new_ids": expected}

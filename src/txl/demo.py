@@ -1,59 +1,70 @@
-"""``make demo`` (until training lands): import a Hugging Face TransfoXL checkpoint, prove it computes what HF
-computes, and continue a prompt greedily with the memory carried from token to token.
+"""``make demo``: get Shakespeare, train a character-level Transformer-XL on it, evaluate test bpc with the training
+memory and with a 4x longer one, sample ~500 characters, plot the loss curves, and say where everything is.
 
-Uses the HF reference fixture ``../shared/oracle/hf/char-sharp`` when it is there; otherwise a randomly
-initialised tiny model saved and reloaded with ``save_pretrained`` / ``from_pretrained``.
+Re-running it continues the run (``--resume auto``); a finished run is only evaluated and sampled again.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
+from txl.cli import main as txl
 
-from txl.convert import convert_hf_checkpoint
-from txl.generation import generate
-from txl.modeling import TransformerXLConfig, TransformerXLLM
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare_char.yaml"
 
-DEFAULT_FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "oracle" / "hf" / "char-sharp"
+
+def _section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--hf", type=Path, default=DEFAULT_FIXTURE, help="HF TransfoXL folder to import")
-    ap.add_argument("--out", type=Path, default=Path("runs/demo/model"), help="where the txl model is written")
-    ap.add_argument("--new_tokens", type=int, default=24)
+    ap.add_argument("--data", type=Path, default=Path("data/shakespeare"), help="where the corpus goes")
+    ap.add_argument("--run_dir", type=Path, default=Path("runs/shakespeare_char"), help="the run folder")
+    ap.add_argument("--budget", type=float, default=600.0, help="training wall-clock budget in seconds")
+    ap.add_argument("--max_steps", type=int, default=None, help="override the recipe's step count")
+    ap.add_argument("--config", type=Path, default=CONFIG)
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
+    t0 = time.perf_counter()
 
-    if (args.hf / "config.json").exists():
-        model = convert_hf_checkpoint(args.hf, args.out)
-        print(f"1. converted the HF checkpoint {args.hf} -> {args.out}")
-        inputs = load_file(str(args.hf / "inputs.safetensors"))
-        ref = load_file(str(args.hf / "outputs_empty_init.safetensors"))
-        mems, worst = None, 0.0
-        with torch.no_grad():
-            for s in range(3):
-                out = model(inputs[f"seg{s}.input_ids"], mems=mems, return_log_probs=True)
-                worst = max(worst, (out.log_probs - ref[f"seg{s}.log_probs"]).abs().max().item())
-                mems = out.mems
-        print(f"2. 3 segments with memory vs Hugging Face: max |log-prob difference| = {worst:.1e}")
-        prompt = inputs["stream"][:1, :16]
-    else:
-        cfg = TransformerXLConfig(n_token=64, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=64, mem_len=32)
-        TransformerXLLM(cfg).save_pretrained(args.out)
-        model = TransformerXLLM.from_pretrained(args.out)
-        print(f"1. no HF fixture at {args.hf}: saved a random tiny model to {args.out}")
-        print("2. (parity check skipped)")
-        prompt = torch.randint(0, cfg.n_token, (1, 16))
+    _section(f"1/5 data: txl data get shakespeare --out {args.data}")
+    txl(["data", "get", "shakespeare", "--out", str(args.data)])
 
-    reloaded = TransformerXLLM.from_pretrained(args.out)
-    ids = generate(reloaded, prompt, args.new_tokens, temperature=0.0)
-    print(f"3. greedy continuation (model reloaded from {args.out}/model.safetensors, mem_len {model.config.mem_len})")
-    print(f"   prompt ids: {prompt[0].tolist()}")
-    print(f"   new ids:    {ids[0, prompt.shape[1] :].tolist()}")
+    _section(f"2/5 train: txl train --config {args.config.name} (budget {args.budget:.0f} s)")
+    train = ["train", "--config", str(args.config), "--data.path", str(args.data), "--run_dir", str(args.run_dir)]
+    train += ["--train.max_time", str(args.budget), "--resume", "auto"]
+    if args.max_steps is not None:
+        train += ["--train.max_steps", str(args.max_steps)]
+    txl(train)
+
+    _section("3/5 test bpc with the training memory, then with 4x longer memory")
+    from txl.checkpoint import resolve_model_dir
+    from txl.pretrained import read_json
+
+    model = resolve_model_dir(args.run_dir)
+    mem = read_json(model / "run.json")["eval"]["mem_len"]
+    for m in (mem, 4 * mem):
+        txl(["eval", "--model", str(args.run_dir), "--mem_len", str(m)])
+
+    _section("4/5 sample: 500 characters after 'ROMEO:' (temperature 0.8, memory carried between steps)")
+    txl(
+        ["generate", "--model", str(args.run_dir), "--prompt", "ROMEO:", "--max_new_tokens", "500"]
+        + ["--temperature", "0.8", "--seed", "0", "--mem_len", str(4 * mem)]
+    )
+
+    _section("5/5 loss curves")
+    txl(["plot", str(args.run_dir)])
+
+    print(
+        f"\nDone in {time.perf_counter() - t0:.0f} s. Where things are:\n"
+        f"  corpus            {args.data}/{{train,valid,test}}.txt\n"
+        f"  run folder        {args.run_dir}/ (config.yaml, metrics.jsonl, train.log)\n"
+        f"  model used above  {model}/ (model.safetensors, config.json, tokenizer.json)\n"
+        f"  loss curves       {args.run_dir}/loss.png\n"
+        f"Try: txl generate --model {args.run_dir} --prompt 'JULIET:' --max_new_tokens 300"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,172 @@
+"""Training checkpoints: ``RUN/checkpoints/step-N/`` folders that count only once their marker is written.
+
+A checkpoint folder holds
+
+- ``model.safetensors`` + ``config.json``: the model (loadable with ``TransformerXLLM.from_pretrained``);
+- ``tokenizer.json``: the tokenizer the model was trained with;
+- ``run.json``: the resolved run configuration (all sections);
+- ``train_state-rank{r}.pt``: everything else process ``r`` needs to continue exactly: step and token counts,
+  optimizer, scheduler and grad-scaler state, every RNG, the data iterator's position, the memories of each of
+  its gradient-accumulation chunks, and the logging accumulators. Tensors and primitives only, read with
+  ``torch.load(weights_only=True)``;
+- ``metadata.json``: step, tokens, validation loss, best step, world size, versions;
+- ``COMPLETE``: the marker, written last.
+
+It is written as ``.step-N.partial/`` and renamed to ``step-N/`` after the marker, so a folder named ``step-N``
+without a marker never exists unless something outside txl made it; both are ignored when resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from txl.distributed import World, barrier
+from txl.pretrained import CONFIG_NAME, CheckpointError, atomic_write_bytes
+
+MARKER = "COMPLETE"
+RUN_CONFIG = "run.json"
+METADATA = "metadata.json"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def state_name(rank: int) -> str:
+    return f"train_state-rank{rank}.pt"
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint with the best validation loss (as recorded by the newest one), else the newest."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    best = read_metadata(latest).get("best_step")
+    candidate = Path(run_dir) / "checkpoints" / f"step-{best}"
+    return candidate if best is not None and is_complete(candidate) else latest
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / METADATA).read_text())
+
+
+def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
+    """A run folder (its best or latest checkpoint), a ``step-N`` folder, or a plain model folder."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder)")
+    if (p / "checkpoints").is_dir() or p.name == "checkpoints":
+        run = p.parent if p.name == "checkpoints" else p
+        found = best_checkpoint(run) if prefer == "best" else latest_checkpoint(run)
+        if found is None:
+            raise CheckpointError(f"{p}: the run has no complete checkpoint yet")
+        return found
+    if _STEP.match(p.name) and not is_complete(p):
+        raise CheckpointError(f"{p}: incomplete checkpoint (no {MARKER} marker: its writing was interrupted)")
+    if not (p / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{p}: no {CONFIG_NAME} here; expected a run folder, step-N folder or model folder")
+    return p
+
+
+def _write_marker(folder: Path, step: int) -> None:
+    atomic_write_bytes(folder / MARKER, f"{step}\n".encode())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    world: World,
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    tokenizer_file: Path,
+    run_config: dict[str, Any],
+    metadata: dict[str, Any],
+    keep_last: int,
+    keep_steps: set[int],
+) -> Path:
+    """Write ``step-N`` collectively (every process writes its own state file), then apply retention."""
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f".step-{step}.partial"
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    part = tmp / (state_name(world.rank) + ".tmp")
+    torch.save(state, part)
+    os.replace(part, tmp / state_name(world.rank))
+    barrier(world)
+    if world.is_main:
+        model.save_pretrained(tmp)
+        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        atomic_write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=1) + "\n").encode())
+        atomic_write_bytes(tmp / METADATA, (json.dumps(metadata, indent=1) + "\n").encode())
+        _write_marker(tmp, step)
+        if final.exists():  # the same step saved again (a resumed run stopping where it started)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        prune(run_dir, keep_last, keep_steps)
+    barrier(world)
+    return final
+
+
+def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
+    """Delete complete checkpoints except the newest ``keep_last`` and ``keep_steps``; drop partial folders."""
+    ckpts = list_checkpoints(run_dir)
+    keep = {s for s, _ in ckpts[-max(1, keep_last) :]} | keep_steps
+    for s, p in ckpts:
+        if s not in keep:
+            shutil.rmtree(p)
+    for p in (run_dir / "checkpoints").glob(".step-*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_states(folder: Path) -> list[dict[str, Any]]:
+    """Every process's training state of a checkpoint, rank 0 first."""
+    files = sorted(folder.glob("train_state-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+    if not files:
+        raise CheckpointError(f"{folder}: no training state (train_state-rank*.pt): a model folder, not a checkpoint")
+    states = []
+    for f in files:
+        try:
+            states.append(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as e:  # a truncated or foreign file: say which
+            raise CheckpointError(f"{f}: unreadable training state ({type(e).__name__}: {e})") from None
+    if len(states) != states[0]["world_size"]:
+        raise CheckpointError(f"{folder}: {len(states)} state files for a world of {states[0]['world_size']}")
+    return states

@@ -1,0 +1,102 @@
+"""Where a run reports: ``RUN/metrics.jsonl`` (one JSON object per line), ``RUN/train.log``, the console,
+optionally TensorBoard, and a tqdm progress bar on a terminal. Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from txl.pretrained import atomic_write_bytes
+
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``RUN/metrics.jsonl`` (a torn last line, from a killed process, is skipped)."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop the rows after ``step`` (written by a run that died after its last checkpoint)."""
+    path = run_dir / METRICS
+    if path.exists():
+        kept = [r for r in read_metrics(run_dir) if r["step"] <= step]
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+
+
+class Reporter:
+    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool | None, tensorboard: bool, total: int):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.bar = self.tb = None
+        if not enabled:
+            return
+        self._log = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._metrics = open(run_dir / METRICS, "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError(
+                    "train.tensorboard needs the tensorboard package: pip install 'transformer-xl[tb]'"
+                ) from None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), max_queue=1000)
+        if progress if progress is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def start_at(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def say(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+        self._log.write(msg + "\n")
+        self._log.flush()
+
+    def row(self, row: dict[str, Any]) -> None:
+        """Append one metrics row (flushed at once: a crash loses at most the line being written)."""
+        if not self.enabled:
+            return
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        if self.tb is not None:
+            prefix = row.get("split", "train")
+            for k, v in row.items():
+                if k not in ("step", "split") and isinstance(v, int | float):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, row["step"])
+
+    def advance(self, n: int, **postfix: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        for f in (self._log, self._metrics):
+            f.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,40 @@
+"""``txl plot RUN``: training and validation curves from ``RUN/metrics.jsonl`` as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from txl.metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the loss curves (bpc or ppl on a second panel) of a run to ``out`` (default ``RUN/loss.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("split") == "train"]
+    valid = [r for r in rows if r.get("split") == "valid"]
+    if not train and not valid:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no metrics yet (is this a run folder of `txl train`?)")
+    metric = next((m for m in ("bpc", "ppl") if m in (train or valid)[0]), None)
+    fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(11 if metric else 6, 4), squeeze=False)
+    for ax, key in zip(axes[0], ["loss", metric], strict=False):
+        for series, label, style in ((train, "train", "-"), (valid, "valid", "o-")):
+            if series:
+                ax.plot([r["step"] for r in series], [r[key] for r in series], style, label=label, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key if key != "loss" else "loss (nats/token)")
+        if key == "ppl":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "loss.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,462 @@
+"""The training loop: segment-level recurrence over an ordered stream, with exact resume.
+
+One optimizer step takes one (global) batch of ``tgt_len`` tokens per column. Each process owns a contiguous
+block of the columns (``torchrun``: DistributedDataParallel averages the gradients); its columns are split into
+``batch_chunk`` chunks that accumulate gradients, and every chunk carries its own memory from step to step.
+Before every update the loss and the gradient norm are checked: a non-finite value stops training with an error
+naming the step, and the weights never see it.
+
+Everything the next step depends on is in the checkpoint (see ``txl.checkpoint``), so a run stopped anywhere -
+SIGTERM, SIGKILL, a crash while writing a checkpoint - and resumed from its last complete checkpoint produces the
+same losses and weights, bit for bit, as one that never stopped (same device, process count and threads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch.nn.parallel import DistributedDataParallel
+
+from txl.checkpoint import latest_checkpoint, load_states, read_metadata, resolve_model_dir, save_checkpoint
+from txl.config import RunConfig
+from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
+from txl.distributed import World, all_reduce_sum, barrier, init_world
+from txl.evaluate import autocast, evaluate, metric_name
+from txl.metrics import Reporter, truncate_metrics
+from txl.modeling import TransformerXLConfig, TransformerXLLM
+from txl.optim import build_optimizer, lr_at, set_lr
+from txl.pretrained import CheckpointError, load_weights, read_safetensors
+
+# Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
+RESUMABLE_CHANGES = {"dropout", "dropatt"}
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient); the message names the step and what to do."""
+
+
+@dataclass
+class TrainResult:
+    step: int
+    tokens: int
+    stop_reason: str
+    checkpoint: Path | None
+    valid_loss: float | None
+    best_valid_loss: float | None
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "python": list(random.getstate()),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def regroup_mems(states: list[dict[str, Any]], world: World, n_chunks: int) -> list[list[torch.Tensor] | None]:
+    """This process's chunk memories from the memories of all processes and chunks of a checkpoint.
+
+    Rows are ordered rank by rank, chunk by chunk, so the global memory can be re-split for another number of
+    processes or chunks (the same global batch).
+    """
+    saved = [m for s in states for m in s["mems"]]
+    if any(m is None for m in saved):
+        return [None] * n_chunks
+    layers = len(saved[0])
+    rows = [torch.cat([m[layer] for m in saved], dim=0) for layer in range(layers)]  # [B_global, M, D] each
+    per_rank = rows[0].shape[0] // world.size
+    mine = [r[world.rank * per_rank : (world.rank + 1) * per_rank] for r in rows]
+    return [list(chunk) for chunk in zip(*(m.chunk(n_chunks, dim=0) for m in mine), strict=True)]
+
+
+class Trainer:
+    """Train ``cfg`` in ``cfg.run_dir``; ``resume`` is ``auto`` (latest checkpoint if any), ``none`` or a path."""
+
+    def __init__(self, cfg: RunConfig, resume: str = "auto", *, world: World | None = None):
+        tc = cfg.train
+        tc.validate()
+        self.cfg, self.tc = cfg, tc
+        self.world = world or init_world(tc.device)
+        w = self.world
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.run_dir = Path(cfg.run_dir)
+        if w.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        barrier(w)
+        if tc.precision == "fp16" and w.device.type != "cuda":
+            raise ValueError("train.precision = 'fp16' needs CUDA (GradScaler); on CPU use bf16")
+        per_rank = tc.batch_size // w.size
+        if tc.batch_size % w.size or per_rank % tc.batch_chunk:
+            raise ValueError(
+                f"train.batch_size = {tc.batch_size} must split evenly over {w.size} process(es) and then into "
+                f"train.batch_chunk = {tc.batch_chunk} chunks"
+            )
+        if tc.eval_batch_size % w.size:
+            raise ValueError(f"train.eval_batch_size = {tc.eval_batch_size} must split evenly over {w.size} processes")
+        self.checkpoint_to_load = self._find_resume(resume)
+        if w.is_main:  # rows after the checkpoint were written by a run that did not get to save them
+            start = read_metadata(self.checkpoint_to_load)["step"] if self.checkpoint_to_load else -1
+            truncate_metrics(self.run_dir, start)
+        self.reporter = Reporter(
+            self.run_dir, enabled=w.is_main, progress=tc.progress, tensorboard=tc.tensorboard, total=tc.max_steps
+        )
+        self.say = self.reporter.say
+        if tc.precision == "bf16" and w.device.type == "cpu" and not _native_cpu_bf16():
+            self.say("note: this CPU has no native bf16 (avx512_bf16/AMX): bf16 is emulated and slower than fp32")
+
+        # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
+        corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None
+        barrier(w)
+        self.corpus = corpus or prepare_corpus(cfg.data, log=lambda _: None)
+        self.tokenizer_file = self.corpus.path / "tokenizer.json"
+        self.metric = metric_name(self.corpus.tokenizer.kind)
+        cfg.model = self._model_config(cfg.model, self.corpus.tokenizer.vocab_size)
+
+        torch.manual_seed(tc.seed)
+        self.model = TransformerXLLM(cfg.model).to(w.device)
+        self.net = self.model
+        if w.distributed:
+            ids = [w.device.index] if w.device.type == "cuda" else None
+            # Tail clusters of the adaptive softmax without a target in a batch get no gradient.
+            unused = len(cfg.model.cutoffs) > 0
+            self.net = DistributedDataParallel(self.model, device_ids=ids, find_unused_parameters=unused)
+        torch.manual_seed(tc.seed + w.rank)  # dropout: different masks on different processes
+        self.optimizer = build_optimizer(list(self.model.parameters()), tc, w.device)
+        self.scaler = torch.amp.GradScaler(w.device.type, enabled=tc.precision == "fp16")
+        train = self.corpus.splits["train"]
+        kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
+        if isinstance(train, list):
+            self.train_iter = SentenceStreamIterator(train, tc.batch_size, tc.tgt_len, **kw)
+        else:
+            self.train_iter = OrderedIterator(
+                train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw
+            )
+        self.mems: list[list[torch.Tensor] | None] = [None] * tc.batch_chunk
+        self.step = self.tokens = 0
+        self.elapsed = 0.0
+        self.best_valid: float | None = None
+        self.best_step: int | None = None
+        self.last_valid: float | None = None
+        self.last_eval_step: int | None = None
+        self.last_saved: int | None = None
+        self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
+        self._epoch = 0
+        self._stop_signal = False
+        if self.checkpoint_to_load is not None:
+            self._load(self.checkpoint_to_load)
+        if w.is_main:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    def _find_resume(self, resume: str) -> Path | None:
+        existing = latest_checkpoint(self.run_dir)
+        if resume == "auto":
+            return existing
+        if resume == "none":
+            if existing is not None:
+                raise ValueError(
+                    f"{self.run_dir} already has checkpoints (latest {existing.name}); continue it with --resume auto, "
+                    "or choose another --run_dir"
+                )
+            return None
+        return resolve_model_dir(resume, prefer="latest")
+
+    def _model_config(self, model: TransformerXLConfig, vocab_size: int) -> TransformerXLConfig:
+        if model.n_token == vocab_size:
+            return model
+        self.say(
+            f"model.n_token = {vocab_size:,} (the vocabulary of {self.cfg.data.dataset}; "
+            f"the config said {model.n_token:,})"
+        )
+        try:
+            return TransformerXLConfig.from_dict({**model.to_dict(), "n_token": vocab_size})
+        except ValueError as e:
+            raise ValueError(f"{e} (n_token is the vocabulary size, {vocab_size:,}: adjust model.cutoffs)") from None
+
+    def _load(self, folder: Path) -> None:
+        w, tc = self.world, self.tc
+        saved_cfg = TransformerXLLM.load_config(folder).to_dict()
+        ours = self.cfg.model.to_dict()
+        diff = [f"{k}: checkpoint {saved_cfg.get(k)!r}, config {v!r}" for k, v in ours.items() if saved_cfg.get(k) != v]
+        blocking = [d for d in diff if d.split(":")[0] not in RESUMABLE_CHANGES]
+        if blocking:
+            raise CheckpointError(
+                f"{folder}: the checkpoint's model differs from the config ({'; '.join(blocking)}); resume needs the "
+                "same architecture - change the config back, or start a new --run_dir"
+            )
+        states = load_states(folder)
+        mine = states[w.rank] if w.rank < len(states) else states[0]
+        load_weights(self.model, read_safetensors(folder / "model.safetensors"), str(folder / "model.safetensors"))
+        self.optimizer.load_state_dict(mine["optimizer"])
+        self.scaler.load_state_dict(mine["scaler"])
+        self.train_iter.load_state_dict(mine["iterator"])
+        self.step, self.tokens, self.elapsed = mine["step"], mine["tokens"], mine["elapsed"]
+        self.best_valid, self.best_step = mine["best_valid"], mine["best_step"]
+        self.last_valid, self.last_eval_step = mine["last_valid"], mine["last_eval_step"]
+        self.acc, self._epoch = dict(mine["acc"]), mine["epoch"]
+        self.last_saved = self.step
+        if len(states) == w.size and mine["batch_chunk"] == tc.batch_chunk:
+            self.mems = [None if m is None else [t.to(w.device) for t in m] for m in mine["mems"]]
+        else:
+            self.say(f"resuming {len(states)}-process checkpoint with {w.size} process(es): memories regrouped")
+            self.mems = [
+                None if m is None else [t.to(w.device) for t in m] for m in regroup_mems(states, w, tc.batch_chunk)
+            ]
+        if len(states) == w.size:
+            _set_rng_state(mine["rng"], w.device)
+        self.say(f"resumed from {folder} at step {self.step:,} ({self.tokens:,} tokens)")
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world.size,
+            "batch_chunk": self.tc.batch_chunk,
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed": self.elapsed,
+            "best_valid": self.best_valid,
+            "best_step": self.best_step,
+            "last_valid": self.last_valid,
+            "last_eval_step": self.last_eval_step,
+            "acc": dict(self.acc),
+            "epoch": self._epoch,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {"name": self.tc.scheduler, "step": self.step, "lr": lr_at(max(self.step, 1), self.tc)},
+            "scaler": self.scaler.state_dict(),
+            "iterator": self.train_iter.state_dict(),
+            "mems": [None if m is None else [t.detach().cpu() for t in m] for m in self.mems],
+            "rng": _rng_state(self.world.device),
+        }
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def train_step(self, batch) -> tuple[float, float]:
+        """Forward/backward over the chunks, check, clip and update. Returns (loss, grad norm)."""
+        tc, w = self.tc, self.world
+        self.model.train()
+        lr = lr_at(self.step + 1, tc)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        n = tc.batch_chunk
+        inputs, targets = batch.input.chunk(n, dim=0), batch.target.chunk(n, dim=0)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=w.device)
+        for c in range(n):
+            sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
+            with sync:
+                with autocast(w.device, tc.precision):
+                    out = self.net(inputs[c], targets[c], mems=self.mems[c], ext_len=tc.ext_len)
+                loss = out.loss.float() / n
+                self.scaler.scale(loss).backward()
+            self.mems[c] = out.mems
+            loss_sum += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        params = list(self.model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else math.inf)
+        loss_value = all_reduce_sum(w, loss_sum.item())[0] / w.size
+        norm_value = float(norm)
+        where = f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})"
+        resume_hint = (
+            "the weights were not updated; resume from the last checkpoint with --resume auto, "
+            "e.g. with a lower --train.lr"
+        )
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"non-finite training loss ({loss_value}) at {where}: {resume_hint}")
+        if not math.isfinite(norm_value) and not self.scaler.is_enabled():
+            raise TrainingError(f"non-finite gradient norm ({norm_value}) at {where}: {resume_hint}")
+        self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
+        self.scaler.update()
+        return loss_value, norm_value
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+
+    def _stop_reason(self) -> str | None:
+        tc = self.tc
+        if self.step >= tc.max_steps:
+            return f"max_steps {tc.max_steps:,}"
+        if tc.max_tokens is not None and self.tokens >= tc.max_tokens:
+            return f"max_tokens {tc.max_tokens:,}"
+        flags = all_reduce_sum(
+            self.world, float(self._stop_signal), float(tc.max_time is not None and self.elapsed >= tc.max_time)
+        )
+        if flags[0] > 0:
+            return "SIGTERM"
+        if flags[1] > 0:
+            return f"max_time {tc.max_time:g} s"
+        return None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_signal = True
+
+    def validate(self) -> float:
+        tc, m = self.tc, self.cfg.model
+        eval_tgt = tc.eval_tgt_len or tc.tgt_len
+        mem = m.mem_len + tc.tgt_len - eval_tgt if m.mem_len > 0 else 0
+        res = evaluate(
+            self.model,
+            self.corpus.splits["valid"],
+            batch_size=tc.eval_batch_size,
+            tgt_len=eval_tgt,
+            mem_len=mem,
+            max_batches=tc.eval_max_steps,
+            precision=tc.precision,
+            world=self.world,
+        )
+        value = res.bpc if self.metric == "bpc" else res.ppl
+        self.reporter.row(
+            {"step": self.step, "split": "valid", "tokens": self.tokens, "loss": res.loss, self.metric: value}
+        )
+        self.say(f"| valid | step {self.step:>8,} | loss {res.loss:.4f} | {self.metric} {value:.4f} |")
+        return res.loss
+
+    def save(self) -> Path:
+        meta = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "valid_loss": self.last_valid,
+            "best_valid_loss": self.best_valid,
+            "best_step": self.best_step,
+            "world_size": self.world.size,
+            "torch": torch.__version__,
+        }
+        keep = {self.best_step} if self.tc.keep_best and self.best_step is not None else set()
+        path = save_checkpoint(
+            self.world,
+            self.run_dir,
+            self.step,
+            model=self.model,
+            state=self._state(),
+            tokenizer_file=self.tokenizer_file,
+            run_config=self.cfg.to_dict(),
+            metadata=meta,
+            keep_last=self.tc.keep_last,
+            keep_steps=keep,
+        )
+        self.last_saved = self.step
+        return path
+
+    def fit(self) -> TrainResult:
+        tc, w = self.tc, self.world
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.say(
+            f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {tc.precision}); "
+            f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
+        )
+        old = None
+        if hasattr(signal, "SIGTERM") and _in_main_thread():
+            old = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.reporter.start_at(self.step)
+        batches = self.train_iter.forever()
+        reason = None
+        try:
+            while (reason := self._stop_reason()) is None:
+                t0 = time.perf_counter()
+                batch = next(batches)
+                if batch.epoch != self._epoch:  # a new pass over the data: the old memories do not precede it
+                    self._epoch, self.mems = batch.epoch, [None] * tc.batch_chunk
+                loss, norm = self.train_step(batch)
+                n_tok = batch.target.numel() * w.size
+                self.step += 1
+                self.tokens += n_tok
+                dt = time.perf_counter() - t0
+                self.elapsed += dt
+                self.acc = {
+                    "loss": self.acc["loss"] + loss,
+                    "steps": self.acc["steps"] + 1,
+                    "tokens": self.acc["tokens"] + n_tok,
+                    "time": self.acc["time"] + dt,
+                }
+                self.reporter.advance(1, loss=f"{loss:.3f}")
+                if self.step % tc.log_interval == 0:
+                    self._log_train(norm)
+                improved = False
+                if tc.eval_interval and self.step % tc.eval_interval == 0:
+                    improved = self._evaluate_and_track()
+                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or (improved and tc.keep_best):
+                    self.save()
+            if self.step > 0 and self.last_eval_step != self.step and reason != "SIGTERM":
+                self._evaluate_and_track()
+            path = self.save() if self.last_saved != self.step else latest_checkpoint(self.run_dir)
+            self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+            self.reporter.close()
+        return TrainResult(self.step, self.tokens, reason, path, self.last_valid, self.best_valid)
+
+    def _log_train(self, norm: float) -> None:
+        a = self.acc
+        loss = a["loss"] / a["steps"]
+        value = loss / math.log(2) if self.metric == "bpc" else math.exp(min(loss, 700.0))
+        row = {
+            "step": self.step,
+            "split": "train",
+            "tokens": self.tokens,
+            "loss": loss,
+            self.metric: value,
+            "lr": lr_at(self.step, self.tc),
+            "grad_norm": norm,
+            "tokens_per_s": a["tokens"] / a["time"] if a["time"] > 0 else 0.0,
+            "epoch": self._epoch,
+        }
+        self.reporter.row(row)
+        self.say(
+            f"| step {self.step:>8,} | tokens {self.tokens:>12,} | lr {row['lr']:.3g} | loss {loss:.4f} | "
+            f"{self.metric} {value:.4f} | grad norm {norm:.3f} | {row['tokens_per_s']:,.0f} tok/s |"
+        )
+        self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
+
+    def _evaluate_and_track(self) -> bool:
+        self.last_valid, self.last_eval_step = self.validate(), self.step
+        if self.best_valid is None or self.last_valid < self.best_valid:
+            self.best_valid, self.best_step = self.last_valid, self.step
+            return True
+        return False
+
+
+def _native_cpu_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:
+    """Train ``cfg`` (joining the torchrun process group when there is one)."""
+    trainer = Trainer(cfg, resume)
+    try:
+        return trainer.fit()
+    finally:
+        from txl.distributed import shutdown
+
+        shutdown(trainer.world)

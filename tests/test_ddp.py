@@ -1,0 +1,79 @@
+"""Data-parallel training with torchrun (gloo, 2 processes on the CPU): the same losses as one process with the
+same global batch, and exact resume of a 2-process run (also continued by 1 process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from train_helpers import ROOT, assert_same_weights, final_weights, losses, train_args
+from txl.checkpoint import list_checkpoints, load_states
+
+SETTINGS = dict(
+    model__dropout=0.0,
+    model__dropatt=0.0,
+    train__log_interval=1,
+    train__eval_interval=4,
+    train__checkpoint_interval=4,
+    train__max_steps=8,
+    train__eval_max_steps=10,
+)
+
+
+def _launch(args: list[str], nproc: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "txl", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["-m", "txl", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _close(a: list[tuple[int, float]], b: list[tuple[int, float]], tol: float) -> None:
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) <= tol
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    settings = SETTINGS
+    _launch(train_args(tmp, "single", **settings), 1)
+    _launch(train_args(tmp, "ddp", **settings), 2)
+    return tmp, settings
+
+
+def test_two_processes_equal_one(runs):
+    tmp, _ = runs
+    _close(losses(tmp / "ddp"), losses(tmp / "single"), 1e-5)
+    _close(losses(tmp / "ddp", "valid"), losses(tmp / "single", "valid"), 1e-5)
+    w1, w2 = final_weights(tmp / "single"), final_weights(tmp / "ddp")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=1e-4)
+    states = load_states(list_checkpoints(tmp / "ddp")[-1][1])
+    assert len(states) == 2 and [s["world_size"] for s in states] == [2, 2]
+    assert states[0]["mems"][0][0].shape[0] == 2  # each process keeps the memory of its own 2 of the 4 columns
+    assert not torch.equal(states[0]["mems"][0][0], states[1]["mems"][0][0])
+
+
+def test_resume_under_ddp(runs):
+    tmp, settings = runs
+    args = train_args(tmp, "ddp_resumed", **settings, train__max_tokens=3 * 4 * 16)
+    _launch(args, 2)
+    assert list_checkpoints(tmp / "ddp_resumed")[-1][0] == 3
+    _launch(train_args(tmp, "ddp_resumed", **settings), 2)
+    assert losses(tmp / "ddp_resumed") == losses(tmp / "ddp")
+    assert_same_weights(final_weights(tmp / "ddp_resumed"), final_weights(tmp / "ddp"))
+
+
+def test_two_process_checkpoint_continues_on_one(runs):
+    tmp, settings = runs
+    _launch(train_args(tmp, "shrunk", **settings, train__max_tokens=3 * 4 * 16), 2)
+    _launch(train_args(tmp, "shrunk", **settings), 1)  # memories regrouped into one process's 4 columns
+    _close(losses(tmp / "shrunk"), losses(tmp / "single"), 1e-5)
