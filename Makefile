@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format bench bench-data clean
+.PHONY: setup demo test test-all lint format bench bench-data bench-train clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ format: setup
 bench: setup
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
+
+bench-train: setup
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
 
 bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md

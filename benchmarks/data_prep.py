@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _report import replace_section
+
 WT103 = {"bytes": 539_000_000, "tokens": 103_227_021, "types": 267_735, "lines": 1_801_350}
 
 
@@ -139,18 +141,7 @@ def main() -> None:
     )
     print(section)
     if args.write:
-        _replace_section(args.write, "## Data preparation (WikiText-103 scale)", section)
-
-
-def _replace_section(path: Path, heading: str, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if heading in text:
-        start = text.index(heading)
-        nxt = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+        replace_section(args.write, "## Data preparation (WikiText-103 scale)", section)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from _report import replace_section
 from txl import TransformerXLLM
 from txl.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.pretrained import load_weights
@@ -147,10 +148,7 @@ def main() -> None:
             "alternate between the implementations. Train = forward + backward + Adam; eval = no_grad, "
             "mem_len 640.\n\n"
         )
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(
-            "# Benchmarks\n\nLatest results, with the command that produced them.\n\n" + header + table + "\n"
-        )
+        replace_section(args.write, "## Model speed vs Hugging Face TransfoXL", header + table)
     print(table)
 
 

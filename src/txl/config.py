@@ -162,16 +162,6 @@ class RunConfig:
             "run_dir": self.run_dir,
         }
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        return cls(
-            model=TransformerXLConfig.from_dict(d["model"]),
-            data=DataConfig(**d["data"]),
-            train=TrainConfig(**d["train"]),
-            eval=EvalConfig(**d["eval"]),
-            run_dir=d.get("run_dir", "runs/default"),
-        )
-
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)

@@ -66,27 +66,6 @@ def all_reduce_sum(world: World, *values: float) -> list[float]:
     return t.tolist()
 
 
-def any_rank(world: World, flag: bool) -> bool:
-    """True if ``flag`` is true on any process (so that every process takes the same branch)."""
-    return all_reduce_sum(world, float(flag))[0] > 0 if world.distributed else flag
-
-
-def broadcast_object(world: World, obj):
-    if not world.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_gather_object(world: World, obj) -> list:
-    if not world.distributed:
-        return [obj]
-    out = [None] * world.size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def shutdown(world: World) -> None:
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()

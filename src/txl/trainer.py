@@ -304,13 +304,16 @@ class Trainer:
             self.world, float(self._stop_signal), float(tc.max_time is not None and self.elapsed >= tc.max_time)
         )
         if flags[0] > 0:
-            return "SIGTERM"
+            return "signal"
         if flags[1] > 0:
             return f"max_time {tc.max_time:g} s"
         return None
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        """SIGTERM or a first Ctrl-C: finish the step, save, stop. A second Ctrl-C interrupts at once."""
         self._stop_signal = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def validate(self) -> float:
         tc, m = self.tc, self.cfg.model
@@ -366,9 +369,9 @@ class Trainer:
             f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {tc.precision}); "
             f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
         )
-        old = None
-        if hasattr(signal, "SIGTERM") and _in_main_thread():
-            old = signal.signal(signal.SIGTERM, self._on_sigterm)
+        old = {}
+        if _in_main_thread():
+            old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.reporter.start_at(self.step)
         batches = self.train_iter.forever()
         reason = None
@@ -398,13 +401,13 @@ class Trainer:
                     improved = self._evaluate_and_track()
                 if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or (improved and tc.keep_best):
                     self.save()
-            if self.step > 0 and self.last_eval_step != self.step and reason != "SIGTERM":
+            if self.step > 0 and self.last_eval_step != self.step and reason != "signal":
                 self._evaluate_and_track()
             path = self.save() if self.last_saved != self.step else latest_checkpoint(self.run_dir)
             self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
         finally:
-            if old is not None:
-                signal.signal(signal.SIGTERM, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
             self.reporter.close()
         return TrainResult(self.step, self.tokens, reason, path, self.last_valid, self.best_valid)
 
