@@ -52,8 +52,8 @@ def main() -> None:
     shared = ROOT.parent / "shared" / "data" / "shakespeare"
     ap.add_argument("--data", type=Path, default=shared if shared.exists() else ROOT / "data" / "shakespeare")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per round and case")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round and case")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no_hf", action="store_true", help="skip the reference columns (no transformers needed)")
     ap.add_argument("--write", type=Path, help="update this markdown file's section")
     args = ap.parse_args()

@@ -352,3 +352,20 @@ def test_generate_text_and_plot(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path)])
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, capsys):
+    from txl.metrics import Reporter
+
+    quiet = Reporter(tmp_path, enabled=True, progress=None, tensorboard=False, total=10)  # pytest: not a TTY
+    assert quiet.bar is None
+    quiet.close()
+    shown = Reporter(tmp_path, enabled=True, progress=True, tensorboard=False, total=10)
+    shown.advance(3, loss="1.0")
+    assert shown.bar is not None and shown.bar.n == 3
+    shown.close()
+    assert "3/10" in capsys.readouterr().err
+    off = Reporter(tmp_path / "nowhere", enabled=False, progress=True, tensorboard=False, total=10)  # rank > 0
+    off.say("x")
+    off.row({"step": 1})
+    assert off.bar is None and not (tmp_path / "nowhere").exists()
