@@ -100,7 +100,7 @@ def eval(
     from txl.data import prepare_corpus
     from txl.data.download import sha256_file
     from txl.distributed import World, resolve_device
-    from txl.evaluate import evaluate, metric_name
+    from txl.evaluate import evaluate, metric_name, metric_value
     from txl.modeling import TransformerXLLM
 
     if model is None:
@@ -144,7 +144,7 @@ def eval(
         world=World(device=dev),
     )
     name = metric_name(corpus.tokenizer.kind)
-    value = res.bpc if name == "bpc" else res.ppl
+    value = metric_value(res.loss, name)
     if json:
         print(_json.dumps({"model": str(folder), "loss": res.loss, name: value, "tokens": res.tokens, **settings}))
     else:

@@ -24,17 +24,22 @@ class EvalResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(min(self.loss, 700.0))
+        return metric_value(self.loss, "ppl")
 
     @property
     def bpc(self) -> float:
         """Bits per character (per byte for byte-level data)."""
-        return self.loss / math.log(2)
+        return metric_value(self.loss, "bpc")
 
 
 def metric_name(tokenizer_kind: str) -> str:
     """``bpc`` for character- and byte-level data, ``ppl`` for words (as the paper reports them)."""
     return "ppl" if tokenizer_kind == "word" else "bpc"
+
+
+def metric_value(loss: float, name: str) -> float:
+    """A mean NLL in nats as bits per character (``bpc``) or perplexity (``ppl``)."""
+    return loss / math.log(2) if name == "bpc" else math.exp(min(loss, 700.0))
 
 
 def autocast(device: torch.device, precision: str):

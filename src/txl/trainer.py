@@ -17,6 +17,7 @@ import contextlib
 import math
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from txl.checkpoint import latest_checkpoint, load_states, read_metadata, resolv
 from txl.config import RunConfig
 from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
 from txl.distributed import World, all_reduce_sum, barrier, init_world
-from txl.evaluate import autocast, evaluate, metric_name
+from txl.evaluate import autocast, evaluate, metric_name, metric_value
 from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -146,7 +147,8 @@ class Trainer:
             unused = len(cfg.model.cutoffs) > 0
             self.net = DistributedDataParallel(self.model, device_ids=ids, find_unused_parameters=unused)
         torch.manual_seed(tc.seed + w.rank)  # dropout: different masks on different processes
-        self.optimizer = build_optimizer(list(self.model.parameters()), tc, w.device)
+        self.params = list(self.model.parameters())  # tied tensors once
+        self.optimizer = build_optimizer(self.params, tc, w.device)
         self.scaler = torch.amp.GradScaler(w.device.type, enabled=tc.precision == "fp16")
         train = self.corpus.splits["train"]
         kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
@@ -275,8 +277,7 @@ class Trainer:
             self.mems[c] = out.mems
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
-        params = list(self.model.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(params, tc.clip if tc.clip > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, tc.clip if tc.clip > 0 else math.inf)
         loss_value = all_reduce_sum(w, loss_sum.item())[0] / w.size
         norm_value = float(norm)
         where = f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})"
@@ -329,7 +330,7 @@ class Trainer:
             precision=tc.precision,
             world=self.world,
         )
-        value = res.bpc if self.metric == "bpc" else res.ppl
+        value = metric_value(res.loss, self.metric)
         self.reporter.row(
             {"step": self.step, "split": "valid", "tokens": self.tokens, "loss": res.loss, self.metric: value}
         )
@@ -364,7 +365,7 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         tc, w = self.tc, self.world
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = sum(p.numel() for p in self.params)
         self.say(
             f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {tc.precision}); "
             f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
@@ -414,7 +415,7 @@ class Trainer:
     def _log_train(self, norm: float) -> None:
         a = self.acc
         loss = a["loss"] / a["steps"]
-        value = loss / math.log(2) if self.metric == "bpc" else math.exp(min(loss, 700.0))
+        value = metric_value(loss, self.metric)
         row = {
             "step": self.step,
             "split": "train",
@@ -449,8 +450,6 @@ def _native_cpu_bf16() -> bool:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
