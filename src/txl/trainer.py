@@ -223,13 +223,10 @@ class Trainer:
         self.last_valid, self.last_eval_step = mine["last_valid"], mine["last_eval_step"]
         self.acc, self._epoch = dict(mine["acc"]), mine["epoch"]
         self.last_saved = self.step
-        if len(states) == w.size and mine["batch_chunk"] == tc.batch_chunk:
-            self.mems = [None if m is None else [t.to(w.device) for t in m] for m in mine["mems"]]
-        else:
-            self.say(f"resuming {len(states)}-process checkpoint with {w.size} process(es): memories regrouped")
-            self.mems = [
-                None if m is None else [t.to(w.device) for t in m] for m in regroup_mems(states, w, tc.batch_chunk)
-            ]
+        if len(states) != w.size or mine["batch_chunk"] != tc.batch_chunk:
+            self.say(f"resuming a {len(states)}-process checkpoint with {w.size} process(es): memories regrouped")
+        mems = regroup_mems(states, w, tc.batch_chunk)  # the saved split itself when nothing changed
+        self.mems = [None if m is None else [t.to(w.device) for t in m] for m in mems]
         if len(states) == w.size:
             _set_rng_state(mine["rng"], w.device)
         self.say(f"resumed from {folder} at step {self.step:,} ({self.tokens:,} tokens)")
@@ -388,12 +385,8 @@ class Trainer:
                 self.tokens += n_tok
                 dt = time.perf_counter() - t0
                 self.elapsed += dt
-                self.acc = {
-                    "loss": self.acc["loss"] + loss,
-                    "steps": self.acc["steps"] + 1,
-                    "tokens": self.acc["tokens"] + n_tok,
-                    "time": self.acc["time"] + dt,
-                }
+                for key, value in (("loss", loss), ("steps", 1), ("tokens", n_tok), ("time", dt)):
+                    self.acc[key] += value
                 self.reporter.advance(1, loss=f"{loss:.3f}")
                 if self.step % tc.log_interval == 0:
                     self._log_train(norm)
