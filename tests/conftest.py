@@ -12,6 +12,12 @@ from txl import TransformerXLConfig
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT.parent / "shared" / "oracle" / "hf"
 ORACLE_NAMES = sorted(p.name for p in ORACLE.iterdir() if (p / "config.json").exists()) if ORACLE.exists() else []
+VENDORED = ROOT / "tests" / "fixtures" / "hf"  # two of them, in the repository (tests/fixtures/vendor_hf.py)
+# Every Hugging Face reference fixture available: the vendored ones always, the full set of ../shared when present.
+HF_FIXTURES = {f"vendored/{p.name}": p for p in sorted(VENDORED.iterdir()) if (p / "config.json").exists()}
+HF_FIXTURES |= {f"shared/{name}": ORACLE / name for name in ORACLE_NAMES}
+ADAPTIVE_FIXTURE = VENDORED / "word-adaptive-div4-sharp"  # adaptive input/softmax, tied projections
+CHAR_FIXTURE = VENDORED / "same-length-clamp-sharp"
 
 
 def debug_config(**overrides) -> TransformerXLConfig:
@@ -28,7 +34,3 @@ def debug_config(**overrides) -> TransformerXLConfig:
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-def requires_oracle():
-    return pytest.mark.skipif(not ORACLE_NAMES, reason=f"reference fixtures not found at {ORACLE}")

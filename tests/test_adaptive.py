@@ -89,5 +89,6 @@ def test_bad_targets():
     ids = torch.randint(0, 150, (2, 4))
     with pytest.raises(ValueError, match="targets must be in"):
         model(ids, torch.full((2, 4), 150))
-    with pytest.raises(ValueError, match="shape"):
-        model(ids, torch.zeros(2, 3, dtype=torch.long))
+    for shape in ((2, 5), (3, 4), (2, 0)):  # longer than the input, another batch, nothing to score
+        with pytest.raises(ValueError, match="shape"):
+            model(ids, torch.zeros(shape, dtype=torch.long))

@@ -1,5 +1,7 @@
-"""Every recipe in configs/ parses with the CLI, builds its model on the meta device, and the eight reference
-recipes carry the original run_*.sh training settings and eval-branch evaluation settings."""
+"""Every recipe in configs/ through the real CLI path: `txl train --config X` hands the trainer the same resolved
+configuration as the library loader and as `--print_config` shows, derived defaults (d_embed, tie_projs) follow the
+final values, the model has the reference parameter count, and the eight reference recipes carry the original
+run_*.sh training settings and eval-branch evaluation settings."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+import txl.trainer
 from txl.cli import main
-from txl.config import load_recipe
-from txl.modeling import TransformerXLLM
+from txl.config import ConfigError, RunConfig, load_recipe
+from txl.modeling import TransformerXLConfig, TransformerXLLM
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
@@ -38,36 +42,108 @@ PARAMS = {
 }
 
 
-def meta_params(cfg) -> int:
+def meta_params(cfg: TransformerXLConfig) -> int:
     with torch.device("meta"):
         model = TransformerXLLM(cfg, init=False)
     return sum(p.numel() for p in model.parameters())  # tied tensors once
 
 
+@pytest.fixture
+def cli_config(monkeypatch):
+    """Run `txl train ARGS` through the real command line; return the RunConfig the trainer was handed."""
+    seen = []
+    monkeypatch.setattr(txl.trainer, "train", lambda cfg, resume="auto": seen.append(cfg))
+
+    def run(*args: str) -> RunConfig:
+        seen.clear()
+        main(["train", *args])
+        assert len(seen) == 1
+        return seen[0]
+
+    return run
+
+
+def printed_config(capsys, *args: str) -> RunConfig:
+    capsys.readouterr()
+    main(["train", *args, "--print_config"])
+    return RunConfig.from_dict(yaml.safe_load(capsys.readouterr().out))
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_recipe_parses_with_the_cli_and_builds(name, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["train", "--config", str(CONFIGS / name), "--print_config"])
-    assert e.value.code == 0
-    printed = capsys.readouterr().out
-    cfg = load_recipe(CONFIGS / name)
-    assert f"n_layer: {cfg.model.n_layer}" in printed and f"batch_size: {cfg.train.batch_size}" in printed
-    cfg.train.validate()
-    assert meta_params(cfg.model) > 0
+def test_cli_path_equals_library_loader_and_print_config(name, cli_config, capsys):
+    path = str(CONFIGS / name)
+    cfg = cli_config("--config", path)
+    assert cfg == load_recipe(path)
+    assert cfg == printed_config(capsys, "--config", path)
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg  # run.json round trip
     assert cfg.run_dir == f"runs/{name.removesuffix('.yaml')}"
+    raw = yaml.safe_load((CONFIGS / name).read_text())["model"]
+    # The model the trainer builds is the model the YAML describes, field for field (derived ones included).
+    by_hand = TransformerXLConfig(**raw)
+    assert cfg.model == by_hand
+    if "d_embed" not in raw:
+        assert cfg.model.d_embed == cfg.model.d_model
+    assert meta_params(cfg.model) == meta_params(by_hand)
 
 
-def test_reference_parameter_counts():
-    counts = {name: meta_params(load_recipe(CONFIGS / f"{name}.yaml").model) for name in PARAMS}
+def test_reference_parameter_counts_through_the_cli(cli_config):
+    counts = {name: meta_params(cli_config("--config", str(CONFIGS / f"{name}.yaml")).model) for name in PARAMS}
     assert counts == PARAMS
     assert round(counts["wt103_base"] / 1e6, 1) == 151.1
     assert round(counts["enwik8_base"] / 1e6, 1) == 41.1
     assert round(counts["enwik8_large"] / 1e6, 1) == 277.2
 
 
+def test_derived_fields_follow_the_final_values(cli_config, capsys, tmp_path):
+    debug = str(CONFIGS / "debug.yaml")
+    assert cli_config("--config", debug, "--model.d_model", "512").model.d_embed == 512
+    assert printed_config(capsys, "--config", debug, "--model.d_model", "512").model.d_embed == 512
+    assert load_recipe(debug, {"model": {"d_model": 512}}).model.d_embed == 512
+    kept = cli_config("--config", debug, "--model.d_model", "512", "--model.d_embed", "128").model
+    assert (kept.d_model, kept.d_embed) == (512, 128)
+    explicit = tmp_path / "explicit.yaml"
+    explicit.write_text(
+        (CONFIGS / "debug.yaml").read_text().replace("  d_model: 32\n", "  d_model: 32\n  d_embed: 24\n")
+    )
+    assert cli_config("--config", str(explicit), "--model.d_model", "64").model.d_embed == 24
+    # tie_projs follows the final cutoffs (one entry per cluster, the head untied)
+    cutoffs = cli_config("--config", debug, "--model.cutoffs", "[10, 40]").model
+    assert cutoffs.tie_projs == [False, True, True]
+    # no section is built from the defaults of the parser: nothing but the given fields differs from a bare recipe
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model:\n  d_model: 96\n  n_head: 4\n")
+    model = cli_config("--config", str(bare)).model
+    assert model == TransformerXLConfig(d_model=96, n_head=4) and model.d_embed == 96
+
+
+def test_yaml_numbers_and_overrides_parse_alike(cli_config, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  lr: 2.5e-4\n  eta_min: 1e-6\nmodel:\n  dropout: 0.0\n")
+    cfg = cli_config("--config", str(recipe), "--train.max_steps", "7")
+    assert cfg.train.lr == 2.5e-4 and cfg.train.eta_min == 1e-6  # YAML 1.1 reads 2.5e-4 as a string
+    assert cfg == load_recipe(recipe, {"train": {"max_steps": 7}})
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"train": {"threads": -1}}, r"train\.threads = -1"),
+        ({"train": {"eval_tgt_len": 40}}, r"train\.eval_tgt_len = 40: .*below 32"),
+        ({"eval": {"mem_len": -5}}, r"eval\.mem_len = -5"),
+        ({"eval": {"split": "bogus"}}, "split"),
+        ({"eval": {"batch_size": 0}}, r"eval\.batch_size = 0"),
+        ({"model": {"memory_length": 3}}, "memory_length"),
+        ({"train": {"lr": "fast"}}, "train.lr"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(CONFIGS / "debug.yaml", override)
+
+
 @pytest.mark.parametrize("name", sorted(REFERENCE))
-def test_reference_recipe_settings(name):
-    cfg = load_recipe(CONFIGS / f"{name}.yaml")
+def test_reference_recipe_settings(name, cli_config):
+    cfg = cli_config("--config", str(CONFIGS / f"{name}.yaml"))
     m, t, e = cfg.model, cfg.train, cfg.eval
     train, evaluation = REFERENCE[name]
     assert (

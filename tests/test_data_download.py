@@ -273,3 +273,28 @@ def test_cli_data_prepare_and_errors(tmp_path):
     assert "valid.txt:1: invalid UTF-8 byte 0xfe" in out.stderr
     out = subprocess.run([sys.executable, "-m", "txl", "data", "get", "nope"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown dataset 'nope'" in out.stderr
+
+
+def test_unpinned_lm1b_vocabulary_is_checked_before_it_is_trusted(tmp_path, server):
+    name = readers_mod.LM1B_VOCAB
+    assert [r.sha256 for r in sources.REMOTES["lm1b"] if r.filename == name] == [None]  # nothing published
+    dest = tmp_path / "dl" / name
+    urls = (f"{server.url}/{name}",)
+    for body, why in [
+        (b"<!DOCTYPE html><html>rate limited</html>\n", "line 1 is not 'word count'"),
+        (b"<S> 9\nthe 5\n", "no <UNK> entry"),
+        (b"<S> 9\n<UNK> 1\n\xff\xfe 3\n", "not UTF-8 text"),
+    ]:
+        server.files[name] = body
+        with pytest.raises(DataError, match=f"{name} from .*: {why}.*not the vocabulary file"):
+            download(urls, dest, check=sources.CHECKS[name], log=[].append)
+        assert not dest.exists() and not dest.with_name(name + ".sha256").exists()  # never trusted
+        assert dest.with_name(name + ".bad").read_bytes() == body
+    good = b"<S> 30301028\n</S> 30301028\n<UNK> 8\nthe 41229869\n"
+    server.files[name] = good
+    download(urls, dest, check=sources.CHECKS[name], log=[].append)
+    assert dest.read_bytes() == good and dest.with_name(name + ".sha256").read_text().strip() == _sha(good)
+    dest.unlink()
+    server.files[name] = good.replace(b"the", b"a")  # the source changed after it was first trusted
+    with pytest.raises(DataError, match="sha256 .*, expected " + _sha(good)):
+        download(urls, dest, check=sources.CHECKS[name], log=[].append)

@@ -72,8 +72,13 @@ def test_flat_folder_holds_out_last_documents(tmp_path):
     assert len(names["train"]) == 36
     for f in list(tmp_path.glob("*.txt"))[2:]:
         f.unlink()
-    with pytest.raises(DataError, match="at least 3 documents"):
+    with pytest.raises(DataError, match=rf"^{tmp_path}: 2 \.txt file\(s\).*at least 3 \.txt documents"):
         find_splits("custom", tmp_path)
+    empty = tmp_path / "no_text"
+    empty.mkdir()
+    (empty / "notes.md").write_text("not a .txt file\n")
+    with pytest.raises(DataError, match=rf"^{empty}: 0 \.txt file\(s\)"):  # the folder is named, not "folder"
+        find_splits("custom", empty)
 
 
 @pytest.mark.parametrize("dataset", ["enwik8", "text8"])

@@ -13,6 +13,8 @@ import torch
 from train_helpers import ROOT, assert_same_weights, final_weights, losses, train_args
 from txl.checkpoint import list_checkpoints, load_states
 
+pytestmark = pytest.mark.slow  # torchrun processes (make test-all and CI run them)
+
 SETTINGS = dict(
     model__dropout=0.0,
     model__dropatt=0.0,

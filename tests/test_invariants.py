@@ -235,20 +235,24 @@ def test_mems_are_detached_and_inputs_checked():
         model(torch.full((1, 3), 97))
 
 
-def test_kv_cache_equals_hidden_state_memory():
-    """Attention accepts already projected memory keys/values (what a K/V cache stores)."""
-    model = lm(pre_lnorm=True)
-    ids = torch.randint(0, 97, (2, 14))
+@pytest.mark.parametrize("ext_len", [1, 5, 12])
+@pytest.mark.parametrize("variant", ["plain", "adaptive"])
+def test_ext_len_segments_equal_one_pass(variant, ext_len):
+    """ext_len as the reference data loader feeds it: each input starts with the last ext_len tokens of the previous
+    segment, only the last tgt_len positions are scored, and the memory leaves those ext_len positions out. With a
+    memory that reaches back to the start, every token is scored once with its whole past: one pass."""
+    model = lm(mem_len=64, **VARIANTS[variant])
+    ids = torch.randint(0, model.config.n_token, (2, 41))
     with torch.no_grad():
-        first = model(ids[:, :8], return_kv=True)
-        mem_kv = [layer.attn.project_kv(m) for layer, m in zip(model.transformer.layers, first.mems, strict=True)]
-        for (k_mem, _), (k_cur, _) in zip(mem_kv, first.kv, strict=True):
-            torch.testing.assert_close(k_mem, k_cur)  # mem_len 8 == segment: the cache is the segment's K
-        a = model(ids[:, 8:], mems=first.mems, return_log_probs=True)
-        b = model(ids[:, 8:], mems=first.mems, mem_kv=mem_kv, return_log_probs=True)
-    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-12, rtol=0)
-    for ma, mb in zip(a.mems, b.mems, strict=True):
-        assert ma.equal(mb)
+        one_pass = model(ids[:, :-1], ids[:, 1:]).losses  # [2, 40]
+        mems, pos, scored = None, 0, []
+        while pos < 40:
+            n, beg = min(8, 40 - pos), max(0, pos - ext_len)
+            out = model(ids[:, beg : pos + n], ids[:, pos + 1 : pos + n + 1], mems=mems, ext_len=ext_len)
+            assert out.losses.shape == (2, n)  # the ext_len context positions are not scored
+            scored.append(out.losses)
+            mems, pos = out.mems, pos + n
+    torch.testing.assert_close(torch.cat(scored, dim=1), one_pass, atol=1e-10, rtol=0)
 
 
 def test_inference_and_training_paths_agree():

@@ -222,6 +222,23 @@ def test_generate_cli(tmp_path, capsys):
     assert exit_info.value.code == 2 and "txl: error:" in capsys.readouterr().err
 
 
+def test_sampling_parameters_are_checked():
+    model = TransformerXLLM(debug_config(mem_len=8)).eval()
+    prompt = torch.randint(0, 97, (1, 3))
+    for bad, match in [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            generate(model, prompt, 2, **bad)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt, -1)
+    assert generate(model, prompt, 0).equal(prompt)
+
+
 def test_filter_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, False, True]]
@@ -229,3 +246,6 @@ def test_filter_logits():
     assert probs[1] < 0.8 < probs[1] + probs[2]
     assert torch.isinf(filter_logits(logits, top_p=0.8)).tolist() == [[True, False, False, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[True, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=1e-12)).tolist() == [[True, False, True, True]]  # best stays
+    peaked = torch.tensor([[0.0, 200.0, -5.0]])  # the best token's probability rounds to 1 in fp32
+    assert torch.isinf(filter_logits(peaked, top_p=0.5)).tolist() == [[True, False, True]]

@@ -95,6 +95,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_exact_resume_after_signal(process_reference, sig):
     tmp = process_reference
@@ -135,6 +136,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_exact_resume_after_kill_while_writing_a_checkpoint(process_reference):
     tmp = process_reference
     run = tmp / "torn"
@@ -266,7 +268,8 @@ def test_checkpoint_layout_retention_and_metrics(tmp_path):
         assert {"model.safetensors", "config.json", "tokenizer.json", "run.json", MARKER} <= names
         assert "train_state-rank0.pt" in names
     state = torch.load(ckpts[-1][1] / "train_state-rank0.pt", weights_only=True)  # no pickle needed
-    assert {"optimizer", "scheduler", "scaler", "rng", "iterator", "mems"} <= state.keys()
+    assert {"optimizer", "scaler", "rng", "iterator", "mems"} <= state.keys()
+    assert "scheduler" not in state  # the learning rate is a pure function of the step: nothing to save
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == [2, 4, 6, 8, 10, 12]
@@ -374,3 +377,56 @@ def test_progress_bar_only_on_a_terminal(tmp_path, capsys):
     off.say("x")
     off.row({"step": 1})
     assert off.bar is None and not (tmp_path / "nowhere").exists()
+
+
+def test_every_checkpoint_file_is_written_durably(tmp_path, monkeypatch):
+    """One helper writes every file: the content is fsynced, renamed into place, then the folder is fsynced (so a
+    power cut leaves the old file or the whole new one); files get the ordinary mode the umask gives."""
+    events = []
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real["fsync"](fd)
+
+    def mover(name):
+        def move(src, dst, **kw):
+            events.append((name, str(src), str(dst)))
+            return real[name](src, dst, **kw)
+
+        return move
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", mover("replace"))
+    monkeypatch.setattr(os, "rename", mover("rename"))
+    run = run_inprocess(tmp_path, train__max_steps=2, train__checkpoint_interval=2, train__eval_interval=0)
+    monkeypatch.undo()
+    partial = str(run / "checkpoints" / ".step-2.partial")
+    files = {"model.safetensors", "config.json", "tokenizer.json", "run.json", "metadata.json"}
+    files |= {"train_state-rank0.pt", MARKER}
+    for name in files:
+        dest = f"{partial}/{name}"
+        (i, (_, src, _)), *more = [(i, e) for i, e in enumerate(events) if e[0] == "replace" and e[2] == dest]
+        assert not more and src.startswith(partial + "/.")  # written beside, as a hidden temporary file
+        assert ("fsync", src) in events[:i], f"{name} renamed before its content was synced"
+        assert ("fsync", partial) in events[i + 1 :], f"the folder of {name} was not synced after the rename"
+    i = events.index(("rename", partial, str(run / "checkpoints" / "step-2")))
+    assert ("fsync", str(run / "checkpoints")) in events[i + 1 :]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:
+        assert (run / "checkpoints" / "step-2" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_autocast_validates_the_precision():
+    from txl.evaluate import autocast, evaluate
+
+    cpu = torch.device("cpu")
+    for bad in ("fp8", "bf-16", "FP32"):  # a typo once ran fp16 autocast on the CPU
+        with pytest.raises(ValueError, match=f"precision {bad!r} is not one of fp32, bf16, fp16"):
+            autocast(cpu, bad)
+    with pytest.raises(ValueError, match="fp16 needs CUDA"):
+        autocast(cpu, "fp16")
+    model = torch.nn.Linear(1, 1)  # never reached: the precision is checked before any work
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        evaluate(model, torch.zeros(100).numpy(), batch_size=2, tgt_len=4, mem_len=0, precision="fp8")

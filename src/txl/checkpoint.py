@@ -13,22 +13,32 @@ A checkpoint folder holds
 - ``COMPLETE``: the marker, written last.
 
 It is written as ``.step-N.partial/`` and renamed to ``step-N/`` after the marker, so a folder named ``step-N``
-without a marker never exists unless something outside txl made it; both are ignored when resuming.
+without a marker never exists unless something outside txl made it; both are ignored when resuming. Every file
+is written through :func:`txl.fileio.atomic_path` (fsync of the file and its folder before the rename).
+
+A run folder is used by one ``txl train`` at a time: :class:`RunLock` holds an exclusive ``flock`` on
+``RUN/.lock`` for the whole run. The kernel releases it when the process dies, however it dies, so a lock left
+by a killed run never blocks the next one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from txl.config import RunConfig
 from txl.distributed import World, barrier
-from txl.pretrained import CONFIG_NAME, CheckpointError, atomic_write_bytes
+from txl.fileio import fsync_dir, save_torch, write_bytes
+from txl.pretrained import CONFIG_NAME, CheckpointError, read_json
 
 MARKER = "COMPLETE"
 RUN_CONFIG = "run.json"
@@ -76,6 +86,12 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     return json.loads((folder / METADATA).read_text())
 
 
+def read_run_config(folder: Path) -> RunConfig | None:
+    """The run configuration saved in a checkpoint (``run.json``), parsed like a recipe; None for a model folder."""
+    path = Path(folder) / RUN_CONFIG
+    return RunConfig.from_dict(read_json(path), source=str(path)) if path.is_file() else None
+
+
 def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
     """A run folder (its best or latest checkpoint), a ``step-N`` folder, or a plain model folder."""
     p = Path(path)
@@ -95,15 +111,11 @@ def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
 
 
 def _write_marker(folder: Path, step: int) -> None:
-    atomic_write_bytes(folder / MARKER, f"{step}\n".encode())
+    write_bytes(folder / MARKER, f"{step}\n".encode())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _json_bytes(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
 
 
 def save_checkpoint(
@@ -119,27 +131,35 @@ def save_checkpoint(
     keep_last: int,
     keep_steps: set[int],
 ) -> Path:
-    """Write ``step-N`` collectively (every process writes its own state file), then apply retention."""
+    """Write ``step-N`` collectively (every process writes its own state file), then apply retention.
+
+    If a write fails (a full disk, a read-only folder, a file size limit), the partial folder is removed and the
+    ``OSError`` propagates; the previous complete checkpoints are untouched.
+    """
     root = run_dir / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".step-{step}.partial"
+    try:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(world)
+        save_torch(state, tmp / state_name(world.rank))
+        barrier(world)
+        if world.is_main:
+            model.save_pretrained(tmp)
+            write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
+            write_bytes(tmp / RUN_CONFIG, _json_bytes(run_config))
+            write_bytes(tmp / METADATA, _json_bytes(metadata))
+            _write_marker(tmp, step)
+            if final.exists():  # the same step saved again (a resumed run stopping where it started)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(root)
+    except OSError:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(world)
-    part = tmp / (state_name(world.rank) + ".tmp")
-    torch.save(state, part)
-    os.replace(part, tmp / state_name(world.rank))
-    barrier(world)
-    if world.is_main:
-        model.save_pretrained(tmp)
-        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-        atomic_write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=1) + "\n").encode())
-        atomic_write_bytes(tmp / METADATA, (json.dumps(metadata, indent=1) + "\n").encode())
-        _write_marker(tmp, step)
-        if final.exists():  # the same step saved again (a resumed run stopping where it started)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
         prune(run_dir, keep_last, keep_steps)
     barrier(world)
     return final
@@ -170,3 +190,33 @@ def load_states(folder: Path) -> list[dict[str, Any]]:
     if len(states) != states[0]["world_size"]:
         raise CheckpointError(f"{folder}: {len(states)} state files for a world of {states[0]['world_size']}")
     return states
+
+
+LOCK = ".lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the lifetime of a ``txl train`` (see the module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise CheckpointError(
+                f"{run_dir} is in use by another txl train ({holder}); wait for it to finish, or choose another "
+                "--run_dir"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()

@@ -1,157 +1,167 @@
-"""The ``txl`` command line: ``txl <command> [<subcommand>] ...`` (``txl --help`` lists them)."""
+"""The ``txl`` command line: ``txl <command> [<subcommand>] ...`` (``txl --help`` lists them).
+
+Every command is a typed function whose docstring is its ``--help``; ``txl train`` is the run-configuration
+parser of :mod:`txl.config` itself (the one ``load_recipe`` uses), plus ``--resume`` and ``--print_config``.
+Errors are one line on stderr: exit code 2 for what the user can fix in the command (a bad option, value, file or
+folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that cannot be written).
+"""
 
 from __future__ import annotations
 
-import json
+import inspect
+import json as _json
 import os
+import re
 import sys
-from dataclasses import asdict
+from argparse import ArgumentError
 from pathlib import Path
+from typing import Literal
 
-from txl.config import EvalConfig, RunConfig, TrainConfig
-from txl.data import DataConfig, DataError
-from txl.modeling import TransformerXLConfig
-from txl.pretrained import CheckpointError
+from txl.config import Precision, RunConfig, Split, build_run_parser, one_line, run_config_from_namespace
+from txl.data import DataConfig
+
+DEFAULT_GENERATE_THREADS = 1  # token-by-token decoding is latency-bound: more threads rarely pay, and collapse
+# on a busy machine (measured: 4,000 tokens in 2.9 s with 1 thread, 56 s with 2 on a 2-core machine under load)
 
 
 def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
-    """Convert a Hugging Face TransfoXL checkpoint folder to a txl model folder.
+    """Convert a Hugging Face TransfoXL checkpoint folder to a txl model folder (weights and tokenizer).
 
     Args:
-        src: HF folder with config.json and model.safetensors (or pytorch_model.bin with --trust_pickle).
-        out: Output folder (config.json + model.safetensors).
-        trust_pickle: Allow reading pytorch_model.bin (a pickle; read with torch.load(weights_only=True)).
+        src: HF folder with config.json and model.safetensors (or pytorch_model.bin with --trust_pickle), and the
+            tokenizer's vocab.txt or vocab.pkl.
+        out: Output folder (config.json + model.safetensors + tokenizer.json).
+        trust_pickle: Allow reading pickles: pytorch_model.bin (with torch.load(weights_only=True)) and the
+            tokenizer's vocab.pkl (with a restricted unpickler that runs no code).
     """
     from txl.convert import convert_hf_checkpoint
+    from txl.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
 
     model = convert_hf_checkpoint(src, out, trust_pickle=trust_pickle)
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
+    if (out / "tokenizer.json").is_file():
+        print(f"tokenizer: {out / 'tokenizer.json'} ({model.config.n_token:,} words, Hugging Face's ids)")
+    elif (src / PICKLE_VOCAB).is_file():
+        print(
+            f"tokenizer not imported: {src / PICKLE_VOCAB} is a pickle; pass --trust-pickle to read it (with a "
+            "restricted unpickler). Without tokenizer.json, txl eval needs text and txl generate --prompt_ids."
+        )
+    else:
+        print(f"no tokenizer vocabulary ({TEXT_VOCAB} or {PICKLE_VOCAB}) in {src}: txl generate needs --prompt_ids")
 
 
-def train(
-    model: TransformerXLConfig = TransformerXLConfig(),  # noqa: B008 (jsonargparse reads the defaults)
-    data: DataConfig = DataConfig(),  # noqa: B008
-    train: TrainConfig = TrainConfig(),  # noqa: B008
-    eval: EvalConfig = EvalConfig(),  # noqa: B008
-    run_dir: str = "runs/default",
-    resume: str = "auto",
-) -> None:
-    """Train a Transformer-XL language model (``--config configs/NAME.yaml``; under torchrun: data-parallel).
+def train(cfg: RunConfig, resume: str = "auto", print_config: bool = False) -> None:
+    """Train a Transformer-XL language model (--config configs/NAME.yaml; under torchrun: data-parallel)."""
+    if print_config:
+        import yaml
 
-    Args:
-        model: The model (n_token is set from the tokenizer's vocabulary).
-        data: The dataset and tokenizer.
-        train: Optimisation, precision, logging and checkpoints.
-        eval: Evaluation settings of the trained model (the defaults of `txl eval`).
-        run_dir: Run folder: config.yaml, metrics.jsonl, train.log, checkpoints/step-N/.
-        resume: auto (continue from the run's latest complete checkpoint, if any), none (start fresh; refused if
-            the run has checkpoints), or a checkpoint/run folder to continue from.
-    """
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return
     from txl.trainer import train as _train
 
-    _train(RunConfig(model=model, data=data, train=train, eval=eval, run_dir=run_dir), resume)
+    _train(cfg, resume)
 
 
-def _run_config(model_dir: Path) -> dict | None:
-    from txl.checkpoint import RUN_CONFIG
-    from txl.pretrained import read_json
+def _set_threads(threads: int | None) -> None:
+    import torch
 
-    return read_json(model_dir / RUN_CONFIG) if (model_dir / RUN_CONFIG).exists() else None
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads = {threads}: must be >= 1")
+        torch.set_num_threads(threads)
 
 
 def eval(
     model: Path | None = None,
-    data: str | None = None,
+    data: Path | None = None,
     dataset: str | None = None,
-    split: str | None = None,
+    split: Split | None = None,
     tgt_len: int | None = None,
     mem_len: int | None = None,
     clamp_len: int | None = None,
     same_length: bool | None = None,
     batch_size: int | None = None,
     max_batches: int | None = None,
-    precision: str = "fp32",
+    precision: Precision = "fp32",
     device: str = "auto",
+    threads: int | None = None,
+    encoding_errors: Literal["strict", "replace"] | None = None,
     json: bool = False,
 ) -> None:
-    """Evaluate a model on a split: mean loss and ppl (words) or bpc (characters/bytes), with the settings.
+    """Score a text with a model: mean loss and ppl (words) or bpc (characters/bytes), with the settings used.
 
-    Settings not given come from the run's `eval` section (saved in every checkpoint), else from the model.
+    The text is read with the model's own tokenizer.json. Settings not given come from the run's `eval` section
+    (saved in every checkpoint), else from the model.
 
     Args:
         model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder with tokenizer.json.
-        data: Dataset folder (default: the run's data.path).
-        dataset: Dataset kind for --data (default: the run's, else custom).
+        data: A text file (scored whole) or a folder of text ({split}.txt, {split}/*.txt, or documents); default: the
+            run's dataset.
+        dataset: Layout of a --data folder when it is one of the paper's datasets (wt103, enwik8, ...); default: a
+            folder of .txt files. How the text is tokenized always comes from the model.
         split: train, valid or test (default: the run's eval.split, else test).
         tgt_len: Segment length.
         mem_len: Memory length (the paper evaluates with a longer memory than in training).
         clamp_len: Relative distances above this share one position embedding (-1: none).
         same_length: Every query attends to the same number (mem_len) of keys.
         batch_size: Columns evaluated in parallel.
-        max_batches: Stop after this many batches (default: the whole split).
+        max_batches: Stop after this many batches (default: the whole text).
         precision: fp32, bf16 or fp16 (CUDA).
-        device: cpu, cuda or auto.
+        device: cpu, cuda, cuda:N or auto.
+        threads: torch CPU threads (default: torch's, one per core).
+        encoding_errors: strict (a non-UTF-8 byte is an error naming file and line) or replace (read as U+FFFD);
+            default: the run's data.encoding_errors, else strict.
         json: Print one JSON object instead of a line of text.
     """
-    import json as _json
+    import math
 
-    from txl.checkpoint import resolve_model_dir
-    from txl.data import prepare_corpus
-    from txl.data.download import sha256_file
+    from txl.checkpoint import read_run_config, resolve_model_dir
     from txl.distributed import World, resolve_device
-    from txl.evaluate import evaluate, metric_name, metric_value
+    from txl.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
     from txl.modeling import TransformerXLLM
 
     if model is None:
         raise ValueError("txl eval needs --model RUN_OR_DIR (a run folder, a step-N checkpoint or a model folder)")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"--max_batches = {max_batches}: must be >= 1 (leave it out to score the whole text)")
+    _set_threads(threads)
+    dev = resolve_device(device, option="--device")
     folder = resolve_model_dir(model)
-    run = _run_config(folder) or {}
+    run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)
-    e = {**asdict(EvalConfig(mem_len=lm.config.mem_len, clamp_len=lm.config.clamp_len)), **run.get("eval", {})}
-    settings = {
-        "split": split or e["split"],
-        "tgt_len": tgt_len or e["tgt_len"],
-        "mem_len": e["mem_len"] if mem_len is None else mem_len,
-        "clamp_len": e["clamp_len"] if clamp_len is None else clamp_len,
-        "same_length": e["same_length"] if same_length is None else same_length,
-        "batch_size": batch_size or e["batch_size"],
-    }
-    tok_file = folder / "tokenizer.json"
-    if not tok_file.exists():
-        raise ValueError(f"{folder}: no tokenizer.json; evaluation needs the model's tokenizer")
-    data_cfg = dict(run.get("data", {}))
-    if data is not None:
-        data_cfg["path"] = data
-    if dataset is not None or "dataset" not in data_cfg:
-        data_cfg["dataset"] = dataset or "custom"
-    if "path" not in data_cfg:
-        raise ValueError(f"{folder} has no run configuration: give --data DIR (and --dataset)")
-    corpus = prepare_corpus(DataConfig(**data_cfg))
-    if corpus.meta["tokenizer_sha256"] != sha256_file(tok_file):  # encode with the model's own vocabulary
-        corpus = prepare_corpus(DataConfig(**{**data_cfg, "tokenizer_file": str(tok_file)}))
-    dev = resolve_device(device)
+    given = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    s = eval_settings(run, lm.config, split=split, batch_size=batch_size, **given)
+    text = eval_text(folder, run, s.split, data, dataset, encoding_errors)
     res = evaluate(
         lm.to(dev),
-        corpus.splits[settings["split"]],
-        batch_size=settings["batch_size"],
-        tgt_len=settings["tgt_len"],
-        mem_len=settings["mem_len"],
-        clamp_len=settings["clamp_len"],
-        same_length=settings["same_length"],
+        text.ids,
+        batch_size=s.batch_size,
+        tgt_len=s.tgt_len,
+        mem_len=s.mem_len,
+        clamp_len=s.clamp_len,
+        same_length=s.same_length,
         max_batches=max_batches,
         precision=precision,
         world=World(device=dev),
     )
-    name = metric_name(corpus.tokenizer.kind)
+    if not math.isfinite(res.loss):
+        raise NonFiniteError(
+            f"the loss on {text.description} is {res.loss}: the model gives a non-finite probability somewhere "
+            f"in it (precision {precision}{'; try --precision fp32' if precision != 'fp32' else ''})"
+        )
+    name = metric_name(text.tokenizer.kind)
     value = metric_value(res.loss, name)
+    settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
+    settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
     if json:
-        print(_json.dumps({"model": str(folder), "loss": res.loss, name: value, "tokens": res.tokens, **settings}))
+        record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value, "tokens": res.tokens}
+        print(_json.dumps(record | settings))
     else:
-        s = settings
+        label = text.description if data is not None and Path(data).is_file() else s.split
         print(
-            f"{s['split']}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s['tgt_len']}, mem_len {s['mem_len']}, "
-            f"clamp_len {s['clamp_len']}, same_length {s['same_length']}, batch {s['batch_size']} | "
+            f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
+            f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size} | "
             f"{res.tokens:,} tokens | {folder}"
         )
 
@@ -166,33 +176,37 @@ def generate(
     top_p: float = 1.0,
     mem_len: int | None = None,
     seed: int = 0,
+    threads: int | None = None,
     json: bool = False,
 ) -> None:
-    """Continue a prompt with a model, carrying the memory from token to token, and print the text.
+    """Continue a prompt with a model, carrying the memory from token to token; the text appears as it is made.
 
     Args:
         model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
         prompt: Prompt text (encoded with the model's tokenizer.json).
         prompt_ids: Prompt token ids instead, e.g. [1,2,3] (prints ids as JSON when there is no tokenizer).
-        max_new_tokens: Number of tokens to generate.
-        temperature: Sampling temperature (0 = greedy).
+        max_new_tokens: Number of tokens to generate (>= 0).
+        temperature: Sampling temperature (>= 0; 0 = greedy).
         top_k: Keep only the k most likely tokens (0 = all).
-        top_p: Nucleus sampling threshold (1 = off).
+        top_p: Nucleus sampling threshold in (0, 1] (1 = off); the most likely token is always kept.
         mem_len: Memory length at generation (default: the model's mem_len).
         seed: Random seed for sampling.
-        json: Print a JSON object with the prompt and the new ids (and text).
+        threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
+        json: Print a JSON object with the prompt and the new ids (and text) at the end instead of streaming.
     """
-    import json as _json
-
     import torch
 
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
-    from txl.generation import generate as _generate
+    from txl.generation import check_sampling, stream
     from txl.modeling import TransformerXLLM
 
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if mem_len is not None and mem_len < 1:
+        raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")
+    _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
     folder = resolve_model_dir(model)
     lm = TransformerXLLM.from_pretrained(folder)
     tok = Tokenizer.load(folder / "tokenizer.json") if (folder / "tokenizer.json").exists() else None
@@ -203,18 +217,31 @@ def generate(
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
     g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
-    out = _generate(
-        lm, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, mem_len=mem_len, generator=g
+    tokens = stream(
+        lm,
+        torch.tensor([prompt_ids], dtype=torch.long),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        mem_len=mem_len,
+        generator=g,
     )
-    new = out[0, len(prompt_ids) :].tolist()
     if json or tok is None:
+        new = [int(t) for t in tokens]
         record = {"prompt_ids": prompt_ids, "new_ids": new}
         if tok is not None:
             record["text"] = tok.decode(new)
         print(_json.dumps(record))
-    else:
-        print(tok.decode(prompt_ids) + tok.decode(new))
+        return
+    decoder = tok.stream_decoder()
+    out = sys.stdout
+    out.write("".join(decoder.push(i) for i in prompt_ids))
+    out.flush()
+    for t in tokens:
+        out.write(decoder.push(int(t)))
+        out.flush()
+    out.write(decoder.flush() + "\n")
 
 
 def plot(run: Path, out: Path | None = None) -> None:
@@ -267,7 +294,7 @@ def data_prepare(data: DataConfig, verify: bool = True) -> None:
         "vocab_size": corpus.tokenizer.vocab_size,
         "tokens": {s: corpus.n_tokens(s) for s in corpus.splits},
     }
-    print(json.dumps(summary, indent=1))
+    print(_json.dumps(summary, indent=1))
 
 
 COMMANDS = {
@@ -278,7 +305,9 @@ COMMANDS = {
     "convert": {"hf": convert_hf},
     "data": {"get": data_get, "prepare": data_prepare},
 }
-FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify"}  # boolean options that may be given without a value
+HELP = {"convert": "Import checkpoints of other implementations.", "data": "Download and prepare datasets."}
+# boolean options that may be given without a value
+FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config"}
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -295,19 +324,129 @@ def normalize_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import auto_cli, set_parsing_settings
+def _description(target) -> str:
+    """A command's docstring without its Args section (the options' help comes from there)."""
+    return inspect.getdoc(target).split("\nArgs:")[0].strip()
 
-    from txl.trainer import TrainingError
+
+def _summary(target) -> str:
+    return _description(target).split("\n")[0]
+
+
+def _new_parser(prog: str, description: str | None = None):
+    from jsonargparse import ArgumentParser
+
+    return ArgumentParser(prog=prog, description=description, print_config=None, exit_on_error=False)
+
+
+def build_parser():
+    """The whole ``txl`` parser, and the parser of each command (by command path, e.g. ``("convert", "hf")``)."""
+    from jsonargparse import ActionConfigFile, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parsers = {}
+
+    def add(parser, commands: dict, path: tuple[str, ...]) -> None:
+        sub = parser.add_subcommands(required=True)
+        for name, target in commands.items():
+            here = (*path, name)
+            prog = " ".join(("txl", *here))
+            if isinstance(target, dict):
+                child = _new_parser(prog, HELP[name])
+                sub.add_subcommand(name, child, help=HELP[name])  # a level is added before the next one
+                add(child, target, here)
+                continue
+            if target is train:
+                child = build_run_parser(prog)
+                child.add_argument(
+                    "--resume",
+                    default="auto",
+                    help="auto (continue from the run's latest complete checkpoint, if any), none (start fresh; "
+                    "refused if the run has checkpoints), or a checkpoint/run folder to continue from.",
+                )
+                child.add_argument(
+                    "--print_config",
+                    type=bool,
+                    default=False,
+                    help="Print the fully resolved configuration (YAML, what the run would use; model.n_token is "
+                    "replaced by the tokenizer's vocabulary size when training starts) and exit.",
+                )
+            else:
+                child = _new_parser(prog, _description(target))
+                child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
+                child.add_function_arguments(target, as_group=False, as_positional=True, sub_configs=True)
+            parsers[here] = child
+            sub.add_subcommand(name, child, help=_summary(target))
+
+    top = _new_parser("txl", "Transformer-XL for PyTorch: train, evaluate, generate, convert.")
+    add(top, COMMANDS, ())
+    return top, parsers
+
+
+def run(argv: list[str]) -> None:
+    """Parse ``argv`` (already normalized) and run the command."""
+    top, parsers = build_parser()
+    namespace = top.parse_args(argv)
+    path, node, commands = (), namespace, COMMANDS
+    while True:
+        name = node["subcommand"]
+        path, node, target = (*path, name), node[name], commands[name]
+        if not isinstance(target, dict):
+            break
+        commands = target
+    parser = parsers[path]
+    if target is train:
+        train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
+        return
+    init = parser.instantiate(node)
+    target(**{k: init[k] for k in inspect.signature(target).parameters})
+
+
+def _argument_message(message: str) -> str:
+    """jsonargparse's type errors as ``--option = value: expected ...``; other messages unchanged."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    if key is None:
+        return message
+    option = f"--{key.group(1)}"
+    choices = re.search(r"Literal\[([^\]]+)\]", message)
+    given = re.search(r"(?:Given value|Got value): (.*?)(?: Given value type|$)", message)
+    value = repr(given.group(1).strip()) if given else "this value"
+    if choices:
+        return f"{option} = {value}: expected one of {choices.group(1).replace(chr(39), '')}"
+    expected = re.search(r"Expected a <class '(\w+)'>", message)
+    if expected:
+        return f"{option} = {value}: expected {'an' if expected.group(1)[0] in 'aeiou' else 'a'} {expected.group(1)}"
+    return f"{option}: {message[key.end() :].strip()}"
+
+
+def _error(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for the errors a user can act on; None for anything else (a bug: traceback)."""
+    from txl.evaluate import NonFiniteError
+    from txl.trainer import TrainingError
+
+    if isinstance(e, ArgumentError):
+        return 2, f"txl: error: {_argument_message(one_line(str(e)))} (--help lists the options)"
+    if isinstance(e, TrainingError):
+        return 1, f"txl: training stopped: {e}"
+    if isinstance(e, NonFiniteError):
+        return 1, f"txl: error: {e}"
+    if isinstance(e, FileNotFoundError):
+        return 2, f"txl: error: {e.filename}: {e.strerror}" if e.filename else f"txl: error: {e}"
+    if isinstance(e, OSError):
+        where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        return 1, f"txl: error: {where} (check that folder's permissions and free space)"
+    if isinstance(e, ValueError):  # ConfigError, DataError, CheckpointError and bad values
+        return 2, f"txl: error: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
-        auto_cli(COMMANDS, args=normalize_argv(sys.argv[1:] if argv is None else argv), as_positional=True)
-    except (CheckpointError, DataError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("TXL_DEBUG"):
+        run(normalize_argv(sys.argv[1:] if argv is None else argv))
+    except Exception as e:
+        handled = None if os.environ.get("TXL_DEBUG") else _error(e)
+        if handled is None:
             raise
-        print(f"txl: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except TrainingError as e:
-        print(f"txl: training stopped: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+        code, message = handled
+        print(message, file=sys.stderr)
+        raise SystemExit(code) from None

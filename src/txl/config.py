@@ -2,20 +2,33 @@
 
 The field docstrings are the ``--help`` text. A recipe in ``configs/`` is a YAML file with these sections;
 ``--train.lr 1e-3`` style flags override single fields.
+
+There is one way to turn a recipe into a :class:`RunConfig`: the parser of :func:`build_run_parser`.
+``txl train`` parses its command line with it, :func:`load_recipe` parses a YAML file (plus overrides) with it,
+and a checkpoint's ``run.json`` is read back with it (:meth:`RunConfig.from_dict`). Every section is built once,
+from the final values, so derived defaults (``model.d_embed`` = ``d_model``, ``model.tie_projs`` from
+``cutoffs``) follow the values the run really uses, never the defaults of another section or of the parser.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
-
-import yaml
 
 from txl.data import DataConfig
 from txl.modeling import TransformerXLConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Split = Literal["train", "valid", "test"]
+SECTIONS = ("model", "data", "train", "eval", "run_dir")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the field (or file) and what to do."""
 
 
 @dataclass
@@ -27,7 +40,9 @@ class TrainConfig:
     tgt_len: int = 70
     """Segment length: tokens predicted per column per step."""
     ext_len: int = 0
-    """Extended context: tokens of the previous segment fed again in front of each segment (not predicted)."""
+    """Extended context: the last ext_len tokens of each segment are fed again (with gradient) in front of the
+    next one instead of being kept in the memory; only the last tgt_len positions are scored (the reference's
+    --ext_len)."""
     varlen: bool = False
     """Vary the segment length per step as the reference's --varlen does (tgt_len, sometimes half, plus noise)."""
     batch_chunk: int = 1
@@ -95,32 +110,31 @@ class TrainConfig:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"train.{name} = {getattr(self, name)!r}: {why}")
+            raise ConfigError(f"train.{name} = {getattr(self, name)!r}: {why}")
 
-        for name in (
-            "batch_size",
-            "tgt_len",
-            "batch_chunk",
-            "max_steps",
-            "log_interval",
-            "eval_batch_size",
-            "keep_last",
-        ):
+        positive = ("batch_size", "tgt_len", "batch_chunk", "max_steps", "log_interval", "eval_batch_size", "keep_last")
+        for name in positive:
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
         for name in ("ext_len", "warmup_steps", "eval_interval", "checkpoint_interval"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
+        for name in ("threads", "max_tokens", "eval_max_steps", "eval_tgt_len", "decay_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                bad(name, "must be >= 1 (or null)")
         if self.lr <= 0:
             bad("lr", "must be > 0")
-        if self.clip < 0:
-            bad("clip", "must be >= 0")
-        if len(self.betas) != 2:
-            bad("betas", "needs two values")
+        for name in ("clip", "weight_decay", "momentum", "eta_min"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if self.eps <= 0:
+            bad("eps", "must be > 0")
+        if self.max_time is not None and self.max_time <= 0:
+            bad("max_time", "must be > 0 seconds (or null)")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            bad("betas", "needs two values in [0, 1)")
         if self.scheduler == "inv_sqrt" and self.warmup_steps == 0:
             bad("warmup_steps", "inv_sqrt needs warmup_steps > 0 (the peak is at the end of the warm-up)")
-        if self.eval_tgt_len is not None and self.eval_tgt_len < 1:
-            bad("eval_tgt_len", "must be >= 1")
 
 
 @dataclass
@@ -129,7 +143,7 @@ class EvalConfig:
 
     The paper evaluates with a longer memory than in training and ``same_length``."""
 
-    split: Literal["train", "valid", "test"] = "test"
+    split: Split = "test"
     """Split to evaluate."""
     batch_size: int = 10
     """Columns evaluated in parallel."""
@@ -142,16 +156,48 @@ class EvalConfig:
     same_length: bool = True
     """Every query sees the same number (mem_len) of keys."""
 
+    def validate(self, prefix: str = "eval.") -> None:
+        """Raise ``ConfigError`` naming the first bad field as ``{prefix}{field}``."""
+
+        def bad(name: str, why: str) -> None:
+            raise ConfigError(f"{prefix}{name} = {getattr(self, name)!r}: {why}")
+
+        if self.split not in ("train", "valid", "test"):
+            bad("split", "must be train, valid or test")
+        for name in ("batch_size", "tgt_len"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.mem_len < 0:
+            bad("mem_len", "must be >= 0")
+        if self.same_length and self.mem_len == 0:
+            bad("same_length", "needs mem_len > 0 (the window of mem_len keys would be empty)")
+
 
 @dataclass
 class RunConfig:
     """All sections of a run, as saved in RUN/config.yaml and in every checkpoint (run.json)."""
 
     model: TransformerXLConfig
+    """The model (n_token is set from the tokenizer's vocabulary when training)."""
     data: DataConfig
+    """The dataset and tokenizer."""
     train: TrainConfig
+    """Optimisation, precision, logging and checkpoints."""
     eval: EvalConfig
+    """Evaluation settings of the trained model (the defaults of `txl eval`)."""
     run_dir: str = "runs/default"
+    """Run folder: config.yaml, metrics.jsonl, train.log, checkpoints/step-N/."""
+
+    def __post_init__(self) -> None:
+        self.train.validate()
+        self.eval.validate()
+        t, m = self.train, self.model
+        if m.mem_len > 0 and t.eval_tgt_len is not None and t.eval_tgt_len >= t.tgt_len + m.mem_len:
+            raise ConfigError(
+                f"train.eval_tgt_len = {t.eval_tgt_len}: the in-training evaluation keeps the attention span of "
+                f"training (tgt_len + mem_len = {t.tgt_len + m.mem_len}) and would have no memory left; "
+                f"use an eval_tgt_len below {t.tgt_len + m.mem_len}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -162,32 +208,71 @@ class RunConfig:
             "run_dir": self.run_dir,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "run configuration") -> RunConfig:
+        """Rebuild from a dict (e.g. a checkpoint's ``run.json``), through the same parser as ``txl train``."""
+        return _build(lambda: run_parser().parse_object(data), source)
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+
+def build_run_parser(prog: str = "txl train"):
+    """A new parser of run configurations: the options of ``txl train``, one per field of every section.
+
+    Sections have no default instance: jsonargparse would otherwise read nested defaults off an instance whose
+    derived fields were already resolved from *its* values (a ``d_embed`` of the default ``d_model``).
+    """
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(
+        prog=prog,
+        description="Train a Transformer-XL language model (--config configs/NAME.yaml; under torchrun: "
+        "data-parallel).",
+        print_config=None,
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="A recipe (YAML) with the sections below.")
+    parser.add_class_arguments(RunConfig, as_group=False, sub_configs=True)
+    return parser
+
+
+@lru_cache(maxsize=1)
+def run_parser():
+    """The (shared) parser that ``load_recipe`` and ``RunConfig.from_dict`` use; ``txl train`` builds its own
+    with :func:`build_run_parser`."""
+    return build_run_parser()
+
+
+def run_config_from_namespace(namespace, parser=None) -> RunConfig:
+    """A :class:`RunConfig` from a namespace parsed by a run parser (instantiates every section)."""
+    init = (parser or run_parser()).instantiate(namespace)
+    return RunConfig(**{k: init[k] for k in SECTIONS})
+
+
+def _build(parse: Callable[[], Any], source: str) -> RunConfig:
+    try:
+        return run_config_from_namespace(parse())
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"{source}: {one_line(str(e))}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {one_line(str(e))}") from None
+
+
+def one_line(message: str) -> str:
+    """A (jsonargparse) multi-line message as one line."""
+    return " ".join(part.strip() for part in message.strip().splitlines() if part.strip())
 
 
 def load_recipe(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """A recipe YAML (sections model/data/train/eval, run_dir) merged with nested ``overrides``, as a RunConfig.
+    """A recipe YAML (sections model/data/train/eval, run_dir) with nested ``overrides``, as a RunConfig.
 
-    (``txl train --config`` parses the same files with jsonargparse; this is the library-side loader.)
+    Parsed exactly as ``txl train --config PATH --section.field value ...`` parses it.
     """
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
-    raw = _merge(raw, overrides or {})
-    unknown = set(raw) - {"model", "data", "train", "eval", "run_dir"}
-    if unknown:
-        raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
-    try:
-        return RunConfig(
-            model=TransformerXLConfig(**raw.get("model", {})),
-            data=DataConfig(**raw.get("data", {})),
-            train=TrainConfig(**raw.get("train", {})),
-            eval=EvalConfig(**raw.get("eval", {})),
-            run_dir=raw.get("run_dir", "runs/default"),
-        )
-    except TypeError as e:
-        raise ValueError(f"{path}: {e}") from None
+    parser = run_parser()
+
+    def parse():
+        namespace = parser.parse_args(["--config", os.fspath(path)])
+        return parser.parse_object(overrides, namespace=namespace) if overrides else namespace
+
+    return _build(parse, os.fspath(path))

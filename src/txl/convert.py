@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from txl.hf_vocab import TEXT_VOCAB, convert_hf_tokenizer
 from txl.modeling import TransformerXL, TransformerXLConfig, TransformerXLLM
 from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors, tied_aliases
 
@@ -225,12 +226,20 @@ def _check_hf_ties(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sou
 def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_pickle: bool = False):
     """Convert an HF TransfoXL folder (``config.json`` + weights) to a txl model; save it to ``out`` if given.
 
-    Returns the model (``TransformerXLLM``, or ``TransformerXL`` for a bare ``TransfoXLModel`` checkpoint).
+    The tokenizer's vocabulary (``vocab.txt``, or ``vocab.pkl`` with ``trust_pickle``: see ``txl.hf_vocab``) is
+    written to ``out/tokenizer.json`` with HF's ids; it must have one symbol per model token. Everything is read
+    and checked before anything is written. Returns the model (``TransformerXLLM``, or ``TransformerXL`` for a
+    bare ``TransfoXLModel`` checkpoint).
     """
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory (expected an HF folder with config.json and weights)")
     config = hf_config_to_txl(read_json(src / "config.json"), str(src / "config.json"))
+    tokenizer = convert_hf_tokenizer(src, trust_pickle) if trust_pickle or (src / TEXT_VOCAB).is_file() else None
+    if tokenizer is not None and tokenizer.vocab_size != config.n_token:
+        raise CheckpointError(
+            f"{src}: the tokenizer has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,} tokens"
+        )
     hf, source = read_hf_weights(src, trust_pickle)
     is_lm = any(k.startswith("transformer.") or k.startswith("crit.") for k in hf)
     prefix = "transformer." if is_lm else ""
@@ -243,4 +252,6 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
     model.eval()
     if out is not None:
         model.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save(Path(out) / "tokenizer.json")
     return model

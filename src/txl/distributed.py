@@ -29,12 +29,19 @@ class World:
         return self.size > 1
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0, option: str = "train.device") -> torch.device:
+    """``auto`` (the local rank's GPU if there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; errors name
+    ``option`` (the config field or command-line flag the value came from)."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{option} = {name!r}: expected cpu, cuda, cuda:N or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} = {name!r}: expected cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device = {name!r}, but CUDA is not available here; use cpu or auto")
+        raise ValueError(f"{option} = {name!r}, but CUDA is not available here; use cpu or auto")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
     return device

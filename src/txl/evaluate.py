@@ -1,17 +1,41 @@
-"""Evaluation of a language model over a whole split, with the memory carried from segment to segment."""
+"""Evaluation of a language model over a whole text, with the memory carried from segment to segment.
+
+:func:`evaluate` scores an id stream. For ``txl eval`` (and anything else that scores text with a trained
+model), :func:`eval_settings` resolves the settings (given values, else the run's ``eval`` section, else the
+model's own) and :func:`eval_text` reads the text with the model's own ``tokenizer.json``: the run's dataset, a
+folder of ``.txt`` files or a single text file.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from txl.data import OrderedIterator, SentenceStreamIterator
+from txl.config import EvalConfig, RunConfig
+from txl.data import (
+    DataConfig,
+    FileRange,
+    OrderedIterator,
+    SentenceStreamIterator,
+    Tokenizer,
+    cached_corpus,
+    prepare_corpus,
+)
+from txl.data.download import sha256_file
+from txl.data.errors import DataError
 from txl.distributed import World, all_reduce_sum
-from txl.modeling import TransformerXLLM
+from txl.modeling import TransformerXLConfig, TransformerXLLM
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class NonFiniteError(RuntimeError):
+    """A model produced NaN or inf where a probability was expected; the message says where."""
 
 
 @dataclass
@@ -21,15 +45,6 @@ class EvalResult:
     tokens: int
     """Number of tokens scored."""
     batches: int
-
-    @property
-    def ppl(self) -> float:
-        return metric_value(self.loss, "ppl")
-
-    @property
-    def bpc(self) -> float:
-        """Bits per character (per byte for byte-level data)."""
-        return metric_value(self.loss, "bpc")
 
 
 def metric_name(tokenizer_kind: str) -> str:
@@ -43,6 +58,9 @@ def metric_value(loss: float, name: str) -> float:
 
 
 def autocast(device: torch.device, precision: str):
+    """The autocast context of ``precision`` (fp32: none). Unknown names and fp16 off CUDA are errors."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "fp16" and device.type != "cuda":
@@ -71,6 +89,7 @@ def evaluate(
     """
     world = world or World()
     device = world.device
+    context = autocast(device, precision)  # validates the precision before any work
     kw = dict(batch_size=batch_size, tgt_len=tgt_len, rank=world.rank, world_size=world.size, device=device)
     if isinstance(data, list):
         it = SentenceStreamIterator(data, shuffle=False, **kw)
@@ -85,7 +104,7 @@ def evaluate(
         for batch in it:
             if max_batches is not None and batches >= max_batches:
                 break
-            with autocast(device, precision):
+            with context:
                 out = model(
                     batch.input,
                     batch.target,
@@ -102,3 +121,76 @@ def evaluate(
         model.train(was_training)
     total, count = all_reduce_sum(world, nll.item(), tokens)
     return EvalResult(loss=total / max(count, 1), tokens=int(count), batches=batches)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What `txl eval` scores, and how.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def eval_settings(run: RunConfig | None, model_config: TransformerXLConfig, **given) -> EvalConfig:
+    """The evaluation settings: each value in ``given`` that is not None, else the run's ``eval`` section, else
+    defaults from the model (its mem_len and clamp_len; same_length when it has a memory). Errors name the
+    command-line option (``--tgt_len``)."""
+    base = run.eval if run is not None else None
+    if base is None:
+        m = model_config
+        base = EvalConfig(mem_len=m.mem_len, clamp_len=m.clamp_len, same_length=m.mem_len > 0)
+    unknown = set(given) - set(EvalConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown evaluation setting(s): {', '.join(sorted(unknown))}")
+    settings = replace(base, **{k: v for k, v in given.items() if v is not None})
+    settings.validate(prefix="--")
+    return settings
+
+
+@dataclass
+class EvalText:
+    """Token ids to score (a stream, or lm1b sentence shards), the tokenizer that made them, and what they are."""
+
+    ids: np.ndarray | list
+    tokenizer: Tokenizer
+    description: str
+
+
+def eval_text(
+    model_dir: Path,
+    run: RunConfig | None,
+    split: str,
+    data: str | Path | None = None,
+    dataset: str | None = None,
+    encoding_errors: str | None = None,
+) -> EvalText:
+    """The text ``txl eval`` scores, always read with the model's own ``tokenizer.json``.
+
+    ``data`` is a text file (scored whole), a folder (its ``split``: ``{split}.txt``, ``{split}/*.txt`` or held-out
+    documents, or the layout of ``dataset``), or None: the run's own dataset, from the training cache when its
+    tokenizer is the model's (no tokenization at all), else tokenized once with the model's tokenizer.
+    ``encoding_errors`` defaults to the run's ``data.encoding_errors``.
+    """
+    if encoding_errors is None:
+        encoding_errors = run.data.encoding_errors if run is not None else "strict"
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise DataError(
+            f"{model_dir}: no tokenizer.json; evaluation reads text with the model's own tokenizer "
+            "(a model converted from Hugging Face gets one with `txl convert hf --trust-pickle`)"
+        )
+    if data is not None and Path(data).is_file():
+        tokenizer = Tokenizer.load(tok_file)
+        chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors))
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        if len(ids) == 0:
+            raise DataError(f"{data}: no tokens to score (the file is empty)")
+        return EvalText(ids, tokenizer, str(data))
+    if data is not None:
+        cfg = DataConfig(path=str(data), dataset=dataset or "custom", encoding_errors=encoding_errors)
+    elif run is not None:
+        cfg = replace(run.data, dataset=dataset or run.data.dataset, encoding_errors=encoding_errors)
+        trained = cached_corpus(cfg)  # the training cache, if its tokenizer is the model's
+        if trained is not None and trained.meta["tokenizer_sha256"] == sha256_file(tok_file):
+            return EvalText(trained.splits[split], trained.tokenizer, f"{split} split of {cfg.path}")
+    else:
+        raise DataError(f"{model_dir} has no run configuration (run.json): give the text to score with --data")
+    corpus = prepare_corpus(replace(cfg, tokenizer_file=str(tok_file), tokenizer=None))
+    return EvalText(corpus.splits[split], corpus.tokenizer, f"{split} split of {cfg.path}")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from txl.pretrained import atomic_write_bytes
+from txl.fileio import write_bytes
 
 METRICS = "metrics.jsonl"
 
@@ -33,7 +33,16 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     path = run_dir / METRICS
     if path.exists():
         kept = [r for r in read_metrics(run_dir) if r["step"] <= step]
-        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+
+
+def _append(f, text: str) -> None:
+    """Write and flush a line; a failure (a full disk, a file-size limit) names the file."""
+    try:
+        f.write(text)
+        f.flush()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, f.name) from None
 
 
 class Reporter:
@@ -70,15 +79,13 @@ class Reporter:
             self.bar.write(msg)
         else:
             print(msg, flush=True)
-        self._log.write(msg + "\n")
-        self._log.flush()
+        _append(self._log, msg + "\n")
 
     def row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (flushed at once: a crash loses at most the line being written)."""
         if not self.enabled:
             return
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
+        _append(self._metrics, json.dumps(row) + "\n")
         if self.tb is not None:
             prefix = row.get("split", "train")
             for k, v in row.items():
@@ -92,10 +99,16 @@ class Reporter:
                 self.bar.set_postfix(postfix, refresh=False)
 
     def close(self) -> None:
+        """Close every output (idempotent). Rows were flushed as they were written, so a close that fails (a
+        full disk) loses nothing and must not hide the error that stopped the run."""
         if not self.enabled:
             return
+        self.enabled = False
         for f in (self._log, self._metrics):
-            f.close()
+            try:
+                f.close()
+            except OSError:
+                pass
         if self.tb is not None:
             self.tb.close()
         if self.bar is not None:

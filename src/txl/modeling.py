@@ -216,7 +216,7 @@ def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device
 #           = (q_i + u).k_j  +  (q_i + v).W_kR R_{i-j}
 #    so (a)+(c) is one matmul with q + u (r_w_bias) and (b)+(d) one matmul with q + v (r_r_bias) against the
 #    projected positions, followed by the shift. Queries are projected for the T current rows only; keys and
-#    values for [memory; segment] (or taken from a cache of already projected memory keys/values).
+#    values for [memory; segment].
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -234,16 +234,6 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.pre_lnorm = cfg.pre_lnorm
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
-    def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        hd = self.n_head * self.d_head
-        kv = F.linear(x, self.qkv_net.weight[hd:])  # [B, L, 2*H*Dh]
-        kv = kv.view(x.shape[0], x.shape[1], 2, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
-        return kv[0], kv[1]  # [B, H, L, Dh] each
-
-    def project_kv(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of layer inputs ``h`` [B, L, D] (what a K/V cache of the memory holds)."""
-        return self._kv(self.layer_norm(h) if self.pre_lnorm else h)
-
     def forward(
         self,
         h: Tensor,
@@ -252,29 +242,21 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         r_r_bias: Tensor,
         mask: Tensor,
         mem: Tensor | None = None,
-        mem_kv: tuple[Tensor, Tensor] | None = None,
         need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
-        """``h`` [B, T, D] segment, ``pos_emb`` [K, D], ``mask`` [T, K] (True = masked).
+    ) -> tuple[Tensor, Tensor | None]:
+        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``pos_emb`` [K, D], ``mask`` [T, K] (True = masked).
 
-        The memory is given either as hidden states ``mem`` [B, M, D] or as their projected keys/values
-        ``mem_kv`` (two [B, H, M, Dh], see ``project_kv``). Returns the layer output [B, T, D], the attention
-        probabilities [B, H, T, K] when ``need_weights``, and the keys/values of the current segment.
+        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
         """
         B, T, _ = h.shape
         H, Dh = self.n_head, self.d_head
         x = self.layer_norm(h) if self.pre_lnorm else h
         q = F.linear(x, self.qkv_net.weight[: H * Dh]).view(B, T, H, Dh)  # queries of the segment only
-        if mem_kv is not None:
-            k_cur, v_cur = self._kv(x)  # [B, H, T, Dh]
-            k = torch.cat([mem_kv[0], k_cur], dim=2)  # [B, H, K, Dh]
-            v = torch.cat([mem_kv[1], v_cur], dim=2)
-        else:
-            if mem is not None and mem.shape[1] > 0:
-                x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
-            k, v = self._kv(x)  # one GEMM over [memory; segment], [B, H, K, Dh]
-            k_cur, v_cur = k[:, :, -T:], v[:, :, -T:]
-        K = k.shape[2]
+        if mem is not None and mem.shape[1] > 0:
+            x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
+        K = x.shape[1]
+        kv = F.linear(x, self.qkv_net.weight[H * Dh :])  # one GEMM over [memory; segment], [B, K, 2*H*Dh]
+        k, v = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
         r_k = self.r_net(pos_emb).view(K, H, Dh)  # W_kR R, [K, H, Dh]
 
         q_w = (q + r_w_bias).transpose(1, 2)  # q + u, [B, H, T, Dh]
@@ -295,7 +277,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             prob = None
         attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, H * Dh)))  # [B, T, D]
         out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
-        return out, prob, (k_cur, v_cur)
+        return out, prob
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,8 +307,8 @@ class TransformerXLLayer(nn.Module):
         self.ff = PositionwiseFF(cfg)
 
     def forward(self, h: Tensor, pos_emb: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, mask: Tensor, **kw):
-        out, prob, kv = self.attn(h, pos_emb, r_w_bias, r_r_bias, mask, **kw)
-        return self.ff(out), prob, kv
+        out, prob = self.attn(h, pos_emb, r_w_bias, r_r_bias, mask, **kw)
+        return self.ff(out), prob
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -482,8 +464,6 @@ class TransformerXLModelOutput:
     """n_layer + 1 tensors [B, T, d_model]: the input of every layer, then the final output."""
     attentions: list[Tensor] | None = None
     """n_layer tensors [B, H, T, K] of attention probabilities."""
-    kv: list[tuple[Tensor, Tensor]] | None = None
-    """Per layer, the projected keys/values of the current segment (two [B, H, T, Dh]), when asked."""
 
 
 class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
@@ -571,10 +551,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         same_length: bool | None = None,
         clamp_len: int | None = None,
         ext_len: int = 0,
-        mem_kv: list[tuple[Tensor, Tensor]] | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
-        return_kv: bool = False,
     ) -> TransformerXLModelOutput:
         """Run one segment ``input_ids`` [B, T] on top of the memory ``mems``.
 
@@ -582,9 +560,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         ``[B, mem_len, d_model]`` to reproduce Hugging Face's / the TF code's zero memory. ``mem_len``,
         ``same_length`` and ``clamp_len`` default to the config and can be changed per call (evaluation with a
         longer memory). The returned memory keeps the last ``mem_len`` layer inputs, excluding the last
-        ``ext_len`` positions of the segment (they will be fed again as extended context). ``mem_kv`` gives the
-        memory as already projected keys/values per layer (a K/V cache; ``mems`` is then only used for the
-        memory update).
+        ``ext_len`` positions of the segment (they will be fed again as extended context).
         """
         cfg = self.config
         mem_len = cfg.mem_len if mem_len is None else mem_len
@@ -599,10 +575,6 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if lo < 0 or hi >= cfg.n_token:
             raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
         mlen = self._check_mems(mems, B) if mems else 0
-        if mem_kv is not None:
-            if len(mem_kv) != cfg.n_layer or (mems and mem_kv[0][0].shape[2] != mlen):
-                raise ValueError("mem_kv needs one (k, v) pair per layer, as long as mems")
-            mlen = mem_kv[0][0].shape[2]
 
         word_emb = self.word_emb(input_ids)  # [B, T, D]
         mask = attention_mask(T, mlen, same_length, mem_len, device=input_ids.device)  # [T, K]
@@ -611,23 +583,14 @@ class TransformerXL(TransformerXLPreTrainedModel):
         pos_emb = self.drop(pos_emb.to(word_emb.dtype))
         h = self.drop(word_emb)
 
-        hids, attns, kvs = [h], [], []
+        hids, attns = [h], []
         for i, layer in enumerate(self.layers):
             u = self.r_w_bias[i] if cfg.untie_r else self.r_w_bias
             v = self.r_r_bias[i] if cfg.untie_r else self.r_r_bias
-            h, prob, kv = layer(
-                h,
-                pos_emb,
-                u,
-                v,
-                mask,
-                mem=mems[i] if mems and mem_kv is None else None,
-                mem_kv=mem_kv[i] if mem_kv is not None else None,
-                need_weights=output_attentions,
-            )
+            mem = mems[i] if mems else None
+            h, prob = layer(h, pos_emb, u, v, mask, mem=mem, need_weights=output_attentions)
             hids.append(h)
             attns.append(prob)
-            kvs.append(kv)
         h = self.drop(h)
         hids[-1] = h
 
@@ -637,7 +600,6 @@ class TransformerXL(TransformerXLPreTrainedModel):
             mems=new_mems,
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
-            kv=kvs if return_kv else None,
         )
 
     @staticmethod
@@ -648,8 +610,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         """Keep the last ``mem_len`` layer inputs of [memory; segment], ending ``ext_len`` before the end.
 
         (The reference code swaps ``qlen`` and ``mlen`` here; harmless only when ``ext_len == 0``.)
-        Positions are absolute: the memory covers [0, mlen), the segment [mlen, mlen + qlen). Without ``mems``
-        (e.g. memory given only as a K/V cache) only segment positions can be kept.
+        Positions are absolute: the memory covers [0, mlen), the segment [mlen, mlen + qlen).
         """
         if mem_len <= 0:
             return None
@@ -657,7 +618,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         beg = max(0, end - mem_len)
         if mems:
             return [torch.cat([m, h], dim=1)[:, beg:end].detach() for m, h in zip(mems, hids, strict=True)]
-        return [h[:, max(0, beg - mlen) : end - mlen].detach() for h in hids]
+        return [h[:, beg:end].detach() for h in hids]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -677,7 +638,6 @@ class TransformerXLLMOutput:
     last_hidden_state: Tensor
     hidden_states: list[Tensor] | None = None
     attentions: list[Tensor] | None = None
-    kv: list[tuple[Tensor, Tensor]] | None = None
 
 
 class TransformerXLLM(TransformerXLPreTrainedModel):
@@ -714,8 +674,10 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
         **kwargs: Any,
     ) -> TransformerXLLMOutput:
         """``targets[b, t]`` is the token after ``input_ids[b, t]`` (the original convention, all T positions
-        scored); ``labels`` is the Hugging Face convention (``labels = input_ids``, shifted inside, T-1 scores).
-        -100 marks ignored positions. Other keyword arguments go to ``TransformerXL.forward``."""
+        scored). ``targets`` [B, T'] with T' < T scores the last T' positions only, as the reference does: the
+        first T - T' inputs are context (e.g. the ``ext_len`` tokens fed again from the previous segment).
+        ``labels`` is the Hugging Face convention (``labels = input_ids``, shifted inside, T-1 scores). -100 marks
+        ignored positions. Other keyword arguments go to ``TransformerXL.forward``."""
         if targets is not None and labels is not None:
             raise ValueError("pass either targets (next tokens) or labels (HF convention), not both")
         out = self.transformer(input_ids, mems, **kwargs)
@@ -723,8 +685,12 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
         B, T, D = h.shape
         if labels is not None:
             h, targets = h[:, :-1], labels[:, 1:]
-        if targets is not None and targets.shape != h.shape[:2]:
-            raise ValueError(f"targets must have shape {tuple(h.shape[:2])}, got {tuple(targets.shape)}")
+        if targets is not None:
+            if targets.dim() != 2 or targets.shape[0] != B or not 0 < targets.shape[1] <= h.shape[1]:
+                raise ValueError(
+                    f"targets must have shape [{B}, T'] with 0 < T' <= {h.shape[1]}, got {tuple(targets.shape)}"
+                )
+            h = h[:, h.shape[1] - targets.shape[1] :]  # the last T' positions are scored
         nll, log_probs = self.crit(h.reshape(-1, D), None if targets is None else targets.reshape(-1), return_log_probs)
         losses = loss = None
         if nll is not None:
@@ -740,7 +706,6 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
             last_hidden_state=out.last_hidden_state,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
-            kv=out.kv,
         )
 
 

@@ -13,7 +13,9 @@ from typing import Any, Self
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from txl.fileio import save_safetensors, write_bytes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -23,15 +25,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint folder or file that cannot be used; the message says which and why."""
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -53,7 +46,10 @@ def unique_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Load ``tensors`` (no tied aliases needed) into ``module``; one error lists every bad key."""
+    """Load ``tensors`` (no tied aliases needed) into ``module``; one error lists every bad key.
+
+    Refused: missing, unexpected or mis-shaped keys, integer or boolean tensors for floating-point weights
+    (never cast silently), and non-finite values (NaN/inf: a diverged or corrupted checkpoint)."""
     expected = unique_state_dict(module)
     aliases = tied_aliases(module)
     for alias, canonical in aliases.items():  # a file may keep a tied tensor under its other name
@@ -66,6 +62,16 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
         for k in set(tensors) & set(expected)
         if tensors[k].shape != expected[k].shape
     )
+    kinds = sorted(
+        f"{k}: {tensors[k].dtype}"
+        for k in set(tensors) & set(expected)
+        if expected[k].is_floating_point() and not tensors[k].is_floating_point()
+    )
+    bad_values = sorted(
+        f"{k} ({int((~torch.isfinite(t)).sum()):,} of {t.numel():,})"
+        for k, t in tensors.items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    )
     problems = []
     if missing:
         problems.append(f"missing keys: {', '.join(missing)}")
@@ -73,8 +79,12 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
         problems.append(f"unexpected keys: {', '.join(unexpected)}")
     if shapes:
         problems.append(f"mis-shaped keys: {'; '.join(shapes)}")
+    if kinds:
+        problems.append(f"not floating-point (weights are never cast): {'; '.join(kinds)}")
+    if bad_values:
+        problems.append(f"non-finite values (NaN/inf; a diverged or corrupted checkpoint): {', '.join(bad_values)}")
     if problems:
-        raise CheckpointError(f"{source} does not fit the model config:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"{source} cannot be loaded into the model: " + "; ".join(problems))
     with torch.no_grad():
         params = dict(module.named_parameters(remove_duplicate=False))
         buffers = dict(module.named_buffers())
@@ -91,6 +101,10 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not found") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not a JSON text file (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -117,10 +131,8 @@ class PretrainedMixin:
         config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": type(self).__name__}
         config.update(self.config.to_dict())
         tensors = unique_state_dict(self)
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt", "txl_format_version": str(FORMAT_VERSION)})
-        os.replace(tmp, out / WEIGHTS_NAME)
-        atomic_write_bytes(out / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+        save_safetensors(tensors, out / WEIGHTS_NAME, {"format": "pt", "txl_format_version": str(FORMAT_VERSION)})
+        write_bytes(out / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
         return out
 
     @classmethod

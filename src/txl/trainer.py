@@ -28,11 +28,19 @@ import torch
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
-from txl.checkpoint import latest_checkpoint, load_states, read_metadata, resolve_model_dir, save_checkpoint
+from txl.checkpoint import (
+    RunLock,
+    latest_checkpoint,
+    load_states,
+    read_metadata,
+    resolve_model_dir,
+    save_checkpoint,
+)
 from txl.config import RunConfig
 from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
-from txl.distributed import World, all_reduce_sum, barrier, init_world
+from txl.distributed import World, all_reduce_sum, barrier, init_world, shutdown
 from txl.evaluate import autocast, evaluate, metric_name, metric_value
+from txl.fileio import write_bytes
 from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -98,17 +106,21 @@ class Trainer:
     """Train ``cfg`` in ``cfg.run_dir``; ``resume`` is ``auto`` (latest checkpoint if any), ``none`` or a path."""
 
     def __init__(self, cfg: RunConfig, resume: str = "auto", *, world: World | None = None):
-        tc = cfg.train
-        tc.validate()
-        self.cfg, self.tc = cfg, tc
-        self.world = world or init_world(tc.device)
-        w = self.world
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
+        self.cfg, self.tc = cfg, cfg.train
+        self.world = world or init_world(cfg.train.device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
         self.run_dir = Path(cfg.run_dir)
-        if w.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        barrier(w)
+        self.lock = self._lock_run_dir()
+        self.reporter: Reporter | None = None
+        try:
+            self._setup(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: str) -> None:
+        cfg, tc, w = self.cfg, self.tc, self.world
         if tc.precision == "fp16" and w.device.type != "cuda":
             raise ValueError("train.precision = 'fp16' needs CUDA (GradScaler); on CPU use bf16")
         per_rank = tc.batch_size // w.size
@@ -172,9 +184,31 @@ class Trainer:
         if self.checkpoint_to_load is not None:
             self._load(self.checkpoint_to_load)
         if w.is_main:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
     # -- setup ------------------------------------------------------------------------------------------------
+
+    def _lock_run_dir(self) -> RunLock | None:
+        """Process 0 locks the run folder; every process stops if that fails (one run per folder)."""
+        w = self.world
+        lock, error = None, None
+        if w.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                lock = RunLock(self.run_dir)
+            except CheckpointError as e:
+                error = e
+        if all_reduce_sum(w, float(error is not None))[0] > 0:
+            raise error or CheckpointError(f"{self.run_dir} is in use by another txl train (see process 0)")
+        return lock
+
+    def close(self) -> None:
+        """Close the logs and release the run folder."""
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _find_resume(self, resume: str) -> Path | None:
         existing = latest_checkpoint(self.run_dir)
@@ -244,8 +278,7 @@ class Trainer:
             "last_eval_step": self.last_eval_step,
             "acc": dict(self.acc),
             "epoch": self._epoch,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": {"name": self.tc.scheduler, "step": self.step, "lr": lr_at(max(self.step, 1), self.tc)},
+            "optimizer": self.optimizer.state_dict(),  # the learning rate is a function of the step
             "scaler": self.scaler.state_dict(),
             "iterator": self.train_iter.state_dict(),
             "mems": [None if m is None else [t.detach().cpu() for t in m] for m in self.mems],
@@ -345,18 +378,27 @@ class Trainer:
             "torch": torch.__version__,
         }
         keep = {self.best_step} if self.tc.keep_best and self.best_step is not None else set()
-        path = save_checkpoint(
-            self.world,
-            self.run_dir,
-            self.step,
-            model=self.model,
-            state=self._state(),
-            tokenizer_file=self.tokenizer_file,
-            run_config=self.cfg.to_dict(),
-            metadata=meta,
-            keep_last=self.tc.keep_last,
-            keep_steps=keep,
-        )
+        try:
+            path = save_checkpoint(
+                self.world,
+                self.run_dir,
+                self.step,
+                model=self.model,
+                state=self._state(),
+                tokenizer_file=self.tokenizer_file,
+                run_config=self.cfg.to_dict(),
+                metadata=meta,
+                keep_last=self.tc.keep_last,
+                keep_steps=keep,
+            )
+        except OSError as e:
+            last = latest_checkpoint(self.run_dir)
+            cause = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+            kept = f"the last complete checkpoint, {last}, is intact" if last else "no complete checkpoint exists yet"
+            raise TrainingError(
+                f"could not write checkpoint step-{self.step} in {self.run_dir / 'checkpoints'} ({cause}); {kept}. "
+                "Free space or fix the folder's permissions, then resume with --resume auto"
+            ) from None
         self.last_saved = self.step
         return path
 
@@ -448,10 +490,12 @@ def _in_main_thread() -> bool:
 
 def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:
     """Train ``cfg`` (joining the torchrun process group when there is one)."""
-    trainer = Trainer(cfg, resume)
+    world = init_world(cfg.train.device)
     try:
-        return trainer.fit()
+        trainer = Trainer(cfg, resume, world=world)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
-        from txl.distributed import shutdown
-
-        shutdown(trainer.world)
+        shutdown(world)

@@ -1,6 +1,6 @@
 """Datasets, tokenizers, cached ids and batch iterators (see the README's "Data" section)."""
 
-from txl.data.corpus import Corpus, DataConfig, SentenceShard, prepare_corpus
+from txl.data.corpus import Corpus, DataConfig, SentenceShard, cached_corpus, prepare_corpus
 from txl.data.errors import DataError
 from txl.data.iterators import Batch, OrderedIterator, SentenceStreamIterator
 from txl.data.readers import Layout, find_splits
@@ -20,6 +20,7 @@ __all__ = [
     "SentenceShard",
     "SentenceStreamIterator",
     "Tokenizer",
+    "cached_corpus",
     "find_splits",
     "get_dataset",
     "prepare_corpus",

@@ -21,12 +21,13 @@ from typing import Literal
 
 import numpy as np
 
-from txl.data.download import _say, sha256_file, write_atomic
+from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
 from txl.data.readers import SPLITS, Layout, find_splits
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
+from txl.fileio import write_bytes
 
 FORMAT, FORMAT_VERSION = "txl-corpus", 1
 META = "meta.json"
@@ -44,7 +45,8 @@ class DataConfig:
     """word, char or byte (default: the dataset's: word for WikiText/PTB/lm1b/custom, char for text8/Shakespeare,
     byte for enwik8)."""
     tokenizer_file: str | None = None
-    """Use this tokenizer.json instead of building a vocabulary (e.g. a pretrained model's)."""
+    """Use this tokenizer.json instead of building a vocabulary (e.g. a pretrained model's): it decides how the
+    text is read (word, char or byte, line ends, lower-casing)."""
     paper_compatible: bool = False
     """enwik8 only: drop newline bytes and order the 204 bytes by count, exactly as the original pipeline does."""
     lower_case: bool | None = None
@@ -120,6 +122,11 @@ def _settings(cfg: DataConfig) -> dict:
         raise DataError(f"unknown dataset {cfg.dataset!r}; expected one of {', '.join(RECIPES)}")
     recipe = RECIPES["custom" if cfg.dataset == "custom" else cfg.dataset]
     kind = cfg.tokenizer or recipe.kind
+    if cfg.tokenizer_file:  # a given tokenizer decides how the text is read
+        given = Tokenizer.load(Path(cfg.tokenizer_file)).kind
+        if cfg.tokenizer and cfg.tokenizer != given:
+            raise DataError(f"data.tokenizer = {cfg.tokenizer!r}, but {cfg.tokenizer_file} is a {given} tokenizer")
+        kind = given
     if kind != recipe.kind:  # e.g. Shakespeare with words: custom word rules
         recipe = RECIPES["custom"] if kind == "word" else _Recipe(kind)
     if cfg.paper_compatible and cfg.dataset != "enwik8":
@@ -213,16 +220,13 @@ def _write_array(path: Path, chunks, dtype: np.dtype) -> tuple[int, str]:
             n += len(ids)
             yield b
 
-    write_atomic(path, encoded())
+    write_bytes(path, encoded())
     return n, h.hexdigest()
 
 
 def _build_tokenizer(cfg: DataConfig, settings: dict, layout: Layout) -> Tokenizer:
     if cfg.tokenizer_file:
-        tok = Tokenizer.load(Path(cfg.tokenizer_file))
-        if tok.kind != settings["kind"]:
-            raise DataError(f"{cfg.tokenizer_file} is a {tok.kind} tokenizer, but this dataset uses {settings['kind']}")
-        return tok
+        return Tokenizer.load(Path(cfg.tokenizer_file))
     if cfg.dataset == "lm1b":
         return Tokenizer.from_vocab_file(layout.vocab_file)
     vocab_splits = ("train",) if settings["vocab_from"] == "train" else SPLITS
@@ -283,6 +287,23 @@ def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
     return Corpus(tok, splits, folder, meta)
 
 
+def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, Layout, Path]:
+    cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
+    settings = _settings(cfg)
+    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard)
+    folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
+    return cfg, settings, layout, folder
+
+
+def cached_corpus(cfg: DataConfig | None = None, *, verify: bool = True, **overrides) -> Corpus | None:
+    """The valid cache of ``cfg``'s dataset, or None if there is none (nothing is built, nothing is changed)."""
+    cfg, settings, layout, folder = _locate(cfg, overrides)
+    meta_path = folder / META
+    if not meta_path.exists() or _why_stale(folder, meta_path, settings, layout, verify) is not None:
+        return None
+    return _load(folder, json.loads(meta_path.read_text()), Tokenizer.load(folder / "tokenizer.json"))
+
+
 def prepare_corpus(
     cfg: DataConfig | None = None, *, verify: bool = True, log: Callable[[str], None] = _say, **overrides
 ) -> Corpus:
@@ -290,10 +311,7 @@ def prepare_corpus(
 
     Keyword ``overrides`` set :class:`DataConfig` fields. ``verify`` re-hashes the cached arrays on load.
     """
-    cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
-    settings = _settings(cfg)
-    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard)
-    folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
+    cfg, settings, layout, folder = _locate(cfg, overrides)
     meta_path = folder / META
     reason = "no cache yet"
     if meta_path.exists():
@@ -327,9 +345,7 @@ def prepare_corpus(
         "sources": _sources(layout),
         "arrays": arrays,
     }
-    from txl.pretrained import atomic_write_bytes
-
-    atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
+    write_bytes(meta_path, json.dumps(meta, indent=1).encode())
     sizes = ", ".join(f"{s} {sum(e['n_tokens'] for e in arrays[s]):,}" for s in SPLITS)
     log(f"{cfg.dataset}: vocabulary {tok.vocab_size:,} ({tok.kind}), tokens: {sizes}")
     return _load(folder, meta, tok)

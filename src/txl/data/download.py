@@ -7,13 +7,13 @@ import http.client
 import os
 import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
 from txl.data.errors import DataError
+from txl.fileio import write_bytes
 
 CHUNK = 1 << 20
 
@@ -24,20 +24,6 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(CHUNK * 8):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_atomic(dest: Path, chunks: Iterable[bytes]) -> None:
-    """Stream ``chunks`` into ``dest`` through a temporary file in the same folder (never a half-written dest)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _say(msg: str) -> None:
@@ -101,12 +87,15 @@ def download(
     log: Callable[[str], None] = _say,
     attempts: int = 3,
     timeout: float = 60.0,
+    check: Callable[[Path], str | None] | None = None,
 ) -> Path:
     """Download the first URL that works to ``dest``, resuming a partial ``dest.part``, then check it.
 
     An existing ``dest`` is re-checked and reused. Without a pinned ``sha256`` the digest of the first download is
-    recorded in ``dest.sha256`` and checked on every later use (trust on first use; the message says so). A failed
-    transfer keeps ``dest.part`` so the next run resumes; a wrong checksum moves the file to ``dest.bad``.
+    recorded in ``dest.sha256`` and checked on every later use (trust on first use; the message says so), once
+    ``check`` (a function returning what is wrong with the file, or None) accepts the content, so that an error page
+    or a truncated file is never the one trusted. A failed transfer keeps ``dest.part`` so the next run resumes; a
+    wrong checksum or content moves the file to ``dest.bad``.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -124,15 +113,18 @@ def download(
         kept = f"; the partial file {part} is kept and the next run resumes it" if part.exists() else ""
         raise DataError(f"could not download {dest.name}{kept}:\n  " + "\n  ".join(failures))
     digest = sha256_file(part)
-    if expected is not None and digest != expected:
+    problem = f"sha256 {digest}, expected {expected}" if expected is not None and digest != expected else None
+    if problem is None and expected is None and check is not None:
+        problem = check(part)
+    if problem is not None:
         bad = dest.with_name(dest.name + ".bad")
         shutil.move(part, bad)
         raise DataError(
-            f"{dest.name} from {url}: sha256 {digest}, expected {expected}. The file was moved to {bad}; "
-            "the source may have changed or the transfer was corrupted. Delete it and retry, or use another mirror."
+            f"{dest.name} from {url}: {problem}. The file was moved to {bad}; the source may have changed or the "
+            "transfer was corrupted. Delete it and retry, or use another mirror."
         )
     os.replace(part, dest)
     if expected is None:
-        record.write_text(digest + "\n")
+        write_bytes(record, (digest + "\n").encode())
         log(f"{dest.name}: sha256 {digest} (not pinned by txl; recorded in {record} and checked from now on)")
     return dest

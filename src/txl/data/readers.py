@@ -151,12 +151,12 @@ def _lm1b(path: Path, valid_shard: int) -> Layout:
     return Layout(splits, what, vocab)
 
 
-def hold_out(files: list[Path]) -> dict[str, list[FileRange]]:
+def hold_out(files: list[Path], folder: Path) -> dict[str, list[FileRange]]:
     """A flat folder of documents: sorted, the last ~5% (at least one) test, the ~5% before them valid."""
     if len(files) < 3:
         raise DataError(
-            f"{files[0].parent if files else 'folder'}: {len(files)} .txt file(s); a folder dataset needs "
-            "train.txt, valid.txt and test.txt, train/ valid/ test/ subfolders, or at least 3 documents"
+            f"{folder}: {len(files)} .txt file(s); a folder dataset needs train.txt, valid.txt and test.txt, "
+            "train/ valid/ test/ subfolders, or at least 3 .txt documents"
         )
     k = max(1, round(0.05 * len(files)))
     return {
@@ -177,7 +177,7 @@ def _folder(path: Path) -> Layout:
                 raise DataError(f"{path / s}: no .txt files")
         return Layout(splits, f"text folders {path}/{{train,valid,test}}/*.txt")
     files = sorted(f for f in path.glob("*.txt") if f.is_file())
-    return Layout(hold_out(files), f"folder of {len(files)} documents {path}/*.txt")
+    return Layout(hold_out(files, path), f"folder of {len(files)} documents {path}/*.txt")
 
 
 def find_splits(dataset: str, path: Path, *, valid_shard: int = 1) -> Layout:

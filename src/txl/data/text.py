@@ -112,5 +112,6 @@ def _decode(fr: FileRange, data: bytes, start: int, errors: str) -> str:
         line, col = line_of_offset(fr.path, offset)
         raise DataError(
             f"{fr.path}:{line}: invalid UTF-8 byte 0x{data[e.start]:02x} at byte offset {offset} (column {col}). "
-            "Fix the file, or pass --encoding_errors replace to read bad bytes as U+FFFD."
+            "Fix the file, or read bad bytes as U+FFFD with data.encoding_errors: replace "
+            "(--data.encoding_errors replace; txl eval: --encoding_errors replace)."
         ) from None

@@ -25,6 +25,7 @@ Face users can load the saved ``tokenizer.json`` with ``tokenizers.Tokenizer.fro
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -59,6 +60,7 @@ def _byte_chars() -> list[str]:
 
 
 BYTE_CHARS = _byte_chars()
+BYTE_OF_CHAR = {ch: b for b, ch in enumerate(BYTE_CHARS)}
 
 
 def _not_in_vocab(symbol: str) -> None:
@@ -189,6 +191,14 @@ class Tokenizer:
             if sym not in present:
                 present.add(sym)
                 symbols.append(sym)
+        if len(symbols) == len(dict.fromkeys(specials)):
+            where = ", ".join(fr.describe() for fr in sources[:3]) + (", ..." if len(sources) > 3 else "")
+            real = [sym for sym in counts if sym not in present]
+            why = "min_freq/max_size left no symbol" if real else "the text is empty or only whitespace"
+            raise DataError(
+                f"{where}: no token to build a vocabulary from ({why}); a model over only the special symbols "
+                f"{list(dict.fromkeys(specials))} would learn nothing. Check the data path and files."
+            )
         unk = unk_token if unk_token in present else None
         return cls(kind, symbols, unk, line_end, lower_case, drop_newlines)
 
@@ -366,7 +376,7 @@ class Tokenizer:
         """Text of ids: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
         syms = [self.symbols[int(i)] for i in ids]
         if self.kind == "byte":
-            return bytes(BYTE_CHARS.index(s) for s in syms).decode("utf-8", errors="replace")
+            return bytes(BYTE_OF_CHAR[s] for s in syms).decode("utf-8", errors="replace")
         if self.kind == "char":
             return "".join(syms)
         if self.line_end != "eos":
@@ -379,6 +389,10 @@ class Tokenizer:
             else:
                 line.append(s)
         return "\n".join([*lines, " ".join(line)])
+
+    def stream_decoder(self) -> StreamDecoder:
+        """An incremental decoder for text that appears token by token (``txl generate``)."""
+        return StreamDecoder(self)
 
     # --------------------------------------------------------------------------------- tokenizer.json
     def to_hf(self):
@@ -423,13 +437,13 @@ class Tokenizer:
 
     def save(self, path: Path) -> Path:
         """Write ``tokenizer.json`` atomically (``path`` may be a folder)."""
-        from txl.pretrained import atomic_write_bytes
+        from txl.fileio import write_bytes
 
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path = path / "tokenizer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, self.to_json().encode())
+        write_bytes(path, self.to_json().encode())
         return path
 
     @classmethod
@@ -470,3 +484,31 @@ class Tokenizer:
         except (KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{source}: not a txl word/char/byte tokenizer ({e})") from None
         return cls(kind, symbols, unk if unk in vocab else None, line_end, "Lowercase" in types, drop_nl)
+
+
+class StreamDecoder:
+    """Text of ids fed one at a time: the pieces returned by :meth:`push` and :meth:`flush`, concatenated, equal
+    :meth:`Tokenizer.decode` of all the ids. A word gets its separator (a space, or nothing after a line end); a
+    UTF-8 sequence split over byte tokens appears once complete."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") if tokenizer.kind == "byte" else None
+        self._line_start = True
+
+    def push(self, token_id: int) -> str:
+        sym = self.tok.symbols[int(token_id)]
+        if self._bytes is not None:
+            return self._bytes.decode(bytes([BYTE_OF_CHAR[sym]]))
+        if self.tok.kind == "char":
+            return sym
+        if self.tok.line_end == "eos" and sym == EOS:
+            self._line_start = True
+            return "\n"
+        piece = sym if self._line_start else " " + sym
+        self._line_start = False
+        return piece
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete UTF-8 sequence at the very end, as U+FFFD)."""
+        return self._bytes.decode(b"", final=True) if self._bytes is not None else ""

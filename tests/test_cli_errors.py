@@ -1,0 +1,279 @@
+"""What a hostile user typed: every bad option of `txl eval` and `txl generate`, bad files and weights. Each gets one
+line on stderr naming the option, file or tensor and what to do (exit code 2 for usage errors, 1 for a run that
+failed), never a traceback. And what must simply work: scoring new text with the model's own tokenizer (with at
+most one tokenization), streamed generation with word separators, --threads."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from train_helpers import run_inprocess, tiny_corpus
+from txl.checkpoint import best_checkpoint
+from txl.cli import main
+from txl.data import Tokenizer, prepare_corpus
+from txl.evaluate import evaluate
+from txl.generation import generate
+from txl.modeling import TransformerXL, TransformerXLLM
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("char")
+    return run_inprocess(tmp, train__max_steps=4, train__eval_interval=0)
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("word")
+    return run_inprocess(tmp, train__max_steps=4, train__eval_interval=0, data__tokenizer="word")
+
+
+def fails(capsys, args: list[str], code: int = 2) -> str:
+    """Run the CLI, expect exit ``code`` and exactly one line on stderr; return it."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == code and len(lines) == 1 and lines[0].startswith("txl: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max_batches", "0"], "--max_batches = 0: must be >= 1"),
+        (["--max_batches", "-1"], "--max_batches = -1: must be >= 1"),
+        (["--tgt_len", "0"], "--tgt_len = 0: must be >= 1"),
+        (["--batch_size", "0"], "--batch_size = 0: must be >= 1"),
+        (["--mem_len", "-5"], "--mem_len = -5: must be >= 0"),
+        (["--mem_len", "0", "--same_length", "true"], "--same_length = True: needs mem_len > 0"),
+        (["--precision", "fp8"], "--precision = 'fp8': expected one of fp32, bf16, fp16"),
+        (["--split", "bogus"], "--split = 'bogus': expected one of train, valid, test"),
+        (["--device", "tpu"], "--device = 'tpu': expected cpu, cuda, cuda:N or auto"),
+        (["--threads", "-1"], "--threads = -1: must be >= 1"),
+        (["--tgt_len", "x"], "--tgt_len = 'x': expected an int"),
+    ],
+)
+def test_eval_bad_options(char_run, capsys, args, message):
+    assert message in fails(capsys, ["eval", "--model", str(char_run), *args])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
+    line = fails(capsys, ["eval", "--model", str(char_run), "--device", "cuda"])
+    assert "--device = 'cuda', but CUDA is not available" in line and "train.device" not in line
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-1"], "temperature = -1.0: must be >= 0"),
+        (["--temperature", "nan"], "--temperature = 'nan': expected a float"),
+        (["--top_p", "1.5"], "top_p = 1.5: must be in (0, 1]"),
+        (["--top_p", "0"], "top_p = 0.0: must be in (0, 1]"),
+        (["--top_k", "-3"], "top_k = -3: must be >= 0"),
+        (["--max_new_tokens", "-5"], "max_new_tokens = -5: must be >= 0"),
+        (["--mem_len", "0"], "--mem_len = 0: must be >= 1"),
+        (["--threads", "0"], "--threads = 0: must be >= 1"),
+    ],
+)
+def test_generate_bad_options(char_run, capsys, args, message):
+    assert message in fails(capsys, ["generate", "--model", str(char_run), "--prompt", "Ab", *args])
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token(char_run):
+    model = TransformerXLLM.from_pretrained(best_checkpoint(char_run))
+    prompt = torch.tensor([[3, 4, 5]])
+    g = torch.Generator().manual_seed(0)
+    nucleus = generate(model, prompt, 12, temperature=1.0, top_p=1e-9, generator=g)
+    sharp = generate(model, prompt, 12, temperature=1e-30)  # tiny temperature: no overflow, the arg max
+    assert nucleus.equal(generate(model, prompt, 12, temperature=0.0)) and sharp.equal(nucleus)
+
+
+@pytest.mark.parametrize("kind", ["char", "word"])
+def test_generated_text_streams_with_separators(char_run, word_run, monkeypatch, capsys, kind):
+    run = char_run if kind == "char" else word_run
+    prompt = "Ab" if kind == "char" else Tokenizer.load(best_checkpoint(run)).decode([5, 9])
+    args = ["generate", "--model", str(run), "--prompt", prompt, "--max_new_tokens", "20", "--seed", "3"]
+    main([*args, "--json"])
+    record = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.load(best_checkpoint(run))
+    forwards, writes = [], []  # what was written after how many forward passes of the model
+
+    def count(module, inputs, output):
+        if isinstance(module, TransformerXL):
+            forwards.append(1)
+
+    class Out:
+        def write(self, s):
+            writes.append((len(forwards), s))
+
+        def flush(self):
+            pass
+
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
+    monkeypatch.setattr(sys, "stdout", Out())
+    try:
+        main(args)
+    finally:
+        hook.remove()
+    text = "".join(s for _, s in writes)
+    assert text == tok.decode(record["prompt_ids"] + record["new_ids"]) + "\n"  # prompt, separator, continuation
+    if kind == "word":
+        assert text.startswith(prompt + " ")  # not glued to the continuation ("the kinghalf")
+    assert {k for k, s in writes if s} >= set(range(1, 21))  # each token written before the next forward pass
+
+
+def test_stream_decoder_equals_decode():
+    rng = np.random.default_rng(0)
+    byte = Tokenizer.bytes256()
+    char = Tokenizer("char", ["a", "b", "\n", "é"])
+    word = Tokenizer("word", ["<eos>", "x", "yy", "<unk>"], unk_token="<unk>", line_end="eos")
+    utf8 = list("é€😀".encode())
+    for tok in (byte, char, word):
+        for _ in range(50):
+            ids = rng.integers(0, tok.vocab_size, rng.integers(0, 12)).tolist()
+            if tok is byte:
+                ids = utf8[: rng.integers(0, len(utf8) + 1)] + ids  # multi-byte characters cut anywhere
+            dec = tok.stream_decoder()
+            assert "".join(dec.push(i) for i in ids) + dec.flush() == tok.decode(ids)
+
+
+def test_threads_option(char_run, capsys):
+    threads = torch.get_num_threads()
+    try:
+        main(["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "2"])
+        assert torch.get_num_threads() == 1  # generation's default
+        main(["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "2", "--threads", "2"])
+        assert torch.get_num_threads() == 2
+        main(["eval", "--model", str(char_run), "--max_batches", "1", "--threads", "1"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_binary_config_json_is_named(char_run, tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes(bytes(range(128, 256)))
+    for args in (["eval", "--model", str(model)], ["generate", "--model", str(model), "--prompt_ids", "[1]"]):
+        line = fails(capsys, args)
+        assert f"{model / 'config.json'}: not a JSON text file" in line
+
+
+def test_train_threads_and_non_utf8_hint_name_real_options(tmp_path, capsys):
+    line = fails(capsys, ["train", "--config", "configs/debug.yaml", "--train.threads", "-1"])
+    assert "train.threads = -1" in line
+    corpus = tiny_corpus(tmp_path / "corpus")
+    (corpus / "valid.txt").write_bytes(b"good line\nbad \xff byte\n")
+    args = ["train", "--config", "configs/debug.yaml", "--data.path", str(corpus), "--data.dataset", "custom"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--run_dir", str(tmp_path / "run"), "--train.max_steps", "1"]
+    line = fails(capsys, args)
+    assert f"{corpus / 'valid.txt'}:2: invalid UTF-8 byte 0xff" in line and "--data.encoding_errors replace" in line
+    main([*args, "--data.encoding_errors", "replace"])  # the option the hint names exists and works
+    assert (tmp_path / "run" / "checkpoints" / "step-1").is_dir()
+
+
+def test_whitespace_only_text_builds_no_vocabulary(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.txt").write_text("   \n\t\n \n")
+    args = ["train", "--config", "configs/debug.yaml", "--data.path", str(data), "--data.dataset", "custom"]
+    line = fails(capsys, [*args, "--data.cache_dir", str(tmp_path / "c"), "--run_dir", str(tmp_path / "r")])
+    assert f"{data / 'train.txt'}: no token to build a vocabulary from (the text is empty or only whitespace)" in line
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def _damaged_copy(run, tmp_path, damage) -> str:
+    src = best_checkpoint(run)
+    dst = tmp_path / "damaged"
+    dst.mkdir(parents=True)
+    for f in ("config.json", "tokenizer.json", "run.json"):
+        (dst / f).write_bytes((src / f).read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    damage(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def test_integer_and_nan_weights_are_refused(char_run, tmp_path, capsys):
+    key = "transformer.layers.0.ff.layer_1.weight"
+
+    def to_int(t):
+        t[key] = t[key].long()
+
+    def to_nan(t):
+        t[key][0, :3] = math.nan
+
+    model = _damaged_copy(char_run, tmp_path / "int", to_int)
+    line = fails(capsys, ["eval", "--model", model])
+    assert f"not floating-point (weights are never cast): {key}: torch.int64" in line
+    model = _damaged_copy(char_run, tmp_path / "nan", to_nan)
+    for args in (["eval", "--model", model], ["generate", "--model", model, "--prompt", "Ab"]):
+        line = fails(capsys, args)
+        assert f"non-finite values (NaN/inf; a diverged or corrupted checkpoint): {key} (3 of " in line
+
+
+def test_a_non_finite_loss_is_reported(char_run, tmp_path, capsys):
+    def overflow(t):  # finite weights whose activations overflow to inf
+        t["transformer.layers.0.ff.layer_1.weight"].fill_(3e38)
+
+    model = _damaged_copy(char_run, tmp_path, overflow)
+    line = fails(capsys, ["eval", "--model", model, "--max_batches", "2"], code=1)
+    assert "the loss on test split of" in line and "non-finite probability" in line
+    line = fails(capsys, ["generate", "--model", model, "--prompt", "Ab"], code=1)
+    assert "non-finite log-probabilities for new token 1" in line
+
+
+def test_new_text_is_read_with_the_model_tokenizer(char_run, tmp_path, capsys, monkeypatch):
+    """`txl eval --data` on a folder or a file of plain text with a char model (it once said "this dataset uses
+    word"): the model's tokenizer.json decides how the text is read; --dataset is not needed."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = "Abc def ghi.\nJkl mno abc.\n" * 40
+    for i in range(4):
+        (docs / f"doc{i}.txt").write_text(text)
+    model = best_checkpoint(char_run)
+    tok = Tokenizer.load(model / "tokenizer.json")
+    lm = TransformerXLLM.from_pretrained(model)
+
+    main(["eval", "--model", str(char_run), "--data", str(docs / "doc0.txt"), "--batch_size", "2", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    ids = np.array(tok.encode(text), dtype=np.int64)
+    ref = evaluate(lm, ids, batch_size=2, tgt_len=got["tgt_len"], mem_len=got["mem_len"], same_length=True)
+    assert got["data"] == str(docs / "doc0.txt") and got["tokens"] == ref.tokens
+    assert got["loss"] == pytest.approx(ref.loss, rel=1e-6)
+
+    main(["eval", "--model", str(char_run), "--data", str(docs), "--batch_size", "1", "--json"])
+    folder = json.loads(capsys.readouterr().out)  # a flat folder of documents: its held-out test document
+    ids = np.array(tok.encode(text), dtype=np.int64)
+    ref = evaluate(lm, ids, batch_size=1, tgt_len=16, mem_len=64, same_length=True)
+    assert folder["loss"] == pytest.approx(ref.loss, rel=1e-6)
+
+
+def test_eval_tokenizes_at_most_once(char_run, tmp_path, monkeypatch, capsys):
+    import txl.data.corpus as corpus_mod
+
+    encoded = []
+    original = corpus_mod._encode_split
+    monkeypatch.setattr(corpus_mod, "_encode_split", lambda *a, **k: encoded.append(a[2]) or original(*a, **k))
+    main(["eval", "--model", str(char_run), "--max_batches", "1"])
+    assert encoded == []  # the run's own cache, with the model's tokenizer: nothing to tokenize
+    cfg = json.loads((best_checkpoint(char_run) / "run.json").read_text())
+    run_json = best_checkpoint(char_run) / "run.json"
+    moved = {**cfg, "data": {**cfg["data"], "cache_dir": str(tmp_path / "elsewhere")}}
+    monkeypatch.setattr(
+        "txl.checkpoint.read_json", lambda p, _real=json.loads: moved if p == run_json else _real(p.read_text())
+    )
+    main(["eval", "--model", str(char_run), "--max_batches", "1"])
+    assert encoded == ["train", "valid", "test"]  # one tokenization of the corpus, not two
+    assert prepare_corpus(**moved["data"]).tokenizer.symbols == Tokenizer.load(run_json.parent).symbols
