@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -82,6 +83,11 @@ def test_vocab_pkl_needs_trust_then_gives_hf_ids(tmp_path, capsys):
     main(["generate", "--model", str(tmp_path / "out"), "--prompt", "the king", "--max_new_tokens", "3", "--json"])
     record = json.loads(capsys.readouterr().out)
     assert record["prompt_ids"] == hf.encode("the king", add_special_tokens=False) and len(record["new_ids"]) == 3
+    # ... and txl eval scores a text with it (a model folder without run.json: settings from the model)
+    main(["eval", "--model", str(tmp_path / "out"), "--data", str(tmp_path / "corpus.txt"), "--json"])
+    scored = json.loads(capsys.readouterr().out)
+    words = sum(len(line.split()) + 1 for line in (tmp_path / "corpus.txt").read_text().splitlines())
+    assert scored["mem_len"] == 8 and math.isfinite(scored["ppl"]) and scored["tokens"] < words
 
 
 def test_lower_case_and_plain_text_vocab(tmp_path, capsys):
