@@ -35,6 +35,7 @@ format: setup
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
+	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md

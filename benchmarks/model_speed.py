@@ -1,13 +1,24 @@
-"""Model speed, side by side with Hugging Face TransfoXL, on the shared configurations (``BENCH.md``).
+"""Speed side by side with Hugging Face TransfoXL on the shared configurations (``BENCH.md``), in one run:
+training (fp32; bf16 where the CPU or GPU has native bf16), evaluation with a long memory, generation, MFU, and
+the peak memory of an evaluation with the paper's longest memory.
 
     make bench            # = .venv/bin/python benchmarks/model_speed.py --write docs/benchmarks.md
 
 Both models get the same weights (HF's are converted with ``txl.convert``) and the same inputs: a random token
-stream cut into consecutive segments (batch 8, tgt_len 128), memories carried. Per case: warm-up steps, then
-timed steps that alternate between the implementations so that both see the same machine state; medians, min
-and max. Train step = forward + backward + Adam (torch defaults, identical for both); eval = no_grad with
-mem_len 640 (the memory is full after the warm-up). fp32, torch.set_num_threads(2). The first segment's memory
-convention differs (HF: zeros, txl: empty) but every timed step has a full memory in both.
+stream cut into consecutive segments (batch 8, tgt_len 128), memories carried. Per case: warm-up steps, then timed
+steps that alternate between the implementations so that both see the same machine state; medians, min and max.
+
+* Train step = forward + backward + optimizer step. HF: ``torch.optim.Adam`` with torch's defaults (what the
+  reference code and HF's examples use); txl: its own optimizer (``txl.optim.build_optimizer``: fused Adam).
+* Eval = no_grad, mem_len 640 (the memory is full after the warm-up). txl keeps the memory as cached keys/values
+  (``KVCache``); HF re-projects it. Both start from an empty memory, so every per-token NLL must agree (reported).
+* Generation = bench-char model, batch 1, a 128-token prompt, 512 new tokens, mem_len 640, greedy: txl's
+  ``generate`` against HF's ``generate()``; new tokens per second over the whole call.
+* MFU = FLOPs of the step (counted by ``torch.utils.flop_counter``) per second, over the GEMM peak of this machine
+  measured in the same run (a 2048^3 matrix product).
+* Process settings (``txl.runtime``): glibc's allocator tuning is process-wide, so HF gets it too; the fp32 GEMM
+  route through oneDNN is switched on around txl's steps only, and only if its start-up check found it exact and
+  faster.
 
 HF 4.46.3's forward raises a TypeError (huggingface/transformers#29650); its module is re-executed with the
 one-expression fix ``.type_as(dtype=...)`` -> ``.to(dtype=...)``, nothing else changed.
@@ -16,19 +27,29 @@ one-expression fix ``.type_as(dtype=...)`` -> ``.to(dtype=...)``, nothing else c
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from _report import replace_section
 from txl import TransformerXLLM
+from txl.config import TrainConfig
 from txl.convert import hf_config_to_txl, hf_state_dict_to_txl
+from txl.generation import generate
+from txl.modeling import KVCache
+from txl.optim import build_optimizer
 from txl.pretrained import load_weights
+from txl.runtime import choose_fp32_matmul, configure_allocator, native_bf16
 
 CASES = {
     "bench-char": dict(vocab_size=256, cutoffs=[], div_val=1, n_layer=6, tie_projs=[False]),
@@ -38,6 +59,8 @@ COMMON = dict(
     d_model=256, d_embed=256, n_head=8, d_head=32, d_inner=1024, dropout=0.1, dropatt=0.0, pre_lnorm=False,
     same_length=False, clamp_len=-1, untie_r=False, tie_word_embeddings=True, attn_type=0, mem_len=128,
 )  # fmt: skip
+HEADING = "## Speed vs Hugging Face TransfoXL"
+BATCH, TGT = 8, 128
 
 
 def patched_hf():
@@ -52,104 +75,306 @@ def patched_hf():
     return module
 
 
-def build_pair(name: str):
+def build_pair(name: str, device: torch.device | str = "cpu"):
     from transformers import TransfoXLConfig
+    from transformers.utils import logging
 
+    logging.set_verbosity_error()
     hf_mod = patched_hf()
     cfg = {**COMMON, **CASES[name]}
     torch.manual_seed(0)
     hf = hf_mod.TransfoXLLMHeadModel(TransfoXLConfig(**cfg, trainer_compatible=True))
     ours_cfg = hf_config_to_txl(cfg)
     ours = TransformerXLLM(ours_cfg, init=False)
-    tensors = hf_state_dict_to_txl(hf.state_dict(), ours_cfg, "transformer.", "HF model")
-    load_weights(ours, tensors, "HF model")
-    return hf, ours
+    load_weights(ours, hf_state_dict_to_txl(hf.state_dict(), ours_cfg, "transformer.", "HF model"), "HF model")
+    return hf.to(device), ours.to(device)
+
+
+def cpu_description() -> str:
+    flags = set()
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), name)
+        flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile") if f in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{name}; flags {' '.join(shown) or 'none of avx2/avx512/amx'}; torch CPU capability {capability}"
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, fn) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def fp32_route(enabled: bool):
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16" if enabled else "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+
+
+def empty_hf_mems(hf, device) -> list[torch.Tensor]:
+    """The original code's empty first memory (HF would start from mem_len zero vectors)."""
+    return [torch.zeros(0, BATCH, hf.config.d_model, device=device) for _ in range(hf.config.n_layer)]
 
 
 class Runner:
-    """One implementation's state: optimizer, memory, position in the token stream."""
+    """One implementation's state for one case: optimizer, memory (or cache), position in the token stream."""
 
-    def __init__(self, kind: str, model, stream: torch.Tensor, train: bool, mem_len: int):
+    def __init__(self, kind, model, stream, *, train: bool, mem_len: int, precision: str, route: bool, device):
         self.kind, self.model, self.stream, self.train, self.mem_len = kind, model, stream, train, mem_len
-        self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4) if train else None
-        self.mems, self.pos = None, 0
+        self.precision, self.route, self.device = precision, route, device
+        self.pos, self.nll = 0, []
         model.train(train)
         if kind == "hf":
             model.reset_memory_length(mem_len)
+            model.crit.keep_order = True  # per-token NLL in input order, to compare
+            self.mems = empty_hf_mems(model, device)
+            self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4) if train else None
+        else:
+            self.mems = None
+            self.cache = None if train else KVCache(model.config, BATCH, mem_len, TGT, device=device)
+            cfg = TrainConfig(lr=2.5e-4)
+            self.opt = build_optimizer(list(model.parameters()), cfg, device) if train else None
 
-    def step(self) -> float:
-        x = self.stream[:, self.pos : self.pos + 128]
-        y = self.stream[:, self.pos + 1 : self.pos + 129]
-        self.pos += 128
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(self.train):
+    def step(self) -> None:
+        x = self.stream[:, self.pos : self.pos + TGT]
+        y = self.stream[:, self.pos + 1 : self.pos + TGT + 1]
+        self.pos += TGT
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.precision == "bf16"
+            else contextlib.nullcontext()
+        )
+        with torch.set_grad_enabled(self.train), autocast, fp32_route(self.route):
             if self.kind == "hf":
                 out = self.model(input_ids=x, labels=x, mems=self.mems)
+                loss, nll = out.loss, out.losses
             else:
-                out = self.model(x, y, mems=self.mems, mem_len=self.mem_len)
+                out = self.model(x, y, mems=self.mems, cache=self.cache, mem_len=self.mem_len)
+                loss, nll = out.loss, out.losses[:, :-1]  # HF scores T-1 positions
             self.mems = out.mems
             if self.train:
-                out.loss.backward()
+                loss.backward()
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
-            out.loss.item()
-        return time.perf_counter() - t0
+            else:
+                self.nll.append(nll.float())
+            loss.item()
 
 
-def measure(name: str, train: bool, warmup: int, steps: int) -> dict:
-    hf, ours = build_pair(name)
+def measure(name, *, train, warmup, steps, device, precision="fp32", route=False) -> dict:
+    hf, ours = build_pair(name, device)
     mem_len = 128 if train else 640
     n_token = CASES[name]["vocab_size"]
-    stream = torch.randint(0, n_token, (8, 128 * (warmup + steps) + 1), generator=torch.Generator().manual_seed(0))
-    runners = [Runner("txl", ours, stream, train, mem_len), Runner("hf", hf, stream, train, mem_len)]
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, n_token, (BATCH, TGT * (warmup + steps + 1) + 1), generator=g).to(device)
+    runners = [
+        Runner("txl", ours, stream, train=train, mem_len=mem_len, precision=precision, route=route, device=device),
+        Runner("hf", hf, stream, train=train, mem_len=mem_len, precision="fp32", route=False, device=device),
+    ]
+    timer = Timer(device)
     times: dict[str, list[float]] = {"txl": [], "hf": []}
     for i in range(warmup + steps):
         for r in runners if i % 2 == 0 else runners[::-1]:
-            dt = r.step()
+            dt = timer(r.step)
             if i >= warmup:
                 times[r.kind].append(dt)
-    return {k: [8 * 128 / t for t in v] for k, v in times.items()}
+    out = {k: [BATCH * TGT / t for t in v] for k, v in times.items()}
+    if not train:  # the same function: every per-token NLL agrees
+        a, b = (torch.cat(r.nll, dim=1) for r in runners)
+        out["max_nll_diff"] = float((a - b).abs().max())
+    out["flops"] = {r.kind: count_flops(r) for r in runners}
+    return out
+
+
+def count_flops(runner: Runner) -> float:
+    """FLOPs of one more step of ``runner`` (matrix products; the optimizer and element-wise ops add little)."""
+    with FlopCounterMode(display=False) as counter:
+        runner.step()
+    return float(counter.get_total_flops())
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, route: bool) -> float:
+    """GFLOP/s of a 2048^3 matrix product, median of 7 (txl's fp32 route on or off)."""
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    b = torch.randn(2048, 2048, device=device, dtype=dtype)
+    timer = Timer(device)
+    with fp32_route(route):
+        timer(lambda: a @ b)
+        t = statistics.median(timer(lambda: a @ b) for _ in range(7))
+    return 2 * 2048**3 / t / 1e9
+
+
+def measure_generation(device, repeats: int, new_tokens: int = 512) -> dict:
+    hf, ours = build_pair("bench-char", device)
+    hf.eval()
+    ours.eval()
+    hf.reset_memory_length(640)
+    prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1)).to(device)
+    timer = Timer(device)
+    times: dict[str, list[float]] = {"txl": [], "hf": []}
+
+    def run_txl():
+        generate(ours, prompt, new_tokens, temperature=0.0, mem_len=640)
+
+    def run_hf():
+        with torch.no_grad():
+            hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    run_txl()
+    for _ in range(repeats):
+        times["txl"].append(timer(run_txl))
+        times["hf"].append(timer(run_hf))
+    out = {k: [new_tokens / t for t in v] for k, v in times.items()}
+    cached = generate(ours, prompt, 128, temperature=0.0, mem_len=640)[:, 128:]
+    out["same_tokens"] = bool(cached.equal(uncached_greedy(ours, prompt, 128, 640)))
+    return out
+
+
+def uncached_greedy(model, prompt, n: int, mem_len: int) -> torch.Tensor:
+    """The reference loop: the memory as hidden states, re-projected for every token."""
+    tokens = []
+    with torch.no_grad():
+        out = model.transformer(prompt, None, mem_len=mem_len)
+        for _ in range(n):
+            nxt = model.crit(out.last_hidden_state[:, -1], return_log_probs=True)[1].argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            out = model.transformer(nxt, out.mems, mem_len=mem_len)
+    return torch.cat(tokens, dim=1)
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, torch
+    torch.set_num_threads(2)
+    from txl import TransformerXLConfig, TransformerXLLM
+    from txl.evaluate import evaluate
+    cfg = TransformerXLConfig(n_token=256, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, mem_len=128)
+    model = TransformerXLLM(cfg)
+    data = torch.randint(0, 256, (128 * 36 + 1,)).numpy()  # 36 segments: the memory of 3,800 fills and slides
+    res = evaluate(model, data, batch_size=1, tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mib": peak, "tokens": res.tokens}))
+""")
+
+
+def eval_peak_memory() -> dict:
+    """Peak RSS of a separate process evaluating bench-char with mem_len 3,800 (the paper's enwik8 setting)."""
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fmt(v: list[float]) -> str:
+    return f"{statistics.median(v):,.0f} ({min(v):,.0f}–{max(v):,.0f})"
+
+
+def ratio(r: dict) -> float:
+    return statistics.median(r["txl"]) / statistics.median(r["hf"])
+
+
+def mfu(r: dict, who: str, peak: float) -> str:
+    achieved = r["flops"][who] * statistics.median(r[who]) / (BATCH * TGT) / 1e9  # GFLOP/s
+    pct = 100 * achieved / peak
+    return f"{pct:.1f}%" if pct < 10 else f"{pct:.0f}%"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=11)
-    ap.add_argument("--write", type=Path, help="write the table into this markdown file")
+    ap.add_argument("--gen_repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--write", type=Path, help="write the section into this markdown file")
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    rows = []
+    device = torch.device(args.device)
+    torch.set_num_threads(2) if device.type == "cpu" else None
+    configure_allocator()
+    route = choose_fp32_matmul() if device.type == "cpu" else None
+    print(f"machine: {cpu_description()}; {route.describe() if route else torch.cuda.get_device_name()}", flush=True)
+    use_route = bool(route and route.enabled)
+    bf16 = native_bf16(device)
+    peak32 = gemm_peak(device, torch.float32, use_route)
+    peak16 = gemm_peak(device, torch.bfloat16, False) if bf16 else None
+    rows, results = [], {}
     for name in CASES:
-        for train in (True, False):
-            tps = measure(name, train, args.warmup, args.steps)
-            med = {k: statistics.median(v) for k, v in tps.items()}
+        for case, train, precision in (
+            ("train fp32", True, "fp32"),
+            ("train bf16", True, "bf16"),
+            ("eval", False, "fp32"),
+        ):
+            if precision == "bf16" and not bf16:
+                continue
+            r = measure(
+                name,
+                train=train,
+                warmup=args.warmup,
+                steps=args.steps,
+                device=device,
+                precision=precision,
+                route=use_route,
+            )
+            results[(name, case)] = r
+            peak = peak16 if precision == "bf16" else peak32
+            extra = f"max |ΔNLL| {r['max_nll_diff']:.1e}" if not train else ""
             rows.append(
-                f"| {name} | {'train' if train else 'eval (mem 640)'} | {med['txl']:,.0f} "
-                f"({min(tps['txl']):,.0f}–{max(tps['txl']):,.0f}) | {med['hf']:,.0f} "
-                f"({min(tps['hf']):,.0f}–{max(tps['hf']):,.0f}) | {med['txl'] / med['hf']:.2f}× |"
+                f"| {name} | {case}{' (mem 640)' if not train else ''} | {fmt(r['txl'])} | {fmt(r['hf'])} | "
+                f"**{ratio(r):.2f}×** | {mfu(r, 'txl', peak)} / {mfu(r, 'hf', peak32)} | {extra} |"
             )
             print(rows[-1], flush=True)
+    gen = measure_generation(device, args.gen_repeats)
+    rows.append(
+        f"| bench-char | generation (new tok/s) | {fmt(gen['txl'])} | {fmt(gen['hf'])} | **{ratio(gen):.2f}×** | | "
+        f"batch 1, prompt 128, 512 new tokens, mem 640, greedy; cached = uncached tokens: {gen['same_tokens']} |"
+    )
+    print(rows[-1], flush=True)
+    peak_mem = eval_peak_memory() if device.type == "cpu" else None
     table = "\n".join(
         [
-            "| config | step | txl tok/s median (min–max) | HF TransfoXL tok/s median (min–max) | txl / HF |",
-            "|---|---|---|---|---|",
+            "| config | case | txl tok/s median (min–max) | HF TransfoXL tok/s median (min–max) | txl / HF "
+            "| MFU txl / HF | |",
+            "|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
+    notes = [
+        f"GEMM peak measured in this run: fp32 {peak32:,.0f} GFLOP/s"
+        + (f", bf16 {peak16:,.0f} GFLOP/s" if peak16 else "; no native bf16 here, so no bf16 rows")
+        + ".",
+    ]
+    if peak_mem:
+        notes.append(
+            f"Peak memory of `txl.evaluate` on bench-char, batch 1, tgt_len 128, mem_len 3,800 (the paper's enwik8 "
+            f"setting), K/V cache: {peak_mem['peak_mib']:,.0f} MiB (whole process)."
+        )
+    print(table, *notes, sep="\n")
     if args.write:
         import transformers
 
         header = (
-            "## Model speed vs Hugging Face TransfoXL (`benchmarks/model_speed.py`)\n\n"
-            f"Command: `make bench` (= `python benchmarks/model_speed.py --warmup {args.warmup} --steps "
-            f"{args.steps} --write docs/benchmarks.md`). Machine: {platform.machine()}, {torch.get_num_threads()} "
-            f"threads, torch {torch.__version__}, transformers {transformers.__version__}, Python "
-            f"{sys.version.split()[0]}. fp32, batch 8 × tgt_len 128, default torch settings for both; steps "
-            "alternate between the implementations. Train = forward + backward + Adam; eval = no_grad, "
-            "mem_len 640.\n\n"
+            f"{HEADING} (`benchmarks/model_speed.py`)\n\n"
+            f"Command: `make bench` (= `python benchmarks/model_speed.py --warmup {args.warmup} --steps {args.steps} "
+            f"--gen_repeats {args.gen_repeats} --write docs/benchmarks.md`). Machine: {cpu_description()}; "
+            f"{route.describe() if route else torch.cuda.get_device_name()}; {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}. "
+            f"Batch {BATCH} × tgt_len {TGT}; steps alternate between the implementations; the same weights and "
+            "inputs. Train = forward + backward + optimizer (HF: torch's Adam; txl: fused Adam); eval = no_grad, "
+            "mem_len 640 (txl: K/V cache; |ΔNLL| is the largest per-token difference from HF, both starting from an "
+            "empty memory); MFU = counted FLOPs per second over the GEMM peak below.\n\n"
         )
-        replace_section(args.write, "## Model speed vs Hugging Face TransfoXL", header + table)
-    print(table)
+        replace_section(args.write, HEADING, header + table + "\n\n" + " ".join(notes))
 
 
 if __name__ == "__main__":

@@ -277,3 +277,19 @@ def test_eval_tokenizes_at_most_once(char_run, tmp_path, monkeypatch, capsys):
     main(["eval", "--model", str(char_run), "--max_batches", "1"])
     assert encoded == ["train", "valid", "test"]  # one tokenization of the corpus, not two
     assert prepare_corpus(**moved["data"]).tokenizer.symbols == Tokenizer.load(run_json.parent).symbols
+
+
+def test_generate_stop_tokens_and_no_stream(char_run, capsys):
+    base = ["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "60", "--seed", "1"]
+    main([*base, "--json"])
+    free = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.load(best_checkpoint(char_run))
+    stop = tok.symbols[free["new_ids"][5]]  # a character the continuation produces at its sixth step
+    main([*base, "--json", "--stop", stop])
+    stopped = json.loads(capsys.readouterr().out)["new_ids"]
+    first = free["new_ids"].index(tok.token_to_id(stop))
+    assert stopped == free["new_ids"][: first + 1]  # up to and including the stop token
+    main([*base, "--stop_ids", f"[{tok.token_to_id(stop)}]", "--stream", "false"])
+    assert capsys.readouterr().out == tok.decode(free["prompt_ids"] + stopped) + "\n"
+    assert "is 2 tokens for this tokenizer" in fails(capsys, [*base, "--stop", "ab"])
+    assert "--stop_ids must be token ids" in fails(capsys, [*base, "--stop_ids", "[100000]"])

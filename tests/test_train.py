@@ -238,13 +238,19 @@ def test_grad_accumulation_two_chunks_equals_one(tmp_path):
     assert not torch.equal(state["mems"][0][0], state["mems"][1][0])
 
 
-def test_bf16_autocast_trains_close_to_fp32(tmp_path):
+def test_bf16_autocast_trains_close_to_fp32_or_falls_back(tmp_path):
+    from txl.runtime import native_bf16
+
     fp32 = run_inprocess(tmp_path, "fp32", **NO_DROPOUT, train__max_steps=4)
     bf16 = run_inprocess(tmp_path, "bf16", **NO_DROPOUT, train__max_steps=4, train__precision="bf16")
     a, b = [x for _, x in losses(fp32)], [x for _, x in losses(bf16)]
-    assert all(math.isfinite(x) for x in b)
-    assert a != b  # autocast really ran in bf16
-    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
+    log = (bf16 / "train.log").read_text()
+    if native_bf16(torch.device("cpu")):
+        assert a != b  # autocast really ran in bf16
+        assert all(math.isfinite(x) for x in b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
+    else:  # emulated bf16 is 20x slower than fp32: the run says so and trains in fp32
+        assert "no native bf16" in log and "so fp32 runs" in log and "(cpu, fp32)" in log
+        assert a == b
 
 
 # -- checkpoints, logging, schedules -------------------------------------------------------------------------

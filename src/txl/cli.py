@@ -120,6 +120,8 @@ def eval(
     from txl.distributed import World, resolve_device
     from txl.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
     from txl.modeling import TransformerXLLM
+    from txl.runtime import configure as configure_runtime
+    from txl.runtime import effective_precision
 
     if model is None:
         raise ValueError("txl eval needs --model RUN_OR_DIR (a run folder, a step-N checkpoint or a model folder)")
@@ -127,6 +129,11 @@ def eval(
         raise ValueError(f"--max_batches = {max_batches}: must be >= 1 (leave it out to score the whole text)")
     _set_threads(threads)
     dev = resolve_device(device, option="--device")
+    precision, note = effective_precision(dev, precision)
+    if note:
+        print(f"txl: note: --precision bf16, but {note}", file=sys.stderr)
+    if dev.type == "cpu":
+        configure_runtime()
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)
@@ -176,10 +183,13 @@ def generate(
     top_p: float = 1.0,
     mem_len: int | None = None,
     seed: int = 0,
+    stop: str | list[str] | None = None,
+    stop_ids: int | list[int] | None = None,
+    stream: bool = True,
     threads: int | None = None,
     json: bool = False,
 ) -> None:
-    """Continue a prompt with a model, carrying the memory from token to token; the text appears as it is made.
+    """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
     Args:
         model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
@@ -191,6 +201,10 @@ def generate(
         top_p: Nucleus sampling threshold in (0, 1] (1 = off); the most likely token is always kept.
         mem_len: Memory length at generation (default: the model's mem_len).
         seed: Random seed for sampling.
+        stop: Stop after this token, or any of a list of them (each must be one token of the model's tokenizer,
+            e.g. a newline).
+        stop_ids: Stop after this token id, or any of a list of them.
+        stream: Print each token as it is made (false: print the text at the end).
         threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
         json: Print a JSON object with the prompt and the new ids (and text) at the end instead of streaming.
     """
@@ -198,8 +212,10 @@ def generate(
 
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
-    from txl.generation import check_sampling, stream
+    from txl.generation import check_sampling
+    from txl.generation import stream as stream_tokens
     from txl.modeling import TransformerXLLM
+    from txl.runtime import configure_allocator
 
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
@@ -207,6 +223,7 @@ def generate(
     if mem_len is not None and mem_len < 1:
         raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
+    configure_allocator()
     folder = resolve_model_dir(model)
     lm = TransformerXLLM.from_pretrained(folder)
     tok = Tokenizer.load(folder / "tokenizer.json") if (folder / "tokenizer.json").exists() else None
@@ -216,8 +233,18 @@ def generate(
         prompt_ids = tok.encode(prompt)
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
+    stops = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
+    for text in [stop] if isinstance(stop, str) else stop or []:
+        if tok is None:
+            raise ValueError(f"{folder}: no tokenizer.json to encode --stop; use --stop_ids")
+        ids = tok.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"--stop {text!r} is {len(ids)} tokens for this tokenizer; a stop is one token")
+        stops += ids
+    if any(not 0 <= i < lm.config.n_token for i in stops):
+        raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
     g = torch.Generator().manual_seed(seed)
-    tokens = stream(
+    tokens = stream_tokens(
         lm,
         torch.tensor([prompt_ids], dtype=torch.long),
         max_new_tokens,
@@ -226,9 +253,13 @@ def generate(
         top_p=top_p,
         mem_len=mem_len,
         generator=g,
+        stop_tokens=stops,
     )
-    if json or tok is None:
+    if json or tok is None or not stream:
         new = [int(t) for t in tokens]
+        if not (json or tok is None):
+            print(tok.decode(prompt_ids + new))
+            return
         record = {"prompt_ids": prompt_ids, "new_ids": new}
         if tok is not None:
             record["text"] = tok.decode(new)
@@ -307,7 +338,7 @@ COMMANDS = {
 }
 HELP = {"convert": "Import checkpoints of other implementations.", "data": "Download and prepare datasets."}
 # boolean options that may be given without a value
-FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config"}
+FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config", "--stream"}
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

@@ -29,7 +29,7 @@ from txl.data import (
 from txl.data.download import sha256_file
 from txl.data.errors import DataError
 from txl.distributed import World, all_reduce_sum
-from txl.modeling import TransformerXLConfig, TransformerXLLM
+from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -81,11 +81,14 @@ def evaluate(
     max_batches: int | None = None,
     precision: str = "fp32",
     world: World | None = None,
+    cache: bool = True,
 ) -> EvalResult:
     """Mean NLL over the split ``data`` (an id stream, or lm1b sentence shards), all processes together.
 
     The stream is cut into ``batch_size`` columns (rows split over the processes of ``world``) and read
-    ``tgt_len`` tokens at a time; each segment attends to the last ``mem_len`` hidden states of its column.
+    ``tgt_len`` tokens at a time; each segment attends to the last ``mem_len`` hidden states of its column. With
+    ``cache`` (the default) the memory is kept as its keys and values (:class:`~txl.modeling.KVCache`): the same
+    result without projecting the memory again for every segment.
     """
     world = world or World()
     device = world.device
@@ -100,6 +103,10 @@ def evaluate(
     nll = torch.zeros((), dtype=torch.float64, device=device)
     tokens = batches = 0
     mems = None
+    kv = None
+    if cache:
+        dtype = next(model.parameters()).dtype
+        kv = KVCache(model.config, batch_size // world.size, mem_len, tgt_len, device=device, dtype=dtype)
     try:
         for batch in it:
             if max_batches is not None and batches >= max_batches:
@@ -109,6 +116,7 @@ def evaluate(
                     batch.input,
                     batch.target,
                     mems=mems,
+                    cache=kv,
                     mem_len=mem_len,
                     clamp_len=clamp_len,
                     same_length=same_length,

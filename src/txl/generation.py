@@ -1,15 +1,21 @@
-"""Sampling from a Transformer-XL LM, carrying the memory from token to token."""
+"""Sampling from a Transformer-XL LM with a K/V-cached memory: the prompt once, then one token per step.
+
+Each step projects only the new token: the keys and values of the memory stay in a
+:class:`~txl.modeling.KVCache` (the last ``mem_len`` positions, the memory the uncached model would keep), and
+W_kR R is projected once. Prompts of different lengths go in one batch with left padding (``padding``), rows stop
+at their own stop token, and :func:`stream` yields every token as soon as it is chosen.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from txl.evaluate import NonFiniteError
-from txl.modeling import TransformerXLLM
+from txl.modeling import KVCache, TransformerXLLM
 
 
 def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
@@ -40,6 +46,17 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits
 
 
+def choose(
+    log_probs: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> Tensor:
+    """The next token [B] from log-probabilities [B, V]: the arg max at temperature 0, else a sample."""
+    if temperature == 0:
+        return log_probs.argmax(-1)
+    scaled = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature  # the best stays 0 at any temperature
+    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
 @torch.no_grad()
 def stream(
     model: TransformerXLLM,
@@ -51,11 +68,15 @@ def stream(
     top_p: float = 1.0,
     mem_len: int | None = None,
     generator: torch.Generator | None = None,
+    padding: Tensor | None = None,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int | None = None,
 ) -> Iterator[Tensor]:
-    """Yield the ``max_new_tokens`` tokens [B, 1] that continue ``input_ids`` [B, T], each as soon as it is chosen.
+    """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
-    The prompt is run once, then one token per step on top of the memory (the last ``mem_len`` states).
-    ``temperature == 0`` is greedy.
+    ``temperature == 0`` is greedy. ``padding`` [B, T] (True = padding) lets prompts of different lengths share
+    the batch: pad them on the left. A row that produced one of ``stop_tokens`` is finished: from then on it yields
+    ``pad_id`` (default: the first stop token), and the iteration ends when every row is finished.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -63,23 +84,30 @@ def stream(
     mem_len = model.config.mem_len if mem_len is None else mem_len
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
+    if padding is not None and (padding.shape != input_ids.shape or bool(padding[:, -1].any())):
+        raise ValueError("padding must be [batch, seq_len], True on the left of each prompt (its last token is real)")
     model.eval()
-    mems, step_input = None, input_ids
+    B, T = input_ids.shape
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
+    h = model.transformer(input_ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state[:, -1]
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+    pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for i in range(max_new_tokens):
-        res = model.transformer(step_input, mems, mem_len=mem_len)
-        mems = res.mems
-        _, log_probs = model.crit(res.last_hidden_state[:, -1], return_log_probs=True)  # [B, V]
+        _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
         if not bool(torch.isfinite(log_probs).all()):
             raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
-        if temperature == 0:
-            nxt = log_probs.argmax(-1, keepdim=True)
-        else:  # shifted so that the best token stays at 0 however small the temperature
-            scaled = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature
-            nxt = torch.multinomial(filter_logits(scaled, top_k, top_p).softmax(-1), 1, generator=generator)
-        yield nxt
-        step_input = nxt
+        nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
+        if len(stops):
+            nxt = nxt.masked_fill(done, pad_id)
+            done |= torch.isin(nxt, stops)
+        yield nxt[:, None]
+        if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
+            return
+        h = model.transformer(nxt[:, None], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
 
 
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-    """``input_ids`` [B, T] followed by ``max_new_tokens`` new tokens (see :func:`stream` for the options)."""
+    """``input_ids`` [B, T] followed by the new tokens (see :func:`stream` for the options)."""
     return torch.cat([input_ids, *stream(model, input_ids, max_new_tokens, **kwargs)], dim=1)

@@ -9,7 +9,8 @@ Reads top to bottom like the paper:
 5. ``RelPartialLearnableMultiHeadAttn`` - the relative attention with the four terms (a)-(d).
 6. ``PositionwiseFF`` / ``TransformerXLLayer`` - post-LN (default) or pre-LN layers.
 7. ``AdaptiveEmbedding`` / ``ProjectedAdaptiveLogSoftmax`` - adaptive input and softmax (fp32).
-8. ``TransformerXL``                  - embedding, layers and the segment-level recurrence (memory).
+8. ``KVCache``, ``TransformerXL``       - the memory as cached keys/values (inference); embedding, layers and the
+                                        segment-level recurrence (memory).
 9. ``TransformerXLLM`` / ``TransformerXLForSequenceClassification`` - the heads.
 
 Conventions: everything is batch-first. ``input_ids`` is ``[B, T]``; a memory is a list with one tensor per
@@ -21,6 +22,7 @@ comments use B batch, T query (segment) length, M memory length, K = M + T key l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -177,20 +179,39 @@ def sinusoid_embedding(
 #    bd_raw[.., i, k] = (q_i + v) . W_kR R_{K-1-k}. Query i (absolute index M+i) needs distance M+i-j at key j,
 #    i.e. bd[.., i, j] = bd_raw[.., i, j + T-1-i]. Row-major that is element (T-1) + i*(K-1) + j of each
 #    [T, K] block: a strided view with row stride K-1 and offset T-1, no copy and no padding. Entries with
-#    j > M+i read the next row; they are exactly the causally masked ones.
+#    j > M+i read the next row; they are exactly the causally masked ones. The gradient flows back the same way:
+#    grad_raw[.., i, c] = grad[.., i, c + i - (T-1)], again one strided view, of the gradient padded with T-1 zero
+#    columns in front (the masked entries carry no gradient, so nothing is lost). The generic backward of a strided
+#    view (a scatter through index tensors) costs 2.5x more.
 # ---------------------------------------------------------------------------------------------------------
+
+
+class _RelShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bd_raw: Tensor) -> Tensor:
+        *lead, qlen, klen = bd_raw.shape
+        stride = (*bd_raw.stride()[:-2], klen - 1, 1)
+        return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        *lead, qlen, klen = grad.shape
+        padded = grad.new_zeros(*lead, qlen, klen + qlen - 1)  # [..., T, T-1 + K]
+        padded[..., qlen - 1 :] = grad
+        stride = (*padded.stride()[:-2], klen + qlen, 1)
+        return padded.as_strided((*lead, qlen, klen), stride, padded.storage_offset())
 
 
 def rel_shift(bd_raw: Tensor) -> Tensor:
     """Shift ``[..., T, K]`` scores from distance order to key order (Appendix B), as a view.
 
-    Only each ``[T, K]`` block must be contiguous; the leading dimensions may have any strides.
+    Only each ``[T, K]`` block must be contiguous; the leading dimensions may have any strides. The gradient of
+    the entries that read the next row (the causally masked ones) must be zero, as it is after ``masked_fill``.
     """
     *lead, qlen, klen = bd_raw.shape
     if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != klen:
         bd_raw = bd_raw.contiguous()
-    stride = (*bd_raw.stride()[:-2], klen - 1, 1)
-    return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
+    return _RelShift.apply(bd_raw)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -198,6 +219,12 @@ def rel_shift(bd_raw: Tensor) -> Tensor:
 #    same_length also j > M+i-mem_len, i.e. a window of exactly mem_len keys including itself once that many
 #    exist (identical to the reference PyTorch code's triu/tril construction, including K = mem_len + T).
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _masks_any(qlen: int, mlen: int, same_length: bool, mem_len: int) -> bool:
+    """Whether ``attention_mask`` masks anything: causality does for T > 1, the same_length window once the span
+    exceeds mem_len. (A single newest query with an unwindowed memory sees every key.)"""
+    return qlen > 1 or (same_length and mlen + qlen > mem_len)
 
 
 def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device=None) -> Tensor:
@@ -208,6 +235,30 @@ def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device
     if same_length:
         mask |= j <= i - mem_len
     return mask  # [T, K]
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout`` with a cheaper mask on the CPU: torch draws one random number per element there, so the mask
+    takes two 24-bit uniforms (the resolution of ``torch.rand``) from every 64-bit random word instead, half the
+    cost for the same distribution (a different random stream). Elsewhere it is ``F.dropout``."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, True)
+        n = x.numel()
+        words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
+        uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
+        keep = uniform24.ge(round(self.p * (1 << 24))).view(x.shape)
+        return x.mul(keep).mul_(1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,8 +280,8 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.r_net = nn.Linear(cfg.d_model, hd, bias=False)  # W_kR
         self.o_net = nn.Linear(hd, cfg.d_model, bias=False)
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.dropatt = nn.Dropout(cfg.dropatt)
+        self.drop = Dropout(cfg.dropout)
+        self.dropatt = Dropout(cfg.dropatt)
         self.pre_lnorm = cfg.pre_lnorm
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
@@ -243,37 +294,53 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         mask: Tensor,
         mem: Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        r_k: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``pos_emb`` [K, D], ``mask`` [T, K] (True = masked).
+        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``pos_emb`` [K, D], ``mask`` [T, K] or [B, 1, T, K]
+        (True = masked; None: nothing is masked). With a ``cache`` the memory is the cached keys/values of
+        ``layer`` (only the segment is projected) and ``r_k`` [H, Dh, K] is W_kR R, already projected (``mem``
+        and ``pos_emb`` are not used).
 
         Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
         """
         B, T, _ = h.shape
         H, Dh = self.n_head, self.d_head
         x = self.layer_norm(h) if self.pre_lnorm else h
-        q = F.linear(x, self.qkv_net.weight[: H * Dh]).view(B, T, H, Dh)  # queries of the segment only
-        if mem is not None and mem.shape[1] > 0:
+        if cache is not None or mem is None or mem.shape[1] == 0:  # keys and values come from the segment only
+            qkv = F.linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
+            q, kv = qkv[..., : H * Dh].view(B, T, H, Dh), qkv[..., H * Dh :]
+            kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
+            k, v = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
+        else:
+            q = F.linear(x, self.qkv_net.weight[: H * Dh]).view(B, T, H, Dh)  # queries of the segment only
             x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
-        K = x.shape[1]
-        kv = F.linear(x, self.qkv_net.weight[H * Dh :])  # one GEMM over [memory; segment], [B, K, 2*H*Dh]
-        k, v = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
-        r_k = self.r_net(pos_emb).view(K, H, Dh)  # W_kR R, [K, H, Dh]
+            kv = F.linear(x, self.qkv_net.weight[H * Dh :])  # one GEMM over [memory; segment], [B, K, 2*H*Dh]
+            k, v = kv.view(B, x.shape[1], 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
+        K = k.shape[2]
+        if r_k is None:  # W_kR R for the distances K-1..0, as [H, Dh, K]: the layout of the (b)+(d) GEMM
+            r_k = torch.mm(self.r_net.weight, pos_emb.t()).view(H, Dh, K)
 
-        q_w = (q + r_w_bias).transpose(1, 2)  # q + u, [B, H, T, Dh]
-        q_r = (q + r_r_bias).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # q + v, [H, B*T, Dh]
-        bd = torch.bmm(q_r, r_k.permute(1, 2, 0))  # (b)+(d) by distance, one GEMM per head, [H, B*T, K]
-        bd = rel_shift(bd.view(H, B, T, K).transpose(0, 1))  # (b)+(d) by key, [B, H, T, K]
+        # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).
+        q_w = ((q + r_w_bias) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
+        q_r = ((q + r_r_bias) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # (q + v) / sqrt(Dh)
+        bd = torch.bmm(q_r, r_k).view(H, B, T, K).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
+        if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
+            bd = rel_shift(bd)  # (b)+(d) by key
 
         grad = torch.is_grad_enabled() and q.requires_grad
         if need_weights or grad or (self.training and self.dropatt.p > 0):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
-            score = _fp32(ac).add_(bd).mul_(self.scale).masked_fill_(mask, float("-inf"))  # fp32
+            score = _fp32(ac).add_(bd)  # fp32
+            if mask is not None:
+                score = score.masked_fill_(mask, float("-inf"))
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
             attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
         else:
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
-            bias = (bd * self.scale).masked_fill(mask, float("-inf")).to(q_w.dtype)  # [B, H, T, K]
-            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=self.scale)
+            bias = bd if mask is None else bd.masked_fill(mask, float("-inf"))  # [B, H, T, K]
+            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias.to(q_w.dtype), scale=1.0)
             prob = None
         attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, H * Dh)))  # [B, T, D]
         out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
@@ -291,7 +358,7 @@ class PositionwiseFF(nn.Module):
         self.layer_1 = nn.Linear(cfg.d_model, cfg.d_inner)
         self.layer_2 = nn.Linear(cfg.d_inner, cfg.d_model)
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.pre_lnorm = cfg.pre_lnorm
 
     def forward(self, h: Tensor) -> Tensor:
@@ -454,6 +521,83 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class KVCache:
+    """The memory of every layer as its projected keys and values, for inference (evaluation and generation).
+
+    In the uncached model a segment projects keys/values for [memory; segment] (M + T positions), although the
+    memory's were already computed when it was the current segment, with the same weights. The cache keeps them:
+    a call projects only its T positions, appends them, attends over the window, and the window slides to the last
+    ``mem_len`` positions, which is what ``TransformerXL._update_mems`` keeps. W_kR R is projected once per layer for
+    the longest span. Keys stay in time order in one buffer per layer (``[n_layer, B, H, capacity, Dh]``); when its
+    end is reached the window is copied to the front once (every ``capacity - mem_len`` positions), so a generated
+    token costs no concatenation of the whole memory. Positions can be marked as padding (left-padded prompts of
+    different lengths): they are never attended to. For fixed weights only: a model that trains must not reuse it.
+    """
+
+    def __init__(self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, **kw):
+        self.config = config
+        self.capacity = max(2 * (mem_len + max_segment), 16)
+        shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
+        self.k = torch.empty(shape, **kw)
+        self.v = torch.empty(shape, **kw)
+        self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
+        self.padded = False  # whether any position ever written was padding
+        self.start = self.end = 0  # the memory is positions [start, end) of the buffer
+        self._r_k: list[Tensor | None] = [None] * config.n_layer
+        self._r_key: tuple | None = None
+
+    @property
+    def length(self) -> int:
+        """Number of positions in the memory."""
+        return self.end - self.start
+
+    def begin(self, T: int, padding: Tensor | None = None) -> Tensor | None:
+        """Make room for a segment of T positions (``padding`` [B, T]: True where a position is padding); return the
+        padding of the window [B, M + T] if any position in it is padding."""
+        if self.end + T > self.capacity:
+            n = self.length
+            if n + T > self.capacity:  # a longer segment than planned: grow
+                self.capacity = 2 * (n + T)
+                grown = (*self.k.shape[:3], self.capacity, self.k.shape[4])
+                self.k = torch.cat([self.k[:, :, :, self.start : self.end], self.k.new_empty(grown)], dim=3)
+                self.v = torch.cat([self.v[:, :, :, self.start : self.end], self.v.new_empty(grown)], dim=3)
+                pad = self.padding.new_zeros(self.padding.shape[0], self.capacity)
+                pad[:, :n] = self.padding[:, self.start : self.end]
+                self.padding = pad
+            else:  # slide the window to the front (the source and destination never overlap here)
+                for t in (self.k, self.v):
+                    t[:, :, :, :n] = t[:, :, :, self.start : self.end].clone()
+                self.padding[:, :n] = self.padding[:, self.start : self.end].clone()
+            self.start, self.end = 0, n
+        if padding is not None or self.padded:  # (the buffer holds no padding until a call brings some)
+            self.padding[:, self.end : self.end + T] = False if padding is None else padding
+            self.padded = self.padded or bool(padding is not None and padding.any())
+        window = self.padding[:, self.start : self.end + T]
+        return window if self.padded and bool(window.any()) else None
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""
+        T = k.shape[2]
+        self.k[layer, :, :, self.end : self.end + T] = k
+        self.v[layer, :, :, self.end : self.end + T] = v
+        return self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
+
+    def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor:
+        """W_kR R of ``layer`` for the distances K-1, ..., 0 ([H, Dh, K]): the last K columns of a table that
+        ``project(n)`` made once for the longest span seen (for one ``key``: clamp_len, dtype)."""
+        if key != self._r_key:
+            self._r_k, self._r_key = [None] * self.config.n_layer, key
+        table = self._r_k[layer]
+        if table is None or table.shape[-1] < K:
+            table = self._r_k[layer] = project(max(K, self.capacity // 2))
+        return table[..., table.shape[-1] - K :]
+
+    def end_segment(self, T: int, mem_len: int) -> None:
+        """The segment is now memory; keep the last ``mem_len`` positions (what ``_update_mems`` keeps)."""
+        self.end += T
+        self.start = max(self.start, self.end - max(mem_len, 0))
+
+
 @dataclass
 class TransformerXLModelOutput:
     last_hidden_state: Tensor
@@ -515,7 +659,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         super().__init__()
         self.config = config
         self.word_emb = AdaptiveEmbedding(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         bias_shape = (
             (config.n_layer, config.n_head, config.d_head)
             if config.untie_r
@@ -551,6 +695,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         same_length: bool | None = None,
         clamp_len: int | None = None,
         ext_len: int = 0,
+        cache: KVCache | None = None,
+        padding: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> TransformerXLModelOutput:
@@ -561,6 +707,11 @@ class TransformerXL(TransformerXLPreTrainedModel):
         ``same_length`` and ``clamp_len`` default to the config and can be changed per call (evaluation with a
         longer memory). The returned memory keeps the last ``mem_len`` layer inputs, excluding the last
         ``ext_len`` positions of the segment (they will be fed again as extended context).
+
+        For inference, the memory can instead be a ``cache`` (:class:`KVCache`) of its keys/values, updated in place
+        (``mems`` is then None in the output): the same result, without projecting the memory again.
+        ``padding`` [B, T] (True = padding, with a cache) marks positions that are never attended to, e.g. the left
+        padding of prompts of different lengths; relative distances count them, so pad on the left.
         """
         cfg = self.config
         mem_len = cfg.mem_len if mem_len is None else mem_len
@@ -574,13 +725,24 @@ class TransformerXL(TransformerXLPreTrainedModel):
         lo, hi = torch.aminmax(input_ids)
         if lo < 0 or hi >= cfg.n_token:
             raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
-        mlen = self._check_mems(mems, B) if mems else 0
-
+        dev = input_ids.device
         word_emb = self.word_emb(input_ids)  # [B, T, D]
-        mask = attention_mask(T, mlen, same_length, mem_len, device=input_ids.device)  # [T, K]
         exact = torch.float64 if word_emb.dtype == torch.float64 else torch.float32
-        pos_emb = sinusoid_embedding(mlen + T, cfg.d_model, clamp_len, input_ids.device, exact)  # [K, D]
-        pos_emb = self.drop(pos_emb.to(word_emb.dtype))
+        if cache is None:
+            if padding is not None:
+                raise ValueError("padding needs a KVCache (it marks positions that a cached memory keeps)")
+            mlen = self._check_mems(mems, B) if mems else 0
+            mask = (
+                attention_mask(T, mlen, same_length, mem_len, device=dev)
+                if _masks_any(T, mlen, same_length, mem_len)
+                else None
+            )
+            pos_emb = sinusoid_embedding(mlen + T, cfg.d_model, clamp_len, dev, exact)  # [K, D]
+            pos_emb = self.drop(pos_emb.to(word_emb.dtype))
+            r_ks = [None] * cfg.n_layer
+        else:
+            mlen, mask, r_ks = self._prepare_cache(cache, B, T, mems, padding, same_length, mem_len, clamp_len, ext_len)
+            pos_emb = None
         h = self.drop(word_emb)
 
         hids, attns = [h], []
@@ -588,19 +750,55 @@ class TransformerXL(TransformerXLPreTrainedModel):
             u = self.r_w_bias[i] if cfg.untie_r else self.r_w_bias
             v = self.r_r_bias[i] if cfg.untie_r else self.r_r_bias
             mem = mems[i] if mems else None
-            h, prob = layer(h, pos_emb, u, v, mask, mem=mem, need_weights=output_attentions)
+            kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i, r_k=r_ks[i])
+            h, prob = layer(h, pos_emb, u, v, mask, **kw)
             hids.append(h)
             attns.append(prob)
         h = self.drop(h)
         hids[-1] = h
 
-        new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len)
+        if cache is not None:
+            cache.end_segment(T, mem_len)
+            new_mems = None
+        else:
+            new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len)
         return TransformerXLModelOutput(
             last_hidden_state=h,
             mems=new_mems,
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
         )
+
+    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, mem_len, clamp_len, ext_len):
+        """The memory length, the mask ([T, K], or [B, 1, T, K] with padding) and W_kR R of every layer, from a
+        cache about to take a segment of T positions."""
+        cfg = self.config
+        if mems or ext_len:
+            raise ValueError("a KVCache holds the memory: pass no mems, and no ext_len (a training setting)")
+        if self.training or torch.is_grad_enabled():
+            raise ValueError("a KVCache is for inference with fixed weights: use model.eval() and torch.no_grad()")
+        if cache.k.shape[1] != B:
+            raise ValueError(f"the cache holds {cache.k.shape[1]} rows, the input {B}")
+        mlen = cache.length
+        padded = cache.begin(T, padding)  # [B, M + T] or None
+        mask = attention_mask(T, mlen, same_length, mem_len, device=cache.k.device)  # [T, K]
+        if padded is not None:  # padding is never a key, except for padding queries (no empty softmax row)
+            mask = (mask | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
+        elif not _masks_any(T, mlen, same_length, mem_len):
+            mask = None
+        dev, dtype = cache.k.device, cache.k.dtype
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+
+        def table(attn: RelPartialLearnableMultiHeadAttn) -> Callable[[int], Tensor]:
+            def project(n: int) -> Tensor:  # W_kR R for the distances n-1, ..., 0, as [H, Dh, n]
+                pos = sinusoid_embedding(n, cfg.d_model, clamp_len, dev, exact).to(dtype)  # [n, D]
+                return torch.mm(attn.r_net.weight, pos.t()).view(attn.n_head, attn.d_head, n)
+
+            return project
+
+        key = (clamp_len, dtype)
+        r_ks = [cache.positions(i, mlen + T, key, table(layer.attn)) for i, layer in enumerate(self.layers)]
+        return mlen, mask, r_ks
 
     @staticmethod
     @torch.no_grad()

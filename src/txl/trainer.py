@@ -45,6 +45,8 @@ from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import CheckpointError, load_weights, read_safetensors
+from txl.runtime import configure as configure_runtime
+from txl.runtime import effective_precision
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
@@ -139,8 +141,12 @@ class Trainer:
             self.run_dir, enabled=w.is_main, progress=tc.progress, tensorboard=tc.tensorboard, total=tc.max_steps
         )
         self.say = self.reporter.say
-        if tc.precision == "bf16" and w.device.type == "cpu" and not _native_cpu_bf16():
-            self.say("note: this CPU has no native bf16 (avx512_bf16/AMX): bf16 is emulated and slower than fp32")
+        self.precision, note = effective_precision(w.device, tc.precision)
+        if note:
+            self.say(f"note: train.precision = bf16, but {note}")
+        if w.device.type == "cpu":
+            for line in configure_runtime():
+                self.say(f"runtime: {line}")
 
         # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
         corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None
@@ -300,7 +306,7 @@ class Trainer:
         for c in range(n):
             sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
             with sync:
-                with autocast(w.device, tc.precision):
+                with autocast(w.device, self.precision):
                     out = self.net(inputs[c], targets[c], mems=self.mems[c], ext_len=tc.ext_len)
                 loss = out.loss.float() / n
                 self.scaler.scale(loss).backward()
@@ -308,8 +314,8 @@ class Trainer:
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, tc.clip if tc.clip > 0 else math.inf)
-        loss_value = all_reduce_sum(w, loss_sum.item())[0] / w.size
-        norm_value = float(norm)
+        local_loss, norm_value = torch.stack([loss_sum, norm.float()]).tolist()  # one device-to-host transfer
+        loss_value = all_reduce_sum(w, local_loss)[0] / w.size
         where = f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})"
         resume_hint = (
             "the weights were not updated; resume from the last checkpoint with --resume auto, "
@@ -357,7 +363,7 @@ class Trainer:
             tgt_len=eval_tgt,
             mem_len=mem,
             max_batches=tc.eval_max_steps,
-            precision=tc.precision,
+            precision=self.precision,
             world=self.world,
         )
         value = metric_value(res.loss, self.metric)
@@ -406,7 +412,7 @@ class Trainer:
         tc, w = self.tc, self.world
         n_params = sum(p.numel() for p in self.params)
         self.say(
-            f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {tc.precision}); "
+            f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {self.precision}); "
             f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
         )
         old = {}
@@ -474,13 +480,6 @@ class Trainer:
         if self.best_valid is None or self.last_valid < self.best_valid:
             self.best_valid, self.best_step = self.last_valid, self.step
             return True
-        return False
-
-
-def _native_cpu_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
         return False
 
 

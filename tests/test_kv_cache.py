@@ -1,0 +1,149 @@
+"""The memory as cached keys and values (KVCache): evaluation and generation compute what the uncached model
+computes (the memory's keys/values projected again from its hidden states), also once the memory is full and
+slides; batched prompts of different lengths give what each prompt gives alone; stop tokens end rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import debug_config
+from txl import TransformerXLLM
+from txl.evaluate import evaluate
+from txl.generation import generate, stream
+from txl.modeling import KVCache
+
+VARIANTS = {
+    "plain": {},
+    "same_length_clamp": {"same_length": True, "clamp_len": 6},
+    "pre_lnorm_untie_r": {"pre_lnorm": True, "untie_r": True},
+    "adaptive": {"n_token": 300, "cutoffs": [40, 120], "div_val": 2, "d_embed": 24},
+}
+
+
+def lm(**overrides) -> TransformerXLLM:
+    return TransformerXLLM(debug_config(**overrides)).eval()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seg, mem_len", [(8, 16), (5, 23), (16, 8)], ids=["8/16", "5/23", "16/8"])
+def test_cached_segments_equal_the_uncached_memory(variant, seg, mem_len):
+    model = lm(**VARIANTS[variant], mem_len=mem_len)
+    ids = torch.randint(0, model.config.n_token, (3, 12 * seg + 1))
+    cache = KVCache(model.config, 3, mem_len, seg)
+    mems, lost = None, 0
+    with torch.no_grad():
+        for s in range(0, 12 * seg, seg):
+            x, y = ids[:, s : s + seg], ids[:, s + 1 : s + seg + 1]
+            plain = model(x, y, mems=mems, return_log_probs=True)
+            cached = model(x, y, cache=cache, return_log_probs=True)
+            torch.testing.assert_close(cached.log_probs, plain.log_probs, atol=1e-5, rtol=0)
+            torch.testing.assert_close(cached.losses, plain.losses, atol=1e-5, rtol=0)
+            assert cached.mems is None and cache.length == plain.mems[0].shape[1]
+            lost = max(lost, cache.start)
+            mems = plain.mems
+    assert lost > 0  # the window slid and was moved to the front of the buffer at least once
+
+
+def test_cached_evaluation_equals_uncached(tmp_path):
+    model = lm(mem_len=8, same_length=True)
+    data = np.random.default_rng(0).integers(0, 97, 3_000)
+    kw = dict(batch_size=4, tgt_len=12, mem_len=40, clamp_len=20, same_length=True)
+    cached, plain = evaluate(model, data, **kw), evaluate(model, data, cache=False, **kw)
+    assert cached.tokens == plain.tokens > 2_900
+    assert cached.loss == pytest.approx(plain.loss, abs=1e-6)
+    with pytest.raises(ValueError, match="inference"):
+        model.train()(torch.zeros(4, 3, dtype=torch.long), cache=KVCache(model.config, 4, 8))
+
+
+def uncached_steps(model, prompt, forced: list[int], mem_len: int) -> torch.Tensor:
+    """The reference: the memory as hidden states, re-projected at every step; the log-probs [steps, V] before
+    each of the ``forced`` tokens is fed."""
+    all_log_probs = []
+    with torch.no_grad():
+        out = model.transformer(prompt, None, mem_len=mem_len)
+        for tok in forced:
+            all_log_probs.append(model.crit(out.last_hidden_state[:, -1], return_log_probs=True)[1])
+            out = model.transformer(torch.tensor([[tok]]), out.mems, mem_len=mem_len)
+    return torch.cat(all_log_probs)
+
+
+def greedy_uncached(model, prompt, steps: int, mem_len: int) -> list[int]:
+    tokens = []
+    with torch.no_grad():
+        out = model.transformer(prompt, None, mem_len=mem_len)
+        for _ in range(steps):
+            nxt = model.crit(out.last_hidden_state[:, -1], return_log_probs=True)[1].argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            out = model.transformer(nxt, out.mems, mem_len=mem_len)
+    return tokens
+
+
+@pytest.mark.parametrize("variant", ["plain", "same_length_clamp", "adaptive"])
+def test_cached_generation_equals_the_uncached_loop_over_a_sliding_memory(variant):
+    model = lm(**VARIANTS[variant])
+    n_token, mem_len, steps = model.config.n_token, 24, 512
+    prompt = torch.randint(0, n_token, (1, 20))
+    got = generate(model, prompt, steps, temperature=0.0, mem_len=mem_len)[0, 20:].tolist()
+    assert got == greedy_uncached(model, prompt, steps, mem_len)  # token for token
+    # log-probs over 512 steps, fed varied tokens: the memory is full after 4 steps and then slides
+    forced = torch.randint(0, n_token, (steps,)).tolist()
+    expected = uncached_steps(model, prompt, forced, mem_len)
+    cache = KVCache(model.config, 1, mem_len, 20)
+    with torch.no_grad():
+        h = model.transformer(prompt, cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+        for i, tok in enumerate(forced):
+            _, log_probs = model.crit(h, return_log_probs=True)
+            torch.testing.assert_close(log_probs[0], expected[i], atol=1e-5, rtol=0, msg=f"step {i + 1}")
+            h = model.transformer(torch.tensor([[tok]]), cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+    assert cache.length == mem_len and cache.start > 0
+
+
+@pytest.mark.parametrize("variant", ["plain", "same_length_clamp", "adaptive"])
+def test_batched_prompts_of_different_lengths_equal_one_by_one(variant):
+    model = lm(**VARIANTS[variant])
+    lengths = [5, 13, 9, 1]
+    prompts = [torch.randint(0, model.config.n_token, (1, n)) for n in lengths]
+    longest = max(lengths)
+    batch = torch.zeros(len(lengths), longest, dtype=torch.long)
+    padding = torch.ones(len(lengths), longest, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        batch[row, longest - p.shape[1] :] = p
+        padding[row, longest - p.shape[1] :] = False
+    mem_len, steps = 10, 60
+    together = generate(model, batch, steps, temperature=0.0, mem_len=mem_len, padding=padding)[:, longest:]
+    for row, p in enumerate(prompts):
+        alone = generate(model, p, steps, temperature=0.0, mem_len=mem_len)[0, p.shape[1] :]
+        assert together[row].tolist() == alone.tolist(), f"row {row} (prompt of {lengths[row]})"
+    # log-probs of the first new token, row by row
+    cache = KVCache(model.config, len(lengths), mem_len, longest)
+    with torch.no_grad():
+        h = model.transformer(batch, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state[:, -1]
+        _, batched = model.crit(h, return_log_probs=True)
+        for row, p in enumerate(prompts):
+            _, alone = model.crit(model.transformer(p, mem_len=mem_len).last_hidden_state[:, -1], return_log_probs=True)
+            torch.testing.assert_close(batched[row], alone[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="padding must be"):
+        generate(model, batch, 2, padding=padding.flip(1))  # padding on the right is refused
+
+
+def test_stop_tokens_end_rows_and_sampling_is_seeded():
+    model = lm()
+    prompt = torch.randint(0, 97, (3, 6))
+    g = torch.Generator().manual_seed(5)
+    free = generate(model, prompt, 40, temperature=1.0, generator=g)[:, 6:]
+    stop = int(free[1, 3])  # a token that row 1 produces at step 4
+    g = torch.Generator().manual_seed(5)
+    steps = list(stream(model, prompt, 40, temperature=1.0, generator=g, stop_tokens=[stop], pad_id=0))
+    out = torch.cat(steps, dim=1)
+    for row in range(3):
+        hits = (free[row] == stop).nonzero()
+        first = int(hits[0]) if len(hits) else None
+        upto = out.shape[1] if first is None else first + 1
+        assert out[row, :upto].tolist() == free[row, :upto].tolist()  # the same sample until the stop token
+        assert (out[row, upto:] == 0).all()  # then padding
+    assert out.shape[1] <= 40 and (out.shape[1] == 40 or all((r == stop).any() for r in out))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = generate(model, prompt, 20, temperature=0.7, top_k=20, top_p=0.9, generator=g1)
+    assert a.equal(generate(model, prompt, 20, temperature=0.7, top_k=20, top_p=0.9, generator=g2))

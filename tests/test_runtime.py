@@ -1,0 +1,56 @@
+"""Process settings chosen at start-up: the fp32 GEMM route is taken only if a self-check shows it exact (and it is
+faster), the allocator is tuned on Linux, and bf16 without hardware support falls back to fp32 with a note."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from txl import runtime
+
+
+@pytest.fixture(autouse=True)
+def _keep_route():
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    yield
+    torch.backends.mkldnn.matmul.fp32_precision = before
+
+
+def bf16_matmul(a, b):
+    return (a.bfloat16() @ b.bfloat16()).float()
+
+
+def test_the_self_check_refuses_a_route_that_is_not_exact():
+    assert runtime.is_fp32_exact(lambda a, b: (a.double() @ b.double()).float())
+    assert runtime.matmul_error(bf16_matmul) > 1e-4 and not runtime.is_fp32_exact(bf16_matmul)
+    choice = runtime.choose_fp32_matmul(measure=False, routed_matmul=bf16_matmul)
+    assert not choice.exact and not choice.enabled and "not exact" in choice.describe()
+    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"  # the default path stays
+
+
+def test_an_exact_route_is_taken_only_if_it_pays():
+    choice = runtime.choose_fp32_matmul(measure=False)  # not measured: speed-up 1.0 < MIN_GAIN
+    assert not choice.enabled and torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    choice = runtime.choose_fp32_matmul()
+    assert choice.enabled == (choice.exact and choice.speedup >= runtime.MIN_GAIN)
+    expected = "bf16" if choice.enabled else "ieee"
+    assert torch.backends.mkldnn.matmul.fp32_precision == expected
+    if choice.enabled:  # whatever the route, products stay fp32-accurate
+        assert runtime.is_fp32_exact(torch.matmul)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_allocator_is_tuned_on_linux():
+    assert runtime.configure_allocator()
+
+
+def test_bf16_falls_back_to_fp32_only_without_hardware_bf16(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: False)
+    precision, note = runtime.effective_precision(cpu, "bf16")
+    assert precision == "fp32" and "no native bf16" in note
+    assert runtime.effective_precision(cpu, "fp32") == ("fp32", None)
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: True)
+    assert runtime.effective_precision(cpu, "bf16") == ("bf16", None)
