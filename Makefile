@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format bench bench-data bench-train clean
+.PHONY: setup demo test test-all lint format bench bench-data bench-train bench-levers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +36,13 @@ format: setup
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
+	$(BIN)/python benchmarks/levers.py --write docs/benchmarks.md
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
+
+bench-levers: setup
+	$(BIN)/python benchmarks/levers.py --write docs/benchmarks.md
 
 bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md

@@ -289,6 +289,10 @@ def test_generate_stop_tokens_and_no_stream(char_run, capsys):
     stopped = json.loads(capsys.readouterr().out)["new_ids"]
     first = free["new_ids"].index(tok.token_to_id(stop))
     assert stopped == free["new_ids"][: first + 1]  # up to and including the stop token
+    earlier = tok.symbols[free["new_ids"][2]]  # a list of stops: the first one produced ends the text
+    main([*base, "--json", "--stop", json.dumps([stop, earlier])])
+    listed = json.loads(capsys.readouterr().out)["new_ids"]
+    assert listed == free["new_ids"][: min(first, free["new_ids"].index(tok.token_to_id(earlier))) + 1]
     main([*base, "--stop_ids", f"[{tok.token_to_id(stop)}]", "--stream", "false"])
     assert capsys.readouterr().out == tok.decode(free["prompt_ids"] + stopped) + "\n"
     assert "is 2 tokens for this tokenizer" in fails(capsys, [*base, "--stop", "ab"])

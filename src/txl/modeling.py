@@ -206,7 +206,8 @@ def rel_shift(bd_raw: Tensor) -> Tensor:
     """Shift ``[..., T, K]`` scores from distance order to key order (Appendix B), as a view.
 
     Only each ``[T, K]`` block must be contiguous; the leading dimensions may have any strides. The gradient of
-    the entries that read the next row (the causally masked ones) must be zero, as it is after ``masked_fill``.
+    the entries that read the next row (the causally masked ones) must be zero, as it is for masked scores (their
+    probability is exactly 0).
     """
     *lead, qlen, klen = bd_raw.shape
     if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != klen:
@@ -235,6 +236,14 @@ def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device
     if same_length:
         mask |= j <= i - mem_len
     return mask  # [T, K]
+
+
+def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
+    """-inf where ``mask`` is True, added as a bias: a vectorized broadcast add (masked_fill with a broadcast mask
+    is ~5x slower on the CPU) whose backward is the identity. The scores are the same, and so is the gradient: a
+    masked entry's probability is exactly 0, so the softmax gives it exactly 0 gradient."""
+    bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device).masked_fill_(mask, float("-inf"))
+    return score.add_(bias) if inplace else score + bias
 
 
 class Dropout(nn.Module):
@@ -334,12 +343,12 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
             score = _fp32(ac).add_(bd)  # fp32
             if mask is not None:
-                score = score.masked_fill_(mask, float("-inf"))
+                score = mask_scores(score, mask, inplace=True)
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
             attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
         else:
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
-            bias = bd if mask is None else bd.masked_fill(mask, float("-inf"))  # [B, H, T, K]
+            bias = bd if mask is None else mask_scores(bd, mask)  # [B, H, T, K]
             attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias.to(q_w.dtype), scale=1.0)
             prob = None
         attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, H * Dh)))  # [B, T, D]

@@ -1,0 +1,242 @@
+"""What each speed lever of txl gives: every lever turned off alone, against txl with all of them, in one run.
+
+    make bench-levers   # = .venv/bin/python benchmarks/levers.py --write docs/benchmarks.md
+
+On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), the same weights and inputs:
+
+* train step (forward + backward + optimizer, mem_len 128): the rel_shift's own backward (off: autograd's generic
+  backward of a strided view), the CPU dropout mask from 24-bit halves of 64-bit random words (off:
+  ``F.dropout``), the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
+  oneDNN (a lever txl turns on only where its start-up check finds it exact and >= 15% faster), and malloc kept
+  from returning large blocks (off: glibc's defaults; measured in fresh processes, since it is process-wide);
+* evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
+  segment);
+* generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
+  re-projected for every new token).
+
+Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from _report import replace_section
+from model_speed import cpu_description, fp32_route, uncached_greedy
+from txl import modeling
+from txl.generation import generate
+from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
+from txl.runtime import choose_fp32_matmul, configure_allocator
+
+HEADING = "## What each speed lever gives"
+BATCH, TGT = 8, 128
+CFG = dict(n_token=256, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, dropout=0.1, mem_len=128)
+
+
+def generic_shift(bd_raw: torch.Tensor) -> torch.Tensor:
+    """The same strided view as ``_RelShift``, left to autograd's generic as_strided backward."""
+    *lead, qlen, klen = bd_raw.shape
+    stride = (*bd_raw.stride()[:-2], klen - 1, 1)
+    return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
+
+
+def fill_mask(score: torch.Tensor, mask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    return score.masked_fill_(mask, float("-inf")) if inplace else score.masked_fill(mask, float("-inf"))
+
+
+def plain_dropout(self, x: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x, self.p, self.training)
+
+
+TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer options)
+    "all levers": (contextlib.nullcontext, {"fused": True}),
+    "rel_shift backward": (lambda: mock.patch.object(modeling._RelShift, "apply", generic_shift), {"fused": True}),
+    "mask as an added bias": (lambda: mock.patch.object(modeling, "mask_scores", fill_mask), {"fused": True}),
+    "CPU dropout mask": (lambda: mock.patch.object(modeling.Dropout, "forward", plain_dropout), {"fused": True}),
+    "fused Adam (off: foreach)": (contextlib.nullcontext, {"foreach": True}),
+    "fused Adam (off: for-loop)": (contextlib.nullcontext, {"foreach": False}),
+}
+
+
+class TrainCase:
+    def __init__(self, model: TransformerXLLM, stream: torch.Tensor, off, opt_kw: dict, route: bool = False):
+        self.model, self.stream, self.off, self.route = model, stream, off, route
+        self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, **opt_kw)
+        self.mems, self.pos = None, 0
+
+    def step(self) -> None:
+        x = self.stream[:, self.pos : self.pos + TGT]
+        y = self.stream[:, self.pos + 1 : self.pos + TGT + 1]
+        self.pos = (self.pos + TGT) % (self.stream.shape[1] - TGT - 1)
+        with self.off(), fp32_route(self.route):
+            out = self.model(x, y, mems=self.mems)
+            out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.mems = out.mems
+        out.loss.item()
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def alternate(cases: dict, warmup: int, steps: int, tokens: int) -> dict[str, list[float]]:
+    """tokens/s of every case, steps interleaved (the order reversed every other round)."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    names = list(cases)
+    for i in range(warmup + steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            dt = timed(cases[name])
+            if i >= warmup:
+                times[name].append(tokens / dt)
+    return times
+
+
+def train_levers(warmup: int, steps: int, route_ok: bool) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    base = TransformerXLLM(TransformerXLConfig(**CFG)).train()
+    stream = torch.randint(0, 256, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
+    cases = {name: TrainCase(copy.deepcopy(base), stream, off, kw).step for name, (off, kw) in TRAIN_LEVERS.items()}
+    if route_ok:  # the route is off by default here; measured as a lever "on"
+        cases["fp32 GEMMs via oneDNN (on)"] = TrainCase(
+            copy.deepcopy(base), stream, contextlib.nullcontext, {}, True
+        ).step
+    return alternate(cases, warmup, steps, BATCH * TGT)
+
+
+def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    model = TransformerXLLM(TransformerXLConfig(**CFG)).eval()
+    stream = torch.randint(0, 256, (BATCH, TGT * (warmup + steps + 2)), generator=torch.Generator().manual_seed(0))
+    state = {"cache": KVCache(model.config, BATCH, 640, TGT), "mems": None, "a": 0, "b": 0}
+
+    @torch.no_grad()
+    def cached():
+        x = stream[:, state["a"] : state["a"] + TGT]
+        state["a"] += TGT
+        model.transformer(x, cache=state["cache"], mem_len=640).last_hidden_state.sum().item()
+
+    @torch.no_grad()
+    def uncached():
+        x = stream[:, state["b"] : state["b"] + TGT]
+        state["b"] += TGT
+        out = model.transformer(x, state["mems"], mem_len=640)
+        state["mems"] = out.mems
+        out.last_hidden_state.sum().item()
+
+    return alternate({"all levers": cached, "K/V cache": uncached}, warmup, steps, BATCH * TGT)
+
+
+def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    model = TransformerXLLM(TransformerXLConfig(**CFG)).eval()
+    prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+    cases = {
+        "all levers": lambda: generate(model, prompt, new_tokens, temperature=0.0, mem_len=640),
+        "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
+    }
+    return alternate(cases, 1, repeats, new_tokens)
+
+
+ALLOC_SCRIPT = """
+import json, sys, torch
+sys.path[:0] = {paths!r}
+torch.set_num_threads(2)
+from txl.runtime import configure_allocator
+if {alloc}:
+    configure_allocator()
+import levers
+print(json.dumps(levers.alternate({{"x": levers.TrainCase(*levers.fresh(), levers.contextlib.nullcontext,
+    {{"fused": True}}).step}}, {warmup}, {steps}, levers.BATCH * levers.TGT)["x"]))
+"""
+
+
+def fresh():
+    torch.manual_seed(0)
+    model = TransformerXLLM(TransformerXLConfig(**CFG)).train()
+    return model, torch.randint(0, 256, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
+
+
+def allocator_lever(rounds: int, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Fresh processes with and without the malloc settings, alternating."""
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "src")]
+    out: dict[str, list[float]] = {"all levers": [], "malloc settings": []}
+    for i in range(2 * rounds):
+        alloc = (i % 2 == 0) == (i // 2 % 2 == 0)
+        code = ALLOC_SCRIPT.format(paths=paths, alloc=alloc, warmup=warmup, steps=steps)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        out["all levers" if alloc else "malloc settings"] += json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def fmt(v: list[float]) -> str:
+    return f"{statistics.median(v):,.0f} ({min(v):,.0f}–{max(v):,.0f})"
+
+
+def rows(case: str, times: dict[str, list[float]]) -> list[str]:
+    ref = statistics.median(times["all levers"])
+    out = []
+    for name, v in times.items():
+        if name == "all levers":
+            continue
+        gain = ref / statistics.median(v)
+        on = name.endswith("(on)")
+        shown = f"**{1 / gain:.2f}×** (turning it on)" if on else f"**{gain:.2f}×**"
+        out.append(f"| {case} | {name} | {fmt(times['all levers'])} | {fmt(v)} | {shown} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2, help="process pairs for the malloc lever")
+    ap.add_argument("--gen_repeats", type=int, default=3)
+    ap.add_argument("--write", type=Path, help="write the section into this markdown file")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    alloc_on = configure_allocator()
+    route = choose_fp32_matmul()
+    print(f"machine: {cpu_description()}; {route.describe()}", flush=True)
+    table = []
+    for case, times in (
+        ("train step", train_levers(args.warmup, args.steps, route.exact)),
+        ("train step", allocator_lever(args.rounds, args.warmup, args.steps) if alloc_on else None),
+        ("eval, mem 640", eval_levers(args.warmup, args.steps)),
+        ("generation (new tok/s)", generation_levers(args.gen_repeats, 128)),
+    ):
+        if times:
+            table += rows(case, times)
+            print("\n".join(rows(case, times)), flush=True)
+    if args.write:
+        header = (
+            f"{HEADING} (`benchmarks/levers.py`)\n\n"
+            f"Command: `make bench-levers` (= `python benchmarks/levers.py --warmup {args.warmup} --steps "
+            f"{args.steps} --rounds {args.rounds} --gen_repeats {args.gen_repeats} --write docs/benchmarks.md`). "
+            f"Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. bench-char shapes, fp32; each "
+            "row turns one lever off (or, for a lever txl leaves off here, on) and keeps the others; the variants "
+            "alternate step by step in one process (malloc: fresh processes, alternating). gain = tokens/s with "
+            "all levers / tokens/s with the lever off. The exactness of each lever is tested in `tests/` (the "
+            "shift's gradient, the dropout distribution, cached = uncached evaluation and generation).\n\n"
+            "| case | lever | all levers tok/s | lever off tok/s | gain |\n|---|---|---|---|---|\n"
+        )
+        replace_section(args.write, HEADING, header + "\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
