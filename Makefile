@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format bench bench-data bench-train bench-levers clean
+.PHONY: setup demo test test-all lint format bench bench-data bench-train bench-levers bench-vanilla clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ demo: setup
 	$(BIN)/python -m txl.demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks experiments
+	$(BIN)/ruff format --check src tests benchmarks experiments
 
 # `make test` skips the tests marked slow (processes: torchrun, signals, full disks); `make test-all` and CI
 # (.ci/run: make test SLOW=1) run every test.
@@ -30,19 +30,23 @@ test-all:
 	$(MAKE) test SLOW=1
 
 format: setup
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks experiments
+	$(BIN)/ruff check --fix src tests benchmarks experiments
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
 	$(BIN)/python benchmarks/levers.py --write docs/benchmarks.md
+	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --quick --write docs/benchmarks.md
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
 
 bench-levers: setup
 	$(BIN)/python benchmarks/levers.py --write docs/benchmarks.md
+
+bench-vanilla: setup
+	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --quick --write docs/benchmarks.md
 
 bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md

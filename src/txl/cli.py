@@ -78,7 +78,7 @@ def eval(
     dataset: str | None = None,
     split: Split | None = None,
     tgt_len: int | None = None,
-    mem_len: int | None = None,
+    mem_len: int | list[int] | None = None,
     clamp_len: int | None = None,
     same_length: bool | None = None,
     batch_size: int | None = None,
@@ -87,6 +87,9 @@ def eval(
     device: str = "auto",
     threads: int | None = None,
     encoding_errors: Literal["strict", "replace"] | None = None,
+    sliding_window: int | None = None,
+    stride: int = 1,
+    plot: Path | None = None,
     json: bool = False,
 ) -> None:
     """Score a text with a model: mean loss and ppl (words) or bpc (characters/bytes), with the settings used.
@@ -102,7 +105,8 @@ def eval(
             folder of .txt files. How the text is tokenized always comes from the model.
         split: train, valid or test (default: the run's eval.split, else test).
         tgt_len: Segment length.
-        mem_len: Memory length (the paper evaluates with a longer memory than in training).
+        mem_len: Memory length (the paper evaluates with a longer memory than in training), or a list of lengths
+            (a memory sweep: '[0, 64, 128, 256]' or 0,64,128,256), one line each and a plot of the metric against it.
         clamp_len: Relative distances above this share one position embedding (-1: none).
         same_length: Every query attends to the same number (mem_len) of keys.
         batch_size: Columns evaluated in parallel.
@@ -112,7 +116,13 @@ def eval(
         threads: torch CPU threads (default: torch's, one per core).
         encoding_errors: strict (a non-UTF-8 byte is an error naming file and line) or replace (read as U+FFFD);
             default: the run's data.encoding_errors, else strict.
-        json: Print one JSON object instead of a line of text.
+        sliding_window: Score like a vanilla Transformer (Al-Rfou et al.): every prediction sees only this many
+            previous tokens, recomputed from scratch for each window, no memory (the paper's Table 9 baseline).
+        stride: With --sliding_window: slide the window by this many tokens, scoring its last `stride` positions
+            (1: one prediction per window, as the paper does; larger is faster and gives more context-poor scores).
+        plot: With a list of --mem_len: the PNG of the metric against the memory length (default:
+            mem_len_sweep.png).
+        json: Print one JSON object instead of a line of text (one per memory length).
     """
     import math
 
@@ -137,40 +147,95 @@ def eval(
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)
-    given = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-    s = eval_settings(run, lm.config, split=split, batch_size=batch_size, **given)
+    sweep = mem_len if isinstance(mem_len, list) else None
+    if sweep is not None and (not sweep or sliding_window is not None):
+        raise ValueError("--mem_len as a list needs at least one length, and no --sliding_window")
+    if sweep is None and plot is not None:
+        raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
+    given = dict(tgt_len=tgt_len, mem_len=sweep[0] if sweep else mem_len, clamp_len=clamp_len)
+    s = eval_settings(run, lm.config, split=split, batch_size=batch_size, same_length=same_length, **given)
+    sweep_settings = [eval_settings(run, lm.config, split=split, batch_size=batch_size, same_length=same_length,
+                                    **(given | {"mem_len": m})) for m in sweep or []]  # fmt: skip
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"--sliding_window = {sliding_window}: must be >= 1")
+    if sliding_window is not None and not 1 <= stride <= sliding_window:
+        raise ValueError(f"--stride = {stride}: must be in [1, --sliding_window = {sliding_window}]")
+    if sliding_window is None and stride != 1:
+        raise ValueError("--stride needs --sliding_window")
     text = eval_text(folder, run, s.split, data, dataset, encoding_errors)
-    res = evaluate(
-        lm.to(dev),
+    if sliding_window is not None:
+        _sliding_eval(lm.to(dev), text, s, folder, sliding_window, stride, max_batches, precision, dev, json)
+        return
+    name = metric_name(text.tokenizer.kind)
+    points, settings_list = [], sweep_settings or [s]
+    for s in settings_list:
+        res = evaluate(
+            lm.to(dev),
+            text.ids,
+            batch_size=s.batch_size,
+            tgt_len=s.tgt_len,
+            mem_len=s.mem_len,
+            clamp_len=s.clamp_len,
+            same_length=s.same_length,
+            max_batches=max_batches,
+            precision=precision,
+            world=World(device=dev),
+        )
+        if not math.isfinite(res.loss):
+            raise NonFiniteError(
+                f"the loss on {text.description} is {res.loss}: the model gives a non-finite probability somewhere "
+                f"in it (precision {precision}{'; try --precision fp32' if precision != 'fp32' else ''})"
+            )
+        value = metric_value(res.loss, name)
+        points.append((s.mem_len, value))
+        settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
+        settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
+        if json:
+            record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value}
+            print(_json.dumps(record | {"tokens": res.tokens} | settings), flush=True)
+        else:
+            label = text.description if data is not None and Path(data).is_file() else s.split
+            print(
+                f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
+                f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size} | "
+                f"{res.tokens:,} tokens | {folder}",
+                flush=True,
+            )
+    if sweep:
+        from txl.plot import plot_memory_sweep
+
+        where = plot_memory_sweep(points, name, plot or Path("mem_len_sweep.png"), title=f"{folder} ({s.split})")
+        print(f"plot: {where}", file=sys.stderr if json else sys.stdout)
+
+
+def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batches, precision, dev, json) -> None:
+    """`txl eval --sliding_window`: the vanilla model's evaluation, printed with its settings."""
+    from txl.distributed import World
+    from txl.evaluate import evaluate_sliding, metric_name, metric_value
+
+    res = evaluate_sliding(
+        lm,
         text.ids,
+        window=window,
+        stride=stride,
         batch_size=s.batch_size,
-        tgt_len=s.tgt_len,
-        mem_len=s.mem_len,
         clamp_len=s.clamp_len,
-        same_length=s.same_length,
         max_batches=max_batches,
         precision=precision,
         world=World(device=dev),
     )
-    if not math.isfinite(res.loss):
-        raise NonFiniteError(
-            f"the loss on {text.description} is {res.loss}: the model gives a non-finite probability somewhere "
-            f"in it (precision {precision}{'; try --precision fp32' if precision != 'fp32' else ''})"
-        )
     name = metric_name(text.tokenizer.kind)
     value = metric_value(res.loss, name)
-    settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
-    settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
+    settings = {"split": s.split, "sliding_window": window, "stride": stride, "mem_len": 0}
+    settings |= {"clamp_len": s.clamp_len, "batch_size": s.batch_size}
     if json:
         record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value, "tokens": res.tokens}
         print(_json.dumps(record | settings))
-    else:
-        label = text.description if data is not None and Path(data).is_file() else s.split
-        print(
-            f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
-            f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size} | "
-            f"{res.tokens:,} tokens | {folder}"
-        )
+        return
+    print(
+        f"{s.split}: loss {res.loss:.4f} | {name} {value:.4f} | sliding window {window}, stride {stride}, no memory, "
+        f"clamp_len {s.clamp_len}, batch {s.batch_size} windows | {res.tokens:,} tokens | {folder}"
+    )
 
 
 def generate(
@@ -275,6 +340,102 @@ def generate(
     out.write(decoder.flush() + "\n")
 
 
+def recl(
+    models: list[Path] | None = None,
+    contexts: list[int] | None = None,
+    sliding: list[Path] | None = None,
+    r: list[float] | None = None,
+    tokens: int = 5000,
+    data: Path | None = None,
+    split: Split | None = None,
+    tgt_len: int | None = None,
+    batch_size: int = 16,
+    threshold: float = 0.01,
+    out: Path | None = None,
+    threads: int | None = None,
+) -> None:
+    """Relative effective context length (RECL, the paper's Appendix C) of a group of models on one text.
+
+    Every model scores the same tokens at every context length (Transformer-XL: memory length; a vanilla model
+    given in --sliding: window length); RECL is the first length whose relative gain to the next falls below the
+    threshold, against the group's best loss per token. Prints the table and writes recl.json and recl.png.
+
+    Args:
+        models: Run folders or model folders (the same tokenizer), e.g. --models '[runs/a, runs/b]'.
+        contexts: Evenly spaced context lengths, e.g. '[32, 64, 96, 128]'.
+        sliding: Those of --models scored with a sliding window (vanilla models) instead of a memory.
+        r: Fractions of the hardest tokens to average over (default: the paper's 0.1, 0.5 and 1.0).
+        tokens: Score the first this many tokens of the text.
+        data: A text file or folder, as for txl eval (default: the first model's run data).
+        split: train, valid or test (default: the first model's eval.split, else test).
+        tgt_len: Segment length of the memory models (default: each model's evaluation tgt_len).
+        batch_size: Windows scored at once (sliding).
+        threshold: Gain below which more context stops counting (the paper: 0.01).
+        out: Folder for recl.json and recl.png (default: the current folder).
+        threads: torch CPU threads.
+    """
+    import numpy as np
+
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.evaluate import eval_settings, eval_text
+    from txl.modeling import TransformerXLLM
+    from txl.recl import context_losses, plot_gains
+    from txl.recl import recl as compute_recl
+
+    if not models or len(models) < 2:
+        raise ValueError("--models needs at least two models: RECL compares a group")
+    if not contexts:
+        raise ValueError("--contexts needs evenly spaced lengths, e.g. '[32, 64, 96]'")
+    if tokens < 2:
+        raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    sliding_set = {str(p) for p in sliding or []}
+    unknown = sliding_set - {str(p) for p in models}
+    if unknown:
+        raise ValueError(f"--sliding {sorted(unknown)}: not among --models")
+    _set_threads(threads)
+    ratios = r or [0.1, 0.5, 1.0]
+    losses, ids_seen = {}, None
+    for path in models:
+        folder = resolve_model_dir(path)
+        run = read_run_config(folder)
+        lm = TransformerXLLM.from_pretrained(folder)
+        s = eval_settings(run, lm.config, split=split, tgt_len=tgt_len)
+        text = eval_text(folder, run, s.split, data, None, None)
+        if isinstance(text.ids, list):
+            raise ValueError(f"{path}: RECL scores one token stream; sentence shards (lm1b) are not one")
+        ids = np.asarray(text.ids[: tokens + 1], dtype=np.int64)
+        if ids_seen is not None and not np.array_equal(ids, ids_seen):
+            raise ValueError(f"{path}: reads the text into other tokens than {models[0]}: RECL needs one tokenizer")
+        ids_seen = ids
+        name = str(path)
+        print(f"scoring {name} at {len(contexts)} context lengths ({'window' if name in sliding_set else 'memory'})")
+        losses[name] = context_losses(
+            lm, ids, contexts, sliding=name in sliding_set, tgt_len=s.tgt_len, clamp_len=s.clamp_len,
+            same_length=s.same_length, batch_size=batch_size,
+        )  # fmt: skip
+    results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
+    out = Path(out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    from txl.fileio import write_bytes
+
+    record = {
+        "contexts": list(contexts),
+        "tokens": int(len(ids_seen) - 1),
+        "threshold": threshold,
+        "results": [{"r": x.r, "recl": x.recl, "reached": x.reached, "gains": x.gains} for x in results],
+    }
+    write_bytes(out / "recl.json", (_json.dumps(record, indent=1) + "\n").encode())
+    plot_gains(results, out / "recl.png")
+    print("| model | " + " | ".join(f"RECL r={x.r}" for x in results) + " |")
+    print("|---|" + "---|" * len(results))
+    for name in losses:
+        cells = [f"{x.recl[name]}{'' if x.reached[name] else '+'}" for x in results]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(
+        f"(+: the gain never fell below {threshold} up to the longest length)  {out / 'recl.json'}, {out / 'recl.png'}"
+    )
+
+
 def plot(run: Path, out: Path | None = None) -> None:
     """Plot the training and validation curves of a run (RUN/metrics.jsonl) to a PNG.
 
@@ -333,6 +494,7 @@ COMMANDS = {
     "eval": eval,
     "generate": generate,
     "plot": plot,
+    "recl": recl,
     "convert": {"hf": convert_hf},
     "data": {"get": data_get, "prepare": data_prepare},
 }
@@ -341,8 +503,18 @@ HELP = {"convert": "Import checkpoints of other implementations.", "data": "Down
 FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config", "--stream"}
 
 
+NUMBER_LISTS = {"--mem_len", "--contexts", "--r"}  # options that also take comma-separated numbers: 0,64,128
+_COMMA_NUMBERS = re.compile(r"^-?[0-9.]+(,-?[0-9.]+)+$")
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """Accept ``--some-option`` for ``--some_option``, and ``--flag`` alone for ``--flag=true``."""
+    """Accept ``--some-option`` for ``--some_option``, ``--flag`` alone for ``--flag=true``, and ``0,64,128`` for
+    ``[0, 64, 128]`` after the options that take a list of numbers."""
+    argv = [
+        f"[{arg}]" if i and argv[i - 1].replace("-", "_")[2:] in {o[2:] for o in NUMBER_LISTS}
+        and _COMMA_NUMBERS.match(arg) else arg
+        for i, arg in enumerate(argv)
+    ]  # fmt: skip
     out = []
     for i, arg in enumerate(argv):
         if arg.startswith("--") and len(arg) > 2:

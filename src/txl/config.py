@@ -43,6 +43,10 @@ class TrainConfig:
     """Extended context: the last ext_len tokens of each segment are fed again (with gradient) in front of the
     next one instead of being kept in the memory; only the last tgt_len positions are scored (the reference's
     --ext_len)."""
+    loss_fraction: float = 1.0
+    """Fraction of each segment's positions that are scored, counted from its end: 1.0 scores all of them; 0.5 is
+    the paper's "half loss" ablation (Table 6), where only the last half, the positions with the longest context
+    within the segment, contribute to the loss."""
     varlen: bool = False
     """Vary the segment length per step as the reference's --varlen does (tgt_len, sometimes half, plus noise)."""
     batch_chunk: int = 1
@@ -122,6 +126,8 @@ class TrainConfig:
         for name in ("threads", "max_tokens", "eval_max_steps", "eval_tgt_len", "decay_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, "must be >= 1 (or null)")
+        if not 0.0 < self.loss_fraction <= 1.0:
+            bad("loss_fraction", "must be in (0, 1] (1: every position is scored; 0.5: the paper's half loss)")
         if self.lr <= 0:
             bad("lr", "must be > 0")
         for name in ("clip", "weight_decay", "momentum", "eta_min"):

@@ -45,6 +45,8 @@ class EvalResult:
     tokens: int
     """Number of tokens scored."""
     batches: int
+    losses: np.ndarray | None = None
+    """With ``return_losses``: the NLL of every scored token, in the order of the text (one process only)."""
 
 
 def metric_name(tokenizer_kind: str) -> str:
@@ -82,14 +84,19 @@ def evaluate(
     precision: str = "fp32",
     world: World | None = None,
     cache: bool = True,
+    return_losses: bool = False,
 ) -> EvalResult:
     """Mean NLL over the split ``data`` (an id stream, or lm1b sentence shards), all processes together.
 
     The stream is cut into ``batch_size`` columns (rows split over the processes of ``world``) and read
     ``tgt_len`` tokens at a time; each segment attends to the last ``mem_len`` hidden states of its column. With
     ``cache`` (the default) the memory is kept as its keys and values (:class:`~txl.modeling.KVCache`): the same
-    result without projecting the memory again for every segment.
+    result without projecting the memory again for every segment. ``return_losses`` also returns every token's
+    NLL in text order (the columns are contiguous pieces of the text, so that is column by column).
     """
+    if return_losses and ((world and world.size > 1) or isinstance(data, list)):
+        raise ValueError("return_losses needs one process and one token stream")
+    per_token = []
     world = world or World()
     device = world.device
     context = autocast(device, precision)  # validates the precision before any work
@@ -123,12 +130,94 @@ def evaluate(
                 )
             mems = out.mems
             nll += out.losses.double().sum()
+            if return_losses:
+                per_token.append(out.losses.float().cpu())
             tokens += batch.target.numel()
             batches += 1
     finally:
         model.train(was_training)
     total, count = all_reduce_sum(world, nll.item(), tokens)
-    return EvalResult(loss=total / max(count, 1), tokens=int(count), batches=batches)
+    losses = torch.cat(per_token, dim=1).flatten().numpy() if return_losses and per_token else None
+    return EvalResult(loss=total / max(count, 1), tokens=int(count), batches=batches, losses=losses)
+
+
+def sliding_windows(n_targets: int, window: int, stride: int) -> list[tuple[int, int]]:
+    """The windows of :func:`evaluate_sliding` as (end, scored): target ``j`` is token ``j`` predicted from the
+    tokens before it (``1 <= j <= n_targets``); a window ending at target ``end`` reads the ``window`` tokens before
+    it and scores its last ``scored`` targets. Every target is scored exactly once."""
+    if window < 1 or not 1 <= stride <= window:
+        raise ValueError(f"sliding window {window}, stride {stride}: need window >= 1 and 1 <= stride <= window")
+    first = min(window, n_targets)
+    out = [(first, first)] if first > 0 else []
+    for end in range(first + stride, n_targets + stride, stride):
+        end = min(end, n_targets)
+        out.append((end, end - out[-1][0]))
+    return out
+
+
+@torch.no_grad()
+def evaluate_sliding(
+    model: TransformerXLLM,
+    data: np.ndarray | list,
+    *,
+    window: int,
+    stride: int = 1,
+    batch_size: int = 16,
+    clamp_len: int | None = None,
+    max_batches: int | None = None,
+    precision: str = "fp32",
+    world: World | None = None,
+    return_losses: bool = False,
+) -> EvalResult:
+    """Mean NLL of an id stream scored the way Al-Rfou et al. evaluate a vanilla Transformer (the paper's Table 9
+    baseline): every prediction sees a fixed window of at most ``window`` previous tokens, recomputed from scratch
+    (no memory, nothing reused between windows). The window slides by ``stride`` tokens and scores its last
+    ``stride`` positions (``stride=1``: one prediction per window, as in the paper); the first window scores all
+    its positions, each of which already sees the whole text before it. ``batch_size`` windows run at once
+    (``max_batches`` such batches at most); windows are split over the processes of ``world``.
+    ``return_losses`` also returns every scored token's NLL in text order (one process only).
+    """
+    if return_losses and world is not None and world.size > 1:
+        raise ValueError("return_losses needs one process")
+    if isinstance(data, list):
+        raise ValueError("sliding-window evaluation scores one token stream; sentence shards (lm1b) are not one")
+    world = world or World()
+    device = world.device
+    context = autocast(device, precision)
+    ids = torch.as_tensor(np.asarray(data, dtype=np.int64))
+    spans = sliding_windows(len(ids) - 1, window, stride)
+    per_token = np.full(len(ids) - 1, np.nan, dtype=np.float32) if return_losses else None
+    first, rest = spans[:1], spans[1:][world.rank :: world.size]
+    groups = [first] if first and world.rank == 0 else []  # the first window (maybe shorter) runs alone
+    groups += [rest[i : i + batch_size] for i in range(0, len(rest), batch_size)]
+    groups = groups[:max_batches] if max_batches is not None else groups
+    was_training = model.training
+    model.eval()
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    try:
+        for group in groups:
+            length = min(window, group[0][0])  # every window of a group has the same length
+            inputs = torch.stack([ids[end - length : end] for end, _ in group]).to(device)  # [b, L]
+            targets = torch.stack([ids[end - length + 1 : end + 1] for end, _ in group])  # [b, L]
+            scored = max(n for _, n in group)
+            targets = targets[:, length - scored :].clone()  # the last positions, right-aligned
+            for row, (_, n) in enumerate(group):
+                targets[row, : scored - n] = -100  # a shorter last step scores fewer positions
+            targets = targets.to(device)
+            with context:
+                out = model(inputs, targets, mem_len=0, clamp_len=clamp_len)
+            nll += out.losses.double().sum()
+            tokens += int((targets != -100).sum())
+            if return_losses:
+                rows = out.losses.float().cpu()
+                for row, (end, n) in enumerate(group):
+                    per_token[end - n : end] = rows[row, scored - n :].numpy()  # targets end-n+1..end
+    finally:
+        model.train(was_training)
+    total, count = all_reduce_sum(world, nll.item(), tokens)
+    losses = per_token[~np.isnan(per_token)] if per_token is not None else None
+    return EvalResult(loss=total / max(count, 1), tokens=int(count), batches=len(groups), losses=losses)
 
 
 # ---------------------------------------------------------------------------------------------------------

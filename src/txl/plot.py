@@ -38,3 +38,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_memory_sweep(points: list[tuple[int, float]], metric: str, out: str | Path, title: str = "") -> Path:
+    """The metric (bpc or ppl) against the evaluation memory length, as ``txl eval --mem_len '[...]'`` measures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([m for m, _ in points], [v for _, v in points], "o-")
+    ax.set_xlabel("evaluation memory length (mem_len)")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -53,7 +53,8 @@ def is_fp32_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) 
     return matmul_error(matmul) <= 1e-5
 
 
-def _median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -94,7 +95,7 @@ def choose_fp32_matmul(measure: bool = True, routed_matmul: Callable = torch.mat
             timings = {}
             for routed in (False, True, True, False, False, True):  # best of 3 each, in ABBA order
                 _set_route(routed)
-                t = sum(_median_time(lambda a=a, b=b: a @ b) for a, b in operands)
+                t = sum(median_time(lambda a=a, b=b: a @ b) for a, b in operands)
                 timings[routed] = min(t, timings.get(routed, t))
             speedup = timings[False] / timings[True]
     finally:

@@ -52,6 +52,11 @@ from txl.runtime import effective_precision
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
 
 
+def scored_positions(seg_len: int, loss_fraction: float) -> int:
+    """How many of a segment's last positions ``train.loss_fraction`` scores (at least one, rounded half up)."""
+    return max(1, min(seg_len, int(seg_len * loss_fraction + 0.5)))
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient); the message names the step and what to do."""
 
@@ -301,7 +306,10 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         n = tc.batch_chunk
-        inputs, targets = batch.input.chunk(n, dim=0), batch.target.chunk(n, dim=0)
+        target = batch.target
+        if tc.loss_fraction < 1.0:  # score the last positions only (the model scores targets right-aligned)
+            target = target[:, target.shape[1] - scored_positions(target.shape[1], tc.loss_fraction) :]
+        inputs, targets = batch.input.chunk(n, dim=0), target.chunk(n, dim=0)
         loss_sum = torch.zeros((), dtype=torch.float32, device=w.device)
         for c in range(n):
             sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
