@@ -88,27 +88,27 @@ def test_txl_train_equals_a_plain_loop(tmp_path):
     assert expected[-1] < expected[0] - 0.1  # it learned: the comparison is not between two constant curves
 
 
+def frozen_run(tmp_path: Path, steps: int, batch: int, tgt: int, mem_len: int, **overrides):
+    """`txl train` with lr 1e-30 (the weights stay as initialised, so each step's logged loss is the initial
+    model's NLL of what the step scores), and the same model built by hand with the columns of the training ids."""
+    run, ids, vocab = train_cli(
+        tmp_path, shakespeare(tmp_path), train__max_steps=steps, train__lr=1e-30, train__batch_size=batch,
+        train__tgt_len=tgt, model__mem_len=mem_len, **overrides,
+    )  # fmt: skip
+    _, model = recipe_model(vocab, mem_len=mem_len)
+    got = torch.tensor([loss for _, loss in losses(run)])
+    return run, model, columns(ids, batch), got
+
+
 @pytest.mark.parametrize("ext_len", [5, 80])
 def test_training_with_ext_len_scores_what_one_pass_scores(tmp_path, ext_len):
     """lr 1e-30 keeps the weights as initialised, so every step's training loss must be the full-context NLL of its
     tokens: ext_len context fed again in front of each segment, the memory reaching back to the start."""
     steps, batch, tgt = 6, 4, 32
-    run, ids, vocab = train_cli(
-        tmp_path,
-        shakespeare(tmp_path),
-        train__max_steps=steps,
-        train__ext_len=ext_len,
-        train__lr=1e-30,
-        train__batch_size=batch,
-        train__tgt_len=tgt,
-        model__mem_len=steps * tgt,
-    )
-    _, model = recipe_model(vocab, mem_len=steps * tgt)
-    cols = columns(ids, batch)
+    _, model, cols, got = frozen_run(tmp_path, steps, batch, tgt, steps * tgt, train__ext_len=ext_len)
     with torch.no_grad():
         one_pass = model(cols[:, : steps * tgt], cols[:, 1 : steps * tgt + 1]).losses  # [batch, steps * tgt]
     expected = one_pass.view(batch, steps, tgt).mean(dim=(0, 2))
-    got = torch.tensor([loss for _, loss in losses(run)])
     assert len(got) == steps
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
 
@@ -117,21 +117,9 @@ def test_half_loss_scores_the_last_half_of_each_segment(tmp_path):
     """train.loss_fraction 0.5 (the paper's half loss): with the weights kept as initialised, each step's loss is
     the mean NLL of the last half of every segment, with the memory reaching back to the start."""
     steps, batch, tgt = 4, 4, 30
-    run, ids, vocab = train_cli(
-        tmp_path,
-        shakespeare(tmp_path),
-        train__max_steps=steps,
-        train__loss_fraction=0.5,
-        train__lr=1e-30,
-        train__batch_size=batch,
-        train__tgt_len=tgt,
-        model__mem_len=steps * tgt,
-    )
-    _, model = recipe_model(vocab, mem_len=steps * tgt)
-    cols = columns(ids, batch)
+    _, model, cols, got = frozen_run(tmp_path, steps, batch, tgt, steps * tgt, train__loss_fraction=0.5)
     with torch.no_grad():
         one_pass = model(cols[:, : steps * tgt], cols[:, 1 : steps * tgt + 1]).losses.view(batch, steps, tgt)
-    got = torch.tensor([loss for _, loss in losses(run)])
     torch.testing.assert_close(got, one_pass[:, :, tgt // 2 :].mean(dim=(0, 2)).float(), atol=1e-5, rtol=0)
     assert (got - one_pass.mean(dim=(0, 2))).abs().max() > 1e-3  # not the full loss
 
@@ -140,22 +128,10 @@ def test_training_without_recurrence_carries_no_memory(tmp_path):
     """model.mem_len 0 in training (the ablation's "without recurrence"): every segment is scored alone, while
     evaluation may still give the model a memory."""
     steps, batch, tgt = 4, 4, 30
-    run, ids, vocab = train_cli(
-        tmp_path,
-        shakespeare(tmp_path),
-        train__max_steps=steps,
-        train__lr=1e-30,
-        train__batch_size=batch,
-        train__tgt_len=tgt,
-        model__mem_len=0,
-        eval__mem_len=60,
-    )
-    _, model = recipe_model(vocab, mem_len=0)
-    cols = columns(ids, batch)
+    run, model, cols, got = frozen_run(tmp_path, steps, batch, tgt, 0, eval__mem_len=60)
     with torch.no_grad():
         alone = [model(cols[:, i : i + tgt], cols[:, i + 1 : i + tgt + 1]).loss for i in range(0, steps * tgt, tgt)]
         carried = model(cols[:, : steps * tgt], cols[:, 1 : steps * tgt + 1]).losses.view(batch, steps, tgt)
-    got = torch.tensor([loss for _, loss in losses(run)])
     torch.testing.assert_close(got, torch.stack(alone).float(), atol=1e-5, rtol=0)
     # a memory would have changed the loss (an untrained model uses context little, but 10x the tolerance above)
     assert (got[1:] - carried.mean(dim=(0, 2))[1:]).abs().max() > 1e-4

@@ -152,10 +152,9 @@ def eval(
         raise ValueError("--mem_len as a list needs at least one length, and no --sliding_window")
     if sweep is None and plot is not None:
         raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
-    given = dict(tgt_len=tgt_len, mem_len=sweep[0] if sweep else mem_len, clamp_len=clamp_len)
-    s = eval_settings(run, lm.config, split=split, batch_size=batch_size, same_length=same_length, **given)
-    sweep_settings = [eval_settings(run, lm.config, split=split, batch_size=batch_size, same_length=same_length,
-                                    **(given | {"mem_len": m})) for m in sweep or []]  # fmt: skip
+    given = dict(split=split, batch_size=batch_size, tgt_len=tgt_len, clamp_len=clamp_len, same_length=same_length)
+    settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [mem_len]]
+    s = settings_list[0]
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"--sliding_window = {sliding_window}: must be >= 1")
     if sliding_window is not None and not 1 <= stride <= sliding_window:
@@ -167,7 +166,7 @@ def eval(
         _sliding_eval(lm.to(dev), text, s, folder, sliding_window, stride, max_batches, precision, dev, json)
         return
     name = metric_name(text.tokenizer.kind)
-    points, settings_list = [], sweep_settings or [s]
+    points = []
     for s in settings_list:
         res = evaluate(
             lm.to(dev),
