@@ -198,6 +198,13 @@ class RunConfig:
         self.train.validate()
         self.eval.validate()
         t, m = self.train, self.model
+        if m.attn_type in (1, 3) and m.max_klen == 0:  # learned positions: the longest span of training
+            m.max_klen = t.tgt_len + t.ext_len + m.mem_len
+        if m.attn_type in (2, 3) and self.eval.clamp_len > 0:
+            raise ConfigError(
+                f"eval.clamp_len = {self.eval.clamp_len}: clamps relative distances, and model.attn_type "
+                f"{m.attn_type} has absolute positions; use -1"
+            )
         if m.mem_len > 0 and t.eval_tgt_len is not None and t.eval_tgt_len >= t.tgt_len + m.mem_len:
             raise ConfigError(
                 f"train.eval_tgt_len = {t.eval_tgt_len}: the in-training evaluation keeps the attention span of "

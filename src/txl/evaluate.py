@@ -29,7 +29,7 @@ from txl.data import (
 from txl.data.download import sha256_file
 from txl.data.errors import DataError
 from txl.distributed import World, all_reduce_sum
-from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
+from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM, supports_kv_cache
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -111,7 +111,7 @@ def evaluate(
     tokens = batches = 0
     mems = None
     kv = None
-    if cache:
+    if cache and supports_kv_cache(model.config):  # (absolute positions, attn_type 2 and 3, cannot be cached)
         dtype = next(model.parameters()).dtype
         kv = KVCache(model.config, batch_size // world.size, mem_len, tgt_len, device=device, dtype=dtype)
     try:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from txl.evaluate import NonFiniteError
-from txl.modeling import KVCache, TransformerXLLM
+from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
 
 
 def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
@@ -89,8 +89,27 @@ def stream(
     model.eval()
     B, T = input_ids.shape
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
-    h = model.transformer(input_ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state[:, -1]
+    if supports_kv_cache(model.config):
+        cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
+
+        def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+            return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+
+    else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
+        if padding is not None:
+            raise ValueError(
+                f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
+                "give prompts of one length"
+            )
+        mems: list[Tensor] | None = None
+
+        def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+            nonlocal mems
+            out = model.transformer(ids, mems, mem_len=mem_len)
+            mems = out.mems
+            return out.last_hidden_state[:, -1]
+
+    h = step(input_ids, padding)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
     pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
@@ -105,7 +124,7 @@ def stream(
         yield nxt[:, None]
         if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
             return
-        h = model.transformer(nxt[:, None], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+        h = step(nxt[:, None])
 
 
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:

@@ -6,12 +6,14 @@ Reads top to bottom like the paper:
 2. ``sinusoid_embedding``             - the relative position table R (Sec. 3.3).
 3. ``rel_shift``                      - Appendix B's shift, as a zero-copy strided view.
 4. ``attention_mask``                 - causal mask over [memory; segment], with ``same_length``.
-5. ``RelPartialLearnableMultiHeadAttn`` - the relative attention with the four terms (a)-(d).
+5. ``RelPartialLearnableMultiHeadAttn`` - the relative attention with the four terms (a)-(d) (attn_type 0).
 6. ``PositionwiseFF`` / ``TransformerXLLayer`` - post-LN (default) or pre-LN layers.
 7. ``AdaptiveEmbedding`` / ``ProjectedAdaptiveLogSoftmax`` - adaptive input and softmax (fp32).
 8. ``KVCache``, ``TransformerXL``       - the memory as cached keys/values (inference); embedding, layers and the
                                         segment-level recurrence (memory).
 9. ``TransformerXLLM`` / ``TransformerXLForSequenceClassification`` - the heads.
+10. ``RelLearnableMultiHeadAttn`` / ``MultiHeadAttn`` - the ablation's positional schemes (``attn_type`` 1-3:
+    Shaw et al., Vaswani et al., Al-Rfou et al.), behind the same call as the main attention.
 
 Conventions: everything is batch-first. ``input_ids`` is ``[B, T]``; a memory is a list with one tensor per
 layer, ``mems[l]`` of shape ``[B, M, d_model]``, holding the (detached) *inputs* of layer ``l`` for the last
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,15 @@ class TransformerXLConfig:
     """Relative distances above clamp_len share one positional embedding (<= 0: no clamping)."""
     mem_len: int = 0
     """Default number of past hidden states kept as memory per layer (0 = no recurrence)."""
+    attn_type: Literal[0, 1, 2, 3] = 0
+    """Positional scheme (the original code's numbering; 1-3 are the paper's ablations, Table 6): 0 Transformer-XL's
+    relative encoding (R, W_kR, u, v); 1 Shaw et al. (2018): learned relative embeddings per layer and distance,
+    with the original code's learned biases; 2 Vaswani et al. (2017): sinusoid absolute positions added to the
+    input; 3 Al-Rfou et al. (2018): learned absolute positions added to every layer's input. An absolute position
+    is the index in the attended window [memory; segment] (see section 10)."""
+    max_klen: int = 0
+    """attn_type 1 and 3: number of learned distances (1) or positions (3); farther ones share the last embedding.
+    0 for attn_type 0 and 2; a training run sets tgt_len + ext_len + mem_len, the longest span of training."""
     layer_norm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
     init: Literal["normal", "uniform"] = "normal"
@@ -136,6 +147,20 @@ class TransformerXLConfig:
                 bad(name, "must be > 0")
         if self.same_length and self.mem_len == 0:
             bad("same_length", "needs mem_len > 0 (the window of mem_len keys would be empty)")
+        if self.attn_type not in (0, 1, 2, 3) or isinstance(self.attn_type, bool):
+            bad("attn_type", "must be 0 (Transformer-XL), 1 (Shaw et al.), 2 (Vaswani et al.) or 3 (Al-Rfou et al.)")
+        if isinstance(self.max_klen, bool) or not isinstance(self.max_klen, int) or self.max_klen < 0:
+            bad("max_klen", "must be an integer >= 0")
+        if self.attn_type in (0, 2) and self.max_klen:
+            bad("max_klen", f"attn_type {self.attn_type} learns no position table (only 1 and 3 do): leave it 0")
+        if self.clamp_len > 0 and self.attn_type in (2, 3):
+            bad("clamp_len", f"clamps relative distances; attn_type {self.attn_type} has absolute positions: use -1")
+        if self.untie_r and self.attn_type != 0:
+            bad(
+                "untie_r",
+                "unties Transformer-XL's biases u, v (attn_type 0); attn_type 1 always has one pair per "
+                "layer and 2, 3 have none",
+            )
         if self.num_labels < 1:
             bad("num_labels", "must be >= 1")
 
@@ -277,16 +302,21 @@ class Dropout(nn.Module):
 #    so (a)+(c) is one matmul with q + u (r_w_bias) and (b)+(d) one matmul with q + v (r_r_bias) against the
 #    projected positions, followed by the shift. Queries are projected for the T current rows only; keys and
 #    values for [memory; segment].
+#    What every attention variant shares (projections, attend, residual) is in ``_Attention``; a variant only says
+#    how positions enter (section 10 has the ablation's: attn_type 1, 2 and 3). Each variant builds its own
+#    positional inputs once per forward (``prepare``), so the model's forward has no branch per variant.
 # ---------------------------------------------------------------------------------------------------------
 
 
-class RelPartialLearnableMultiHeadAttn(nn.Module):
+class _Attention(nn.Module):
+    """Multi-head attention over [memory; segment] without the positional terms: QKV and output projections,
+    post-LN (or pre-LN), dropouts, and the attend step."""
+
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
         self.n_head, self.d_head = cfg.n_head, cfg.d_head
         hd = cfg.n_head * cfg.d_head
         self.qkv_net = nn.Linear(cfg.d_model, 3 * hd, bias=False)  # rows [W_q; W_kE; W_v]
-        self.r_net = nn.Linear(cfg.d_model, hd, bias=False)  # W_kR
         self.o_net = nn.Linear(hd, cfg.d_model, bias=False)
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
         self.drop = Dropout(cfg.dropout)
@@ -294,28 +324,17 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         self.pre_lnorm = cfg.pre_lnorm
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
-    def forward(
-        self,
-        h: Tensor,
-        pos_emb: Tensor,
-        r_w_bias: Tensor,
-        r_r_bias: Tensor,
-        mask: Tensor,
-        mem: Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        r_k: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``pos_emb`` [K, D], ``mask`` [T, K] or [B, 1, T, K]
-        (True = masked; None: nothing is masked). With a ``cache`` the memory is the cached keys/values of
-        ``layer`` (only the segment is projected) and ``r_k`` [H, Dh, K] is W_kR R, already projected (``mem``
-        and ``pos_emb`` are not used).
-
-        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
-        """
+    def project(
+        self, h: Tensor, mem: Tensor | None, cache: KVCache | None, layer: int, pos: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Queries [B, T, H, Dh] of the segment, keys and values [B, H, K, Dh] of [memory; segment] (with a
+        ``cache``: the cached ones of ``layer`` plus the segment's). ``pos`` [K, D] (absolute variants) is added to
+        [memory; segment] first. Returns (the residual input [B, T, D], q, k, v)."""
         B, T, _ = h.shape
         H, Dh = self.n_head, self.d_head
+        if pos is not None:  # absolute positions of [memory; segment], added out of place (the memory stays clean)
+            h = h + pos[-T:]
+            mem = mem + pos[: mem.shape[1]] if mem is not None else None
         x = self.layer_norm(h) if self.pre_lnorm else h
         if cache is not None or mem is None or mem.shape[1] == 0:  # keys and values come from the segment only
             qkv = F.linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
@@ -327,33 +346,112 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
             kv = F.linear(x, self.qkv_net.weight[H * Dh :])  # one GEMM over [memory; segment], [B, K, 2*H*Dh]
             k, v = kv.view(B, x.shape[1], 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
-        K = k.shape[2]
-        if r_k is None:  # W_kR R for the distances K-1..0, as [H, Dh, K]: the layout of the (b)+(d) GEMM
-            r_k = torch.mm(self.r_net.weight, pos_emb.t()).view(H, Dh, K)
+        return h, q, k, v
 
-        # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).
-        q_w = ((q + r_w_bias) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
-        q_r = ((q + r_r_bias) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # (q + v) / sqrt(Dh)
-        bd = torch.bmm(q_r, r_k).view(H, B, T, K).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
-        if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
-            bd = rel_shift(bd)  # (b)+(d) by key
-
-        grad = torch.is_grad_enabled() and q.requires_grad
+    def attend(
+        self, h: Tensor, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """softmax(q_w.k + bd) v, projected and added to the residual ``h`` [B, T, D]. ``q_w`` [B, H, T, Dh] are the
+        scaled queries of the content term, ``bd`` [B, H, T, K] the positional term in key order (None: there is
+        none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is)."""
+        B, T, _ = h.shape
+        grad = torch.is_grad_enabled() and q_w.requires_grad
         if need_weights or grad or (self.training and self.dropatt.p > 0):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
-            score = _fp32(ac).add_(bd)  # fp32
+            score = _fp32(ac) if bd is None else _fp32(ac).add_(bd)  # fp32
             if mask is not None:
                 score = mask_scores(score, mask, inplace=True)
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
             attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
         else:
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
-            bias = bd if mask is None else mask_scores(bd, mask)  # [B, H, T, K]
-            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias.to(q_w.dtype), scale=1.0)
+            if bd is None:
+                bias = None if mask is None else mask_scores(q_w.new_zeros(mask.shape, dtype=torch.float32), mask)
+            else:
+                bias = bd if mask is None else mask_scores(bd, mask)  # [B, H, T, K]
+            bias = None if bias is None else bias.to(q_w.dtype)
+            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
             prob = None
-        attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, H * Dh)))  # [B, T, D]
+        attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, -1)))  # [B, T, D]
         out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
         return out, prob
+
+
+class RelPositions(NamedTuple):
+    """attn_type 0's positional input of one layer: R ([K, D], dropped out) or W_kR R already projected
+    (``r_k`` [H, Dh, K], from a cache), and the biases u, v ([H, Dh])."""
+
+    pos_emb: Tensor | None
+    r_k: Tensor | None
+    u: Tensor
+    v: Tensor
+
+
+class RelPartialLearnableMultiHeadAttn(_Attention):
+    """attn_type 0: the Transformer-XL relative attention."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__(cfg)
+        self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)  # W_kR
+
+    @staticmethod
+    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+        """R for the distances K-1, ..., 0 (shared by all layers) and each layer's u, v; with a ``cache``, W_kR R
+        of every layer, projected once for the longest span."""
+        cfg = model.config
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        biases = [
+            (model.r_w_bias[i], model.r_r_bias[i]) if cfg.untie_r else (model.r_w_bias, model.r_r_bias)
+            for i in range(cfg.n_layer)
+        ]
+        if cache is None:
+            pos_emb = sinusoid_embedding(K, cfg.d_model, clamp_len, device, exact)  # [K, D]
+            pos_emb = model.drop(pos_emb.to(dtype))
+            return [RelPositions(pos_emb, None, u, v) for u, v in biases]
+
+        def table(attn: RelPartialLearnableMultiHeadAttn) -> Callable[[int], Tensor]:
+            def project(n: int) -> Tensor:  # W_kR R for the distances n-1, ..., 0, as [H, Dh, n]
+                pos = sinusoid_embedding(n, cfg.d_model, clamp_len, device, exact).to(dtype)  # [n, D]
+                return torch.mm(attn.r_net.weight, pos.t()).view(attn.n_head, attn.d_head, n)
+
+            return project
+
+        key = (clamp_len, dtype)
+        return [
+            RelPositions(None, cache.positions(i, K, key, table(layer.attn)), u, v)
+            for i, (layer, (u, v)) in enumerate(zip(model.layers, biases, strict=True))
+        ]
+
+    def forward(
+        self,
+        h: Tensor,
+        pos: RelPositions,
+        mask: Tensor | None,
+        mem: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``mask`` [T, K] or [B, 1, T, K] (True = masked; None:
+        nothing is masked). With a ``cache`` the memory is the cached keys/values of ``layer`` (only the segment is
+        projected; ``mem`` is not used).
+
+        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
+        """
+        h, q, k, v = self.project(h, mem, cache, layer)
+        B, T, H, Dh = q.shape
+        K = k.shape[2]
+        r_k = pos.r_k  # W_kR R for the distances K-1..0, as [H, Dh, K]: the layout of the (b)+(d) GEMM
+        if r_k is None:
+            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
+
+        # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).
+        q_w = ((q + pos.u) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
+        q_r = ((q + pos.v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # (q + v) / sqrt(Dh)
+        bd = torch.bmm(q_r, r_k).view(H, B, T, K).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
+        if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
+            bd = rel_shift(bd)  # (b)+(d) by key
+        return self.attend(h, q_w, k, v, bd, mask, need_weights)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,11 +477,11 @@ class PositionwiseFF(nn.Module):
 class TransformerXLLayer(nn.Module):
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
-        self.attn = RelPartialLearnableMultiHeadAttn(cfg)
+        self.attn = attention_class(cfg.attn_type)(cfg)
         self.ff = PositionwiseFF(cfg)
 
-    def forward(self, h: Tensor, pos_emb: Tensor, r_w_bias: Tensor, r_r_bias: Tensor, mask: Tensor, **kw):
-        out, prob = self.attn(h, pos_emb, r_w_bias, r_r_bias, mask, **kw)
+    def forward(self, h: Tensor, pos: Any, mask: Tensor | None, **kw) -> tuple[Tensor, Tensor | None]:
+        out, prob = self.attn(h, pos, mask, **kw)
         return self.ff(out), prob
 
 
@@ -544,6 +642,11 @@ class KVCache:
     """
 
     def __init__(self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, **kw):
+        if not supports_kv_cache(config):
+            raise ValueError(
+                f"attn_type {config.attn_type} has absolute positions, which move as the window slides: its keys "
+                "cannot be cached (evaluate without a cache; generation recomputes the memory)"
+            )
         self.config = config
         self.capacity = max(2 * (mem_len + max_segment), 16)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
@@ -651,9 +754,15 @@ class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
                 if module.n_clusters > 0:
                     weight_(module.cluster_weight)
                     nn.init.zeros_(module.cluster_bias)
-            elif isinstance(module, TransformerXL):
+            elif isinstance(module, TransformerXL) and cfg.attn_type == 0:
                 weight_(module.r_w_bias)
                 weight_(module.r_r_bias)
+            elif isinstance(module, RelLearnableMultiHeadAttn):  # as the original train.py: biases r_bias at 0
+                weight_(module.r_emb)
+                weight_(module.r_w_bias)
+                nn.init.zeros_(module.r_bias)
+            elif isinstance(module, MultiHeadAttn) and module.r_emb is not None:
+                weight_(module.r_emb)
         # The embedding tables come last so that tied output layers carry the embedding initialisation.
         for m in self.modules():
             if isinstance(m, AdaptiveEmbedding):
@@ -667,18 +776,20 @@ class TransformerXL(TransformerXLPreTrainedModel):
     def __init__(self, config: TransformerXLConfig, *, init: bool = True):
         super().__init__()
         self.config = config
+        if config.attn_type in (1, 3) and config.max_klen < 1:
+            raise ValueError(
+                f"TransformerXLConfig.max_klen = {config.max_klen}: attn_type {config.attn_type} learns one embedding "
+                "per position up to max_klen; set it (a training run sets tgt_len + ext_len + mem_len)"
+            )
         self.word_emb = AdaptiveEmbedding(config)
         self.drop = Dropout(config.dropout)
-        bias_shape = (
-            (config.n_layer, config.n_head, config.d_head)
-            if config.untie_r
-            else (
-                config.n_head,
-                config.d_head,
+        self.attention = attention_class(config.attn_type)  # the positional scheme: builds each layer's input
+        if config.attn_type == 0:
+            bias_shape = (
+                (config.n_layer, config.n_head, config.d_head) if config.untie_r else (config.n_head, config.d_head)
             )
-        )
-        self.r_w_bias = nn.Parameter(torch.empty(bias_shape))  # u
-        self.r_r_bias = nn.Parameter(torch.empty(bias_shape))  # v
+            self.r_w_bias = nn.Parameter(torch.empty(bias_shape))  # u
+            self.r_r_bias = nn.Parameter(torch.empty(bias_shape))  # v
         self.layers = nn.ModuleList([TransformerXLLayer(config) for _ in range(config.n_layer)])
         if init:
             self.init_weights()
@@ -736,7 +847,6 @@ class TransformerXL(TransformerXLPreTrainedModel):
             raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
         dev = input_ids.device
         word_emb = self.word_emb(input_ids)  # [B, T, D]
-        exact = torch.float64 if word_emb.dtype == torch.float64 else torch.float32
         if cache is None:
             if padding is not None:
                 raise ValueError("padding needs a KVCache (it marks positions that a cached memory keeps)")
@@ -746,21 +856,18 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 if _masks_any(T, mlen, same_length, mem_len)
                 else None
             )
-            pos_emb = sinusoid_embedding(mlen + T, cfg.d_model, clamp_len, dev, exact)  # [K, D]
-            pos_emb = self.drop(pos_emb.to(word_emb.dtype))
-            r_ks = [None] * cfg.n_layer
+            dtype = word_emb.dtype
         else:
-            mlen, mask, r_ks = self._prepare_cache(cache, B, T, mems, padding, same_length, mem_len, clamp_len, ext_len)
-            pos_emb = None
+            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, mem_len, ext_len)
+            dev, dtype = cache.k.device, cache.k.dtype
+        # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
+        pos = self.attention.prepare(self, mlen + T, clamp_len, dtype, dev, cache)
         h = self.drop(word_emb)
 
         hids, attns = [h], []
         for i, layer in enumerate(self.layers):
-            u = self.r_w_bias[i] if cfg.untie_r else self.r_w_bias
-            v = self.r_r_bias[i] if cfg.untie_r else self.r_r_bias
             mem = mems[i] if mems else None
-            kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i, r_k=r_ks[i])
-            h, prob = layer(h, pos_emb, u, v, mask, **kw)
+            h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
             hids.append(h)
             attns.append(prob)
         h = self.drop(h)
@@ -778,10 +885,9 @@ class TransformerXL(TransformerXLPreTrainedModel):
             attentions=attns if output_attentions else None,
         )
 
-    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, mem_len, clamp_len, ext_len):
-        """The memory length, the mask ([T, K], or [B, 1, T, K] with padding) and W_kR R of every layer, from a
-        cache about to take a segment of T positions."""
-        cfg = self.config
+    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, mem_len, ext_len):
+        """The memory length and the mask ([T, K], or [B, 1, T, K] with padding) of a cache about to take a segment
+        of T positions."""
         if mems or ext_len:
             raise ValueError("a KVCache holds the memory: pass no mems, and no ext_len (a training setting)")
         if self.training or torch.is_grad_enabled():
@@ -795,19 +901,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             mask = (mask | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
         elif not _masks_any(T, mlen, same_length, mem_len):
             mask = None
-        dev, dtype = cache.k.device, cache.k.dtype
-        exact = torch.float64 if dtype == torch.float64 else torch.float32
-
-        def table(attn: RelPartialLearnableMultiHeadAttn) -> Callable[[int], Tensor]:
-            def project(n: int) -> Tensor:  # W_kR R for the distances n-1, ..., 0, as [H, Dh, n]
-                pos = sinusoid_embedding(n, cfg.d_model, clamp_len, dev, exact).to(dtype)  # [n, D]
-                return torch.mm(attn.r_net.weight, pos.t()).view(attn.n_head, attn.d_head, n)
-
-            return project
-
-        key = (clamp_len, dtype)
-        r_ks = [cache.positions(i, mlen + T, key, table(layer.attn)) for i, layer in enumerate(self.layers)]
-        return mlen, mask, r_ks
+        return mlen, mask
 
     @staticmethod
     @torch.no_grad()
@@ -966,3 +1060,123 @@ class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 10. The ablation's attention variants (Sec. 4.3, Table 6), numbered as the original code's attn_type. Each differs
+#     from attn_type 0 only in how positions enter; memory, masks, heads and the trainer are shared.
+#     1 (Shaw et al., 2018), per layer l and distance d = min(i - j, max_klen - 1, clamp_len):
+#         A_ij = (q_i + u_l).k_j  +  q_i.E_l[d]  +  b_l[d]       (the original RelLearnableMultiHeadAttn)
+#       learned E_l [max_klen, H, Dh] (term (b)), b_l [max_klen, H] (term (d), one scalar per head), u_l (term (c)).
+#     2 (Vaswani et al., 2017) / 3 (Al-Rfou et al., 2018): A_ij = q_i.k_j over inputs with absolute positions added:
+#       2 the sinusoid at the first layer, 3 a learned table per layer. With a memory, a key's position is its index
+#       in the attended window [memory; segment]: memory slot m has position m, segment token i position M+i, so a
+#       text read segment by segment gets the positions of one pass over it while the memory holds all of it, and a
+#       full memory gives every segment the same positions (M..M+T-1; a vanilla model's window 0..T-1). A window
+#       longer than attn_type 3's table (max_klen) keeps its newest max_klen positions apart and its oldest share
+#       position 0. The memory keeps the layer inputs *without* positions and positions are added anew for each
+#       window (the original code adds them in place into the cached memory, so they pile up, and attn_type 2
+#       crashes on its first segment with a memory). Positions move as the window slides, so keys cannot be cached.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _distances(K: int, limit: int, clamp_len: int, device) -> Tensor:
+    """The distances K-1, ..., 0 of the K key columns (unshifted order), capped at ``limit`` and ``clamp_len``."""
+    cap = min(limit, clamp_len) if clamp_len > 0 else limit
+    return torch.arange(K - 1, -1, -1, device=device).clamp(max=cap)  # [K]
+
+
+class RelLearnableMultiHeadAttn(_Attention):
+    """attn_type 1: learned relative positions (Shaw et al., 2018) with the original code's biases."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__(cfg)
+        self.r_emb = nn.Parameter(torch.empty(cfg.max_klen, cfg.n_head, cfg.d_head))  # E_l, by distance
+        self.r_w_bias = nn.Parameter(torch.empty(cfg.n_head, cfg.d_head))  # u_l
+        self.r_bias = nn.Parameter(torch.empty(cfg.max_klen, cfg.n_head))  # b_l, by distance
+
+    @staticmethod
+    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+        """The (capped) distance of every key column, in the order of the unshifted scores (K-1, ..., 0)."""
+        cfg = model.config
+        return [_distances(K, cfg.max_klen - 1, clamp_len, device)] * cfg.n_layer
+
+    def forward(
+        self,
+        h: Tensor,
+        pos: Tensor,
+        mask: Tensor | None,
+        mem: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        h, q, k, v = self.project(h, mem, cache, layer)
+        B, T, H, Dh = q.shape
+        K = k.shape[2]
+        q_w = ((q + self.r_w_bias) * self.scale).transpose(1, 2)  # (q + u_l) / sqrt(Dh), [B, H, T, Dh]
+        q_r = (q * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # q / sqrt(Dh), [H, B*T, Dh]
+        r_k = self.r_emb[pos].permute(1, 2, 0)  # E_l[d] for the distances K-1..0, [H, Dh, K]
+        b = (self.r_bias[pos].t() * self.scale)[:, None, None, :]  # b_l[d] / sqrt(Dh), [H, 1, 1, K]
+        bd = torch.bmm(q_r, r_k.to(q_r.dtype)).view(H, B, T, K)  # (b) by distance, [H, B, T, K]
+        bd = (bd + b.to(bd.dtype)).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
+        if T > 1:
+            bd = rel_shift(bd)  # by key (Appendix B's shift, as for attn_type 0)
+        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+
+
+class MultiHeadAttn(_Attention):
+    """attn_type 2 and 3: standard attention, A_ij = q_i.k_j; positions are in the inputs. attn_type 3 owns its
+    layer's learned position table (``r_emb`` [max_klen, d_model], row p = position p)."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__(cfg)
+        self.r_emb = nn.Parameter(torch.empty(cfg.max_klen, cfg.d_model)) if cfg.attn_type == 3 else None
+
+    @staticmethod
+    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+        """The positions to add to each layer's [memory; segment] ([K, D] or None): attn_type 2 the sinusoid of
+        the positions 0, ..., K-1 at the first layer (dropped out like R), attn_type 3 each layer's own rows."""
+        cfg = model.config
+        if clamp_len > 0:
+            raise ValueError(f"clamp_len = {clamp_len} clamps relative distances; attn_type {cfg.attn_type} has none")
+        if cache is not None:
+            raise ValueError(
+                f"attn_type {cfg.attn_type} has absolute positions, which move as the window slides: its keys "
+                "cannot be cached (evaluate with cache=False; generation recomputes the memory)"
+            )
+        if cfg.attn_type == 2:
+            exact = torch.float64 if dtype == torch.float64 else torch.float32
+            table = sinusoid_embedding(K, cfg.d_model, -1, device, exact).flip(0)  # rows for the positions 0..K-1
+            return [model.drop(table.to(dtype))] + [None] * (cfg.n_layer - 1)  # [K, D]
+        p = (torch.arange(K, device=device) - max(0, K - cfg.max_klen)).clamp(min=0)  # [K]
+        return [layer.attn.r_emb[p] for layer in model.layers]  # [K, D] per layer
+
+    def forward(
+        self,
+        h: Tensor,
+        pos: Tensor | None,
+        mask: Tensor | None,
+        mem: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        h, q, k, v = self.project(h, mem, cache, layer, pos)
+        q_w = (q * self.scale).transpose(1, 2)  # [B, H, T, Dh]
+        return self.attend(h, q_w, k, v, None, mask, need_weights)
+
+
+def attention_class(attn_type: int) -> type[_Attention]:
+    """The attention of ``attn_type`` (0 Transformer-XL, 1 Shaw et al., 2 Vaswani et al., 3 Al-Rfou et al.)."""
+    return {
+        0: RelPartialLearnableMultiHeadAttn,
+        1: RelLearnableMultiHeadAttn,
+        2: MultiHeadAttn,
+        3: MultiHeadAttn,
+    }[attn_type]
+
+
+def supports_kv_cache(config: TransformerXLConfig) -> bool:
+    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1)."""
+    return config.attn_type in (0, 1)
