@@ -4,12 +4,13 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format bench bench-data bench-train bench-levers bench-vanilla clean
+.PHONY: setup demo test test-all lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+	bench-vanilla-full experiments clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -21,10 +22,16 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks experiments
 	$(BIN)/ruff format --check src tests benchmarks experiments
 
-# `make test` skips the tests marked slow (processes: torchrun, signals, full disks); `make test-all` and CI
-# (.ci/run: make test SLOW=1) run every test.
-test: lint
-	$(BIN)/python -m pytest -q $(if $(SLOW),,-m "not slow")
+# Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    chromium chromium-driver; }
+
+# `make test` skips the tests marked slow (processes: torchrun, signals, full disks, the browser); `make test-all`
+# and CI (.ci/run: make test SLOW=1) run every test, the browser test included (it installs Chromium first).
+test: lint $(if $(SLOW),browser,)
+	$(if $(SLOW),TXL_REQUIRE_BROWSER=1,) $(BIN)/python -m pytest -q $(if $(SLOW),,-m "not slow")
 
 test-all:
 	$(MAKE) test SLOW=1
@@ -47,6 +54,15 @@ bench-levers: setup
 
 bench-vanilla: setup
 	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --quick --write docs/benchmarks.md
+
+# Table 9 at the paper's attention lengths (800 to 3,800; about 10 minutes on 2 cores)
+bench-vanilla-full: setup
+	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --windows 2 --write docs/benchmarks.md
+
+# The paper's experiments at CPU scale (docs/paper.md): recurrence (~8 minutes) and Table 6 (~40 minutes)
+experiments: setup
+	$(BIN)/python experiments/recurrence.py --steps 1500 --write docs/paper.md
+	$(BIN)/python experiments/ablation.py --budget full --write docs/paper.md
 
 bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md

@@ -2,7 +2,8 @@
 sliding window (every prediction recomputes its whole window), at the same attention length.
 
     .venv/bin/python benchmarks/eval_speed_vs_vanilla.py --quick --write docs/benchmarks.md     # ~3 minutes
-    .venv/bin/python benchmarks/eval_speed_vs_vanilla.py --write docs/benchmarks.md             # the paper's lengths
+    .venv/bin/python benchmarks/eval_speed_vs_vanilla.py --write docs/benchmarks.md             # the paper's lengths,
+                                                                                                 # ~10 minutes
 
 One model (the bench-char shape of ``BENCH.md``: 6 layers, d_model 256; random weights: only time matters), batch
 1 for Transformer-XL, fp32, 2 threads. For an attention length L:
@@ -29,7 +30,8 @@ from model_speed import cpu_description
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 from txl.runtime import configure_allocator, median_time
 
-HEADING = "## Evaluation speed against a vanilla Transformer (Table 9)"
+HEADING = "## Evaluation speed against a vanilla Transformer (Table 9)"  # --quick
+HEADING_FULL = "## Table 9 at the paper's attention lengths"
 PAPER = {800: 363, 1800: 1067, 2800: 1485, 3800: 1874}  # the paper's Table 9 (GPU)
 
 
@@ -63,6 +65,36 @@ def vanilla_per_token(model: TransformerXLLM, L: int, windows: int, repeats: int
     return median_time(run, repeats) / windows
 
 
+def plot(rows: list[tuple[int, float, float]], path: Path, machine: str) -> None:
+    """Time per token of both against L (left) and their ratio beside the paper's (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ls = [L for L, _, _ in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(Ls, [xl * 1e3 for _, xl, _ in rows], "o-", label="Transformer-XL (state reuse)")
+    a.plot(Ls, [van * 1e3 for _, _, van in rows], "s-", label="vanilla (sliding window)")
+    a.set_yscale("log")
+    a.set_xlabel("attention length L")
+    a.set_ylabel("ms per token")
+    a.legend()
+    a.grid(alpha=0.3)
+    b.plot(Ls, [van / xl for _, xl, van in rows], "o-", label=f"measured ({machine.split(';')[0]})")
+    paper = [(L, PAPER[L]) for L in Ls if L in PAPER]
+    if paper:
+        b.plot([L for L, _ in paper], [r for _, r in paper], "s--", label="the paper (GPU)")
+    b.set_xlabel("attention length L")
+    b.set_ylabel("speed-up (vanilla / XL)")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.suptitle("Table 9: evaluation time per token", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="800,1800,2800,3800", help="attention lengths (the paper's)")
@@ -72,6 +104,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8, help="windows per vanilla batch (and per run)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--plot", type=Path, help="the PNG (default with --write: img/table9.png beside it)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     configure_allocator()
@@ -88,14 +121,22 @@ def main() -> None:
         rows.append((L, xl, vanilla))
         paper = f"{PAPER[L]:,}×" if L in PAPER else ""
         print(f"L {L}: XL {xl * 1e3:.3f} ms/token, vanilla {vanilla * 1e3:.2f} ms/token, {vanilla / xl:.0f}× {paper}")
+    machine = cpu_description()
+    name = "table9_quick.png" if args.quick else "table9.png"
+    plot_path = args.plot or (args.write.parent / "img" / name if args.write else None)
+    if plot_path:
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, plot_path, machine)
+        print(f"plot: {plot_path}")
     if args.write:
         cmd = (
             "python benchmarks/eval_speed_vs_vanilla.py "
             + ("--quick " if args.quick else "")
+            + (f"--windows {args.windows} " if args.windows != 8 else "")
             + "--write docs/benchmarks.md"
         )
         text = [
-            f"{HEADING} (`benchmarks/eval_speed_vs_vanilla.py`)",
+            f"{HEADING if args.quick else HEADING_FULL} (`benchmarks/eval_speed_vs_vanilla.py`)",
             "",
             f"Command: `{cmd}`. Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. The bench-char "
             f"model (6 layers, d_model 256), fp32, batch 1 for Transformer-XL (segments of {args.tgt_len}, memory "
@@ -109,7 +150,9 @@ def main() -> None:
         for L, xl, van in rows:
             paper = f"{PAPER[L]:,}×" if L in PAPER else ""
             text.append(f"| {L:,} | {xl * 1e3:.3f} | {van * 1e3:.2f} | **{van / xl:,.0f}×** | {paper} |")
-        replace_section(args.write, HEADING, "\n".join(text))
+        if plot_path:
+            text += ["", f"![time per token and speed-up against L]({plot_path.relative_to(args.write.parent)})"]
+        replace_section(args.write, HEADING if args.quick else HEADING_FULL, "\n".join(text))
 
 
 if __name__ == "__main__":

@@ -183,12 +183,12 @@ def test_generation_equals_the_uncached_loop(attn_type):
     assert torch.equal(got, ids)
 
 
-@pytest.mark.parametrize("attn_type", [1, 3])
+@pytest.mark.parametrize("attn_type", [1, 2, 3])
 def test_save_and_load(attn_type, tmp_path):
     m = model(attn_type)
     m.save_pretrained(tmp_path)
     loaded = TransformerXLLM.from_pretrained(tmp_path)
-    assert loaded.config.attn_type == attn_type and loaded.config.max_klen == 12
+    assert loaded.config.attn_type == attn_type and loaded.config.max_klen == (0 if attn_type == 2 else 12)
     ids = torch.randint(0, 97, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, ids).losses, m(ids, ids).losses, rtol=0, atol=0)

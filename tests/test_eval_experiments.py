@@ -172,3 +172,56 @@ def test_memory_sweep(char_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--plot", str(tmp_path / "x.png")])
     assert "--plot needs a list of memory lengths" in capsys.readouterr().err
+
+
+def test_attention_maps_by_distance_equal_a_naive_average():
+    """The mean attention at distance d is the mean, over every query that may see a key d before it, of that
+    probability: checked against one pass (no memory) by loops, and with a memory over three segments each query's
+    probabilities still sum to one (sum over d of mean x count = number of queries)."""
+    from txl.attention_maps import attention_maps
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(mem_len=8)).eval()
+    ids = np.random.default_rng(0).integers(0, model.config.n_token, 10)
+    maps = attention_maps(model, ids, tgt_len=10, mem_len=0)
+    with torch.no_grad():
+        probs = model(torch.as_tensor(ids)[None], output_attentions=True).attentions
+    for layer in range(2):
+        for d in range(10):
+            naive = np.mean([float(probs[layer][0, 1, i, i - d]) for i in range(d, 10)])
+            assert abs(maps.by_distance[layer, 1, d] - naive) < 1e-6
+    assert maps.counts.tolist() == list(range(10, 0, -1))
+    ids = np.random.default_rng(1).integers(0, model.config.n_token, 15)
+    for same_length in (False, True):
+        maps = attention_maps(model, ids, tgt_len=5, mem_len=8, same_length=same_length)
+        mass = (maps.by_distance.astype(np.float64) * maps.counts).sum(-1)  # [L, H]
+        np.testing.assert_allclose(mass, 15, rtol=1e-5)
+        assert maps.last.shape == (2, 2, 5, 13) and maps.mem_len == 8
+        assert (maps.counts[8:] == 0).all() == same_length  # same_length: no query sees 8 or more keys back
+
+
+def test_txl_attention_cli(char_run, tmp_path, capsys):
+    """`txl attention`: the PNGs and the averaged numbers, equal to the library's on the same tokens."""
+    from txl.attention_maps import attention_maps
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.cli import main
+    from txl.evaluate import eval_text
+
+    out = tmp_path / "maps"
+    main(["attention", "--model", str(char_run), "--tokens", "80", "--tgt_len", "16", "--mem_len", "32", "--out",
+          str(out), "--layer", "1", "--head", "1"])  # fmt: skip
+    printed = capsys.readouterr().out.split()
+    names = ["distance.png", "layer0.png", "layer1.png", "full.png"]
+    assert [p.split("/")[-1] for p in printed] == names
+    assert all((out / n).stat().st_size > 1000 for n in names)
+    record = json.loads((out / "attention.json").read_text())
+    assert record["tokens"] == 80 and record["mem_len"] == 32
+    folder = resolve_model_dir(char_run)
+    run = read_run_config(folder)
+    ids = np.asarray(eval_text(folder, run, "test", None, None, None).ids[:80])
+    maps = attention_maps(TransformerXLLM.from_pretrained(folder), ids, tgt_len=16, mem_len=32,
+                          same_length=run.eval.same_length, clamp_len=run.eval.clamp_len)  # fmt: skip
+    np.testing.assert_allclose(record["by_distance"], maps.by_distance, atol=1e-7)
+    with pytest.raises(SystemExit):
+        main(["attention", "--model", str(char_run), "--layer", "5"])
+    assert "--layer = 5: the model has 2 layers" in capsys.readouterr().err

@@ -33,3 +33,41 @@ def test_recurrence_experiment_writes_its_tables(tmp_path):
         assert (tmp_path / "img" / f"recurrence_{png}").stat().st_size > 1000
     for name in ("xl_sweep.png", "no-recurrence_sweep.png", "recl.png", "recl.json"):
         assert (tmp_path / "runs" / name).stat().st_size > 100
+
+
+@pytest.mark.slow
+def test_ablation_experiment_quick_mode(tmp_path):
+    """experiments/ablation.py (the quick budget with few steps, on a tiny corpus): seven rows, parameter counts
+    within 2% of the xl row, init/best/attention length consistent with the per-length table; a rerun resumes
+    (trains nothing, scores nothing again)."""
+    corpus = tiny_corpus(tmp_path / "corpus")
+    out = tmp_path / "paper.md"
+    cmd = [sys.executable, str(ROOT / "experiments" / "ablation.py"), "--budget", "quick", "--steps", "4"]
+    cmd += ["--tokens", "500", "--lengths", "32", "--data", str(corpus), "--runs", str(tmp_path / "runs")]
+    cmd += ["--cache_dir", str(tmp_path / "cache"), "--write", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp_path)
+    text = out.read_text()
+    rows = re.findall(r"^\| ([a-z-]+) \| (yes|no) \| [^|]+ \| (full|half) \| ([\d,]+) \| (\d\.\d{4}) \((\d+)\) \| "
+                      r"(\d\.\d{4}) \| (\d+) \|", text, re.M)  # fmt: skip
+    assert [r[0] for r in rows] == ["xl", "shaw-rec", "xl-half", "xl-norec", "shaw-norec", "vaswani-norec-half",
+                                    "alrfou-half"]  # fmt: skip
+    params = [int(r[3].replace(",", "")) for r in rows]
+    assert all(abs(p - params[0]) <= 0.02 * params[0] for p in params)
+    sweep = {m.group(1): [float(v) for v in m.group(2).split("|") if v.strip()]
+             for m in re.finditer(r"^\| ([a-z-]+) \|((?: \d\.\d{4} \|)+)$", text, re.M)}  # fmt: skip
+    lengths = [int(a) for a in re.findall(r"\| A=(\d+)", text)]
+    assert lengths == [32, 64, 128]  # the sweep plus both training attention lengths (tgt_len, tgt_len + mem_len)
+    for name, rec, _, _, init, train_len, best, attn_len in rows:
+        by_len = dict(zip(lengths, sweep[name], strict=True))
+        assert int(train_len) == (128 if rec == "yes" else 64)
+        assert float(init) == pytest.approx(by_len[int(train_len)], abs=1e-4)
+        assert float(best) == pytest.approx(min(by_len.values()), abs=1e-4) and by_len[int(attn_len)] == float(best)
+    assert "Reading (computed from the table):" in text and (tmp_path / "img" / "ablation.png").stat().st_size > 1000
+    for m in ("xl", "xl-norec", "alrfou-half"):  # RECL of the three at r = 0.1, 0.5, 1.0 (context lengths)
+        assert re.search(rf"^\| {m} \| \d+\+? \| \d+\+? \| \d+\+? \|$", text, re.M), m
+    assert "RECL of xl longer than both others: r = 0.1:" in text
+    assert not list(tmp_path.glob("*.png"))  # no stray plot in the working folder
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/ablation_eval.json")}
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp_path)
+    assert out.read_text() == text  # the same numbers: nothing was trained or scored differently
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps and len(stamps) == 7  # the scores were reused

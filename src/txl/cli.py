@@ -435,6 +435,142 @@ def recl(
     )
 
 
+def attention(
+    model: Path | None = None,
+    text: Path | None = None,
+    out: Path = Path("attention"),
+    tokens: int = 2000,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    same_length: bool | None = None,
+    layer: int = -1,
+    head: int = 0,
+    threads: int | None = None,
+) -> None:
+    """Plot where the model attends (the paper's Appendix D): attention probabilities by relative distance, averaged
+    over queries, for every layer and head, and the full [query x key] map of the last segment.
+
+    Writes OUT/distance.png (a row per layer.head), OUT/layer{l}.png (a curve per head), OUT/full.png and
+    OUT/attention.json (the averaged numbers).
+
+    Args:
+        model: A run folder, a checkpoint step-N folder, or a model folder with tokenizer.json.
+        text: The text file to read (default: the run's eval split).
+        out: Output folder.
+        tokens: Read the first this many tokens of the text.
+        tgt_len: Segment length (default: the run's evaluation settings).
+        mem_len: Memory length (default: the run's evaluation settings).
+        same_length: Every query sees the same number (mem_len) of keys (default: the run's evaluation settings).
+        layer: Layer of the full map (-1: the last).
+        head: Head of the full map.
+        threads: torch CPU threads.
+    """
+    import numpy as np
+
+    from txl.attention_maps import attention_maps, plot_attention
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.evaluate import eval_settings, eval_text
+    from txl.fileio import write_bytes
+    from txl.modeling import TransformerXLLM
+
+    if model is None:
+        raise ValueError("txl attention needs --model RUN_OR_DIR")
+    if tokens < 2:
+        raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    _set_threads(threads)
+    folder = resolve_model_dir(model)
+    run = read_run_config(folder)
+    lm = TransformerXLLM.from_pretrained(folder)
+    cfg = lm.config
+    if not -cfg.n_layer <= layer < cfg.n_layer:
+        raise ValueError(f"--layer = {layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1}, or -1)")
+    if not -cfg.n_head <= head < cfg.n_head:
+        raise ValueError(f"--head = {head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+    s = eval_settings(run, cfg, tgt_len=tgt_len, mem_len=mem_len, same_length=same_length)
+    source = eval_text(folder, run, s.split, text, None, None)
+    if isinstance(source.ids, list):
+        raise ValueError("txl attention reads one token stream; sentence shards (lm1b) are not one")
+    ids = np.asarray(source.ids[:tokens], dtype=np.int64)
+    maps = attention_maps(
+        lm, ids, tgt_len=s.tgt_len, mem_len=s.mem_len, same_length=s.same_length, clamp_len=s.clamp_len
+    )
+    title = f"{folder.name}: {len(ids):,} tokens, tgt_len {s.tgt_len}, mem_len {s.mem_len}"
+    written = plot_attention(maps, out, layer=layer, head=head, title=title)
+    record = {
+        "model": str(folder), "tokens": len(ids), "tgt_len": s.tgt_len, "mem_len": s.mem_len,
+        "same_length": s.same_length, "by_distance": maps.by_distance.tolist(), "counts": maps.counts.tolist(),
+    }  # fmt: skip
+    write_bytes(Path(out) / "attention.json", (_json.dumps(record) + "\n").encode())
+    for path in written:
+        print(path)
+
+
+def serve(
+    model: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    allow_remote: bool = False,
+    api_key: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    max_prompt_tokens: int = 4096,
+    max_new_tokens: int = 1024,
+    max_score_tokens: int = 200_000,
+    threads: int | None = None,
+) -> None:
+    """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
+    /v1/score, GET /v1/model, GET /health; OpenAPI docs at /docs. Concurrent generations are batched step by step.
+
+    Args:
+        model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
+        host: Address to bind (127.0.0.1: this machine only).
+        port: Port to listen on.
+        allow_remote: Needed to bind any address other than the loopback (the API has no rate limits by client).
+        api_key: Require this key (X-API-Key header, Authorization: Bearer, or ?key= for the page) on every endpoint
+            but /health (default: the TXL_API_KEY environment variable, if set).
+        max_batch: Generations decoded together at most (1: one at a time).
+        max_queue: Requests that may wait for a slot; more get 429.
+        max_prompt_tokens: Longest prompt, in tokens.
+        max_new_tokens: Most tokens one request may ask for.
+        max_score_tokens: Longest text /v1/score takes, in tokens.
+        threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
+    """
+    try:
+        import uvicorn
+
+        from txl.serve import ServeLimits, create_app
+    except ImportError as e:
+        raise ValueError(
+            f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
+        ) from None
+    if model is None:
+        raise ValueError("txl serve needs --model RUN_OR_DIR")
+    if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
+        raise ValueError(f"--host {host}: binding beyond this machine needs --allow_remote true (and an --api_key)")
+    for name, value, low in [("port", port, 0), ("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                             ("max_prompt_tokens", max_prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
+                             ("max_score_tokens", max_score_tokens, 2)]:  # fmt: skip
+        if value < low:
+            raise ValueError(f"--{name} = {value}: must be >= {low}")
+    _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
+    key = api_key or os.environ.get("TXL_API_KEY") or None
+    limits = ServeLimits(max_prompt_tokens, max_new_tokens, max_batch, max_queue, max_score_tokens)
+    app = create_app(model, limits, key)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"txl serve: warning: listening on {host}, reachable from other machines"
+              + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
+    print(f"txl serve: http://{host}:{port}/ ({app.state.server.folder})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    import signal
+
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT (in-flight requests finish, at most 10 s) and then raises the
+    # signal again for the handler it found: a no-op one makes that a clean exit (code 0).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
+    print("txl serve: stopped", file=sys.stderr)
+
+
 def plot(run: Path, out: Path | None = None) -> None:
     """Plot the training and validation curves of a run (RUN/metrics.jsonl) to a PNG.
 
@@ -494,12 +630,14 @@ COMMANDS = {
     "generate": generate,
     "plot": plot,
     "recl": recl,
+    "attention": attention,
+    "serve": serve,
     "convert": {"hf": convert_hf},
     "data": {"get": data_get, "prepare": data_prepare},
 }
 HELP = {"convert": "Import checkpoints of other implementations.", "data": "Download and prepare datasets."}
 # boolean options that may be given without a value
-FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config", "--stream"}
+FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config", "--stream", "--allow_remote"}
 
 
 NUMBER_LISTS = {"--mem_len", "--contexts", "--r"}  # options that also take comma-separated numbers: 0,64,128

@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         f"  run folder        {args.run_dir}/ (config.yaml, metrics.jsonl, train.log)\n"
         f"  model used above  {model}/ (model.safetensors, config.json, tokenizer.json)\n"
         f"  loss curves       {args.run_dir}/loss.png\n"
-        f"Try: txl generate --model {args.run_dir} --prompt 'JULIET:' --max_new_tokens 300"
+        f"Try: txl generate --model {args.run_dir} --prompt 'JULIET:' --max_new_tokens 300\n"
+        f"Serve it (a web page and an HTTP API at http://127.0.0.1:8000/):\n"
+        f"  .venv/bin/txl serve --model {args.run_dir}"
     )
 
 

@@ -348,6 +348,36 @@ class _Attention(nn.Module):
             k, v = kv.view(B, x.shape[1], 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
         return h, q, k, v
 
+    def forward(
+        self,
+        h: Tensor,
+        pos: Any,
+        mask: Tensor | None,
+        mem: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The common call of every variant. ``h`` [B, T, D] segment, ``pos`` this layer's positional input (from the
+        variant's ``prepare``), ``mask`` [T, K] or [B, 1, T, K] (True = masked; None: nothing is masked), ``mem``
+        [B, M, D] memory; with a ``cache`` the memory is the cached keys/values of ``layer`` (only the segment is
+        projected; ``mem`` is not used).
+
+        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
+        """
+        h, q, k, v = self.project(h, mem, cache, layer, self.input_positions(pos))
+        q_w, bd = self.scores(q, pos, k.shape[2])
+        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+
+    def input_positions(self, pos: Any) -> Tensor | None:
+        """Positions added to the layer input [memory; segment] ([K, D]; None: none, the relative variants)."""
+        return None
+
+    def scores(self, q: Tensor, pos: Any, K: int) -> tuple[Tensor, Tensor | None]:
+        """The scaled queries of the content term [B, H, T, Dh] and the positional term in key order [B, H, T, K]
+        (None: there is none)."""
+        raise NotImplementedError
+
     def attend(
         self, h: Tensor, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
@@ -422,25 +452,8 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             for i, (layer, (u, v)) in enumerate(zip(model.layers, biases, strict=True))
         ]
 
-    def forward(
-        self,
-        h: Tensor,
-        pos: RelPositions,
-        mask: Tensor | None,
-        mem: Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVCache | None = None,
-        layer: int = 0,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``h`` [B, T, D] segment, ``mem`` [B, M, D] memory, ``mask`` [T, K] or [B, 1, T, K] (True = masked; None:
-        nothing is masked). With a ``cache`` the memory is the cached keys/values of ``layer`` (only the segment is
-        projected; ``mem`` is not used).
-
-        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
-        """
-        h, q, k, v = self.project(h, mem, cache, layer)
+    def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape
-        K = k.shape[2]
         r_k = pos.r_k  # W_kR R for the distances K-1..0, as [H, Dh, K]: the layout of the (b)+(d) GEMM
         if r_k is None:
             r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
@@ -451,7 +464,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         bd = torch.bmm(q_r, r_k).view(H, B, T, K).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
         if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
             bd = rel_shift(bd)  # (b)+(d) by key
-        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+        return q_w, bd
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -708,6 +721,40 @@ class KVCache:
         """The segment is now memory; keep the last ``mem_len`` positions (what ``_update_mems`` keeps)."""
         self.end += T
         self.start = max(self.start, self.end - max(mem_len, 0))
+
+    def select(self, rows: list[int]) -> KVCache:
+        """Keep only these batch rows, in this order (e.g. the requests that go on when others finished)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        self.padding = self.padding.index_select(0, idx)
+        return self
+
+    @classmethod
+    def merge(cls, caches: list[KVCache]) -> KVCache:
+        """One cache with the rows of all ``caches`` (one model, in this order), each row's memory right-aligned: a
+        shorter memory is preceded by padding positions, which are never attended to and, being on the left, keep
+        every row's relative distances. Each row then computes exactly what it would in its own cache."""
+        first = caches[0]
+        n = max(c.length for c in caches)
+        batch = sum(c.k.shape[1] for c in caches)
+        merged = cls.__new__(cls)
+        merged.config = first.config
+        merged.capacity = max(2 * n, first.capacity)
+        shape = (first.k.shape[0], batch, first.k.shape[2], merged.capacity, first.k.shape[4])
+        merged.k, merged.v = first.k.new_zeros(shape), first.v.new_zeros(shape)
+        merged.padding = torch.ones(batch, merged.capacity, dtype=torch.bool, device=first.k.device)
+        row = 0
+        for c in caches:
+            b, m = c.k.shape[1], c.length
+            for src, dst in ((c.k, merged.k), (c.v, merged.v)):
+                dst[:, row : row + b, :, n - m : n] = src[:, :, :, c.start : c.end]
+            merged.padding[row : row + b, n - m : n] = c.padding[:, c.start : c.end]
+            row += b
+        merged.padding[:, n:] = False
+        merged.padded = bool(merged.padding[:, :n].any())
+        merged.start, merged.end = 0, n
+        merged._r_k, merged._r_key = [None] * first.config.n_layer, None
+        return merged
 
 
 @dataclass
@@ -1101,19 +1148,8 @@ class RelLearnableMultiHeadAttn(_Attention):
         cfg = model.config
         return [_distances(K, cfg.max_klen - 1, clamp_len, device)] * cfg.n_layer
 
-    def forward(
-        self,
-        h: Tensor,
-        pos: Tensor,
-        mask: Tensor | None,
-        mem: Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVCache | None = None,
-        layer: int = 0,
-    ) -> tuple[Tensor, Tensor | None]:
-        h, q, k, v = self.project(h, mem, cache, layer)
+    def scores(self, q: Tensor, pos: Tensor, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape
-        K = k.shape[2]
         q_w = ((q + self.r_w_bias) * self.scale).transpose(1, 2)  # (q + u_l) / sqrt(Dh), [B, H, T, Dh]
         q_r = (q * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # q / sqrt(Dh), [H, B*T, Dh]
         r_k = self.r_emb[pos].permute(1, 2, 0)  # E_l[d] for the distances K-1..0, [H, Dh, K]
@@ -1122,7 +1158,7 @@ class RelLearnableMultiHeadAttn(_Attention):
         bd = (bd + b.to(bd.dtype)).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
         if T > 1:
             bd = rel_shift(bd)  # by key (Appendix B's shift, as for attn_type 0)
-        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+        return q_w, bd
 
 
 class MultiHeadAttn(_Attention):
@@ -1152,19 +1188,11 @@ class MultiHeadAttn(_Attention):
         p = (torch.arange(K, device=device) - max(0, K - cfg.max_klen)).clamp(min=0)  # [K]
         return [layer.attn.r_emb[p] for layer in model.layers]  # [K, D] per layer
 
-    def forward(
-        self,
-        h: Tensor,
-        pos: Tensor | None,
-        mask: Tensor | None,
-        mem: Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVCache | None = None,
-        layer: int = 0,
-    ) -> tuple[Tensor, Tensor | None]:
-        h, q, k, v = self.project(h, mem, cache, layer, pos)
-        q_w = (q * self.scale).transpose(1, 2)  # [B, H, T, Dh]
-        return self.attend(h, q_w, k, v, None, mask, need_weights)
+    def input_positions(self, pos: Tensor | None) -> Tensor | None:
+        return pos  # [K, D]: added to [memory; segment] (None for attn_type 2 above the first layer)
+
+    def scores(self, q: Tensor, pos: Tensor | None, K: int) -> tuple[Tensor, None]:
+        return (q * self.scale).transpose(1, 2), None  # q / sqrt(Dh), [B, H, T, Dh]; no positional term
 
 
 def attention_class(attn_type: int) -> type[_Attention]:

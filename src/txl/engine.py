@@ -1,0 +1,274 @@
+"""The engine behind ``txl serve``: one thread owns the model and runs every model call, so none run concurrently.
+
+Generation requests are batched step by step (continuous batching): a new request's prompt is run alone into its
+own :class:`~txl.modeling.KVCache`, then the cache joins the running batch (:meth:`KVCache.merge`, each row's memory
+right-aligned, so each row computes what it would alone); every decoding step runs one token for every row at
+once; a finished or cancelled request leaves between two steps (:meth:`KVCache.select`). Requests with different
+memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
+seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
+Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
+
+The engine knows nothing about HTTP: tokens go to a callback, from the engine's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from txl.generation import check_sampling, choose, stream
+from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is full: try again later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down."""
+
+
+@dataclass
+class Generation:
+    """One generation request. ``emit(token_id)`` is called for each new token and ``emit(None)`` once at the end
+    (``finish_reason`` is then set), from the engine's thread; ``cancel()`` may be called from any thread."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    emit: Callable[[int | None], None]
+    mem_len: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    finish_reason: str | None = None
+    """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
+    error: str | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    generator: torch.Generator = field(init=False)
+    produced: int = 0
+
+    def __post_init__(self) -> None:
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        self.generator = torch.Generator()
+        if self.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(self.seed)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Batch:
+    cache: KVCache
+    rows: list[Generation]
+    last: torch.Tensor  # [B] the last token of every row
+
+
+class Engine:
+    """Runs generation requests (batched, up to ``max_batch`` rows per memory length) and jobs on one thread."""
+
+    def __init__(self, model: TransformerXLLM, *, max_batch: int = 8, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.model = model.eval()
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.batched = supports_kv_cache(model.config)
+        self._waiting: deque[Generation | tuple[Callable[[], Any], Future]] = deque()
+        self._batches: dict[int, _Batch] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="txl-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests being generated now."""
+        return sum(len(b.rows) for b in self._batches.values())
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: Generation) -> None:
+        """Queue a generation; raises :class:`QueueFull` when ``max_queue`` requests already wait."""
+        self._put(request)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine's thread between two decoding steps; its result (or error) in the future."""
+        fut: Future = Future()
+        self._put((fn, fut))
+        return fut
+
+    def _put(self, item) -> None:
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue and (self.active >= self.max_batch or self._waiting):
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+            self._waiting.append(item)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let the running requests finish (at most ``timeout`` seconds), then cancel what is left and stop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and (self.active or self._waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._cond:
+            for batch in self._batches.values():
+                for row in batch.rows:
+                    row.cancel()
+            self._cond.notify()
+        self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+
+    # -- the engine's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not self._waiting and not self._batches and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._batches and not self._waiting:
+                    return
+                admitted = []
+                while self._waiting and (self._is_job(self._waiting[0]) or self._has_room(self._waiting[0])):
+                    admitted.append(self._waiting.popleft())
+            for item in admitted:
+                if self._is_job(item):
+                    self._run_job(*item)
+                elif self._stopping:
+                    self._finish(item, "shutdown")
+                else:
+                    self._start(item)
+            for mem_len in list(self._batches):
+                self._step(mem_len)
+
+    @staticmethod
+    def _is_job(item) -> bool:
+        return isinstance(item, tuple)
+
+    def _has_room(self, request: Generation) -> bool:
+        if not self.batched:
+            return self.active == 0
+        batch = self._batches.get(request.mem_len)
+        return (len(batch.rows) if batch else 0) < self.max_batch
+
+    @staticmethod
+    def _run_job(fn: Callable[[], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: B036 - handed to the caller
+            fut.set_exception(e)
+
+    def _finish(self, request: Generation, reason: str, error: str | None = None) -> None:
+        request.finish_reason, request.error = reason, error
+        request.emit(None)
+
+    def _emit(self, request: Generation, token: int) -> bool:
+        """Give the caller a token; whether the request goes on."""
+        request.produced += 1
+        request.emit(token)
+        if request.cancelled:
+            self._finish(request, "shutdown" if self._stopping else "stop")
+            return False
+        if request.produced >= request.max_new_tokens:
+            self._finish(request, "length")
+            return False
+        return True
+
+    def _sample(self, request: Generation, hidden: torch.Tensor) -> int:
+        _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [1, V]
+        return int(choose(log_probs, request.temperature, request.top_k, request.top_p, request.generator)[0])
+
+    def _start(self, request: Generation) -> None:
+        """Run the prompt, emit the first token, and join the batch of its memory length."""
+        if request.max_new_tokens == 0 or request.cancelled:
+            self._finish(request, "length" if request.max_new_tokens == 0 else "stop")
+            return
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        try:
+            if not self.batched:
+                self._alone(request, ids)
+                return
+            dtype = next(self.model.parameters()).dtype
+            cache = KVCache(self.model.config, 1, request.mem_len, max_segment=ids.shape[1], dtype=dtype)
+            hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[:, -1]
+            token = self._sample(request, hidden)
+        except Exception as e:  # a bad request must not stop the engine
+            self._finish(request, "error", str(e))
+            return
+        if not self._emit(request, token):
+            return
+        batch = self._batches.get(request.mem_len)
+        last = torch.tensor([token])
+        if batch is None:
+            self._batches[request.mem_len] = _Batch(cache, [request], last)
+        else:
+            batch.cache = KVCache.merge([batch.cache, cache])
+            batch.rows.append(request)
+            batch.last = torch.cat([batch.last, last])
+
+    def _alone(self, request: Generation, ids: torch.Tensor) -> None:
+        """Generation without a K/V cache (absolute positions): the whole request, one token at a time."""
+        tokens = stream(
+            self.model,
+            ids,
+            request.max_new_tokens,
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            mem_len=request.mem_len,
+            generator=request.generator,
+        )
+        for token in tokens:
+            if not self._emit(request, int(token)):
+                return
+
+    def _step(self, mem_len: int) -> None:
+        """One token for every row of a batch; finished rows leave it."""
+        batch = self._batches[mem_len]
+        try:
+            out = self.model.transformer(batch.last[:, None], cache=batch.cache, mem_len=mem_len)
+            hidden = out.last_hidden_state[:, -1]  # [B, D]
+            _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [B, V]
+        except Exception as e:
+            for row in batch.rows:
+                self._finish(row, "error", str(e))
+            del self._batches[mem_len]
+            return
+        keep, last = [], []
+        for i, row in enumerate(batch.rows):
+            if row.cancelled:
+                self._finish(row, "shutdown" if self._stopping else "stop")
+                continue
+            token = int(choose(log_probs[i : i + 1], row.temperature, row.top_k, row.top_p, row.generator)[0])
+            if self._emit(row, token):
+                keep.append(i)
+                last.append(token)
+        if not keep:
+            del self._batches[mem_len]
+        elif len(keep) < len(batch.rows):
+            batch.cache.select(keep)
+            batch.rows = [batch.rows[i] for i in keep]
+        batch.last = torch.tensor(last, dtype=torch.long)

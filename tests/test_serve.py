@@ -1,0 +1,346 @@
+"""`txl serve`: every endpoint through an in-process client on a tiny trained model, the batching engine against
+generation alone, bad input, limits and the API key; a real server under concurrent clients and SIGTERM (slow)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from txl.engine import Engine, Generation, QueueFull  # noqa: E402
+from txl.generation import generate  # noqa: E402
+from txl.serve import ServeLimits, create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from train_helpers import run_inprocess
+
+    return run_inprocess(tmp_path_factory.mktemp("serve"), train__max_steps=20, train__eval_interval=0)
+
+
+@pytest.fixture(scope="module")
+def client(run):
+    with TestClient(create_app(run, ServeLimits(max_new_tokens=200, max_prompt_tokens=50))) as c:
+        yield c
+
+
+def events(client, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as res:
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[6:]) for line in res.iter_lines() if line.startswith("data: ")]
+
+
+def test_health_model_and_page(client, run):
+    assert client.get("/health").json() == {"status": "ok", "active": 0, "waiting": 0}
+    info = client.get("/v1/model").json()
+    model = client.app.state.server.model
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert info["config"]["n_layer"] == 2 and info["tokenizer"]["kind"] == "char" and info["metric"] == "bpc"
+    assert info["training_metrics"]["train"]["step"] == 20
+    page = client.get("/")
+    assert (
+        page.status_code == 200
+        and '<button id="generate">' in page.text
+        and "http" not in page.text.split("<script>")[0].replace("http-equiv", "")
+    )  # no asset fetched from elsewhere
+    assert client.get("/openapi.json").json()["paths"].keys() >= {"/v1/generate", "/v1/score", "/v1/model"}
+
+
+def test_generate_equals_the_library_and_is_deterministic(client):
+    server = client.app.state.server
+    prompt = "ab cd"
+    greedy = client.post("/v1/generate", json={"prompt": prompt, "max_new_tokens": 30, "temperature": 0}).json()
+    ids = torch.tensor([server.tokenizer.encode(prompt)])
+    expected = generate(server.model, ids, 30, temperature=0.0)[0, ids.shape[1] :].tolist()
+    assert greedy["token_ids"] == expected and greedy["finish_reason"] == "length"
+    assert greedy["text"] == server.tokenizer.decode(expected)
+    body = {"prompt": prompt, "max_new_tokens": 40, "seed": 7, "temperature": 1.0}
+    a, b = (client.post("/v1/generate", json=body).json() for _ in range(2))
+    c = client.post("/v1/generate", json=body | {"seed": 8}).json()
+    assert a["token_ids"] == b["token_ids"] and a["token_ids"] != c["token_ids"]
+    stream = events(client, body)
+    assert [e["token_id"] for e in stream[:-1]] == a["token_ids"]  # the same tokens, in order, each once
+    assert "".join(e["text"] for e in stream[:-1]) == a["text"] == stream[-1]["text"]
+    assert stream[-1]["done"] and stream[-1]["new_tokens"] == 40 and stream[-1]["tokens_per_s"] > 0
+    by_ids = client.post("/v1/generate", json=body | {"prompt": None, "prompt_ids": ids[0].tolist()}).json()
+    assert by_ids["token_ids"] == a["token_ids"]
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    base = {"prompt": "ab cd", "max_new_tokens": 60, "temperature": 0}
+    full = client.post("/v1/generate", json=base).json()["text"]
+    stop = full[10:13]  # a string that the greedy text contains
+    cut = full.index(stop)
+    res = client.post("/v1/generate", json=base | {"stop": [stop, "@@"]}).json()
+    assert res["text"] == full[:cut] and res["finish_reason"] == "stop"
+    stream = events(client, base | {"stop": [stop]})
+    assert "".join(e["text"] for e in stream[:-1]) == full[:cut] == stream[-1]["text"]
+    assert stream[-1]["finish_reason"] == "stop"
+
+
+def test_score_equals_txl_eval(client, run, tmp_path, capsys):
+    from txl.cli import main
+
+    text = (run.parent / "corpus" / "test.txt").read_text()[:700]
+    (tmp_path / "t.txt").write_text(text)
+    settings = {"tgt_len": 16, "mem_len": 24, "clamp_len": -1, "same_length": True}
+    res = client.post("/v1/score", json={"text": text, "per_token": True} | settings).json()
+    main(["eval", "--model", str(run), "--data", str(tmp_path / "t.txt"), "--batch_size", "1", "--json"]
+         + [f"--{k}={str(v).lower()}" for k, v in settings.items()])  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
+    assert res["loss"] == pytest.approx(record["loss"], abs=1e-6) and res["bpc"] == pytest.approx(record["bpc"])
+    assert res["tokens"] == record["tokens"] == len(text) - 1 and res["settings"] == settings
+    per = res["per_token"]
+    assert "".join(t["text"] for t in per) == text and per[0]["logprob"] is None
+    assert np.mean([-t["logprob"] for t in per[1:]]) == pytest.approx(res["loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("{bad json", "the request body is not valid JSON"),
+        ({"prompt": "ab", "colour": 1}, "colour: unknown field"),
+        ({"prompt": "ab", "temperature": "hot"}, "temperature: Input should be a valid number"),
+        ({"prompt": "ab", "top_p": 0}, "top_p: Input should be greater than 0"),
+        ({"prompt": "ab", "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
+        ({"prompt": "ab\u20ac"}, "prompt: '\u20ac' is not in the vocabulary"),
+        ({"prompt": "ab", "prompt_ids": [1]}, "prompt: give either prompt or prompt_ids"),
+        ({"prompt_ids": [1, 10_000]}, "prompt_ids: ids must be in [0, "),
+        ({"prompt": "ab", "max_new_tokens": 201}, "max_new_tokens: 201 is more than the limit 200"),
+        ({"prompt": "a" * 51}, "prompt: 51 tokens, more than the limit of 50"),
+        ({"prompt": "ab", "stop": [""]}, "stop: a stop string must not be empty"),
+        ({"prompt": "ab", "mem_len": 0}, "mem_len: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_generate_requests_name_the_field(client, body, message):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    res = client.post("/v1/generate", **kw)
+    assert res.status_code == 422 and message in res.json()["error"], res.json()
+
+
+def test_bad_score_requests(client):
+    for body, message in [
+        ({"text": "a"}, "text: needs at least 2 tokens"),
+        ({"text": "ab", "tgt_len": 0}, "tgt_len: Input should be greater than or equal to 1"),
+        ({"text": "ab", "mem_len": 0, "same_length": True}, "same_length = True: needs mem_len > 0"),
+        ({}, "text: give either text or ids"),
+    ]:
+        res = client.post("/v1/score", json=body)
+        assert res.status_code == 422 and message in res.json()["error"], res.json()
+
+
+def test_batched_generation_equals_each_request_alone(run):
+    """Four greedy requests of different prompt lengths decoded together (continuous batching: they join at
+    different steps and leave at different lengths) give exactly the tokens each gives alone."""
+    from txl import TransformerXLLM
+    from txl.checkpoint import resolve_model_dir
+
+    model = TransformerXLLM.from_pretrained(resolve_model_dir(run))
+    prompts = [[1, 2, 3], [4] * 20, [5, 6], list(range(1, 30))]
+    lengths = [25, 40, 10, 33]
+    got = [[] for _ in prompts]
+    peak = []
+    engine = Engine(model, max_batch=4)
+    done = threading.Semaphore(0)
+
+    def emit(i):
+        def f(tok):
+            if tok is None:
+                done.release()
+            else:
+                got[i].append(tok)
+                peak.append(engine.active)
+
+        return f
+
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.submit(Generation(p, n, emit(i), mem_len=16, temperature=0.0))
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.shutdown()
+    assert max(peak) >= 3  # they really ran together
+    for p, n, tokens in zip(prompts, lengths, got, strict=True):
+        alone = generate(model, torch.tensor([p]), n, temperature=0.0, mem_len=16)[0, len(p) :].tolist()
+        assert tokens == alone
+
+
+def test_engine_queue_limit_and_shutdown(run):
+    from txl import TransformerXLLM
+    from txl.checkpoint import resolve_model_dir
+
+    model = TransformerXLLM.from_pretrained(resolve_model_dir(run))
+    engine = Engine(model, max_batch=1, max_queue=1)
+    reasons = []
+    gens = [Generation([1, 2], 100_000, lambda t: None, mem_len=8) for _ in range(2)]
+    for g in gens:
+        g.emit = lambda t, g=g: reasons.append(g.finish_reason) if t is None else None
+        engine.submit(g)  # one runs, one waits
+        while not engine.active:
+            time.sleep(0.001)
+    with pytest.raises(QueueFull, match="the limit is 1"):
+        engine.submit(Generation([1], 5, lambda t: None, mem_len=8))
+    start = time.monotonic()
+    engine.shutdown(timeout=0.5)  # the running one is cancelled after the grace time, the waiting one too
+    assert time.monotonic() - start < 10 and sorted(reasons) == ["shutdown", "shutdown"]
+
+
+def test_http_limits_disconnect_and_api_key(run):
+    app = create_app(run, ServeLimits(max_batch=1, max_queue=0), api_key="s3cret")
+    key = {"X-API-Key": "s3cret"}
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200  # no key needed
+        assert c.get("/v1/model").status_code == 401 and c.get("/").status_code == 401
+        assert c.get("/v1/model", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/?key=s3cret").status_code == 200
+        body = {"prompt": "ab", "max_new_tokens": 150, "stream": True}
+        with c.stream("POST", "/v1/generate", json=body, headers=key) as res:
+            lines = res.iter_lines()
+            assert next(lines).startswith("data: ")  # it is running: the only slot is taken
+            busy = c.post("/v1/generate", json={"prompt": "ab"}, headers=key)
+            assert busy.status_code == 429 and "busy" in busy.json()["error"]
+        # the client left after one token: its generation stops and frees the slot
+        deadline = time.monotonic() + 10
+        while c.get("/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.get("/health").json()["active"] == 0
+        assert c.post("/v1/generate", json={"prompt": "ab", "max_new_tokens": 3}, headers=key).status_code == 200
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(run, *extra: str):
+    """`txl serve` as a process on a free port; returns (process, base URL) once /health answers."""
+    import httpx
+
+    from train_helpers import txl_process
+
+    port = free_port()
+    proc = txl_process(["serve", "--model", str(run), "--port", str(port), *extra])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        assert proc.poll() is None, "txl serve exited"
+    proc.kill()
+    raise AssertionError("txl serve did not answer /health")
+
+
+@pytest.mark.slow
+def test_real_server_concurrent_clients_and_sigterm(run):
+    """`txl serve` as a subprocess: 8 concurrent streaming clients all get complete, seeded streams; then SIGTERM
+    ends it cleanly (exit code 0) while a long generation is still running."""
+    import signal
+
+    import httpx
+
+    proc, url = start_server(run)
+    results, errors = {}, []
+
+    def client(i: int) -> None:
+        try:
+            body = {"prompt": "ab cd", "max_new_tokens": 60, "seed": i, "stream": True}
+            with httpx.stream("POST", url + "/v1/generate", json=body, timeout=60) as res:
+                evs = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: ")]
+            results[i] = evs
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and len(results) == 8
+        for i, evs in results.items():
+            assert evs[-1]["done"] and evs[-1]["new_tokens"] == 60 and len(evs) == 61, i
+            again = httpx.post(url + "/v1/generate", json={"prompt": "ab cd", "max_new_tokens": 60, "seed": i},
+                               timeout=60).json()  # fmt: skip
+            assert again["token_ids"] == [e["token_id"] for e in evs[:-1]]  # batched or alone: the same tokens
+        long = threading.Thread(target=client, args=(99,))
+        long.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        long.join(timeout=30)
+        assert not long.is_alive()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_web_page_in_a_real_browser(run, tmp_path):
+    """Headless Chromium (Debian's, `make browser`) opens the page at phone width, generates (streamed text and
+    tokens/s appear), scores a text (a heat strip), with no console errors; the screenshot is not blank."""
+    import os
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_bin):
+        if os.environ.get("TXL_REQUIRE_BROWSER"):
+            raise AssertionError("chromium and chromedriver are missing: run `make browser`")
+        pytest.skip("no chromium/chromedriver (make browser installs them)")
+    proc, url = start_server(run)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,900"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_bin))
+    try:
+        browser.get(url + "/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda b: "parameters" in b.find_element(By.ID, "model").text, "the model line")
+        prompt = browser.find_element(By.ID, "prompt")
+        prompt.clear()
+        prompt.send_keys("ab cd ")
+        browser.execute_script("document.getElementById('length').value = '80';")
+        browser.find_element(By.ID, "generate").click()
+        wait.until(lambda b: "tokens/s" in b.find_element(By.ID, "gen-stats").text, "tokens/s")
+        wait.until(lambda b: b.find_element(By.ID, "generate").is_enabled(), "the end of the stream")
+        generated = browser.execute_script("return document.querySelector('#output span:nth-child(2)').textContent")
+        assert len(generated) >= 40 and "80 tokens" in browser.find_element(By.ID, "gen-stats").text
+        browser.execute_script("document.getElementById('score-text').value = arguments[0];", "ab cd " + generated)
+        browser.find_element(By.ID, "score").click()
+        wait.until(lambda b: "bpc" in b.find_element(By.ID, "score-stats").text, "the score")
+        coloured = browser.execute_script("return document.querySelectorAll('#heat span[title]').length")
+        assert coloured > 20
+        width = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+        assert width[0] <= width[1]  # usable at phone width: nothing wider than the screen
+        shot = tmp_path / "page.png"
+        browser.save_screenshot(str(shot))
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
+    assert pixels.shape[1] >= 300 and pixels.std() > 10  # not a blank page
+    if os.environ.get("TXL_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["TXL_SCREENSHOT"])
