@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup demo test test-all lint format browser bench bench-data bench-train bench-levers bench-vanilla \
-	bench-vanilla-full experiments clean
+	bench-vanilla-full bench-serve experiments clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
 	$(BIN)/python benchmarks/levers.py --write docs/benchmarks.md
 	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --quick --write docs/benchmarks.md
+	$(BIN)/python benchmarks/serve_load.py --write docs/benchmarks.md
 
 bench-train: setup
 	$(BIN)/python benchmarks/train_speed.py --write docs/benchmarks.md
@@ -63,6 +64,9 @@ bench-vanilla-full: setup
 experiments: setup
 	$(BIN)/python experiments/recurrence.py --steps 1500 --write docs/paper.md
 	$(BIN)/python experiments/ablation.py --budget full --write docs/paper.md
+
+bench-serve: setup
+	$(BIN)/python benchmarks/serve_load.py --write docs/benchmarks.md
 
 bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md

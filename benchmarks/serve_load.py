@@ -1,14 +1,15 @@
 """`txl serve` under load: total tokens/s and latency at 1, 4, 8 and 16 concurrent streaming clients, with the
 engine's step-by-step batching (``--max_batch 16``) and without it (``--max_batch 1``: one request at a time).
 
-    .venv/bin/python benchmarks/serve_load.py --write docs/benchmarks.md     # ~3 minutes on 2 cores
+    .venv/bin/python benchmarks/serve_load.py --write docs/benchmarks.md     # ~5 minutes on 2 cores
 
 The server is a real ``txl serve`` process on 127.0.0.1 (1 torch thread, the default) serving the demo's model shape
 (`configs/shakespeare_char.yaml`: 4 layers, d_model 128, mem_len 64; random weights and a byte tokenizer unless
 ``--model`` names a trained one). Each client streams ``--tokens`` new tokens (server-sent events) from its own
 prompt and seed, sampling at temperature 1; clients run in threads of this process. Reported per setting: total
 tokens/s (all clients' tokens over the wall time of the round), time to first token and time per later token (p50 and
-p95 over all clients), failed requests. Rounds are repeated ``--repeats`` times and the median round is reported.
+p95 over all clients), failed requests. Both servers run side by side and take turns round by round (so that a
+change in the machine's speed hits both); rounds are repeated ``--repeats`` times and the median round is reported.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a model to serve (default: the demo's shape, random weights)")
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=100, help="new tokens per request")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     counts = [int(x) for x in args.clients.split(",")]
@@ -122,20 +123,25 @@ def main() -> None:
     model = args.model or demo_shaped_model(Path(tmp.name) / "model")
     print(f"machine: {cpu_description()}", flush=True)
     results = {}
-    for mode, max_batch in (("batched", 16), ("unbatched", 1)):
-        proc, url = start(model, max_batch)
-        try:
+    servers = {mode: start(model, max_batch) for mode, max_batch in (("batched", 16), ("unbatched", 1))}
+    try:
+        for _, url in servers.values():
             one_round(url, 2, 10)  # warm-up
-            for n in counts:
-                rounds = sorted((one_round(url, n, args.tokens) for _ in range(args.repeats)),
-                                key=lambda r: r["tokens_per_s"])  # fmt: skip
-                r = rounds[len(rounds) // 2]
-                r["failures"] = sum(x["failures"] for x in rounds)
+        for n in counts:  # the two servers take turns, round by round (one at a time: the other is idle)
+            rounds = {mode: [] for mode in servers}
+            for _ in range(args.repeats):
+                for mode, (_, url) in servers.items():
+                    rounds[mode].append(one_round(url, n, args.tokens))
+            for mode, rs in rounds.items():
+                rs.sort(key=lambda r: r["tokens_per_s"])
+                r = rs[len(rs) // 2]
+                r["failures"] = sum(x["failures"] for x in rs)
                 results[(mode, n)] = r
                 print(f"{mode:9s} {n:2d} clients: {r['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
                       f"{r['ttft_p50'] * 1e3:.0f} ms, per token p50 {r['tpot_p50'] * 1e3:.1f} ms, "
                       f"failures {r['failures']}", flush=True)  # fmt: skip
-        finally:
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=30)
     if args.write:

@@ -118,6 +118,7 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
         ({"prompt": "a" * 51}, "prompt: 51 tokens, more than the limit of 50"),
         ({"prompt": "ab", "stop": [""]}, "stop: a stop string must not be empty"),
         ({"prompt": "ab", "mem_len": 0}, "mem_len: Input should be greater than or equal to 1"),
+        ({"prompt": "ab", "mem_len": 10**9}, "mem_len: 1000000000 is more than the limit 8192"),
     ],
 )
 def test_bad_generate_requests_name_the_field(client, body, message):
@@ -132,6 +133,7 @@ def test_bad_score_requests(client):
         ({"text": "ab", "tgt_len": 0}, "tgt_len: Input should be greater than or equal to 1"),
         ({"text": "ab", "mem_len": 0, "same_length": True}, "same_length = True: needs mem_len > 0"),
         ({}, "text: give either text or ids"),
+        ({"text": "ab", "mem_len": 10**6}, "mem_len: 1000000 is more than the limit 8192"),
     ]:
         res = client.post("/v1/score", json=body)
         assert res.status_code == 422 and message in res.json()["error"], res.json()
@@ -323,6 +325,13 @@ def test_web_page_in_a_real_browser(run, tmp_path):
         wait.until(lambda b: b.find_element(By.ID, "generate").is_enabled(), "the end of the stream")
         generated = browser.execute_script("return document.querySelector('#output span:nth-child(2)').textContent")
         assert len(generated) >= 40 and "80 tokens" in browser.find_element(By.ID, "gen-stats").text
+        browser.execute_script("document.getElementById('length').value = '1000';")  # long enough to stop it
+        browser.find_element(By.ID, "generate").click()
+        wait.until(lambda b: b.find_element(By.ID, "stop").is_enabled(), "the Stop button")
+        wait.until(lambda b: "tokens/s" in b.find_element(By.ID, "gen-stats").text, "a running stream")
+        browser.find_element(By.ID, "stop").click()
+        wait.until(lambda b: "stopped" in b.find_element(By.ID, "gen-stats").text, "stopped")
+        assert int(browser.find_element(By.ID, "gen-stats").text.split()[0]) < 1000
         browser.execute_script("document.getElementById('score-text').value = arguments[0];", "ab cd " + generated)
         browser.find_element(By.ID, "score").click()
         wait.until(lambda b: "bpc" in b.find_element(By.ID, "score-stats").text, "the score")
@@ -344,3 +353,42 @@ def test_web_page_in_a_real_browser(run, tmp_path):
     assert pixels.shape[1] >= 300 and pixels.std() > 10  # not a blank page
     if os.environ.get("TXL_SCREENSHOT"):
         shutil.copyfile(shot, os.environ["TXL_SCREENSHOT"])
+
+
+def test_cli_refuses_remote_binding_and_bad_limits(run, capsys):
+    from txl.cli import main
+
+    for args, message in [
+        (["--host", "0.0.0.0"], "--host 0.0.0.0: binding beyond this machine needs --allow_remote true"),
+        (["--max_batch", "0"], "--max_batch = 0: must be >= 1"),
+        (["--max_new_tokens", "0"], "--max_new_tokens = 0: must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["serve", "--model", str(run), *args])
+        assert message in capsys.readouterr().err
+
+
+def test_engine_serves_absolute_position_models_one_at_a_time():
+    """attn_type 2 has no K/V cache: the engine generates its requests one after another, each as `generate` does."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(attn_type=2)).eval()
+    engine = Engine(model, max_batch=4)
+    assert not engine.batched
+    got = {0: [], 1: []}
+    done = threading.Semaphore(0)
+    for i, prompt in enumerate(([1, 2, 3], [7, 8])):
+
+        def emit(t, out=got[i]):
+            return done.release() if t is None else out.append(t)
+
+        engine.submit(Generation(prompt, 12, emit, mem_len=8, temperature=0.0))
+    for _ in range(2):
+        assert done.acquire(timeout=60)
+    engine.shutdown()
+    for i, prompt in enumerate(([1, 2, 3], [7, 8])):
+        assert (
+            got[i] == generate(model, torch.tensor([prompt]), 12, temperature=0.0, mem_len=8)[0, len(prompt) :].tolist()
+        )

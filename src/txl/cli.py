@@ -516,6 +516,7 @@ def serve(
     max_prompt_tokens: int = 4096,
     max_new_tokens: int = 1024,
     max_score_tokens: int = 200_000,
+    max_mem_len: int = 8192,
     threads: int | None = None,
 ) -> None:
     """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
@@ -533,6 +534,7 @@ def serve(
         max_prompt_tokens: Longest prompt, in tokens.
         max_new_tokens: Most tokens one request may ask for.
         max_score_tokens: Longest text /v1/score takes, in tokens.
+        max_mem_len: Longest memory a request may ask for (its keys and values are kept per request).
         threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
     """
     try:
@@ -549,12 +551,12 @@ def serve(
         raise ValueError(f"--host {host}: binding beyond this machine needs --allow_remote true (and an --api_key)")
     for name, value, low in [("port", port, 0), ("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
                              ("max_prompt_tokens", max_prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
-                             ("max_score_tokens", max_score_tokens, 2)]:  # fmt: skip
+                             ("max_score_tokens", max_score_tokens, 2), ("max_mem_len", max_mem_len, 1)]:  # fmt: skip
         if value < low:
             raise ValueError(f"--{name} = {value}: must be >= {low}")
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
     key = api_key or os.environ.get("TXL_API_KEY") or None
-    limits = ServeLimits(max_prompt_tokens, max_new_tokens, max_batch, max_queue, max_score_tokens)
+    limits = ServeLimits(max_prompt_tokens, max_new_tokens, max_batch, max_queue, max_score_tokens, max_mem_len)
     app = create_app(model, limits, key)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"txl serve: warning: listening on {host}, reachable from other machines"

@@ -149,9 +149,12 @@ class Engine:
                     self._cond.wait()
                 if self._stopping and not self._batches and not self._waiting:
                     return
-                admitted = []
-                while self._waiting and (self._is_job(self._waiting[0]) or self._has_room(self._waiting[0])):
-                    admitted.append(self._waiting.popleft())
+                admitted, joining = [], {}
+                while self._waiting and (self._is_job(self._waiting[0]) or self._has_room(self._waiting[0], joining)):
+                    item = self._waiting.popleft()
+                    admitted.append(item)
+                    if not self._is_job(item):
+                        joining[item.mem_len] = joining.get(item.mem_len, 0) + 1
             for item in admitted:
                 if self._is_job(item):
                     self._run_job(*item)
@@ -166,11 +169,12 @@ class Engine:
     def _is_job(item) -> bool:
         return isinstance(item, tuple)
 
-    def _has_room(self, request: Generation) -> bool:
+    def _has_room(self, request: Generation, joining: dict[int, int]) -> bool:
+        """Whether the request's batch has a free row (counting the requests admitted with it)."""
         if not self.batched:
-            return self.active == 0
+            return self.active == 0 and not joining
         batch = self._batches.get(request.mem_len)
-        return (len(batch.rows) if batch else 0) < self.max_batch
+        return (len(batch.rows) if batch else 0) + joining.get(request.mem_len, 0) < self.max_batch
 
     @staticmethod
     def _run_job(fn: Callable[[], Any], fut: Future) -> None:

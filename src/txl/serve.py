@@ -36,6 +36,7 @@ class ServeLimits:
     max_batch: int = 8
     max_queue: int = 64
     max_score_tokens: int = 200_000
+    max_mem_len: int = 8192
 
 
 class GenerateRequest(BaseModel):
@@ -137,6 +138,8 @@ class Server:
         if any(s == "" for s in req.stop):
             raise BadRequest(422, "stop: a stop string must not be empty")
         mem_len = req.mem_len or self.model.config.mem_len
+        if mem_len > lim.max_mem_len:
+            raise BadRequest(422, f"mem_len: {mem_len} is more than the limit {lim.max_mem_len}")
         if mem_len < 1:
             raise BadRequest(422, "mem_len: the model has no memory length; give mem_len >= 1")
         gen = Generation(
@@ -162,6 +165,8 @@ class Server:
             )  # fmt: skip
         except ValueError as e:
             raise BadRequest(422, str(e).replace("--", "")) from None
+        if s.mem_len > self.limits.max_mem_len:
+            raise BadRequest(422, f"mem_len: {s.mem_len} is more than the limit {self.limits.max_mem_len}")
         array = np.asarray(ids, dtype=np.int64)
 
         def run():
