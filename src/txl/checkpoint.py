@@ -130,6 +130,7 @@ def save_checkpoint(
     metadata: dict[str, Any],
     keep_last: int,
     keep_steps: set[int],
+    config_name: str = RUN_CONFIG,
 ) -> Path:
     """Write ``step-N`` collectively (every process writes its own state file), then apply retention.
 
@@ -148,7 +149,7 @@ def save_checkpoint(
         if world.is_main:
             model.save_pretrained(tmp)
             write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
-            write_bytes(tmp / RUN_CONFIG, _json_bytes(run_config))
+            write_bytes(tmp / config_name, _json_bytes(run_config))
             write_bytes(tmp / METADATA, _json_bytes(metadata))
             _write_marker(tmp, step)
             if final.exists():  # the same step saved again (a resumed run stopping where it started)

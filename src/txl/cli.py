@@ -573,6 +573,50 @@ def serve(
     print("txl serve: stopped", file=sys.stderr)
 
 
+def finetune(cfg=None) -> None:
+    """Fine-tune the sequence-classification head on labelled texts (CSV or JSONL: text, label), starting from a
+    trained language model. Long documents are read segment by segment with the memory carried; the run folder
+    resumes exactly, like txl train's. Prints the run folder."""
+    from txl.finetune import finetune as run_finetune
+
+    print(run_finetune(cfg))
+
+
+def predict(
+    model: Path | None = None,
+    text: list[str] | None = None,
+    file: Path | None = None,
+    threads: int | None = None,
+) -> None:
+    """Classify texts with a fine-tuned model: one JSON line per text (label or labels or value, and scores).
+
+    Args:
+        model: A fine-tuned run folder or checkpoint (txl finetune).
+        text: A text, or a list of texts ('["a", "b"]').
+        file: A file of texts: .jsonl (a "text" field per line), .csv (a text column) or plain text (one per line).
+        threads: torch CPU threads.
+    """
+    from txl.finetune import FinetuneError
+    from txl.finetune import predict as run_predict
+
+    if model is None or (text is None) == (file is None):
+        raise ValueError("txl predict needs --model RUN and one of --text or --file")
+    _set_threads(threads)
+    texts = [text] if isinstance(text, str) else list(text or [])
+    if file is not None:
+        if file.suffix in (".jsonl", ".csv"):
+            from txl.finetune import _rows
+
+            for n, row in _rows(file):
+                if not isinstance(row.get("text"), str):
+                    raise FinetuneError(f"{file}: line {n}: no text")
+                texts.append(row["text"])
+        else:
+            texts += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for record in run_predict(model, texts):
+        print(_json.dumps(record))
+
+
 def plot(run: Path, out: Path | None = None) -> None:
     """Plot the training and validation curves of a run (RUN/metrics.jsonl) to a PNG.
 
@@ -634,6 +678,8 @@ COMMANDS = {
     "recl": recl,
     "attention": attention,
     "serve": serve,
+    "finetune": finetune,
+    "predict": predict,
     "convert": {"hf": convert_hf},
     "data": {"get": data_get, "prepare": data_prepare},
 }
@@ -713,6 +759,12 @@ def build_parser():
                     help="Print the fully resolved configuration (YAML, what the run would use; model.n_token is "
                     "replaced by the tokenizer's vocabulary size when training starts) and exit.",
                 )
+            elif target is finetune:
+                from txl.finetune import FinetuneConfig
+
+                child = _new_parser(prog, _description(target))
+                child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
+                child.add_class_arguments(FinetuneConfig, as_group=False)
             else:
                 child = _new_parser(prog, _description(target))
                 child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
@@ -739,6 +791,11 @@ def run(argv: list[str]) -> None:
     parser = parsers[path]
     if target is train:
         train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
+        return
+    if target is finetune:
+        from txl.finetune import FinetuneConfig
+
+        finetune(FinetuneConfig(**{k: node[k] for k in FinetuneConfig.__dataclass_fields__}))
         return
     init = parser.instantiate(node)
     target(**{k: init[k] for k in inspect.signature(target).parameters})

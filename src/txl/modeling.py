@@ -263,6 +263,13 @@ def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device
     return mask  # [T, K]
 
 
+def _padding_mask(mask: Tensor | None, padded: Tensor, T: int, mlen: int) -> Tensor:
+    """The causal ``mask`` ([T, K] or None) with padding keys (``padded`` [B, K]) masked too: [B, 1, T, K]. A padding
+    query still sees the keys before it, so that no softmax row is empty (its output is never used)."""
+    causal = mask if mask is not None else attention_mask(T, mlen, False, 0, device=padded.device)
+    return (causal | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
+
+
 def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
     """-inf where ``mask`` is True, added as a bias: a vectorized broadcast add (masked_fill with a broadcast mask
     is ~5x slower on the CPU) whose backward is the identity. The scores are the same, and so is the gradient: a
@@ -866,6 +873,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         padding: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        detach_mems: bool = True,
     ) -> TransformerXLModelOutput:
         """Run one segment ``input_ids`` [B, T] on top of the memory ``mems``.
 
@@ -877,8 +885,11 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
         For inference, the memory can instead be a ``cache`` (:class:`KVCache`) of its keys/values, updated in place
         (``mems`` is then None in the output): the same result, without projecting the memory again.
-        ``padding`` [B, T] (True = padding, with a cache) marks positions that are never attended to, e.g. the left
-        padding of prompts of different lengths; relative distances count them, so pad on the left.
+        ``padding`` marks positions that are never attended to (True = padding), e.g. the left padding of texts of
+        different lengths; relative distances count them, so pad on the left. With a cache it is [B, T] (the cache
+        remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
+        ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
+        e.g. fine-tuning a classifier on long documents); the paper's stop-gradient is the default.
         """
         cfg = self.config
         mem_len = cfg.mem_len if mem_len is None else mem_len
@@ -895,14 +906,18 @@ class TransformerXL(TransformerXLPreTrainedModel):
         dev = input_ids.device
         word_emb = self.word_emb(input_ids)  # [B, T, D]
         if cache is None:
-            if padding is not None:
-                raise ValueError("padding needs a KVCache (it marks positions that a cached memory keeps)")
             mlen = self._check_mems(mems, B) if mems else 0
             mask = (
                 attention_mask(T, mlen, same_length, mem_len, device=dev)
                 if _masks_any(T, mlen, same_length, mem_len)
                 else None
             )
+            if padding is not None:
+                if tuple(padding.shape) != (B, mlen + T):
+                    raise ValueError(
+                        f"padding must be [batch, M + T] = [{B}, {mlen + T}] without a cache, not {list(padding.shape)}"
+                    )
+                mask = _padding_mask(mask, padding, T, mlen)
             dtype = word_emb.dtype
         else:
             mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, mem_len, ext_len)
@@ -924,7 +939,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             cache.end_segment(T, mem_len)
             new_mems = None
         else:
-            new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len)
+            new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len, detach=detach_mems)
         return TransformerXLModelOutput(
             last_hidden_state=h,
             mems=new_mems,
@@ -944,16 +959,15 @@ class TransformerXL(TransformerXLPreTrainedModel):
         mlen = cache.length
         padded = cache.begin(T, padding)  # [B, M + T] or None
         mask = attention_mask(T, mlen, same_length, mem_len, device=cache.k.device)  # [T, K]
-        if padded is not None:  # padding is never a key, except for padding queries (no empty softmax row)
-            mask = (mask | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
+        if padded is not None:
+            mask = _padding_mask(mask, padded, T, mlen)
         elif not _masks_any(T, mlen, same_length, mem_len):
             mask = None
         return mlen, mask
 
     @staticmethod
-    @torch.no_grad()
     def _update_mems(
-        hids: list[Tensor], mems: list[Tensor] | None, mlen: int, qlen: int, mem_len: int, ext_len: int
+        hids: list[Tensor], mems: list[Tensor] | None, mlen: int, qlen: int, mem_len: int, ext_len: int, detach=True
     ) -> list[Tensor] | None:
         """Keep the last ``mem_len`` layer inputs of [memory; segment], ending ``ext_len`` before the end.
 
@@ -964,9 +978,12 @@ class TransformerXL(TransformerXLPreTrainedModel):
             return None
         end = mlen + max(0, qlen - ext_len)
         beg = max(0, end - mem_len)
-        if mems:
-            return [torch.cat([m, h], dim=1)[:, beg:end].detach() for m, h in zip(mems, hids, strict=True)]
-        return [h[:, beg:end].detach() for h in hids]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):  # detached: no graph is built at all
+            if mems:
+                new = [torch.cat([m, h], dim=1)[:, beg:end] for m, h in zip(mems, hids, strict=True)]
+            else:
+                new = [h[:, beg:end] for h in hids]
+        return [t.detach() for t in new] if detach else new
 
 
 # ---------------------------------------------------------------------------------------------------------

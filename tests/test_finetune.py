@@ -1,0 +1,164 @@
+"""`txl finetune` / `txl predict`: each label kind learns a task through the CLI, exact resume, bad data (one error
+naming file and line), documents read segment by segment equal to one pass, and the gradient through k segments."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from txl.cli import main
+from txl.finetune import batch_ids, document_logits
+
+
+def make_data(folder, kind: str, fmt: str = "jsonl", n_train: int = 160, seed: int = 0):
+    """Texts of the tiny corpus's letters whose label is decided by their last word (aaaa / pppp)."""
+    rng = random.Random(seed)
+    words = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "bad", "fed"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", 40)):
+        rows = []
+        for _ in range(n):
+            marks = rng.choice([["aaaa"], ["pppp"], ["aaaa", "pppp"]] if kind == "multi" else [["aaaa"], ["pppp"]])
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) + " " + " ".join(marks) + "."
+            label = {"single": "yes" if marks == ["aaaa"] else "no",
+                     "multi": ["x" if m == "aaaa" else "y" for m in marks],
+                     "regression": 1.0 if marks == ["aaaa"] else -1.0}[kind]  # fmt: skip
+            rows.append({"text": text, "label": label})
+        if fmt == "jsonl":
+            (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            lines = ["text,label"] + [
+                f'"{r["text"]}",{"|".join(r["label"]) if isinstance(r["label"], list) else r["label"]}' for r in rows
+            ]
+            (folder / f"{split}.csv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from train_helpers import run_inprocess
+
+    return run_inprocess(tmp_path_factory.mktemp("lm"), train__max_steps=10, train__eval_interval=0)
+
+
+def args(lm, data, run, **kw):
+    base = {"tgt_len": 16, "max_steps": 40, "eval_interval": 20, "checkpoint_interval": 20, "lr": 1e-3,
+            "head_lr": 1e-2, "threads": 1}  # fmt: skip
+    base |= kw
+    return ["finetune", "--model", str(lm), "--data", str(data), "--run_dir", str(run)] + [
+        f"--{k}={v}" for k, v in base.items()
+    ]
+
+
+def valid_rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"valid"' in x]
+
+
+@pytest.mark.parametrize("kind, fmt", [("single", "jsonl"), ("multi", "csv"), ("regression", "jsonl")])
+def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
+    data = make_data(tmp_path / "data", kind, fmt)
+    run = tmp_path / "run"
+    steps = 80 if kind == "multi" else 40  # two marks to find: the harder task gets more steps
+    main(args(lm, data, run, task=kind, max_steps=steps, eval_interval=steps // 2, checkpoint_interval=steps))
+    last = valid_rows(run)[-1]
+    assert last["step"] == steps
+    if kind == "regression":
+        assert last["mse"] < 0.3  # the labels are +-1: predicting 0 gives 1.0
+    else:
+        assert last["accuracy"] >= 0.9 and last["f1"] >= 0.9
+    capsys.readouterr()
+    main(["predict", "--model", str(run), "--text", '["gh ij aaaa.", "ab cd pppp."]'])
+    a, b = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    if kind == "single":
+        assert (a["label"], b["label"]) == ("yes", "no") and abs(sum(a["scores"].values()) - 1) < 1e-5
+    elif kind == "multi":
+        assert (a["labels"], b["labels"]) == (["x"], ["y"])
+    else:
+        assert a["value"] > 0.3 and b["value"] < -0.3
+
+
+def test_resume_is_exact(lm, tmp_path):
+    data = make_data(tmp_path / "data", "single")
+    main(args(lm, data, tmp_path / "straight", max_steps=24, checkpoint_interval=12, eval_interval=12, dropout=0.1))
+    main(args(lm, data, tmp_path / "split", max_steps=12, checkpoint_interval=12, eval_interval=12, dropout=0.1))
+    main(args(lm, data, tmp_path / "split", max_steps=24, checkpoint_interval=12, eval_interval=12, dropout=0.1))
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-24" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoints" / "step-24" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [(tmp_path / r / "metrics.jsonl").read_text().splitlines() for r in ("straight", "split")]
+    assert [json.loads(x)["loss"] for x in rows[0]] == [json.loads(x)["loss"] for x in rows[1]]
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"train.csv": "text,kind\nab,yes\n"}, "train.csv: line 1: the header has no label column"),
+        ({"train.jsonl": '{"text": "ab cd", "label": "yes"}\n{"text": "ab"}\n'}, "train.jsonl: line 2: no 'label'"),
+        ({"train.jsonl": '{"text": "ab", "label": "yes"}\n{"text": "  ", "label": "no"}\n'}, "line 2: empty text"),
+        ({"train.jsonl": '{"text": "ab", "label": "yes"}\n{oops\n'}, "train.jsonl: line 2: not a JSON object"),
+        (
+            {
+                "train.jsonl": '{"text": "ab", "label": "yes"}\n{"text": "cd", "label": "no"}\n',
+                "valid.jsonl": '{"text": "ab", "label": "yes"}\n{"text": "cd", "label": "maybe"}\n',
+            },
+            "valid.jsonl: line 2: label 'maybe' does not occur in the training data",
+        ),
+        ({"train.jsonl": '{"text": "ab \\u20ac", "label": "yes"}\n'}, "train.jsonl: line 1: '\\u20ac' is not in"),
+        (
+            {"train.jsonl": '{"text": "ab", "label": "yes"}\n' * 2, "valid.jsonl": '{"text": "ab", "label": "yes"}\n'},
+            "the training data has 1 class",
+        ),
+        ({"train.jsonl": '{"text": "ab", "label": "yes"}\n' * 3}, "train.jsonl: 3 rows are too few to hold out"),
+        ({"valid.jsonl": '{"text": "ab", "label": "yes"}\n'}, "no train.csv or train.jsonl"),
+    ],
+)
+def test_bad_data_is_one_error_naming_file_and_line(files, message, lm, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, text in files.items():
+        (data / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(args(lm, data, tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message.replace("\\u20ac", "\u20ac") in err and err.count("\n") == 1, err
+
+
+def test_regression_label_must_be_a_number(lm, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "ab", "label": 1.5}\n{"text": "cd", "label": "high"}\n')
+    with pytest.raises(SystemExit):
+        main(args(lm, data, tmp_path / "run", task="regression"))
+    assert "train.jsonl: line 2: label 'high' is not a number" in capsys.readouterr().err
+
+
+def test_documents_in_a_batch_equal_each_alone_and_the_gradient_reaches_k_segments(lm):
+    """Left padding is invisible: a batch of documents of different lengths, read segment by segment with the
+    memory, gives each document's logits alone; with grad_segments 2 the gradient reaches the tokens of the
+    segment before the last one (through the memory), with 1 it does not."""
+    from txl.checkpoint import resolve_model_dir
+    from txl.modeling import TransformerXLConfig, TransformerXLForSequenceClassification, TransformerXLLM
+
+    src = TransformerXLLM.from_pretrained(resolve_model_dir(lm))
+    cfg = TransformerXLConfig.from_dict(src.config.to_dict() | {"num_labels": 3, "dropout": 0.0, "dropatt": 0.0})
+    model = TransformerXLForSequenceClassification(cfg).eval()
+    docs = [list(range(1, 34)), [5, 6, 7], list(range(3, 20))]
+    ids, pad = batch_ids(docs, 8)
+    assert ids.shape == (3, 40) and pad[1].sum() == 37
+    with torch.no_grad():
+        together = document_logits(model, ids, pad, tgt_len=8, mem_len=48)
+        for i, d in enumerate(docs):
+            alone = document_logits(model, *batch_ids([d], 8), tgt_len=8, mem_len=48)
+            torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+    early = 2  # token id 2 occurs only in the first segment of document 0 (tokens 1..8)
+    for k, reaches in ((1, False), (2, True)):
+        model.zero_grad()
+        ids, pad = batch_ids([list(range(1, 17))], 8)  # two segments: 1..8 and 9..16
+        document_logits(model, ids, pad, tgt_len=8, mem_len=8, grad_segments=k)[0, 0].backward()
+        grad = model.transformer.word_emb.emb_layers[0].weight.grad
+        assert (grad is not None and grad[early].abs().sum() > 0) == reaches, k
