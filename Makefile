@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve,lmeval,onnx]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -19,8 +19,8 @@ demo: setup
 	$(BIN)/python -m txl.demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks experiments
-	$(BIN)/ruff format --check src tests benchmarks experiments
+	$(BIN)/ruff check src tests benchmarks experiments examples
+	$(BIN)/ruff format --check src tests benchmarks experiments examples
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
 browser:
@@ -37,8 +37,8 @@ test-all:
 	$(MAKE) test SLOW=1
 
 format: setup
-	$(BIN)/ruff format src tests benchmarks experiments
-	$(BIN)/ruff check --fix src tests benchmarks experiments
+	$(BIN)/ruff format src tests benchmarks experiments examples
+	$(BIN)/ruff check --fix src tests benchmarks experiments examples
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md

@@ -51,6 +51,50 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
         print(f"no tokenizer vocabulary ({TEXT_VOCAB} or {PICKLE_VOCAB}) in {src}: txl generate needs --prompt_ids")
 
 
+def export_onnx(
+    model: str | None = None,
+    out: Path | None = None,
+    mem_len: int | None = None,
+    same_length: bool | None = None,
+    clamp_len: int | None = None,
+    last_only: bool = False,
+    tolerance: float = 1e-4,
+) -> None:
+    """Export one segment step to ONNX (dynamic batch, segment and memory lengths), checked with onnxruntime.
+
+    The graph takes input_ids [B, T], mems [n_layer, B, M, d_model] and padding [B, M + T] (True = padding) and
+    gives log_probs and new_mems; examples/onnx_generate.py generates text with it, without PyTorch. The model's
+    tokenizer is copied beside it (model.onnx -> model.tokenizer.json).
+
+    Args:
+        model: A run folder (its best checkpoint), a step-N checkpoint or a model folder.
+        out: The .onnx file to write.
+        mem_len: Memory kept by the step (default: the model's).
+        same_length: Every query attends to the same number of keys (default: the model's).
+        clamp_len: Relative distances above this share one position embedding (default: the model's; -1: none).
+        last_only: Output the log-probabilities of the last position only ([B, V]; what generation needs).
+        tolerance: Largest |difference| from PyTorch allowed on the random-input check.
+    """
+    import shutil
+
+    from txl.checkpoint import resolve_model_dir
+    from txl.export import export_onnx as run_export
+
+    if model is None or out is None:
+        raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
+    report = run_export(
+        model, out, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, last_only=last_only,
+        tolerance=tolerance,
+    )  # fmt: skip
+    tok = resolve_model_dir(model) / "tokenizer.json"
+    if tok.is_file():
+        shutil.copyfile(tok, Path(out).with_suffix(".tokenizer.json"))
+    print(
+        f"exported {out} (opset {report.opset}); onnxruntime vs PyTorch on {report.checks} random inputs: "
+        f"max |diff| {report.max_abs_diff:.2e} (tolerance {tolerance:g})"
+    )
+
+
 def train(cfg: RunConfig, resume: str = "auto", print_config: bool = False) -> None:
     """Train a Transformer-XL language model (--config configs/NAME.yaml; under torchrun: data-parallel)."""
     if print_config:
@@ -681,11 +725,25 @@ COMMANDS = {
     "finetune": finetune,
     "predict": predict,
     "convert": {"hf": convert_hf},
+    "export": {"onnx": export_onnx},
     "data": {"get": data_get, "prepare": data_prepare},
 }
-HELP = {"convert": "Import checkpoints of other implementations.", "data": "Download and prepare datasets."}
+HELP = {
+    "convert": "Import checkpoints of other implementations.",
+    "export": "Export models to other runtimes (ONNX).",
+    "data": "Download and prepare datasets.",
+}
 # boolean options that may be given without a value
-FLAGS = {"--trust_pickle", "--json", "--same_length", "--verify", "--print_config", "--stream", "--allow_remote"}
+FLAGS = {
+    "--trust_pickle",
+    "--last_only",
+    "--json",
+    "--same_length",
+    "--verify",
+    "--print_config",
+    "--stream",
+    "--allow_remote",
+}
 
 
 NUMBER_LISTS = {"--mem_len", "--contexts", "--r"}  # options that also take comma-separated numbers: 0,64,128
@@ -772,7 +830,11 @@ def build_parser():
             parsers[here] = child
             sub.add_subcommand(name, child, help=_summary(target))
 
-    top = _new_parser("txl", "Transformer-XL for PyTorch: train, evaluate, generate, convert.")
+    top = _new_parser(
+        "txl",
+        "Transformer-XL for PyTorch: train, evaluate, generate, convert. Also: txl lm-eval ARGS (EleutherAI's "
+        "lm-evaluation-harness with --model txl; txl lm-eval --help).",
+    )
     add(top, COMMANDS, ())
     return top, parsers
 
@@ -840,8 +902,17 @@ def _error(e: BaseException) -> tuple[int, str] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["lm-eval"], ["lm_eval"]):  # EleutherAI's harness, its own command line (txl.lm_harness)
+        try:
+            from txl.lm_harness import cli as lm_eval_cli
+        except ImportError as e:
+            print(f"txl: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        lm_eval_cli(argv[1:])
+        return
     try:
-        run(normalize_argv(sys.argv[1:] if argv is None else argv))
+        run(normalize_argv(argv))
     except Exception as e:
         handled = None if os.environ.get("TXL_DEBUG") else _error(e)
         if handled is None:

@@ -53,6 +53,9 @@ class FinetuneConfig:
     """Segment length: a document is read this many tokens at a time."""
     mem_len: int | None = None
     """Memory carried between segments (None: the model's mem_len)."""
+    clamp_len: int | None = None
+    """Relative distances beyond this are treated as this one (None: the model's; -1: no clamping). Documents far
+    longer than the language model's training window read better with its training span here."""
     memory: bool = True
     """Carry the memory across segments (false: only the last segment is read, the fixed-context baseline)."""
     grad_segments: int = 1
@@ -98,6 +101,8 @@ class FinetuneConfig:
                 bad(name, "must be >= 1")
         if self.mem_len is not None and self.mem_len < 0:
             bad("mem_len", "must be >= 0")
+        if self.clamp_len is not None and self.clamp_len != -1 and self.clamp_len <= 0:
+            bad("clamp_len", "must be -1 (no clamping) or > 0")
         if self.lr <= 0 or self.head_lr <= 0:
             bad("lr", "learning rates must be > 0")
         if self.dropout is not None and not 0 <= self.dropout < 1:
@@ -379,6 +384,8 @@ def finetune(cfg: FinetuneConfig) -> Path:
         lm_cfg.num_labels = num_labels
         if cfg.dropout is not None:
             lm_cfg.dropout = cfg.dropout
+        if cfg.clamp_len is not None:
+            lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
         model = TransformerXLForSequenceClassification(lm_cfg)
         if not cfg.from_scratch:
             lm = TransformerXLLM.from_pretrained(source)

@@ -235,9 +235,21 @@ def rel_shift(bd_raw: Tensor) -> Tensor:
     probability is exactly 0).
     """
     *lead, qlen, klen = bd_raw.shape
+    if torch.compiler.is_exporting():  # (ONNX export: strided views do not export; the same values by index)
+        return rel_shift_gather(bd_raw)
     if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != klen:
         bd_raw = bd_raw.contiguous()
     return _RelShift.apply(bd_raw)
+
+
+def rel_shift_gather(bd_raw: Tensor) -> Tensor:
+    """:func:`rel_shift` as a gather (``bd[.., i, j] = bd_raw[.., i, j + T-1-i]``, what graph exporters can express).
+    The entries with ``j > M+i``, masked by causality, read column K-1 instead of the next row."""
+    qlen, klen = bd_raw.shape[-2], bd_raw.shape[-1]
+    i = torch.arange(qlen, device=bd_raw.device)[:, None]
+    j = torch.arange(klen, device=bd_raw.device)[None, :]
+    index = (j + (qlen - 1) - i).clamp(max=klen - 1)  # [T, K]
+    return bd_raw.gather(-1, index.expand(bd_raw.shape))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -900,7 +912,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
-        lo, hi = torch.aminmax(input_ids)
+        lo, hi = (0, 0) if torch.compiler.is_exporting() else torch.aminmax(input_ids)  # (no data checks in a graph)
         if lo < 0 or hi >= cfg.n_token:
             raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
         dev = input_ids.device

@@ -1,0 +1,137 @@
+"""`txl lm-eval`: EleutherAI's harness with `--model txl`, on tasks defined here from local JSONL files (nothing is
+downloaded). Rolling log-likelihood equals `txl eval` on the same text; log-likelihoods of continuations equal the
+model's own log-probs summed by hand; generation equals greedy `txl.generation` cut at the stop sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' JSON files are local: never ask the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("lm_eval")
+
+from txl.checkpoint import read_run_config, resolve_model_dir  # noqa: E402
+from txl.cli import main  # noqa: E402
+from txl.data.tokenizer import Tokenizer  # noqa: E402
+from txl.evaluate import eval_settings  # noqa: E402
+from txl.generation import generate  # noqa: E402
+from txl.modeling import TransformerXLLM  # noqa: E402
+
+SETTINGS = {"tgt_len": 8, "mem_len": 64, "same_length": False}
+DOCS = [
+    "Abc def ghi jkl. Mno pab cde fgh.\nIjk lmn.\n",
+    "Pon mlk jih gfe dcb.\n",
+    "A b c d e f g h i j k l m n o p a b c d e f g h i j k l m n o p.\n" * 3,
+]
+CHOICES = [
+    {"context": "Abc def ghi jkl mno pab cde", "choices": ["fgh.", "aaa.", "p"], "gold": 0},
+    {"context": "Pon", "choices": ["mlk.", "x".replace("x", "ab")], "gold": 1},
+    {"context": "", "choices": ["Abc.", "Ponm lkj ihgf edcb a."], "gold": 0},
+]
+PROMPTS = ["Abc def", "Ponm lkj ihgf", "A"]
+
+
+def task_yaml(name: str, path, body: str) -> str:
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n" + body
+    )
+
+
+@pytest.fixture(scope="module")
+def harness_run(tmp_path_factory):
+    """A small char model, and `txl lm-eval` run once on three tasks defined from local files."""
+    from train_helpers import run_inprocess
+
+    tmp = tmp_path_factory.mktemp("harness")
+    run = run_inprocess(tmp, train__max_steps=150, train__lr=0.01, train__eval_interval=0)
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    for name, rows in (("docs", [{"text": t} for t in DOCS]), ("choices", CHOICES), ("prompts", PROMPTS)):
+        rows = [{"context": p} for p in rows] if name == "prompts" else rows
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "rolling.yaml").write_text(
+        task_yaml("txl_rolling", tmp / "docs.jsonl", 'output_type: loglikelihood_rolling\ndoc_to_text: ""\n')
+        + "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+    )
+    (tasks / "choice.yaml").write_text(
+        task_yaml("txl_choice", tmp / "choices.jsonl", "output_type: multiple_choice\n")
+        + "doc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
+        + "metric_list:\n  - metric: acc\n"
+    )
+    (tasks / "gen.yaml").write_text(
+        task_yaml("txl_gen", tmp / "prompts.jsonl", "output_type: generate_until\n")
+        + "doc_to_text: '{{context}}'\ndoc_to_target: ' x'\n"
+        + "generation_kwargs:\n  until: ['.', ' ']\n  max_gen_toks: 40\n  do_sample: false\n"
+        + "metric_list:\n  - metric: exact_match\n"
+    )
+    out = tmp / "out"
+    model_args = f"pretrained={run}," + ",".join(f"{k}={v}" for k, v in SETTINGS.items())
+    main(["lm-eval", "--model", "txl", "--model_args", model_args, "--tasks", "txl_rolling,txl_choice,txl_gen",
+          "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", "2"])  # fmt: skip
+    samples = {}
+    for f in out.rglob("samples_*.jsonl"):
+        task = f.name.split("_", 1)[1].rsplit("_", 1)[0]
+        samples[task] = sorted((json.loads(x) for x in f.read_text().splitlines()), key=lambda r: r["doc_id"])
+    assert set(samples) == {"txl_rolling", "txl_choice", "txl_gen"}, sorted(samples)
+    return tmp, run, samples
+
+
+def test_rolling_loglikelihood_equals_txl_eval(harness_run, capsys):
+    tmp, run, samples = harness_run
+    for doc, sample in zip(DOCS, samples["txl_rolling"], strict=True):
+        f = tmp / "doc.txt"
+        f.write_text("\n" + doc)  # the harness reads every text after a line end
+        capsys.readouterr()
+        main(["eval", "--model", str(run), "--data", str(f), "--batch_size", "1", "--json"]
+             + [f"--{k}={v}" for k, v in SETTINGS.items()])  # fmt: skip
+        res = json.loads(capsys.readouterr().out)
+        assert res["tokens"] == len(doc)  # every character predicted once
+        ll = float(sample["resps"][0][0])
+        assert ll == pytest.approx(-res["loss"] * res["tokens"], rel=1e-6, abs=1e-6)
+
+
+def test_loglikelihood_equals_the_models_log_probs_by_hand(harness_run):
+    """One forward over the whole text (no segments, no memory, no padding) gives what the harness got from
+    left-padded batches read 8 tokens at a time with the memory."""
+    _, run, samples = harness_run
+    folder = resolve_model_dir(run)
+    lm = TransformerXLLM.from_pretrained(folder).eval()
+    tok = Tokenizer.load(folder / "tokenizer.json")
+    s = eval_settings(read_run_config(folder), lm.config, **SETTINGS)
+    checked = 0
+    for row, sample in zip(CHOICES, samples["txl_choice"], strict=True):
+        for choice, resp in zip(row["choices"], sample["resps"], strict=True):
+            ctx = tok.encode("\n" + row["context"])
+            cont = tok.encode(" " + choice)  # lm-eval's target_delimiter
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                lp = lm(ids[:, :-1], clamp_len=s.clamp_len, same_length=False, return_log_probs=True).log_probs[0]
+            picked = lp[len(ctx) - 1 :].gather(-1, ids[0, len(ctx) :, None])[:, 0]
+            greedy = bool((lp[len(ctx) - 1 :].argmax(-1) == ids[0, len(ctx) :]).all())
+            ll, is_greedy = resp[0]
+            assert float(ll) == pytest.approx(float(picked.double().sum()), abs=1e-4)
+            assert is_greedy in (greedy, str(greedy))
+            checked += 1
+    assert checked == 7
+
+
+def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
+    _, run, samples = harness_run
+    folder = resolve_model_dir(run)
+    lm = TransformerXLLM.from_pretrained(folder).eval()
+    tok = Tokenizer.load(folder / "tokenizer.json")
+    s = eval_settings(read_run_config(folder), lm.config, **SETTINGS)
+    stopped = 0
+    for prompt, sample in zip(PROMPTS, samples["txl_gen"], strict=True):
+        ids = torch.tensor([tok.encode("\n" + prompt)])
+        with torch.no_grad():
+            full = tok.decode(generate(lm, ids, 40, temperature=0.0, mem_len=s.mem_len)[0, ids.shape[1] :].tolist())
+        cut = min((full.find(u) for u in (".", " ") if u in full), default=len(full))
+        stopped += cut < len(full)
+        got = sample["resps"][0][0]
+        assert got == full[:cut] and "." not in got and " " not in got
+    assert stopped >= 2  # a stop sequence was met (and the text cut before it)
