@@ -80,6 +80,13 @@ def harness_run(tmp_path_factory):
     return tmp, run, samples
 
 
+def loaded(run):
+    """The run's model, tokenizer and evaluation settings, as the harness model resolves them."""
+    folder = resolve_model_dir(run)
+    lm = TransformerXLLM.from_pretrained(folder).eval()
+    return lm, Tokenizer.load(folder / "tokenizer.json"), eval_settings(read_run_config(folder), lm.config, **SETTINGS)
+
+
 def test_rolling_loglikelihood_equals_txl_eval(harness_run, capsys):
     tmp, run, samples = harness_run
     for doc, sample in zip(DOCS, samples["txl_rolling"], strict=True):
@@ -98,10 +105,7 @@ def test_loglikelihood_equals_the_models_log_probs_by_hand(harness_run):
     """One forward over the whole text (no segments, no memory, no padding) gives what the harness got from
     left-padded batches read 8 tokens at a time with the memory."""
     _, run, samples = harness_run
-    folder = resolve_model_dir(run)
-    lm = TransformerXLLM.from_pretrained(folder).eval()
-    tok = Tokenizer.load(folder / "tokenizer.json")
-    s = eval_settings(read_run_config(folder), lm.config, **SETTINGS)
+    lm, tok, s = loaded(run)
     checked = 0
     for row, sample in zip(CHOICES, samples["txl_choice"], strict=True):
         for choice, resp in zip(row["choices"], sample["resps"], strict=True):
@@ -121,10 +125,7 @@ def test_loglikelihood_equals_the_models_log_probs_by_hand(harness_run):
 
 def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
     _, run, samples = harness_run
-    folder = resolve_model_dir(run)
-    lm = TransformerXLLM.from_pretrained(folder).eval()
-    tok = Tokenizer.load(folder / "tokenizer.json")
-    s = eval_settings(read_run_config(folder), lm.config, **SETTINGS)
+    lm, tok, s = loaded(run)
     stopped = 0
     for prompt, sample in zip(PROMPTS, samples["txl_gen"], strict=True):
         ids = torch.tensor([tok.encode("\n" + prompt)])
