@@ -131,13 +131,10 @@ def main() -> None:
         "```",
         "",
     ]
-    section = "\n".join(lines)
-    print(section)
-    if args.write:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from _report import replace_section
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _report import publish
 
-        replace_section(args.write, HEADING, section)
+    publish("\n".join(lines), args.write, HEADING)
 
 
 if __name__ == "__main__":

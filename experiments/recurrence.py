@@ -144,15 +144,10 @@ def main() -> None:
             "![RECL gain curves](img/recurrence_recl.png)",
             "",
         ]
-    section = "\n".join(lines)
-    print(section)
-    if args.write:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from _report import replace_section
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _report import publish
 
-        if not args.write.exists():
-            args.write.write_text("# The paper's experiments with txl\n\nResults, with the commands that made them.\n")
-        replace_section(args.write, HEADING, section)
+    publish("\n".join(lines), args.write, HEADING)
 
 
 if __name__ == "__main__":
