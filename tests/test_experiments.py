@@ -71,3 +71,35 @@ def test_ablation_experiment_quick_mode(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp_path)
     assert out.read_text() == text  # the same numbers: nothing was trained or scored differently
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps and len(stamps) == 7  # the scores were reused
+
+
+def test_long_doc_documents_put_the_marker_near_the_start():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import random
+
+    from long_doc_classification import MARKERS, make_documents
+
+    text = (ROOT.parent / "shared" / "data" / "shakespeare" / "valid.txt").read_text(encoding="utf-8")
+    docs = make_documents(text, 40, 2048, random.Random(1))
+    assert sorted(d["label"] for d in docs) == ["aye"] * 20 + ["nay"] * 20  # balanced: chance is 50%
+    for d in docs:
+        marker = MARKERS[d["label"]].strip()
+        at = d["text"].index(marker)
+        assert at < 100 and len(d["text"]) >= 2048  # near the start of a long document
+        assert d["text"].count("XXXXX") + d["text"].count("ZZZZZ") == 10  # only one marker, nowhere else
+        assert at == 0 or d["text"][at - 1] == "\n"
+
+
+@pytest.mark.slow
+def test_long_doc_experiment_writes_its_table(tmp_path):
+    out = tmp_path / "paper.md"
+    cmd = [sys.executable, str(ROOT / "experiments" / "long_doc_classification.py"), "--budget", "smoke"]
+    cmd += ["--runs", str(tmp_path / "runs"), "--length", "600", "--tgt_len", "256", "--write", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    text = out.read_text()
+    assert "## Long documents: why the memory matters" in text
+    for name, memory in (("with memory", "768 \\(whole document\\)"), ("without memory", "none")):
+        assert re.search(rf"^\| {name} \| random \| {memory} \|( \d+\.\d% \|){{3}} \d+ s \|$", text, re.M), name
+    assert re.search(r"^\| with memory \| pre-trained LM \|", text, re.M)
+    runs = tmp_path / "runs"
+    assert (runs / "nomem-scratch-smoke" / "finetune.json").is_file() and (runs / "lm" / "metrics.jsonl").exists()

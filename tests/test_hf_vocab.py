@@ -78,7 +78,12 @@ def test_vocab_pkl_needs_trust_then_gives_hf_ids(tmp_path, capsys):
     assert ours.encode("the zebra") == hf.encode("the zebra", add_special_tokens=False)  # unknown word -> <unk>
     assert ours.encode("the zebra")[1] == hf.sym2idx["<unk>"]
     ids = ours.encode(LINES[0])
-    assert ours.decode(ids) == " ".join(hf.idx2sym[i] for i in ids)  # (HF's convert_ids_to_tokens: the same clash)
+    # detokenised as HF does (its convert_tokens_to_string over the vocabulary's symbols: its ids clash, above)
+    assert (
+        ours.decode(ids)
+        == hf.convert_tokens_to_string([hf.idx2sym[i] for i in ids])
+        == "the king is dead, long live the king."
+    )
     # the converted model now reads text: txl generate --prompt works
     main(["generate", "--model", str(tmp_path / "out"), "--prompt", "the king", "--max_new_tokens", "3", "--json"])
     record = json.loads(capsys.readouterr().out)

@@ -1,5 +1,6 @@
 """txl: Transformer-XL for PyTorch (Dai et al., 2019)."""
 
+from txl.data import Tokenizer
 from txl.modeling import (
     TransformerXL,
     TransformerXLConfig,
@@ -12,6 +13,7 @@ from txl.pretrained import CheckpointError
 
 __all__ = [
     "CheckpointError",
+    "Tokenizer",
     "TransformerXL",
     "TransformerXLConfig",
     "TransformerXLForSequenceClassification",

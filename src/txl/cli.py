@@ -661,6 +661,44 @@ def predict(
         print(_json.dumps(record))
 
 
+def tokenize(
+    model: Path | None = None,
+    text: str | None = None,
+    ids: bool = False,
+    decode: bool = False,
+    unknown: Literal["error", "replace"] | None = None,
+) -> None:
+    """Show what a model sees: the tokens (a JSON list) or ids of a text, read with the model's tokenizer.json
+    (its raw-text pipeline included: Moses for a WikiText-103 model, text8's normalisation, ...).
+
+    Args:
+        model: A model folder, run folder or checkpoint.
+        text: The text (default: standard input).
+        ids: Print the ids (space-separated) instead of the tokens.
+        decode: The text is ids (space-separated); print the detokenised text.
+        unknown: Characters/bytes outside a vocabulary without <unk>: error, or replace (default: the tokenizer's).
+    """
+    from txl.data import Tokenizer
+
+    if model is None:
+        raise ValueError("txl tokenize needs --model (a model folder, run folder or checkpoint)")
+    tok = Tokenizer.from_pretrained(model)
+    if unknown is not None:
+        tok = tok.with_unknown(unknown)
+    raw = sys.stdin.read() if text is None else text
+    if decode:
+        try:
+            numbers = [int(x) for x in raw.split()]
+        except ValueError:
+            raise ValueError("--decode reads ids: whole numbers separated by spaces") from None
+        if any(not 0 <= i < tok.vocab_size for i in numbers):
+            raise ValueError(f"--decode: ids must be in [0, {tok.vocab_size})")
+        print(tok.decode(numbers))
+        return
+    out = tok.encode(raw)
+    print(" ".join(map(str, out)) if ids else _json.dumps([tok.symbols[i] for i in out], ensure_ascii=False))
+
+
 def plot(run: Path, out: Path | None = None) -> None:
     """Plot the training and validation curves of a run (RUN/metrics.jsonl) to a PNG.
 
@@ -724,6 +762,7 @@ COMMANDS = {
     "serve": serve,
     "finetune": finetune,
     "predict": predict,
+    "tokenize": tokenize,
     "convert": {"hf": convert_hf},
     "export": {"onnx": export_onnx},
     "data": {"get": data_get, "prepare": data_prepare},
@@ -743,6 +782,8 @@ FLAGS = {
     "--print_config",
     "--stream",
     "--allow_remote",
+    "--ids",
+    "--decode",
 }
 
 

@@ -14,8 +14,8 @@ passes ``--trust-pickle``, and even then with :class:`RestrictedUnpickler`:
 
 A plain-text ``vocab.txt`` (HF's ``vocab_file``: the first field of each line, in order) needs no trust.
 The symbols keep HF's ids; ``<unk>``/``<eos>`` come from ``special_tokens_map.json`` or ``tokenizer_config.json``.
-HF reads raw text with Moses tokenisation; txl's word tokenizer splits on whitespace, which gives HF's ids for
-text that is already tokenized (WikiText-style).
+HF reads raw text with Moses tokenisation: the converted tokenizer records the same pipeline (``txl.data.rawtext``),
+so new text (prompts, documents) gets HF's ids, while the already-tokenized dataset files keep the whitespace path.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 from txl.data import Tokenizer
 from txl.data.errors import DataError
+from txl.data.rawtext import Moses
 from txl.pretrained import CheckpointError
 
 PICKLE_VOCAB, TEXT_VOCAB = "vocab.pkl", "vocab.txt"
@@ -164,6 +165,20 @@ def convert_hf_tokenizer(src: str | Path, trust_pickle: bool = False) -> Tokeniz
     if isinstance(unk, Inert) or not isinstance(unk, str):  # an AddedToken stand-in: its content is args[0]
         unk = unk.args[0] if isinstance(unk, Inert) and unk.args else "<unk>"
     present = set(symbols)
+    never_split = state.get("never_split")
+    extra = specials.get("additional_special_tokens") or state.get("additional_special_tokens") or ["<formula>"]
+    all_specials = [t for t in (unk, eos, *extra) if isinstance(t, str)]
+    if not (isinstance(never_split, list | tuple) and all(isinstance(t, str) for t in never_split)):
+        never_split = all_specials  # HF's default: its special tokens
+    moses = None
+    if state.get("delimiter") != "":  # HF reads raw text with Moses unless the delimiter is '' (characters)
+        moses = Moses(
+            lang=str(state.get("language") or "en"),
+            never_split=tuple(never_split),
+            # split out before Moses, as HF's added tokens; one missing from the vocabulary (HF's <formula>) is not
+            # given an id of its own here (HF's can collide with a real symbol's after a reload)
+            specials=tuple(t for t in dict.fromkeys(all_specials) if t in present),
+        )
     try:
         return Tokenizer(
             "word",
@@ -171,6 +186,7 @@ def convert_hf_tokenizer(src: str | Path, trust_pickle: bool = False) -> Tokeniz
             unk_token=unk if unk in present else None,
             line_end="eos" if eos in present else "none",
             lower_case=bool(lower),
+            raw_text=moses,
         )
     except DataError as e:
         raise CheckpointError(f"{src}: {e}") from None

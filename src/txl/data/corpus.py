@@ -23,6 +23,7 @@ import numpy as np
 
 from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
+from txl.data.rawtext import Moses, RawText, Text8
 from txl.data.readers import SPLITS, Layout, find_splits
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
@@ -47,6 +48,10 @@ class DataConfig:
     tokenizer_file: str | None = None
     """Use this tokenizer.json instead of building a vocabulary (e.g. a pretrained model's): it decides how the
     text is read (word, char or byte, line ends, lower-casing)."""
+    raw_text: Literal["moses", "text8"] | None = None
+    """The files are raw text: moses (word tokenizers: Moses tokenisation as Hugging Face's TransfoXLTokenizer reads
+    WikiText-103-style text) or text8 (char: text8's normalisation). The tokenizer keeps the pipeline for new text.
+    Default: the files are already tokenized (the paper's datasets)."""
     paper_compatible: bool = False
     """enwik8 only: drop newline bytes and order the 204 bytes by count, exactly as the original pipeline does."""
     lower_case: bool | None = None
@@ -129,6 +134,11 @@ def _settings(cfg: DataConfig) -> dict:
         kind = given
     if kind != recipe.kind:  # e.g. Shakespeare with words: custom word rules
         recipe = RECIPES["custom"] if kind == "word" else _Recipe(kind)
+    if cfg.raw_text is not None and cfg.tokenizer_file:
+        raise DataError("data.raw_text builds a tokenizer; a given tokenizer_file already decides how text is read")
+    if cfg.raw_text == "moses" and kind != "word" or cfg.raw_text == "text8" and kind != "char":
+        need = "word" if cfg.raw_text == "moses" else "char"
+        raise DataError(f"data.raw_text = {cfg.raw_text!r} needs data.tokenizer: {need}, not {kind}")
     if cfg.paper_compatible and cfg.dataset != "enwik8":
         raise DataError("paper_compatible is the enwik8 newline rule; other datasets are paper-compatible as is")
     settings = {
@@ -145,6 +155,8 @@ def _settings(cfg: DataConfig) -> dict:
         "encoding_errors": cfg.encoding_errors,
         "tokenizer_file": None,
     }
+    if cfg.raw_text is not None:  # (only then: caches of already-tokenized text keep their key)
+        settings["raw_text"] = cfg.raw_text
     if cfg.tokenizer_file:
         settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
     return settings
@@ -241,7 +253,17 @@ def _build_tokenizer(cfg: DataConfig, settings: dict, layout: Layout) -> Tokeniz
         lower_case=settings["lower_case"],
         drop_newlines=settings["drop_newlines"],
         errors=settings["encoding_errors"],
+        raw_text=_raw_text(settings),
     )
+
+
+def _raw_text(settings: dict) -> RawText | None:
+    if settings.get("raw_text") == "text8":
+        return Text8()
+    if settings.get("raw_text") == "moses":
+        specials = tuple(settings["specials"] or ())
+        return Moses(never_split=specials, specials=specials)
+    return None
 
 
 def _encode_split(tok: Tokenizer, folder: Path, split: str, ranges: list[FileRange], errors: str) -> list[dict]:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import repeat
 from pathlib import Path
@@ -38,10 +39,12 @@ from typing import Literal
 import numpy as np
 
 from txl.data.errors import DataError
+from txl.data.rawtext import JOINERS, Moses, RawText, Text8, raw_text_from_json, raw_text_to_json
 from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset
 
 Kind = Literal["word", "char", "byte"]
 LineEnd = Literal["none", "eos", "double"]
+UnknownPolicy = Literal["error", "replace"]
 EOS, DOUBLE_EOS = "<eos>", "<S>"
 # str.split() splits on these four (FS, GS, RS, US); Rust's char::is_whitespace (tokenizers) does not.
 PY_ONLY_WHITESPACE = "\x1c\x1d\x1e\x1f"
@@ -67,6 +70,10 @@ def _not_in_vocab(symbol: str) -> None:
     raise DataError(f"{symbol!r} is not in the vocabulary (and there is no unknown token)")
 
 
+def _describe(kind: str, unit: int) -> str:
+    return f"byte 0x{unit:02x}" if kind == "byte" else f"character {chr(unit)!r} (U+{unit:04X})"
+
+
 def smallest_uint(n: int) -> np.dtype:
     """The smallest unsigned integer dtype that holds ids ``0..n-1``."""
     for dt in (np.uint8, np.uint16, np.uint32):
@@ -85,6 +92,14 @@ class Tokenizer:
     line_end: LineEnd = "none"
     lower_case: bool = False
     drop_newlines: bool = False
+    raw_text: RawText | None = None
+    """How new raw text (prompts, documents) is brought into the vocabulary's form (see ``txl.data.rawtext``)."""
+    raw_files: bool = False
+    """Data files are raw text too (a model trained on a raw-text folder): they go through ``raw_text`` as well."""
+    unknown: UnknownPolicy = "error"
+    """Characters/bytes outside a vocabulary without an unknown token: an error, or ``replacement`` instead."""
+    replacement: str | None = None
+    """The symbol for ``unknown="replace"`` (default: a space, else ``?``)."""
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +116,16 @@ class Tokenizer:
             raise DataError("drop_newlines is the enwik8 paper mode of the byte tokenizer")
         if self.kind == "byte" and not set(self.symbols) <= set(BYTE_CHARS):
             raise DataError("a byte tokenizer's symbols must be byte characters")
+        if isinstance(self.raw_text, Moses) and self.kind != "word":
+            raise DataError(f"the moses pre-tokenizer needs a word tokenizer, not {self.kind!r}")
+        if isinstance(self.raw_text, Text8) and self.kind != "char":
+            raise DataError(f"the text8 normaliser needs a char tokenizer, not {self.kind!r}")
+        if self.raw_files and self.raw_text is None:
+            raise DataError("raw_files needs a raw_text pipeline to read the files with")
+        if self.unknown not in ("error", "replace"):
+            raise DataError(f"unknown = {self.unknown!r}: must be 'error' or 'replace'")
+        if self.replacement is not None and self.replacement not in self._index:
+            raise DataError(f"replacement {self.replacement!r} is not in the vocabulary")
 
     # ----------------------------------------------------------------------------------------- vocabulary
     @property
@@ -121,6 +146,19 @@ class Tokenizer:
     @property
     def unk_id(self) -> int | None:
         return None if self.unk_token is None else self._index[self.unk_token]
+
+    def _replacement_id(self) -> int | None:
+        """The id unknown characters/bytes become: ``<unk>``, else the replacement under ``unknown="replace"``."""
+        if self.unk_id is not None:
+            return self.unk_id
+        if self.unknown != "replace":
+            return None
+        if self.replacement is not None:
+            return self._index[self.replacement]
+        for sym in (" ", "?") if self.kind == "char" else (BYTE_CHARS[32], BYTE_CHARS[63]):
+            if sym in self._index:
+                return self._index[sym]
+        raise DataError("unknown='replace' needs a replacement symbol: the vocabulary has neither ' ' nor '?'")
 
     @cached_property
     def _lut(self) -> np.ndarray:
@@ -171,15 +209,18 @@ class Tokenizer:
         drop_newlines: bool = False,
         unk_token: str | None = "<unk>",
         errors: str = "strict",
+        raw_text: RawText | None = None,
     ) -> Tokenizer:
         """Count ``sources`` and order the vocabulary like the reference (see the module docstring).
 
         ``specials`` default to ``[<eos>]`` or ``[<S>]`` for word tokenizers with line ends. ``unk_token`` is used
         for unknown symbols when it ends up in the vocabulary (from the text, or listed in ``specials``).
+        ``raw_text``: the sources are raw text, read through this pipeline (kept for new text).
         """
         if kind == "byte" and not drop_newlines and specials is None and max_size is None and min_freq <= 1:
             return cls.bytes256()
-        proto = cls(kind, [], line_end=line_end, lower_case=lower_case, drop_newlines=drop_newlines)
+        raw = {"raw_text": raw_text, "raw_files": raw_text is not None}
+        proto = cls(kind, [], line_end=line_end, lower_case=lower_case, drop_newlines=drop_newlines, **raw)
         counts = proto.count(sources, errors=errors)
         if specials is None:
             specials = [proto.eos_token] if proto.eos_token else []
@@ -200,7 +241,7 @@ class Tokenizer:
                 f"{list(dict.fromkeys(specials))} would learn nothing. Check the data path and files."
             )
         unk = unk_token if unk_token in present else None
-        return cls(kind, symbols, unk, line_end, lower_case, drop_newlines)
+        return cls(kind, symbols, unk, line_end, lower_case, drop_newlines, **raw)
 
     def count(self, sources: Iterable[FileRange], errors: str = "strict") -> Counter:
         """Symbol counts in first-seen order (a ``Counter``'s insertion order), like ``Vocab.count_file``."""
@@ -254,6 +295,15 @@ class Tokenizer:
             yield self._split(carry + "\n", complete=True)
 
     def _split(self, text: str, complete: bool) -> tuple[list[str], list[int] | None]:
+        if self.raw_files and isinstance(self.raw_text, Moses):  # raw text files: Moses, line by line
+            lines = text.split("\n")
+            last = lines.pop()  # '' after a complete block's final newline
+            words_of = [self.raw_text.tokenize(line, self.lower_case) for line in lines]
+            if self.line_end == "double":
+                return [t for w in words_of for t in (DOUBLE_EOS, *w, DOUBLE_EOS)], [len(w) + 2 for w in words_of]
+            eos = [EOS] if self.line_end == "eos" else []
+            tail = self.raw_text.tokenize(last, self.lower_case) if last else []
+            return [t for w in words_of for t in (*w, *eos)] + tail, None
         if self.lower_case:
             text = text.lower()
         if self.line_end == "double":
@@ -275,14 +325,24 @@ class Tokenizer:
                 units = np.frombuffer(data, dtype=np.uint8)
                 yield units[units != 10] if self.drop_newlines else units
         else:
+            text8 = self.raw_text if self.raw_files and isinstance(self.raw_text, Text8) else None
+            after_space = False
             for text in iter_text(fr, errors):
+                if text8 is not None:  # normalised per block; a run of spaces across two blocks stays one space
+                    text = text8.normalize(text)
+                    text = text[1:] if after_space and text.startswith(" ") else text
+                    after_space = text.endswith(" ") if text else after_space
                 if self.lower_case:
                     text = text.lower()
                 yield np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
 
-    def encode_file(self, fr: FileRange, errors: str = "strict") -> Iterator[np.ndarray]:
-        """Ids of a file range, in blocks (int64 arrays); bounded memory for any file or line length."""
-        for ids, _ in self._encode_blocks(fr, errors):
+    def encode_file(self, fr: FileRange, errors: str = "strict", raw: bool | None = None) -> Iterator[np.ndarray]:
+        """Ids of a file range, in blocks (int64 arrays); bounded memory for any file or line length.
+
+        ``raw`` (default: the tokenizer's ``raw_files``) reads the file as raw text through ``raw_text``, line by
+        line; otherwise it is read as already tokenized (the paper's datasets: the exact whitespace path)."""
+        tok = self if raw is None or self.raw_text is None or raw == self.raw_files else replace(self, raw_files=raw)
+        for ids, _ in tok._encode_blocks(fr, errors):
             yield ids
 
     def encode_sentences(self, fr: FileRange, errors: str = "strict") -> Iterator[tuple[np.ndarray, list[int]]]:
@@ -304,13 +364,15 @@ class Tokenizer:
             yield self._lookup(units, lambda sym, fr=fr: self._unknown(fr, sym, errors)), None
 
     def _lookup(self, units: np.ndarray, unknown: Callable[[str], None]) -> np.ndarray:
-        """Ids of code points / byte values; ``unknown(symbol)`` raises for the first one outside the vocabulary."""
+        """Ids of code points / byte values; ``unknown(symbol)`` raises for the first one outside the vocabulary
+        (unless there is an unknown token or the ``replace`` policy)."""
         ids = self._lut[units]
         if len(ids) and ids.min() < 0:
-            if self.unk_id is None:
+            instead = self._replacement_id()
+            if instead is None:
                 bad = int(units[int(np.argmax(ids < 0))])
                 unknown(BYTE_CHARS[bad] if self.kind == "byte" else chr(bad))
-            ids[ids < 0] = self.unk_id
+            ids[ids < 0] = instead
         return ids
 
     def _unknown(self, fr: FileRange, symbol: str, errors: str) -> None:
@@ -346,21 +408,26 @@ class Tokenizer:
             pos += len(line) + 1
         return None
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of a string (a prompt). In word mode a newline is the line-end symbol, as in the files."""
+    def encode(self, text: str, *, normalized: bool = False) -> list[int]:
+        """Ids of raw text (a prompt, a document). It goes through the tokenizer's ``raw_text`` pipeline (Moses,
+        text8) unless ``normalized``; in word mode each line ends with the line-end symbol, as in the files."""
         if self.kind == "byte":
             data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-            units = data[data != 10] if self.drop_newlines else data
+            units = data[data != 10] if self.drop_newlines else data  # paper mode: newlines dropped, as in training
         elif self.kind == "char":
+            if self.raw_text is not None and not normalized:
+                text = self.raw_text.normalize(text)
             units = np.frombuffer((text.lower() if self.lower_case else text).encode("utf-32-le"), dtype="<u4")
         else:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
-            if self.lower_case:
+            moses = self.raw_text if isinstance(self.raw_text, Moses) and not normalized else None
+            if self.lower_case and moses is None:
                 text = text.lower()
             lines = text.split("\n")
             tokens = []
             for i, line in enumerate(lines):
-                words, complete = line.split(), i < len(lines) - 1
+                words = moses.tokenize(line, self.lower_case) if moses else line.split()
+                complete = i < len(lines) - 1
                 if self.line_end == "double" and (words or complete):
                     words = [DOUBLE_EOS, *words] + ([DOUBLE_EOS] if complete else [])
                 tokens += words
@@ -370,7 +437,21 @@ class Tokenizer:
             if -1 in ids:
                 _not_in_vocab(tokens[ids.index(-1)])
             return ids
-        return self._lookup(units, _not_in_vocab).tolist()
+        return self._lookup(units, lambda sym: self._unknown_in_text(units, sym)).tolist()
+
+    def _unknown_in_text(self, units: np.ndarray, symbol: str) -> None:
+        unit = BYTE_OF_CHAR[symbol] if self.kind == "byte" else ord(symbol)
+        pos = int(np.argmax(units == unit))
+        where = "byte offset" if self.kind == "byte" else "character"
+        raise DataError(
+            f"{_describe(self.kind, unit)} at {where} {pos} is not in the vocabulary and the tokenizer has no unknown "
+            "token. Remove it, or read such text with unknown='replace' "
+            f"(`txl tokenize --unknown replace`, Tokenizer.with_unknown('replace'))."
+        )
+
+    def with_unknown(self, policy: UnknownPolicy, replacement: str | None = None) -> Tokenizer:
+        """A copy that treats characters/bytes outside the vocabulary by ``policy`` (error or replace)."""
+        return replace(self, unknown=policy, replacement=replacement)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ids: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
@@ -379,16 +460,17 @@ class Tokenizer:
             return bytes(BYTE_OF_CHAR[s] for s in syms).decode("utf-8", errors="replace")
         if self.kind == "char":
             return "".join(syms)
+        join = self.raw_text.detokenize if isinstance(self.raw_text, Moses) else " ".join
         if self.line_end != "eos":
-            return " ".join(syms)
+            return join(syms)
         lines, line = [], []
         for s in syms:
             if s == EOS:
-                lines.append(" ".join(line))
+                lines.append(join(line))
                 line = []
             else:
                 line.append(s)
-        return "\n".join([*lines, " ".join(line)])
+        return "\n".join([*lines, join(line)])
 
     def stream_decoder(self) -> StreamDecoder:
         """An incremental decoder for text that appears token by token (``txl generate``)."""
@@ -430,7 +512,27 @@ class Tokenizer:
         return tok
 
     def to_json(self) -> str:
-        return self.to_hf().to_str(pretty=True)
+        """``tokenizers``' JSON, plus txl's raw-text settings under ``model.txl`` (which ``tokenizers`` ignores: it
+        loads the file and reads already-tokenized text the same way; Moses and text8 are txl's)."""
+        text = self.to_hf().to_str(pretty=True)
+        extra = self._txl_json()
+        if not extra:
+            return text
+        obj = json.loads(text)
+        obj["model"]["txl"] = extra
+        return json.dumps(obj, indent=2, ensure_ascii=False)
+
+    def _txl_json(self) -> dict:
+        out: dict = {}
+        if self.raw_text is not None:
+            out["raw_text"] = raw_text_to_json(self.raw_text)
+        if self.raw_files:
+            out["raw_files"] = True
+        if self.unknown != "error":
+            out["unknown"] = self.unknown
+        if self.replacement is not None:
+            out["replacement"] = self.replacement
+        return out
 
     def sha256(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
@@ -481,20 +583,47 @@ class Tokenizer:
                 ids = [p["SpecialToken"]["id"] for p in post["single"] if "SpecialToken" in p]
                 line_end = "double" if ids == [DOUBLE_EOS, DOUBLE_EOS] else "eos"
             unk = model.get("unk_token")
+            extra = model.get("txl") or {}
+            raw = raw_text_from_json(extra.get("raw_text"), source)
         except (KeyError, TypeError, AttributeError) as e:
             raise DataError(f"{source}: not a txl word/char/byte tokenizer ({e})") from None
-        return cls(kind, symbols, unk if unk in vocab else None, line_end, "Lowercase" in types, drop_nl)
+        return cls(
+            kind,
+            symbols,
+            unk if unk in vocab else None,
+            line_end,
+            "Lowercase" in types,
+            drop_nl,
+            raw_text=raw,
+            raw_files=bool(extra.get("raw_files", False)),
+            unknown=extra.get("unknown", "error"),
+            replacement=extra.get("replacement"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a model folder, run folder or checkpoint (its ``tokenizer.json``)."""
+        from txl.checkpoint import resolve_model_dir
+
+        path = Path(path)
+        if path.is_file() or (path / "tokenizer.json").is_file():
+            return cls.load(path)
+        return cls.load(resolve_model_dir(path))  # a run folder: its latest checkpoint's
 
 
 class StreamDecoder:
     """Text of ids fed one at a time: the pieces returned by :meth:`push` and :meth:`flush`, concatenated, equal
     :meth:`Tokenizer.decode` of all the ids. A word gets its separator (a space, or nothing after a line end); a
-    UTF-8 sequence split over byte tokens appears once complete."""
+    UTF-8 sequence split over byte tokens appears once complete. With a Moses tokenizer, whole detokenised words
+    are given once the next word shows they are whole (``1 @,@ 000`` appears as ``1,000``, never as ``1`` first)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") if tokenizer.kind == "byte" else None
         self._line_start = True
+        self._moses = tokenizer.raw_text if isinstance(tokenizer.raw_text, Moses) else None
+        self._line: list[str] = []  # Moses: the symbols of the current line
+        self._given = 0  # Moses: characters of the current line's text already given
 
     def push(self, token_id: int) -> str:
         sym = self.tok.symbols[int(token_id)]
@@ -502,6 +631,8 @@ class StreamDecoder:
             return self._bytes.decode(bytes([BYTE_OF_CHAR[sym]]))
         if self.tok.kind == "char":
             return sym
+        if self._moses is not None:
+            return self._push_moses(sym)
         if self.tok.line_end == "eos" and sym == EOS:
             self._line_start = True
             return "\n"
@@ -509,6 +640,33 @@ class StreamDecoder:
         self._line_start = False
         return piece
 
+    def _push_moses(self, sym: str) -> str:
+        if self.tok.line_end == "eos" and sym == EOS:
+            return self._end_line() + "\n"
+        self._line.append(sym)
+        text = self._moses.detokenize(self._line)
+        # a word is whole once a later word follows it that does not join onto it (@,@ @.@ @-@)
+        last = len(self._line) - 1
+        while last > 0 and self._line[last] in JOINERS or last > 0 and self._line[last - 1] in JOINERS:
+            last -= 1
+        if last <= 0:
+            return ""
+        done = self._moses.detokenize(self._line[:last])
+        cut = min(len(done), text.rfind(" ") if text.rfind(" ") >= 0 else 0)
+        if not text.startswith(done[:cut]) or cut <= self._given:
+            return ""
+        piece, self._given = text[self._given : cut], cut
+        return piece
+
+    def _end_line(self) -> str:
+        text = self._moses.detokenize(self._line) if self._line else ""
+        piece = text[self._given :] if text.startswith(text[: self._given]) else ""
+        self._line, self._given = [], 0
+        return piece
+
     def flush(self) -> str:
-        """What is still held back (an incomplete UTF-8 sequence at the very end, as U+FFFD)."""
+        """What is still held back (a Moses line's last words; an incomplete UTF-8 sequence at the very end, as
+        U+FFFD)."""
+        if self._moses is not None:
+            return self._end_line()
         return self._bytes.decode(b"", final=True) if self._bytes is not None else ""
