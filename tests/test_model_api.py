@@ -249,3 +249,43 @@ def test_filter_logits():
     assert torch.isinf(filter_logits(logits, top_p=1e-12)).tolist() == [[True, False, True, True]]  # best stays
     peaked = torch.tensor([[0.0, 200.0, -5.0]])  # the best token's probability rounds to 1 in fp32
     assert torch.isinf(filter_logits(peaked, top_p=0.5)).tolist() == [[True, False, True]]
+
+
+def test_from_pretrained_reads_into_aligned_parameters_and_casts(tmp_path):
+    """Loading reads the file into the model's own (aligned) parameters: bit-identical outputs; `dtype` casts;
+    a truncated or inconsistent file is one error naming it."""
+    model = TransformerXLLM(debug_config(div_val=2)).eval()
+    model.save_pretrained(tmp_path)
+    loaded = TransformerXLLM.from_pretrained(tmp_path)
+    assert all(p.data_ptr() % 64 == 0 for p in loaded.parameters())  # (not memory-mapped: same GEMM paths)
+    half = TransformerXLLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    ref = dict(model.named_parameters())
+    assert all(p.equal(ref[n].to(torch.bfloat16)) for n, p in half.named_parameters())
+    emb, crit = half.transformer.word_emb, half.crit
+    assert all(o.weight is e.weight for o, e in zip(crit.out_layers, emb.emb_layers, strict=True))  # ties kept
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: bad entry .* within the file"):
+        TransformerXLLM.from_pretrained(tmp_path)
+    weights.write_bytes(b"\x00" * 4)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        TransformerXLLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_mmap_is_lazy_and_close(tmp_path):
+    model = TransformerXLLM(debug_config(div_val=2)).eval()
+    model.save_pretrained(tmp_path)
+    mapped = TransformerXLLM.from_pretrained(tmp_path, mmap=True)
+    emb, crit = mapped.transformer.word_emb, mapped.crit
+    assert all(o.weight is e.weight for o, e in zip(crit.out_layers, emb.emb_layers, strict=True))
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        a, b = model(ids, ids, return_log_probs=True), mapped(ids, ids, return_log_probs=True)
+    torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=1e-5)  # (not bit-exact: unaligned)
+    mapped.train()  # the mapping is private: training writes to memory, never to the file
+    before = (tmp_path / "model.safetensors").read_bytes()
+    torch.optim.SGD(mapped.parameters(), lr=0.1).zero_grad()
+    mapped(ids, ids).loss.backward()
+    torch.optim.SGD(mapped.parameters(), lr=0.1).step()
+    assert (tmp_path / "model.safetensors").read_bytes() == before

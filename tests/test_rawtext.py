@@ -220,3 +220,41 @@ def test_train_on_a_raw_text_folder_with_moses(tmp_path):
 
     words = next(tok.encode_file(FileRange(data / "valid.txt"), raw=False))
     assert words[0] == tok.unk_id  # "It's" is not a Moses symbol
+
+
+def test_converted_model_reads_and_writes_raw_text_through_the_cli(tmp_path, capsys):
+    """`txl convert hf --trust-pickle` of an HF folder made from raw text: generate takes a raw prompt (HF's ids) and
+    prints detokenised text, streamed or not; eval scores a raw document through Moses."""
+    import torch
+    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+
+    from txl.cli import main
+
+    hf, ours = hf_and_txl(tmp_path)
+    cfg = TransfoXLConfig(
+        vocab_size=len(hf.idx2sym), cutoffs=[], d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=32, n_layer=2,
+        div_val=1, mem_len=16, untie_r=True, same_length=False, clamp_len=-1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    TransfoXLLMHeadModel(cfg).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    out = tmp_path / "txl"
+    main(["convert", "hf", "--trust-pickle", str(tmp_path / "hf"), str(out)])
+    capsys.readouterr()
+    prompt = "It's 1,000-year-old. He paid $3.50"
+    main(["generate", "--model", str(out), "--prompt", prompt, "--max_new_tokens", "12", "--json"])
+    record = json.loads(capsys.readouterr().out)
+    assert record["prompt_ids"] == hf.encode(prompt)
+    tok = Tokenizer.from_pretrained(out)
+    full = tok.decode(record["prompt_ids"] + record["new_ids"])
+    assert full.startswith("It's 1,000-year-old. He paid $3.50") and "@,@" not in full
+    for stream in ("true", "false"):  # printed text: detokenised, the same streamed or not
+        main(["generate", "--model", str(out), "--prompt", prompt, "--max_new_tokens", "12", "--stream", stream])
+        assert capsys.readouterr().out == full + "\n"
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS_EXTRA[0] + "\n" + CORPUS_EXTRA[1] + "\n", encoding="utf-8")
+    main(["eval", "--model", str(out), "--data", str(doc), "--raw_text", "--json", "--batch_size", "1"])
+    raw = json.loads(capsys.readouterr().out)
+    main(["eval", "--model", str(out), "--data", str(doc), "--json", "--batch_size", "1"])
+    plain = json.loads(capsys.readouterr().out)
+    moses_tokens = len(tok.encode(doc.read_text(encoding="utf-8")))
+    assert raw["tokens"] == moses_tokens - 1 and plain["tokens"] < raw["tokens"]  # (the first token is context)

@@ -131,6 +131,7 @@ def eval(
     device: str = "auto",
     threads: int | None = None,
     encoding_errors: Literal["strict", "replace"] | None = None,
+    raw_text: bool | None = None,
     sliding_window: int | None = None,
     stride: int = 1,
     plot: Path | None = None,
@@ -160,6 +161,9 @@ def eval(
         threads: torch CPU threads (default: torch's, one per core).
         encoding_errors: strict (a non-UTF-8 byte is an error naming file and line) or replace (read as U+FFFD);
             default: the run's data.encoding_errors, else strict.
+        raw_text: The --data file is raw text (a new document): read it through the tokenizer's raw-text pipeline
+            (Moses for a WikiText-103 model, text8's normalisation); default: as the model's training files were read
+            (the paper's datasets are already tokenized).
         sliding_window: Score like a vanilla Transformer (Al-Rfou et al.): every prediction sees only this many
             previous tokens, recomputed from scratch for each window, no memory (the paper's Table 9 baseline).
         stride: With --sliding_window: slide the window by this many tokens, scoring its last `stride` positions
@@ -205,7 +209,9 @@ def eval(
         raise ValueError(f"--stride = {stride}: must be in [1, --sliding_window = {sliding_window}]")
     if sliding_window is None and stride != 1:
         raise ValueError("--stride needs --sliding_window")
-    text = eval_text(folder, run, s.split, data, dataset, encoding_errors)
+    if raw_text and (data is None or not Path(data).is_file()):
+        raise ValueError("--raw_text applies to a --data file (a document to score)")
+    text = eval_text(folder, run, s.split, data, dataset, encoding_errors, raw_text)
     if sliding_window is not None:
         _sliding_eval(lm.to(dev), text, s, folder, sliding_window, stride, max_batches, precision, dev, json)
         return
@@ -784,6 +790,7 @@ FLAGS = {
     "--allow_remote",
     "--ids",
     "--decode",
+    "--raw_text",
 }
 
 

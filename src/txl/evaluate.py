@@ -254,8 +254,12 @@ def eval_text(
     data: str | Path | None = None,
     dataset: str | None = None,
     encoding_errors: str | None = None,
+    raw_text: bool | None = None,
 ) -> EvalText:
     """The text ``txl eval`` scores, always read with the model's own ``tokenizer.json``.
+
+    ``raw_text``: a ``data`` file is raw text, read through the tokenizer's raw-text pipeline (Moses, text8), not
+    as already tokenized (default: as the model's training files were read).
 
     ``data`` is a text file (scored whole), a folder (its ``split``: ``{split}.txt``, ``{split}/*.txt`` or held-out
     documents, or the layout of ``dataset``), or None: the run's own dataset, from the training cache when its
@@ -272,7 +276,7 @@ def eval_text(
         )
     if data is not None and Path(data).is_file():
         tokenizer = Tokenizer.load(tok_file)
-        chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors))
+        chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors, raw=raw_text))
         ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         if len(ids) == 0:
             raise DataError(f"{data}: no tokens to score (the file is empty)")

@@ -540,17 +540,23 @@ def _has_projs(cfg: TransformerXLConfig) -> bool:
 
 
 class AdaptiveEmbedding(nn.Module):
-    def __init__(self, cfg: TransformerXLConfig):
+    def __init__(self, cfg: TransformerXLConfig, *, init: bool = True):
         super().__init__()
         self.ends = [0, *cfg.cutoffs, cfg.n_token]
         self.div_val = cfg.div_val
         self.emb_scale = cfg.d_model**0.5
         dims = _cluster_dims(cfg)
-        if cfg.div_val == 1:
-            self.emb_layers = nn.ModuleList([nn.Embedding(cfg.n_token, dims[0])])
-        else:
-            sizes = [r - l for l, r in zip(self.ends[:-1], self.ends[1:], strict=True)]
-            self.emb_layers = nn.ModuleList([nn.Embedding(n, d) for n, d in zip(sizes, dims, strict=True)])
+        sizes = (
+            [cfg.n_token] if cfg.div_val == 1 else [r - l for l, r in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        )
+        # without init (weights about to be loaded) the tables are left empty: nn.Embedding's own normal_ would
+        # take seconds on the meta device for a WikiText-103-size vocabulary
+        self.emb_layers = nn.ModuleList(
+            [
+                nn.Embedding(n, d) if init else nn.Embedding(n, d, _weight=torch.empty(n, d))
+                for n, d in zip(sizes, dims, strict=True)
+            ]
+        )
         n_proj = len(self.emb_layers) if _has_projs(cfg) else 0
         self.emb_projs = nn.ParameterList(
             [nn.Parameter(torch.empty(cfg.d_model, self.emb_layers[i].embedding_dim)) for i in range(n_proj)]
@@ -847,7 +853,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 f"TransformerXLConfig.max_klen = {config.max_klen}: attn_type {config.attn_type} learns one embedding "
                 "per position up to max_klen; set it (a training run sets tgt_len + ext_len + mem_len)"
             )
-        self.word_emb = AdaptiveEmbedding(config)
+        self.word_emb = AdaptiveEmbedding(config, init=init)
         self.drop = Dropout(config.dropout)
         self.attention = attention_class(config.attn_type)  # the positional scheme: builds each layer's input
         if config.attn_type == 0:

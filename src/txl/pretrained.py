@@ -50,6 +50,33 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
 
     Refused: missing, unexpected or mis-shaped keys, integer or boolean tensors for floating-point weights
     (never cast silently), and non-finite values (NaN/inf: a diverged or corrupted checkpoint)."""
+    tensors = _check_weights(module, tensors, source)
+    aliases = tied_aliases(module)
+    with torch.no_grad():
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers())
+        for k, t in tensors.items():
+            target = params.get(aliases.get(k, k), buffers.get(k))
+            target.copy_(t)
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """``name (count of numel)`` of every tensor with NaN/inf values. A tensor whose sum is finite has none (one
+    pass, no temporary), so the element-wise check runs only on the others (NaN/inf, or a sum that overflows)."""
+    return sorted(
+        f"{k} ({int((~torch.isfinite(t)).sum()):,} of {t.numel():,})"
+        for k, t in tensors.items()
+        if t.is_floating_point()
+        and t.device.type != "meta"
+        and not bool(torch.isfinite(t.sum()))  # (an overflowing sum falls through to the exact check)
+        and not bool(torch.isfinite(t).all())
+    )
+
+
+def _check_weights(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, finite: bool = True
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with tied aliases mapped to their canonical names; raises one error listing every problem."""
     expected = unique_state_dict(module)
     aliases = tied_aliases(module)
     for alias, canonical in aliases.items():  # a file may keep a tied tensor under its other name
@@ -67,11 +94,7 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
         for k in set(tensors) & set(expected)
         if expected[k].is_floating_point() and not tensors[k].is_floating_point()
     )
-    bad_values = sorted(
-        f"{k} ({int((~torch.isfinite(t)).sum()):,} of {t.numel():,})"
-        for k, t in tensors.items()
-        if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    )
+    bad_values = _non_finite(tensors) if finite else []
     problems = []
     if missing:
         problems.append(f"missing keys: {', '.join(missing)}")
@@ -85,12 +108,73 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
         problems.append(f"non-finite values (NaN/inf; a diverged or corrupted checkpoint): {', '.join(bad_values)}")
     if problems:
         raise CheckpointError(f"{source} cannot be loaded into the model: " + "; ".join(problems))
-    with torch.no_grad():
-        params = dict(module.named_parameters(remove_duplicate=False))
-        buffers = dict(module.named_buffers())
-        for k, t in tensors.items():
-            target = params.get(aliases.get(k, k), buffers.get(k))
-            target.copy_(t)
+    return tensors
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def safetensors_index(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], int]:
+    """``{name: (dtype, shape, begin, end)}`` of a safetensors file (byte offsets from the data start) and where
+    the data starts; every entry checked against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(size - 8, 100_000_000):
+                raise ValueError(f"header length {n} does not fit a file of {size:,} bytes")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    index, data = {}, 8 + n
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = SAFETENSORS_DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+            numel = int(torch.Size(shape).numel())
+            if end - begin != numel * dtype.itemsize or begin < 0 or data + end > size:
+                raise ValueError(f"offsets {begin}..{end} do not hold {shape} {e['dtype']} within the file")
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: bad entry {name!r} in the safetensors header ({err})") from None
+        index[name] = (dtype, shape, begin, end)
+    return index, data
+
+
+def read_weights_into(module: torch.nn.Module, path: Path) -> None:
+    """Read a safetensors file straight into ``module``'s parameters (allocated, e.g. by ``to_empty``), tensor by
+    tensor with ``readinto``: no memory map and no second copy of the weights in memory. Parameters of another
+    dtype (a model built in bf16) are cast one tensor at a time. The same checks as :func:`load_weights`."""
+    index, data = safetensors_index(path)
+    specs = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape, _, _) in index.items()}
+    aliases = tied_aliases(module)
+    canonical = {aliases.get(k, k): k for k in _check_weights(module, specs, str(path))}
+    params = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+    read = {}
+    with torch.no_grad(), open(path, "rb") as f:
+        for name, key in sorted(canonical.items(), key=lambda kv: index[kv[1]][2]):
+            dtype, shape, begin, end = index[key]
+            target = params[name]
+            direct = target.dtype == dtype and target.is_contiguous()
+            buf = target if direct else torch.empty(shape, dtype=dtype)
+            f.seek(data + begin)
+            if end > begin and f.readinto(buf.view(-1).view(torch.uint8).numpy()) != end - begin:
+                raise CheckpointError(f"{path}: {key} is cut short (a truncated file)")
+            if not direct:
+                target.copy_(buf)
+            read[key] = target
+    bad = _non_finite(read)
+    if bad:
+        raise CheckpointError(
+            f"{path} cannot be loaded into the model: non-finite values (NaN/inf; a diverged or corrupted "
+            f"checkpoint): {', '.join(bad)}"
+        )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -154,19 +238,46 @@ class PretrainedMixin:
             raise CheckpointError(f"{path}: {e}") from None
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, **config_overrides: Any) -> Self:
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        mmap: bool = False,
+        **config_overrides: Any,
+    ) -> Self:
         """Build the model from ``directory/config.json`` and load ``model.safetensors`` (strict).
 
-        ``config_overrides`` replace config fields (e.g. ``dropout=0.0``) before the model is built.
+        The model is built on the meta device (no initialisation) and the file is read straight into its
+        parameters: the weights are in memory once. ``dtype`` (e.g. ``torch.bfloat16``) builds the model in that
+        dtype and casts the weights as they are read (half the memory; not exact). ``config_overrides`` replace
+        config fields (e.g. ``dropout=0.0``) before the model is built.
+
+        ``mmap=True`` (opt-in, not exact): the parameters are the file's memory-mapped tensors, read from disk when
+        first used, as Hugging Face loads: returns at once, but the tensors are not 64-byte aligned, so matrix
+        products may take another path and differ in the last bits from the saved model's; the NaN/inf check is
+        skipped (it would read every weight).
         """
         config = cls.load_config(directory)
         if config_overrides:
             config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
         with torch.device("meta"):
             model = cls(config, init=False)
+        if mmap:
+            path = Path(directory) / WEIGHTS_NAME
+            tensors = read_safetensors(path)
+            if dtype is not None:
+                tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+            tensors = _check_weights(model, tensors, str(path), finite=False)
+            aliases = tied_aliases(model)
+            model.load_state_dict({k: tensors[aliases.get(k, k)] for k in model.state_dict()}, assign=True)
+            if hasattr(model, "tie_weights"):
+                model.tie_weights()
+            return model.eval()
+        if dtype is not None:
+            model = model.to(dtype)
         model = model.to_empty(device="cpu")
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty gives every name its own tensor: the ties must be restored
-        path = Path(directory) / WEIGHTS_NAME
-        load_weights(model, read_safetensors(path), str(path))
+        read_weights_into(model, Path(directory) / WEIGHTS_NAME)
         return model.eval()
