@@ -108,7 +108,10 @@ def test_resume_is_exact(lm, tmp_path):
             },
             "valid.jsonl: line 2: label 'maybe' does not occur in the training data",
         ),
-        ({"train.jsonl": '{"text": "ab \\u20ac", "label": "yes"}\n'}, "train.jsonl: line 1: '\\u20ac' is not in"),
+        (
+            {"train.jsonl": '{"text": "ab \\u20ac", "label": "yes"}\n'},
+            "train.jsonl: line 1: character '\u20ac' (U+20AC) at character 3 is not in",
+        ),
         (
             {"train.jsonl": '{"text": "ab", "label": "yes"}\n' * 2, "valid.jsonl": '{"text": "ab", "label": "yes"}\n'},
             "the training data has 1 class",

@@ -111,7 +111,7 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
         ({"prompt": "ab", "temperature": "hot"}, "temperature: Input should be a valid number"),
         ({"prompt": "ab", "top_p": 0}, "top_p: Input should be greater than 0"),
         ({"prompt": "ab", "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
-        ({"prompt": "ab\u20ac"}, "prompt: '\u20ac' is not in the vocabulary"),
+        ({"prompt": "ab\u20ac"}, "prompt: character '\u20ac' (U+20AC) at character 2 is not in the vocabulary"),
         ({"prompt": "ab", "prompt_ids": [1]}, "prompt: give either prompt or prompt_ids"),
         ({"prompt_ids": [1, 10_000]}, "prompt_ids: ids must be in [0, "),
         ({"prompt": "ab", "max_new_tokens": 201}, "max_new_tokens: 201 is more than the limit 200"),
