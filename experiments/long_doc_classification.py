@@ -1,7 +1,7 @@
 """Why the memory matters: classifying documents by a phrase near their start (`txl finetune`).
 
-    .venv/bin/python experiments/long_doc_classification.py --write docs/paper.md     # ~8 minutes on 2 cores
-    .venv/bin/python experiments/long_doc_classification.py --budget quick             # ~4 minutes, a look
+    .venv/bin/python experiments/long_doc_classification.py --write docs/paper.md     # ~6 minutes on 2 cores
+    .venv/bin/python experiments/long_doc_classification.py --budget quick             # ~3 minutes, a look
 
 A synthetic task that a fixed-context model cannot solve: every document is 2,000+ characters of Shakespeare (a
 random stretch of the corpus, starting at a line) with one of two marker phrases put among its first 100 characters;
