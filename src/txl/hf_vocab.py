@@ -166,7 +166,7 @@ def convert_hf_tokenizer(src: str | Path, trust_pickle: bool = False) -> Tokeniz
         unk = unk.args[0] if isinstance(unk, Inert) and unk.args else "<unk>"
     present = set(symbols)
     never_split = state.get("never_split")
-    extra = specials.get("additional_special_tokens") or state.get("additional_special_tokens") or ["<formula>"]
+    extra = state.get("additional_special_tokens") or ["<formula>"]  # (HF's default)
     all_specials = [t for t in (unk, eos, *extra) if isinstance(t, str)]
     if not (isinstance(never_split, list | tuple) and all(isinstance(t, str) for t in never_split)):
         never_split = all_specials  # HF's default: its special tokens

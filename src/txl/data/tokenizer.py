@@ -660,7 +660,7 @@ class StreamDecoder:
 
     def _end_line(self) -> str:
         text = self._moses.detokenize(self._line) if self._line else ""
-        piece = text[self._given :] if text.startswith(text[: self._given]) else ""
+        piece = text[self._given :]
         self._line, self._given = [], 0
         return piece
 
