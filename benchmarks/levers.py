@@ -12,7 +12,8 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
   segment);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
-  re-projected for every new token).
+  re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``), and the
+  one-token form of the attention (off: the segment path with T = 1).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -142,13 +143,26 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     return alternate({"all levers": cached, "K/V cache": uncached}, warmup, steps, BATCH * TGT)
 
 
+def with_patch(owner, name: str, value, fn):
+    with mock.patch.object(owner, name, value):
+        return fn()
+
+
 def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
     torch.manual_seed(0)
     model = TransformerXLLM(TransformerXLConfig(**CFG)).eval()
     prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        return generate(model, prompt, new_tokens, temperature=0.0, mem_len=640)
+
     cases = {
-        "all levers": lambda: generate(model, prompt, new_tokens, temperature=0.0, mem_len=640),
+        "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
+        "transposed weights for one-row products": lambda: with_patch(modeling, "TRANSPOSED_WEIGHTS", False, run),
+        "one-token attention (off: the segment path)": lambda: with_patch(
+            modeling.RelPartialLearnableMultiHeadAttn, "decode", None, run
+        ),
     }
     return alternate(cases, 1, repeats, new_tokens)
 

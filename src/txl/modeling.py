@@ -24,6 +24,7 @@ comments use B batch, T query (segment) length, M memory length, K = M + T key l
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
@@ -315,6 +316,77 @@ class Dropout(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 4b. The linear layers' product, with a form for the few rows of generation (one token per step).
+# ---------------------------------------------------------------------------------------------------------
+
+SMALL_ROWS = 16
+"""Products with at most this many rows take :func:`linear`'s transposed-weight form in CPU inference."""
+SPLIT = 4
+"""The input blocks of a product with one or two rows (bmm batch entries that the cores share)."""
+TRANSPOSED_WEIGHTS = True
+"""Whether CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as
+inputs (W_q/W_k/W_v, W_o, the first feed-forward layer: about 2/3 of the layer weights): generation is faster, at
+that memory. Set ``txl.modeling.TRANSPOSED_WEIGHTS = False`` to save the memory."""
+_TRANSPOSED: dict[int, tuple[tuple, Tensor]] = {}  # id(weight) -> (its version stamp, the copy)
+
+
+def _transposed(weight: Tensor) -> Tensor:
+    """A contiguous [in, out] copy of ``weight``, made once and remade when the weight changes (in place or moved);
+    dropped with the weight."""
+    stamp = (weight._version, weight.data_ptr(), weight.dtype)
+    entry = _TRANSPOSED.get(id(weight))
+    if entry is None:
+        weakref.finalize(weight, _TRANSPOSED.pop, id(weight), None)
+    if entry is None or entry[0] != stamp:
+        entry = _TRANSPOSED[id(weight)] = (stamp, weight.detach().t().contiguous())
+    return entry[1]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | None = None) -> Tensor:
+    """``F.linear(x, weight[out], bias[out])``, with a faster product for the few rows of CPU inference (generation
+    projects one token per step).
+
+    With a handful of rows the product is a matrix-vector product, bound by reading the weight. The [out, in]
+    layout makes it a dot product per output over a row of ``in`` values, which BLAS runs on one core and, for
+    short rows, at a fraction of the memory bandwidth; from a transposed copy ([in, out], made once and kept
+    until the weight changes) the same product is a sum of scaled rows of ``out`` values, and one row is split
+    over the input dimension into ``SPLIT`` blocks that the cores share (1.3-2.6x per product on a 2-core EPYC,
+    see docs/benchmarks.md). Weights with fewer outputs than inputs keep ``F.linear`` (long dot products, and no
+    copy). The same value up to fp32 rounding (the additions are grouped differently). Training, autograd,
+    autocast, other devices and more rows take ``F.linear``.
+    """
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (
+        rows > SMALL_ROWS
+        or rows == 0
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or not TRANSPOSED_WEIGHTS
+        or weight.shape[0] < weight.shape[1]  # (fewer outputs than inputs: the dot products are long enough)
+        or x.dtype != weight.dtype
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.jit.is_tracing()
+    ):
+        if out is not None:
+            weight, bias = weight[out], None if bias is None else bias[out]
+        return F.linear(x, weight, bias)
+    wt = _transposed(weight)  # [in, out]
+    if out is not None:
+        wt, bias = wt[:, out], None if bias is None else bias[out]
+    k, n = wt.shape
+    if rows <= 2 and k % SPLIT == 0:  # partial products over SPLIT blocks of the input, one per bmm batch entry
+        blocks = x.reshape(SPLIT, 1, k // SPLIT) if rows == 1 else x.reshape(2, SPLIT, k // SPLIT).transpose(0, 1)
+        y = torch.bmm(blocks, wt.view(SPLIT, k // SPLIT, n)).sum(0)  # [SPLIT, rows, n] -> [rows, n]
+    else:
+        y = torch.mm(x.reshape(rows, k), wt)  # [rows, n]
+    if bias is not None:
+        y = y.add_(bias)
+    return y.view(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # 5. Relative multi-head attention (Sec. 3.3, Eq. for A^rel):
 #      A_ij = (a) q_i.k_j + (b) q_i.W_kR R_{i-j} + (c) u.k_j + (d) v.W_kR R_{i-j}
 #           = (q_i + u).k_j  +  (q_i + v).W_kR R_{i-j}
@@ -356,14 +428,14 @@ class _Attention(nn.Module):
             mem = mem + pos[: mem.shape[1]] if mem is not None else None
         x = self.layer_norm(h) if self.pre_lnorm else h
         if cache is not None or mem is None or mem.shape[1] == 0:  # keys and values come from the segment only
-            qkv = F.linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
+            qkv = linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
             q, kv = qkv[..., : H * Dh].view(B, T, H, Dh), qkv[..., H * Dh :]
             kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
             k, v = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
         else:
-            q = F.linear(x, self.qkv_net.weight[: H * Dh]).view(B, T, H, Dh)  # queries of the segment only
+            q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh)).view(B, T, H, Dh)  # queries of the segment only
             x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
-            kv = F.linear(x, self.qkv_net.weight[H * Dh :])  # one GEMM over [memory; segment], [B, K, 2*H*Dh]
+            kv = linear(x, self.qkv_net.weight, out=slice(H * Dh, None))  # [memory; segment], [B, K, 2*H*Dh]
             k, v = kv.view(B, x.shape[1], 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
         return h, q, k, v
 
@@ -412,6 +484,15 @@ class _Attention(nn.Module):
                 score = mask_scores(score, mask, inplace=True)
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
             attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
+        elif T == 1 and bd is not None and q_w.dtype in (torch.float32, torch.float64) and q_w.device.type == "cpu":
+            # One query (generation): the scores [B*H, 1, K] by one fused bmm; on the CPU SDPA's kernel costs more
+            # than the product for a single row.
+            H, K, Dh = k.shape[1], k.shape[2], k.shape[3]
+            score = torch.baddbmm(bd.reshape(B * H, 1, K), q_w.reshape(B * H, 1, Dh), k.reshape(B * H, K, Dh).mT)
+            if mask is not None:
+                score = mask_scores(score.view(B, H, 1, K), mask, inplace=True).view(B * H, 1, K)
+            attn_vec = torch.bmm(score.softmax(dim=-1), v.reshape(B * H, K, Dh)).view(B, H, 1, Dh)
+            prob = None
         else:
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
             if bd is None:
@@ -421,7 +502,7 @@ class _Attention(nn.Module):
             bias = None if bias is None else bias.to(q_w.dtype)
             attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
             prob = None
-        attn_out = self.drop(self.o_net(attn_vec.transpose(1, 2).reshape(B, T, -1)))  # [B, T, D]
+        attn_out = self.drop(linear(attn_vec.transpose(1, 2).reshape(B, T, -1), self.o_net.weight))  # [B, T, D]
         out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
         return out, prob
 
@@ -485,6 +566,25 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             bd = rel_shift(bd)  # (b)+(d) by key
         return q_w, bd
 
+    def decode(self, h: Tensor, pos: RelPositions, mask: Tensor | None, cache: KVCache, layer: int) -> Tensor:
+        """``forward`` for one new position per row against a ``cache`` (generation, inference): ``h`` [B, 1, D] ->
+        [B, 1, D]. The same terms in a few fused products: the newest query needs no shift (its row of (b)+(d) is in
+        key order already), (a)+(c) is added to it by one ``baddbmm``, and no tensor is larger than one score row."""
+        B, H, Dh = h.shape[0], self.n_head, self.d_head
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        q, k, v = linear(x, self.qkv_net.weight).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
+        keys, values = cache.append(layer, k, v)  # [B, H, K, Dh]
+        K = keys.shape[2]
+        q_r = ((q + pos.v[:, None]) * self.scale).transpose(0, 1).reshape(H, B, Dh)  # (q + v) / sqrt(Dh)
+        bd = torch.bmm(q_r, pos.r_k).transpose(0, 1).reshape(B * H, 1, K)  # (b)+(d), [B*H, 1, K]
+        q_w = ((q + pos.u[:, None]) * self.scale).view(B * H, 1, Dh)  # (q + u) / sqrt(Dh)
+        score = torch.baddbmm(bd, q_w, keys.reshape(B * H, K, Dh).mT)  # + (a)+(c)
+        if mask is not None:
+            score = mask_scores(score.view(B, H, 1, K), mask, inplace=True).view(B * H, 1, K)
+        attn_vec = torch.bmm(score.softmax(dim=-1), values.reshape(B * H, K, Dh))  # [B*H, 1, Dh]
+        out = h + linear(attn_vec.view(B, 1, H * Dh), self.o_net.weight)
+        return out if self.pre_lnorm else self.layer_norm(out)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # 6. Position-wise feed-forward and the layer.
@@ -502,7 +602,8 @@ class PositionwiseFF(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         x = self.layer_norm(h) if self.pre_lnorm else h
-        y = self.drop(self.layer_2(self.drop(F.relu(self.layer_1(x)))))  # [B, T, D]
+        y = F.relu(linear(x, self.layer_1.weight, self.layer_1.bias))  # [B, T, d_inner]
+        y = self.drop(linear(self.drop(y), self.layer_2.weight, self.layer_2.bias))  # [B, T, D]
         return h + y if self.pre_lnorm else self.layer_norm(h + y)
 
 
@@ -515,6 +616,10 @@ class TransformerXLLayer(nn.Module):
     def forward(self, h: Tensor, pos: Any, mask: Tensor | None, **kw) -> tuple[Tensor, Tensor | None]:
         out, prob = self.attn(h, pos, mask, **kw)
         return self.ff(out), prob
+
+    def decode(self, h: Tensor, pos: Any, mask: Tensor | None, cache: KVCache, layer: int) -> Tensor:
+        """One new position per row against a cache (see ``RelPartialLearnableMultiHeadAttn.decode``)."""
+        return self.ff(self.attn.decode(h, pos, mask, cache, layer))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -945,9 +1050,14 @@ class TransformerXL(TransformerXLPreTrainedModel):
         h = self.drop(word_emb)
 
         hids, attns = [h], []
+        # one new position against a cache (generation): the attention's short form, where it has one
+        decode = cache is not None and T == 1 and not output_attentions and getattr(self.layers[0].attn, "decode", None)
         for i, layer in enumerate(self.layers):
-            mem = mems[i] if mems else None
-            h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+            if decode:
+                h, prob = layer.decode(h, pos[i], mask, cache, i), None
+            else:
+                mem = mems[i] if mems else None
+                h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
             hids.append(h)
             attns.append(prob)
         h = self.drop(h)
