@@ -7,11 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.conftest import debug_config
 from txl import TransformerXLLM
 from txl.evaluate import evaluate
 from txl.generation import generate, stream
+from txl import modeling
 from txl.modeling import KVCache
 
 VARIANTS = {
@@ -147,3 +149,33 @@ def test_stop_tokens_end_rows_and_sampling_is_seeded():
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     a = generate(model, prompt, 20, temperature=0.7, top_k=20, top_p=0.9, generator=g1)
     assert a.equal(generate(model, prompt, 20, temperature=0.7, top_k=20, top_p=0.9, generator=g2))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+def test_one_row_products_equal_f_linear(rows):
+    weight, bias = torch.randn(96, 32), torch.randn(96)
+    x = torch.randn(rows, 1, 32)
+    with torch.no_grad():
+        got = modeling.linear(x, weight, bias)
+        sliced = modeling.linear(x, weight, bias, out=slice(32, None))
+        narrow = modeling.linear(torch.randn(rows, 96), weight.t().contiguous())  # fewer outputs: F.linear
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(sliced, F.linear(x, weight[32:], bias[32:]), atol=1e-5, rtol=1e-6)
+    assert narrow.shape == (rows, 32)
+    if rows <= modeling.SMALL_ROWS:  # the transposed copy was made (and is kept for the next call)
+        assert id(weight) in modeling._TRANSPOSED
+
+
+def test_generation_follows_weights_changed_in_place():
+    """The transposed copies of the weights are remade when the weights change (fine-tuning, then generating)."""
+    model = lm()
+    prompt = torch.randint(0, model.config.n_token, (1, 6))
+    generate(model, prompt, 4, temperature=0.0, mem_len=16)  # makes the copies
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01)
+    changed = generate(model, prompt, 24, temperature=0.0, mem_len=16)[0, 6:].tolist()
+    assert changed == greedy_uncached(model, prompt, 24, 16)
+    fresh = lm()
+    fresh.load_state_dict(model.state_dict())
+    assert changed == generate(fresh, prompt, 24, temperature=0.0, mem_len=16)[0, 6:].tolist()
