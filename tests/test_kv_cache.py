@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import debug_config
-from txl import TransformerXLLM
+from txl import TransformerXLLM, modeling
 from txl.evaluate import evaluate
 from txl.generation import generate, stream
-from txl import modeling
 from txl.modeling import KVCache
 
 VARIANTS = {
