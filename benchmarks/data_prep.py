@@ -78,13 +78,13 @@ def make_corpus(folder: Path, scale: float, seed: int = 0) -> dict:
 def run_once(folder: Path, cache: Path) -> dict:
     """prepare_corpus in a fresh process: wall time and peak RSS of that process."""
     script = textwrap.dedent(f"""
-        import json, resource, shutil, time
+        import json, re, shutil, time
         shutil.rmtree({str(cache)!r}, ignore_errors=True)
         from txl.data import prepare_corpus
         t = time.perf_counter()
         c = prepare_corpus(path={str(folder)!r}, dataset="wt103", cache_dir={str(cache)!r}, log=lambda m: None)
         wall = time.perf_counter() - t
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
         n = sum(c.n_tokens(s) for s in ("train", "valid", "test"))
         print(json.dumps({{"wall_s": wall, "peak_rss_mib": peak, "tokens": n, "vocab": c.tokenizer.vocab_size,
                           "dtype": str(c.splits["train"].dtype)}}))

@@ -257,8 +257,8 @@ def uncached_greedy(model, prompt, n: int, mem_len: int) -> torch.Tensor:
     return torch.cat(tokens, dim=1)
 
 
-PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, torch
+PEAK_SCRIPT = textwrap.dedent(r"""
+    import json, re, sys, torch
     torch.set_num_threads(2)
     from txl import TransformerXLConfig, TransformerXLLM
     from txl.evaluate import evaluate
@@ -266,7 +266,9 @@ PEAK_SCRIPT = textwrap.dedent("""
     model = TransformerXLLM(cfg)
     data = torch.randint(0, 256, (128 * 36 + 1,)).numpy()  # 36 segments: the memory of 3,800 fills and slides
     res = evaluate(model, data, batch_size=1, tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, this process's own peak (ru_maxrss would keep the parent's peak across fork + exec)
+    status = open("/proc/self/status").read()
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
     print(json.dumps({"peak_mib": peak, "tokens": res.tokens}))
 """)
 

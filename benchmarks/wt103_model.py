@@ -77,8 +77,8 @@ def make_folders(work: Path, data: Path) -> tuple[Path, Path]:
     return hf_dir, txl_dir
 
 
-LOAD_SCRIPT = textwrap.dedent("""
-    import json, logging, resource, sys, time, torch
+LOAD_SCRIPT = textwrap.dedent(r"""
+    import json, logging, re, sys, time, torch
     torch.set_num_threads(2)
     which, folder, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
     def rss():
@@ -100,7 +100,7 @@ LOAD_SCRIPT = textwrap.dedent("""
     with torch.no_grad():  # both from an empty memory (HF's default would attend to mem_len zero vectors)
         model(input_ids=x, mems=[torch.zeros(0, 1, 1024)] * 18) if which == "hf" else model(x)
     first_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024  # own peak
     print(json.dumps({"load_s": load_s, "first_s": first_s, "peak": peak, "base": base}))
 """)
 

@@ -178,3 +178,33 @@ def test_generation_follows_weights_changed_in_place():
     fresh = lm()
     fresh.load_state_dict(model.state_dict())
     assert changed == generate(fresh, prompt, 24, temperature=0.0, mem_len=16)[0, 6:].tolist()
+
+
+def test_generation_steps_leave_the_onednn_route_and_restore_it():
+    """One-token steps run on torch's default fp32 path (the oneDNN route of txl.runtime is ~3x slower for them);
+    the caller's setting is back afterwards, also while the stream is suspended between tokens."""
+    from txl.generation import default_fp32_matmul
+
+    setting = torch.backends.mkldnn.matmul
+    before = setting.fp32_precision
+    seen = []
+    model = lm()
+    original = model.transformer.forward
+
+    def spy(ids, *args, **kwargs):
+        seen.append((ids.shape[1], setting.fp32_precision))
+        return original(ids, *args, **kwargs)
+
+    try:
+        setting.fp32_precision = "bf16"
+        model.transformer.forward = spy
+        steps = stream(model, torch.randint(0, 97, (1, 5)), 3, temperature=0.0)
+        next(steps)
+        assert setting.fp32_precision == "bf16"  # between tokens: the caller's route
+        list(steps)
+        with default_fp32_matmul():
+            assert setting.fp32_precision == "ieee"
+        assert setting.fp32_precision == "bf16"
+    finally:
+        setting.fp32_precision = before
+    assert seen == [(5, "bf16"), (1, "ieee"), (1, "ieee")]  # the prompt keeps the route, single tokens do not
