@@ -17,8 +17,8 @@ steps that alternate between the implementations so that both see the same machi
 * MFU = FLOPs of the step (counted by ``torch.utils.flop_counter``) per second, over the GEMM peak of this machine
   measured in the same run (a 2048^3 matrix product).
 * Process settings (``txl.runtime``): glibc's allocator tuning is process-wide, so HF gets it too; the fp32 GEMM
-  route through oneDNN is switched on around txl's steps only, and only if its start-up check found it exact and
-  faster.
+  route through oneDNN is switched on around txl's training steps only (as ``txl train`` and ``txl eval`` use it),
+  and only if its start-up check found it exact and faster.
 
 HF 4.46.3's forward raises a TypeError (huggingface/transformers#29650); its module is re-executed with the
 one-expression fix ``.type_as(dtype=...)`` -> ``.to(dtype=...)``, nothing else changed.
@@ -326,7 +326,7 @@ def main() -> None:
                 steps=args.steps,
                 device=device,
                 precision=precision,
-                route=use_route,
+                route=use_route and train,  # (as txl train and txl eval: the route for training only)
             )
             results[(name, case)] = r
             peak = peak16 if precision == "bf16" else peak32

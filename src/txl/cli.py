@@ -178,8 +178,7 @@ def eval(
     from txl.distributed import World, resolve_device
     from txl.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
     from txl.modeling import TransformerXLLM
-    from txl.runtime import configure as configure_runtime
-    from txl.runtime import effective_precision
+    from txl.runtime import configure_allocator, effective_precision
 
     if model is None:
         raise ValueError("txl eval needs --model RUN_OR_DIR (a run folder, a step-N checkpoint or a model folder)")
@@ -191,7 +190,7 @@ def eval(
     if note:
         print(f"txl: note: --precision bf16, but {note}", file=sys.stderr)
     if dev.type == "cpu":
-        configure_runtime()
+        configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.runtime)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)
