@@ -12,8 +12,7 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
   segment);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
-  re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``), and the
-  one-token form of the attention (off: the segment path with T = 1).
+  re-projected for every new token) and the transposed-weight form of one-row products (off: ``F.linear``).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -160,9 +159,6 @@ def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
         "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
         "transposed weights for one-row products": lambda: with_patch(modeling, "TRANSPOSED_WEIGHTS", False, run),
-        "one-token attention (off: the segment path)": lambda: with_patch(
-            modeling.RelPartialLearnableMultiHeadAttn, "decode", None, run
-        ),
     }
     return alternate(cases, 1, repeats, new_tokens)
 

@@ -484,15 +484,6 @@ class _Attention(nn.Module):
                 score = mask_scores(score, mask, inplace=True)
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
             attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
-        elif T == 1 and bd is not None and q_w.dtype in (torch.float32, torch.float64) and q_w.device.type == "cpu":
-            # One query (generation): the scores [B*H, 1, K] by one fused bmm; on the CPU SDPA's kernel costs more
-            # than the product for a single row.
-            H, K, Dh = k.shape[1], k.shape[2], k.shape[3]
-            score = torch.baddbmm(bd.reshape(B * H, 1, K), q_w.reshape(B * H, 1, Dh), k.reshape(B * H, K, Dh).mT)
-            if mask is not None:
-                score = mask_scores(score.view(B, H, 1, K), mask, inplace=True).view(B * H, 1, K)
-            attn_vec = torch.bmm(score.softmax(dim=-1), v.reshape(B * H, K, Dh)).view(B, H, 1, Dh)
-            prob = None
         else:
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
             if bd is None:
@@ -566,25 +557,6 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             bd = rel_shift(bd)  # (b)+(d) by key
         return q_w, bd
 
-    def decode(self, h: Tensor, pos: RelPositions, mask: Tensor | None, cache: KVCache, layer: int) -> Tensor:
-        """``forward`` for one new position per row against a ``cache`` (generation, inference): ``h`` [B, 1, D] ->
-        [B, 1, D]. The same terms in a few fused products: the newest query needs no shift (its row of (b)+(d) is in
-        key order already), (a)+(c) is added to it by one ``baddbmm``, and no tensor is larger than one score row."""
-        B, H, Dh = h.shape[0], self.n_head, self.d_head
-        x = self.layer_norm(h) if self.pre_lnorm else h
-        q, k, v = linear(x, self.qkv_net.weight).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
-        keys, values = cache.append(layer, k, v)  # [B, H, K, Dh]
-        K = keys.shape[2]
-        q_r = ((q + pos.v[:, None]) * self.scale).transpose(0, 1).reshape(H, B, Dh)  # (q + v) / sqrt(Dh)
-        bd = torch.bmm(q_r, pos.r_k).transpose(0, 1).reshape(B * H, 1, K)  # (b)+(d), [B*H, 1, K]
-        q_w = ((q + pos.u[:, None]) * self.scale).view(B * H, 1, Dh)  # (q + u) / sqrt(Dh)
-        score = torch.baddbmm(bd, q_w, keys.reshape(B * H, K, Dh).mT)  # + (a)+(c)
-        if mask is not None:
-            score = mask_scores(score.view(B, H, 1, K), mask, inplace=True).view(B * H, 1, K)
-        attn_vec = torch.bmm(score.softmax(dim=-1), values.reshape(B * H, K, Dh))  # [B*H, 1, Dh]
-        out = h + linear(attn_vec.view(B, 1, H * Dh), self.o_net.weight)
-        return out if self.pre_lnorm else self.layer_norm(out)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # 6. Position-wise feed-forward and the layer.
@@ -616,10 +588,6 @@ class TransformerXLLayer(nn.Module):
     def forward(self, h: Tensor, pos: Any, mask: Tensor | None, **kw) -> tuple[Tensor, Tensor | None]:
         out, prob = self.attn(h, pos, mask, **kw)
         return self.ff(out), prob
-
-    def decode(self, h: Tensor, pos: Any, mask: Tensor | None, cache: KVCache, layer: int) -> Tensor:
-        """One new position per row against a cache (see ``RelPartialLearnableMultiHeadAttn.decode``)."""
-        return self.ff(self.attn.decode(h, pos, mask, cache, layer))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1050,14 +1018,9 @@ class TransformerXL(TransformerXLPreTrainedModel):
         h = self.drop(word_emb)
 
         hids, attns = [h], []
-        # one new position against a cache (generation): the attention's short form, where it has one
-        decode = cache is not None and T == 1 and not output_attentions and getattr(self.layers[0].attn, "decode", None)
         for i, layer in enumerate(self.layers):
-            if decode:
-                h, prob = layer.decode(h, pos[i], mask, cache, i), None
-            else:
-                mem = mems[i] if mems else None
-                h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+            mem = mems[i] if mems else None
+            h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
             hids.append(h)
             attns.append(prob)
         h = self.drop(h)
