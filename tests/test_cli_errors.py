@@ -297,3 +297,18 @@ def test_generate_stop_tokens_and_no_stream(char_run, capsys):
     assert capsys.readouterr().out == tok.decode(free["prompt_ids"] + stopped) + "\n"
     assert "is 2 tokens for this tokenizer" in fails(capsys, [*base, "--stop", "ab"])
     assert "--stop_ids must be token ids" in fails(capsys, [*base, "--stop_ids", "[100000]"])
+
+
+def test_eval_and_generate_leave_the_onednn_route_off(char_run, capsys, monkeypatch):
+    """The oneDNN fp32 route (txl.runtime) pays for training's products only: txl eval and txl generate must not
+    turn it on (it made evaluation 0.84-0.91x and generation 3x slower on an AVX-512 EPYC)."""
+    import txl.runtime
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the oneDNN route was chosen outside training")
+
+    monkeypatch.setattr(txl.runtime, "choose_fp32_matmul", refuse)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    main(["eval", "--model", str(char_run), "--max_batches", "1"])
+    main(["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "2"])
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
