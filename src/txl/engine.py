@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from txl.generation import check_sampling, choose, default_fp32_matmul, stream
-from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
+from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 
 
 class QueueFull(RuntimeError):
@@ -143,6 +143,10 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        with transposed_weights():  # (a served model's weights are fixed)
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._batches and not self._stopping:

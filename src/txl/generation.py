@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from txl.evaluate import NonFiniteError
-from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
+from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 
 
 @contextlib.contextmanager
@@ -128,22 +128,23 @@ def stream(
             mems = out.mems
             return out.last_hidden_state[:, -1]
 
-    h = step(input_ids, padding)
-    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
-    pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
-    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    for i in range(max_new_tokens):
-        _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
-        if not bool(torch.isfinite(log_probs).all()):
-            raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
-        nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
-        if len(stops):
-            nxt = nxt.masked_fill(done, pad_id)
-            done |= torch.isin(nxt, stops)
-        yield nxt[:, None]
-        if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
-            return
-        h = step(nxt[:, None])
+    with transposed_weights():  # (the weights are fixed while generating)
+        h = step(input_ids, padding)
+        stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+        pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        for i in range(max_new_tokens):
+            _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
+            if not bool(torch.isfinite(log_probs).all()):
+                raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
+            nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
+            if len(stops):
+                nxt = nxt.masked_fill(done, pad_id)
+                done |= torch.isin(nxt, stops)
+            yield nxt[:, None]
+            if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
+                return
+            h = step(nxt[:, None])
 
 
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:

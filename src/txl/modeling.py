@@ -23,9 +23,11 @@ comments use B batch, T query (segment) length, M memory length, K = M + T key l
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
@@ -327,24 +329,40 @@ TRANSPOSED_WEIGHTS = True
 """Whether CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as
 inputs (W_q/W_k/W_v, W_o, the first feed-forward layer: about 2/3 of the layer weights): generation is faster, at
 that memory. Set ``txl.modeling.TRANSPOSED_WEIGHTS = False`` to save the memory."""
-_TRANSPOSED: dict[int, tuple[tuple, Tensor]] = {}  # id(weight) -> (its version stamp, the copy)
+_TRANSPOSED: dict[int, tuple[weakref.ref, tuple, Tensor]] = {}  # id(weight) -> (the weight, its stamp, the copy)
+_SCOPES = [0]  # open transposed_weights() scopes
+_SCOPE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def transposed_weights() -> Iterator[None]:
+    """Let :func:`linear` keep transposed copies of the weights while this is open (generation and serving open it:
+    their weights do not change). The copies are dropped when the last scope closes, so training, whose weights
+    change every step (also through ``.data``, which no version counter sees), never reads a stale one."""
+    with _SCOPE_LOCK:
+        _SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        with _SCOPE_LOCK:
+            _SCOPES[0] -= 1
+            if _SCOPES[0] == 0:
+                _TRANSPOSED.clear()
 
 
 def _transposed(weight: Tensor) -> Tensor:
-    """A contiguous [in, out] copy of ``weight``, made once and remade when the weight changes (in place or moved);
-    dropped with the weight."""
+    """A contiguous [in, out] copy of ``weight``, made once per scope and remade when the weight changes in place or
+    moves."""
     stamp = (weight._version, weight.data_ptr(), weight.dtype)
     entry = _TRANSPOSED.get(id(weight))
-    if entry is None:
-        weakref.finalize(weight, _TRANSPOSED.pop, id(weight), None)
-    if entry is None or entry[0] != stamp:
-        entry = _TRANSPOSED[id(weight)] = (stamp, weight.detach().t().contiguous())
-    return entry[1]
+    if entry is None or entry[0]() is not weight or entry[1] != stamp:
+        entry = _TRANSPOSED[id(weight)] = (weakref.ref(weight), stamp, weight.detach().t().contiguous())
+    return entry[2]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | None = None) -> Tensor:
     """``F.linear(x, weight[out], bias[out])``, with a faster product for the few rows of CPU inference (generation
-    projects one token per step).
+    projects one token per step), inside :func:`transposed_weights`.
 
     With a handful of rows the product is a matrix-vector product, bound by reading the weight. The [out, in]
     layout makes it a dot product per output over a row of ``in`` values, which BLAS runs on one core and, for
@@ -359,6 +377,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | N
     if (
         rows > SMALL_ROWS
         or rows == 0
+        or not _SCOPES[0]
         or x.device.type != "cpu"
         or torch.is_grad_enabled()
         or not TRANSPOSED_WEIGHTS
