@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from _report import replace_section
-from model_speed import cpu_description, fp32_route, uncached_greedy
+from model_speed import cpu_description, uncached_greedy
 from txl import modeling
 from txl.generation import generate
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
-from txl.runtime import choose_fp32_matmul, configure_allocator
+from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route
 
 HEADING = "## What each speed lever gives"
 BATCH, TGT = 8, 128

@@ -49,7 +49,7 @@ from txl.generation import generate
 from txl.modeling import KVCache
 from txl.optim import build_optimizer
 from txl.pretrained import load_weights
-from txl.runtime import choose_fp32_matmul, configure_allocator, native_bf16
+from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
 
 CASES = {
     "bench-char": dict(vocab_size=256, cutoffs=[], div_val=1, n_layer=6, tie_projs=[False]),
@@ -114,16 +114,6 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t
-
-
-@contextlib.contextmanager
-def fp32_route(enabled: bool):
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16" if enabled else "ieee"
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.matmul.fp32_precision = before
 
 
 def empty_hf_mems(hf, device) -> list[torch.Tensor]:

@@ -159,12 +159,14 @@ def test_one_row_products_equal_f_linear(rows):
     with torch.no_grad(), modeling.transposed_weights():
         got = modeling.linear(x, weight, bias)
         sliced = modeling.linear(x, weight, bias, out=slice(32, None))
-        narrow = modeling.linear(torch.randn(rows, 96), weight.t().contiguous())  # fewer outputs: F.linear
+        wide_in, narrow_x = weight.t().contiguous(), torch.randn(rows, 96)
+        narrow = modeling.linear(narrow_x, wide_in)  # fewer outputs than inputs: F.linear, no copy
+        assert id(wide_in) not in modeling._TRANSPOSED
         # the transposed copy is made for a few rows (and kept for the next call of the scope)
         assert (id(weight) in modeling._TRANSPOSED) == (rows <= modeling.SMALL_ROWS)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(sliced, F.linear(x, weight[32:], bias[32:]), atol=1e-5, rtol=1e-6)
-    assert narrow.shape == (rows, 32)
+    torch.testing.assert_close(narrow, F.linear(narrow_x, wide_in), atol=1e-5, rtol=1e-6)
     assert not modeling._TRANSPOSED  # dropped with the scope
     with torch.no_grad():  # outside a scope (training, evaluation): F.linear, no copy
         modeling.linear(x, weight, bias)
@@ -189,7 +191,7 @@ def test_generation_follows_weights_changed_in_place():
 def test_generation_steps_leave_the_onednn_route_and_restore_it():
     """One-token steps run on torch's default fp32 path (the oneDNN route of txl.runtime is ~3x slower for them);
     the caller's setting is back afterwards, also while the stream is suspended between tokens."""
-    from txl.generation import default_fp32_matmul
+    from txl.runtime import fp32_route
 
     setting = torch.backends.mkldnn.matmul
     before = setting.fp32_precision
@@ -208,7 +210,7 @@ def test_generation_steps_leave_the_onednn_route_and_restore_it():
         next(steps)
         assert setting.fp32_precision == "bf16"  # between tokens: the caller's route
         list(steps)
-        with default_fp32_matmul():
+        with fp32_route(False):
             assert setting.fp32_precision == "ieee"
         assert setting.fp32_precision == "bf16"
     finally:

@@ -17,23 +17,7 @@ from torch import Tensor
 
 from txl.evaluate import NonFiniteError
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
-
-
-@contextlib.contextmanager
-def default_fp32_matmul() -> Iterator[None]:
-    """fp32 products on torch's default path for the duration: ``txl.runtime`` may route fp32 GEMMs through oneDNN
-    where that pays for large products, but for the one-row products of a generated token the route is ~3x slower
-    (measured on an AVX-512 EPYC: 92 against 285 new tokens/s)."""
-    setting = torch.backends.mkldnn.matmul
-    previous = setting.fp32_precision
-    if previous in ("ieee", "none"):  # (the default path already)
-        yield
-        return
-    setting.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        setting.fp32_precision = previous
+from txl.runtime import fp32_route
 
 
 def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
@@ -111,7 +95,7 @@ def stream(
         cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
 
         def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
-            with contextlib.nullcontext() if ids.shape[1] > 1 else default_fp32_matmul():
+            with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
                 return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
 
     else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step

@@ -368,7 +368,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | N
     layout makes it a dot product per output over a row of ``in`` values, which BLAS runs on one core and, for
     short rows, at a fraction of the memory bandwidth; from a transposed copy ([in, out], made once and kept
     until the weight changes) the same product is a sum of scaled rows of ``out`` values, and one row is split
-    over the input dimension into ``SPLIT`` blocks that the cores share (1.3-2.6x per product on a 2-core EPYC,
+    over the input dimension into ``SPLIT`` blocks that the cores share (2-3x per product on a 2-core EPYC,
     see docs/benchmarks.md). Weights with fewer outputs than inputs keep ``F.linear`` (long dot products, and no
     copy). The same value up to fp32 rounding (the additions are grouped differently). Training, autograd,
     autocast, other devices and more rows take ``F.linear``.

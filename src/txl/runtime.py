@@ -12,17 +12,18 @@
 ``txl train`` calls :func:`configure` (both); ``txl eval`` and ``txl generate`` set the allocator only: the route
 pays for the large products of training, but evaluation's are narrower (per-head products of d_head columns) and
 measured slower on it (bench-char / bench-word evaluation 0.91x / 0.84x on an AVX-512 EPYC), and one-token products
-3x slower (generation keeps the default path even under the route, see ``txl.generation.default_fp32_matmul``).
+3x slower (generation keeps the default path even under the route: ``fp32_route(False)`` around its steps).
 Library users may call either. Both settings are process-wide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,22 @@ class RouteChoice:
 
 def _set_route(enabled: bool) -> None:
     torch.backends.mkldnn.matmul.fp32_precision = "bf16" if enabled else "ieee"
+
+
+@contextlib.contextmanager
+def fp32_route(enabled: bool) -> Iterator[None]:
+    """fp32 GEMMs through oneDNN (``enabled``) or on torch's default path for the duration; the setting before is
+    restored. Generation steps use ``fp32_route(False)``: their one-row products are ~3x slower on the route."""
+    setting = torch.backends.mkldnn.matmul
+    previous = setting.fp32_precision
+    if previous == ("bf16" if enabled else "ieee") or (not enabled and previous == "none"):  # (already so)
+        yield
+        return
+    _set_route(enabled)
+    try:
+        yield
+    finally:
+        setting.fp32_precision = previous
 
 
 def choose_fp32_matmul(measure: bool = True, routed_matmul: Callable = torch.matmul) -> RouteChoice:
