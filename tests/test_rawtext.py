@@ -25,6 +25,7 @@ CORPUS_EXTRA = [
     "It's 1,000-year-old. He paid $3.50 for 23,000 people, don't you think?",
     '"Yes," she said -- e-mail me at a@b.com (or not). The 1990s were 3.5 times as long; 10% more!',
     "Mr. Smith's dog isn't here: it's over there... [citation needed] & so on / etc.",
+    "an old man , an old year",  # (HF counts the vocabulary on whitespace: "old" on its own without ../shared too)
 ]
 SENTENCES = [
     "It's 1,000-year-old.",
