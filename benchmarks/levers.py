@@ -9,8 +9,11 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   ``F.dropout``), the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
   oneDNN (a lever txl turns on only where its start-up check finds it exact and >= 15% faster), and malloc kept
   from returning large blocks (off: glibc's defaults; measured in fresh processes, since it is process-wide);
+* bf16 train step (autocast, where the CPU has native bf16): the attention scores summed and masked in bf16 (off:
+  upcast to fp32 first; the softmax computes in fp32 either way);
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
-  segment);
+  segment) and the padded shift whose view takes the mask in place (off: the unpadded shift, and the mask added
+  into a copy of the scores);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
   re-projected for every new token) and the transposed-weight form of one-row products (off: ``F.linear``).
 
@@ -38,7 +41,7 @@ from model_speed import cpu_description, uncached_greedy
 from txl import modeling
 from txl.generation import generate
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
-from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route
+from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
 
 HEADING = "## What each speed lever gives"
 BATCH, TGT = 8, 128
@@ -71,8 +74,10 @@ TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer optio
 
 
 class TrainCase:
-    def __init__(self, model: TransformerXLLM, stream: torch.Tensor, off, opt_kw: dict, route: bool = False):
-        self.model, self.stream, self.off, self.route = model, stream, off, route
+    def __init__(
+        self, model: TransformerXLLM, stream: torch.Tensor, off, opt_kw: dict, route: bool = False, bf16: bool = False
+    ):
+        self.model, self.stream, self.off, self.route, self.bf16 = model, stream, off, route, bf16
         self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, **opt_kw)
         self.mems, self.pos = None, 0
 
@@ -80,7 +85,8 @@ class TrainCase:
         x = self.stream[:, self.pos : self.pos + TGT]
         y = self.stream[:, self.pos + 1 : self.pos + TGT + 1]
         self.pos = (self.pos + TGT) % (self.stream.shape[1] - TGT - 1)
-        with self.off(), fp32_route(self.route):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with self.off(), fp32_route(self.route), autocast:
             out = self.model(x, y, mems=self.mems)
             out.loss.backward()
         self.opt.step()
@@ -119,27 +125,56 @@ def train_levers(warmup: int, steps: int, route_ok: bool) -> dict[str, list[floa
     return alternate(cases, warmup, steps, BATCH * TGT)
 
 
+def bf16_train_levers(warmup: int, steps: int) -> dict[str, list[float]]:
+    """bf16 autocast (where the CPU has native bf16): the scores kept in bf16 (off: upcast to fp32 first)."""
+    torch.manual_seed(0)
+    base = TransformerXLLM(TransformerXLConfig(**CFG)).train()
+    stream = torch.randint(0, 256, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
+    fp32_scores = lambda: mock.patch.object(modeling, "HALF_PRECISION_SCORES", False)  # noqa: E731
+    cases = {
+        name: TrainCase(copy.deepcopy(base), stream, off, {"fused": True}, bf16=True).step
+        for name, off in (("all levers", contextlib.nullcontext), ("half-precision scores", fp32_scores))
+    }
+    return alternate(cases, warmup, steps, BATCH * TGT)
+
+
 def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     torch.manual_seed(0)
     model = TransformerXLLM(TransformerXLConfig(**CFG)).eval()
     stream = torch.randint(0, 256, (BATCH, TGT * (warmup + steps + 2)), generator=torch.Generator().manual_seed(0))
-    state = {"cache": KVCache(model.config, BATCH, 640, TGT), "mems": None, "a": 0, "b": 0}
 
-    @torch.no_grad()
-    def cached():
-        x = stream[:, state["a"] : state["a"] + TGT]
-        state["a"] += TGT
-        model.transformer(x, cache=state["cache"], mem_len=640).last_hidden_state.sum().item()
+    def cached(off):
+        state = {"cache": KVCache(model.config, BATCH, 640, TGT), "pos": 0}
 
-    @torch.no_grad()
+        @torch.no_grad()
+        def step():
+            x = stream[:, state["pos"] : state["pos"] + TGT]
+            state["pos"] += TGT
+            with off():
+                model.transformer(x, cache=state["cache"], mem_len=640).last_hidden_state.sum().item()
+
+        return step
+
     def uncached():
-        x = stream[:, state["b"] : state["b"] + TGT]
-        state["b"] += TGT
-        out = model.transformer(x, state["mems"], mem_len=640)
-        state["mems"] = out.mems
-        out.last_hidden_state.sum().item()
+        state = {"mems": None, "pos": 0}
 
-    return alternate({"all levers": cached, "K/V cache": uncached}, warmup, steps, BATCH * TGT)
+        @torch.no_grad()
+        def step():
+            x = stream[:, state["pos"] : state["pos"] + TGT]
+            state["pos"] += TGT
+            out = model.transformer(x, state["mems"], mem_len=640)
+            state["mems"] = out.mems
+            out.last_hidden_state.sum().item()
+
+        return step
+
+    unpadded = lambda: mock.patch.object(modeling, "shift_padding", lambda klen: 0)  # noqa: E731
+    cases = {
+        "all levers": cached(contextlib.nullcontext),
+        "K/V cache": uncached(),
+        "padded shift, mask added in place": cached(unpadded),
+    }
+    return alternate(cases, warmup, steps, BATCH * TGT)
 
 
 def with_patch(owner, name: str, value, fn):
@@ -227,6 +262,7 @@ def main() -> None:
     for case, times in (
         ("train step", train_levers(args.warmup, args.steps, route.exact)),
         ("train step", allocator_lever(args.rounds, args.warmup, args.steps) if alloc_on else None),
+        ("train step, bf16", bf16_train_levers(args.warmup, args.steps) if native_bf16(torch.device("cpu")) else None),
         ("eval, mem 640", eval_levers(args.warmup, args.steps)),
         ("generation (new tok/s)", generation_levers(args.gen_repeats, 128)),
     ):
@@ -238,7 +274,8 @@ def main() -> None:
             f"{HEADING} (`benchmarks/levers.py`)\n\n"
             f"Command: `make bench-levers` (= `python benchmarks/levers.py --warmup {args.warmup} --steps "
             f"{args.steps} --rounds {args.rounds} --gen_repeats {args.gen_repeats} --write docs/benchmarks.md`). "
-            f"Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. bench-char shapes, fp32; each "
+            f"Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. bench-char shapes, fp32 (the bf16 "
+            "row: bf16 autocast); each "
             "row turns one lever off (or, for a lever txl leaves off here, on) and keeps the others; the variants "
             "alternate step by step in one process (malloc: fresh processes, alternating). gain = tokens/s with "
             "all levers / tokens/s with the lever off. The exactness of each lever is tested in `tests/` (the "

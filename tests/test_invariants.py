@@ -9,7 +9,15 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLLM
-from txl.modeling import attention_mask, rel_shift, sinusoid_embedding
+from txl.modeling import (
+    SHIFT_ALIGN,
+    attention_mask,
+    mask_scores,
+    mask_scores_,
+    rel_shift,
+    shift_padding,
+    sinusoid_embedding,
+)
 
 VARIANTS = {
     "plain": {},
@@ -100,6 +108,46 @@ def test_rel_shift_equals_naive_gather(qlen, mlen):
     raw_t = torch.randn(3, 2, qlen, klen).transpose(0, 1)
     assert rel_shift(raw_t).untyped_storage().data_ptr() == raw_t.untyped_storage().data_ptr()
     torch.testing.assert_close(rel_shift(raw_t).tril(mlen), rel_shift(raw_t.contiguous()).tril(mlen))
+
+
+@pytest.mark.parametrize("qlen, mlen", [(2, 0), (4, 0), (3, 5), (5, 3), (7, 9), (9, 7)])
+def test_padded_rel_shift_is_a_view_without_overlap(qlen, mlen):
+    """Inference pads the raw rows to a multiple of SHIFT_ALIGN: the shifted view keeps every unmasked entry and no
+    two of its entries share memory, so the mask can be written into it in place."""
+    klen = qlen + mlen
+    width = klen + shift_padding(klen)
+    assert width % SHIFT_ALIGN == 0 and width > klen
+    raw = torch.randn(2, 3, qlen, width)
+    raw[..., klen:] = 0
+    shifted = rel_shift(raw, klen)
+    assert shifted.shape == (2, 3, qlen, klen)
+    assert shifted.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+    torch.testing.assert_close(shifted.tril(mlen), rel_shift(raw[..., :klen].contiguous()).tril(mlen), atol=0, rtol=0)
+    marks = torch.arange(shifted.numel(), dtype=raw.dtype).view(shifted.shape)
+    shifted.copy_(marks)  # every entry its own number: with an overlap, a later write would overwrite an earlier
+    assert shifted.equal(marks)
+
+
+@pytest.mark.parametrize("kind", ["causal", "same_length", "padding", "none"])
+def test_in_place_mask_equals_the_added_bias(kind):
+    qlen, mlen = 5, 7
+    mask = attention_mask(qlen, mlen, kind == "same_length", 6)
+    if kind == "padding":
+        padded = torch.zeros(2, mlen + qlen, dtype=torch.bool)
+        padded[0, :4] = True
+        mask = (mask | padded[:, None, :])[:, None]  # [B, 1, T, K]
+    elif kind == "none":
+        mask = torch.zeros_like(mask)
+    score = torch.randn(2, 3, qlen, mlen + qlen)
+    expected = mask_scores(score, mask)
+    assert mask_scores_(score, mask) is score
+    assert score.equal(expected)
+
+
+def test_half_precision_softmax_computes_in_fp32():
+    """Attention scores stay bf16 under autocast because torch's bf16 softmax computes in fp32 and rounds once."""
+    x = (torch.randn(4, 3, 17, 300) * 4).bfloat16()
+    assert torch.softmax(x, -1).equal(torch.softmax(x.float(), -1).bfloat16())
 
 
 def naive_layer_scores(model, h, mem, layer, clamp_len=-1):

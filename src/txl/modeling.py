@@ -211,7 +211,19 @@ def sinusoid_embedding(
 #    grad_raw[.., i, c] = grad[.., i, c + i - (T-1)], again one strided view, of the gradient padded with T-1 zero
 #    columns in front (the masked entries carry no gradient, so nothing is lost). The generic backward of a strided
 #    view (a scatter through index tensors) costs 2.5x more.
+#    In inference the raw rows get P >= 1 zero columns more (W = K + P, a multiple of 8): the view's row stride
+#    becomes W-1 and the masked entries land on the padding and on columns of the next row that no unmasked entry
+#    reads, so the view has no overlap and the mask is added in place instead of into a copy of the scores.
 # ---------------------------------------------------------------------------------------------------------
+
+SHIFT_ALIGN = 8
+"""The padded raw rows of inference are a multiple of this many columns (a 769-column GEMM costs 1.7x a 768-column
+one on a Zen 4 EPYC; 776 costs the same as 768)."""
+
+
+def shift_padding(klen: int) -> int:
+    """The zero columns (1 to ``SHIFT_ALIGN``) that inference appends to the raw rows of ``klen`` keys."""
+    return SHIFT_ALIGN - klen % SHIFT_ALIGN
 
 
 class _RelShift(torch.autograd.Function):
@@ -230,19 +242,24 @@ class _RelShift(torch.autograd.Function):
         return padded.as_strided((*lead, qlen, klen), stride, padded.storage_offset())
 
 
-def rel_shift(bd_raw: Tensor) -> Tensor:
+def rel_shift(bd_raw: Tensor, klen: int | None = None) -> Tensor:
     """Shift ``[..., T, K]`` scores from distance order to key order (Appendix B), as a view.
 
     Only each ``[T, K]`` block must be contiguous; the leading dimensions may have any strides. The gradient of
     the entries that read the next row (the causally masked ones) must be zero, as it is for masked scores (their
-    probability is exactly 0).
+    probability is exactly 0). With ``klen`` < the rows' width (``[..., T, klen + P]``, P zero columns, see
+    ``shift_padding``; inference only) the result ``[..., T, klen]`` is a view without overlap, writable in place.
     """
-    *lead, qlen, klen = bd_raw.shape
+    *lead, qlen, width = bd_raw.shape
+    klen = width if klen is None else klen
     if torch.compiler.is_exporting():  # (ONNX export: strided views do not export; the same values by index)
-        return rel_shift_gather(bd_raw)
-    if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != klen:
+        return rel_shift_gather(bd_raw[..., :klen])
+    if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != width:
         bd_raw = bd_raw.contiguous()
-    return _RelShift.apply(bd_raw)
+    if width == klen:
+        return _RelShift.apply(bd_raw)
+    stride = (*bd_raw.stride()[:-2], width - 1, 1)
+    return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
 
 
 def rel_shift_gather(bd_raw: Tensor) -> Tensor:
@@ -291,6 +308,19 @@ def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
     masked entry's probability is exactly 0, so the softmax gives it exactly 0 gradient."""
     bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device).masked_fill_(mask, float("-inf"))
     return score.add_(bias) if inplace else score + bias
+
+
+def mask_scores_(score: Tensor, mask: Tensor) -> Tensor:
+    """:func:`mask_scores` in place, for inference: on the CPU only the columns from the first masked one on are
+    touched (with the causal mask, the last T-1 columns)."""
+    lo = 0
+    # (elsewhere finding the column would wait for the device, or be a data-dependent shape in a graph)
+    if mask.device.type == "cpu" and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        masked = mask.reshape(-1, mask.shape[-1]).any(0)  # [K]
+        lo = int(masked.to(torch.uint8).argmax()) if bool(masked.any()) else mask.shape[-1]
+    if lo < mask.shape[-1]:
+        mask_scores(score[..., lo:], mask[..., lo:], inplace=True)
+    return score
 
 
 class Dropout(nn.Module):
@@ -418,6 +448,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | N
 # ---------------------------------------------------------------------------------------------------------
 
 
+HALF_PRECISION_SCORES = True
+"""In half precision (autocast), whether the attention scores (a)+(c) + (b)+(d) are summed and masked in the GEMMs'
+dtype: torch's half-precision softmax computes in fp32 and rounds once (tests/test_invariants.py checks it), so
+only the fp32 copies of the T x K scores and of their gradient go (6-20% of a bf16 training step here). False: the
+scores are upcast to fp32 first."""
+
+
 class _Attention(nn.Module):
     """Multi-head attention over [memory; segment] without the positional terms: QKV and output projections,
     post-LN (or pre-LN), dropouts, and the attend step."""
@@ -498,7 +535,9 @@ class _Attention(nn.Module):
         grad = torch.is_grad_enabled() and q_w.requires_grad
         if need_weights or grad or (self.training and self.dropatt.p > 0):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
-            score = _fp32(ac) if bd is None else _fp32(ac).add_(bd)  # fp32
+            if not HALF_PRECISION_SCORES:
+                ac = _fp32(ac)
+            score = ac if bd is None else ac.add_(bd)  # [B, H, T, K]
             if mask is not None:
                 score = mask_scores(score, mask, inplace=True)
             prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
@@ -507,8 +546,12 @@ class _Attention(nn.Module):
             # Inference: fold the shifted (b)+(d) term and the mask into SDPA's additive bias.
             if bd is None:
                 bias = None if mask is None else mask_scores(q_w.new_zeros(mask.shape, dtype=torch.float32), mask)
+            elif mask is None:
+                bias = bd
+            elif bd.stride(-2) >= bd.shape[-1]:  # (no overlap: the shift of a padded row, or no shift)
+                bias = mask_scores_(bd, mask)  # [B, H, T, K], in place
             else:
-                bias = bd if mask is None else mask_scores(bd, mask)  # [B, H, T, K]
+                bias = mask_scores(bd, mask)  # [B, H, T, K]
             bias = None if bias is None else bias.to(q_w.dtype)
             attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
             prob = None
@@ -519,7 +562,7 @@ class _Attention(nn.Module):
 
 class RelPositions(NamedTuple):
     """attn_type 0's positional input of one layer: R ([K, D], dropped out) or W_kR R already projected
-    (``r_k`` [H, Dh, K], from a cache), and the biases u, v ([H, Dh])."""
+    (``r_k`` [H, Dh, K + SHIFT_ALIGN], from a cache), and the biases u, v ([H, Dh])."""
 
     pos_emb: Tensor | None
     r_k: Tensor | None
@@ -564,16 +607,21 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape
-        r_k = pos.r_k  # W_kR R for the distances K-1..0, as [H, Dh, K]: the layout of the (b)+(d) GEMM
+        r_k = pos.r_k  # W_kR R for the distances K-1..0 (a cache's has zero columns after them), [H, Dh, >= K]
         if r_k is None:
             r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
+        W = K  # the raw rows' width: in inference, padded (see shift_padding)
+        if T > 1 and not torch.is_grad_enabled() and not torch.compiler.is_exporting():
+            W = K + shift_padding(K)
+            r_k = r_k[..., :W] if r_k.shape[-1] >= W else F.pad(r_k[..., :K], (0, W - K))
+        r_k = r_k[..., :W]  # [H, Dh, W]: the layout of the (b)+(d) GEMM
 
         # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).
         q_w = ((q + pos.u) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
         q_r = ((q + pos.v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # (q + v) / sqrt(Dh)
-        bd = torch.bmm(q_r, r_k).view(H, B, T, K).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, K]
+        bd = torch.bmm(q_r, r_k).view(H, B, T, W).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, W]
         if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
-            bd = rel_shift(bd)  # (b)+(d) by key
+            bd = rel_shift(bd, K)  # (b)+(d) by key, [B, H, T, K]
         return q_w, bd
 
 
@@ -780,8 +828,10 @@ class KVCache:
         self.config = config
         self.capacity = max(2 * (mem_len + max_segment), 16)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
-        self.k = torch.empty(shape, **kw)
-        self.v = torch.empty(shape, **kw)
+        # (zeroed now: the pages are touched once here, not on the first pass of the window, where each segment's
+        # write would fault them in one by one)
+        self.k = torch.zeros(shape, **kw)
+        self.v = torch.zeros(shape, **kw)
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
@@ -825,14 +875,16 @@ class KVCache:
         return self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
 
     def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor:
-        """W_kR R of ``layer`` for the distances K-1, ..., 0 ([H, Dh, K]): the last K columns of a table that
-        ``project(n)`` made once for the longest span seen (for one ``key``: clamp_len, dtype)."""
+        """W_kR R of ``layer`` for the distances K-1, ..., 0, then ``SHIFT_ALIGN`` zero columns (the padding of the
+        shift, see ``shift_padding``): [H, Dh, K + SHIFT_ALIGN], a view of a table that ``project(n)`` made once
+        for the longest span seen (for one ``key``: clamp_len, dtype)."""
         if key != self._r_key:
             self._r_k, self._r_key = [None] * self.config.n_layer, key
         table = self._r_k[layer]
-        if table is None or table.shape[-1] < K:
-            table = self._r_k[layer] = project(max(K, self.capacity // 2))
-        return table[..., table.shape[-1] - K :]
+        if table is None or table.shape[-1] - SHIFT_ALIGN < K:
+            table = project(max(K, self.capacity // 2))
+            table = self._r_k[layer] = F.pad(table, (0, SHIFT_ALIGN))
+        return table[..., table.shape[-1] - SHIFT_ALIGN - K :]
 
     def end_segment(self, T: int, mem_len: int) -> None:
         """The segment is now memory; keep the last ``mem_len`` positions (what ``_update_mems`` keeps)."""
