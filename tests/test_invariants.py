@@ -11,6 +11,7 @@ from tests.conftest import debug_config
 from txl import TransformerXLLM
 from txl.modeling import (
     SHIFT_ALIGN,
+    Dropout,
     attention_mask,
     mask_scores,
     mask_scores_,
@@ -335,6 +336,26 @@ def test_dropout_only_in_training():
     only_att = TransformerXLLM(debug_config(dropout=0.0, dropatt=0.5)).train()
     with torch.no_grad():  # dropatt applies in training mode even without gradients
         assert not only_att(ids, ids).losses.equal(only_att(ids, ids).losses)
+
+
+@pytest.mark.parametrize("n", [1_001, 300_001])
+def test_cpu_dropout_mask_has_the_dropout_distribution(n):
+    """The CPU mask takes two 24-bit uniforms from each 64-bit random word: keep rate 1 - p, kept entries scaled by
+    1 / (1 - p), the two halves of a word independent, the same mask for the same seed."""
+    p = 0.1
+    drop = Dropout(p).train()
+    x = torch.ones(n)
+    torch.manual_seed(0)
+    y = drop(x)
+    kept = y != 0
+    assert torch.allclose(y[kept], torch.full((), 1 / (1 - p)))
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * sd
+    pairs = kept[: n // 2 * 2].view(-1, 2).double().t()  # the two uniforms of each word
+    assert abs(torch.corrcoef(pairs)[0, 1].item()) < 5 / math.sqrt(n // 2)
+    torch.manual_seed(0)
+    assert drop(x).equal(y)
+    assert not drop(x).equal(y)
 
 
 @pytest.mark.parametrize("same_length", [False, True])
