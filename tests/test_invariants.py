@@ -129,10 +129,14 @@ def test_padded_rel_shift_is_a_view_without_overlap(qlen, mlen):
     assert shifted.equal(marks)
 
 
-@pytest.mark.parametrize("kind", ["causal", "same_length", "padding", "none"])
+@pytest.mark.parametrize("kind", ["causal", "same_length", "padding", "scattered", "none"])
 def test_in_place_mask_equals_the_added_bias(kind):
+    """The in-place mask (only the columns from the first masked one on) equals the added bias."""
     qlen, mlen = 5, 7
     mask = attention_mask(qlen, mlen, kind == "same_length", 6)
+    if kind == "scattered":
+        mask = torch.zeros_like(mask)
+        mask[1, 2] = mask[3, 5] = mask[0, 9] = mask[4, 11] = True
     if kind == "padding":
         padded = torch.zeros(2, mlen + qlen, dtype=torch.bool)
         padded[0, :4] = True
