@@ -143,36 +143,26 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     model = TransformerXLLM(TransformerXLConfig(**CFG)).eval()
     stream = torch.randint(0, 256, (BATCH, TGT * (warmup + steps + 2)), generator=torch.Generator().manual_seed(0))
 
-    def cached(off):
-        state = {"cache": KVCache(model.config, BATCH, 640, TGT), "pos": 0}
+    def segments(off=contextlib.nullcontext, cached: bool = True):
+        """One segment per call, its memory carried (as a K/V cache, or as hidden states re-projected)."""
+        state = {"cache": KVCache(model.config, BATCH, 640, TGT) if cached else None, "mems": None, "pos": 0}
 
         @torch.no_grad()
         def step():
             x = stream[:, state["pos"] : state["pos"] + TGT]
             state["pos"] += TGT
             with off():
-                model.transformer(x, cache=state["cache"], mem_len=640).last_hidden_state.sum().item()
-
-        return step
-
-    def uncached():
-        state = {"mems": None, "pos": 0}
-
-        @torch.no_grad()
-        def step():
-            x = stream[:, state["pos"] : state["pos"] + TGT]
-            state["pos"] += TGT
-            out = model.transformer(x, state["mems"], mem_len=640)
-            state["mems"] = out.mems
+                out = model.transformer(x, state["mems"], cache=state["cache"], mem_len=640)
+            state["mems"] = out.mems  # (None with a cache)
             out.last_hidden_state.sum().item()
 
         return step
 
     unpadded = lambda: mock.patch.object(modeling, "shift_padding", lambda klen: 0)  # noqa: E731
     cases = {
-        "all levers": cached(contextlib.nullcontext),
-        "K/V cache": uncached(),
-        "padded shift, mask added in place": cached(unpadded),
+        "all levers": segments(),
+        "K/V cache": segments(cached=False),
+        "padded shift, mask added in place": segments(unpadded),
     }
     return alternate(cases, warmup, steps, BATCH * TGT)
 

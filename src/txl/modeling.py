@@ -451,8 +451,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | N
 HALF_PRECISION_SCORES = True
 """In half precision (autocast), whether the attention scores (a)+(c) + (b)+(d) are summed and masked in the GEMMs'
 dtype: torch's half-precision softmax computes in fp32 and rounds once (tests/test_invariants.py checks it), so
-only the fp32 copies of the T x K scores and of their gradient go (6-20% of a bf16 training step here). False: the
-scores are upcast to fp32 first."""
+only the fp32 copies of the T x K scores and of their gradient go (1.05x / 1.11x on the bf16 bench-char /
+bench-word training step here). False: the scores are upcast to fp32 first."""
 
 
 class _Attention(nn.Module):
@@ -613,7 +613,8 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         W = K  # the raw rows' width: in inference, padded (see shift_padding)
         if T > 1 and not torch.is_grad_enabled() and not torch.compiler.is_exporting():
             W = K + shift_padding(K)
-            r_k = r_k[..., :W] if r_k.shape[-1] >= W else F.pad(r_k[..., :K], (0, W - K))
+            if r_k.shape[-1] < W:  # (a cache's table has the zero columns already)
+                r_k = F.pad(r_k[..., :K], (0, W - K))
         r_k = r_k[..., :W]  # [H, Dh, W]: the layout of the (b)+(d) GEMM
 
         # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).

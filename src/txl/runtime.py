@@ -90,9 +90,6 @@ def fp32_route(enabled: bool) -> Iterator[None]:
     restored. Generation steps use ``fp32_route(False)``: their one-row products are ~3x slower on the route."""
     setting = torch.backends.mkldnn.matmul
     previous = setting.fp32_precision
-    if previous == ("bf16" if enabled else "ieee") or (not enabled and previous == "none"):  # (already so)
-        yield
-        return
     _set_route(enabled)
     try:
         yield
