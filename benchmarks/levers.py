@@ -15,7 +15,8 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   segment) and the padded shift whose view takes the mask in place (off: the unpadded shift, and the mask added
   into a copy of the scores);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
-  re-projected for every new token) and the transposed-weight form of one-row products (off: ``F.linear``).
+  re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``) and the
+  one-token step as one loop over the layers' weights (``TransformerXL._decode``; off: the layers' own path).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -184,6 +185,7 @@ def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
         "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
         "transposed weights for one-row products": lambda: with_patch(modeling, "TRANSPOSED_WEIGHTS", False, run),
+        "one-token steps as one loop over the weights": lambda: with_patch(modeling, "FAST_DECODE", False, run),
     }
     return alternate(cases, 1, repeats, new_tokens)
 

@@ -4,6 +4,8 @@ slides; batched prompts of different lengths give what each prompt gives alone; 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,63 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
     assert id(qkv) in modeling._TRANSPOSED  # made by the first generated token
     list(steps)
     assert not modeling._TRANSPOSED  # dropped when the stream ends: training never reads a stale copy
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [1, 3, modeling.SMALL_ROWS + 1])
+@pytest.mark.parametrize("scope", [True, False], ids=["transposed", "plain"])
+def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch):
+    """A cached one-token step runs TransformerXL._decode, one loop over the layers' weights; it computes what the
+    layers' own path computes (FAST_DECODE off), step after step over a sliding memory, with left padding in the
+    batch, and it reads weights changed in place."""
+    model = lm(**VARIANTS[variant], mem_len=10)
+    n = model.config.n_token
+    prompt = torch.randint(0, n, (rows, 7))
+    padding = torch.zeros(rows, 7, dtype=torch.bool)
+    padding[0, :3] = True  # the first row's prompt is shorter
+    ids = torch.randint(0, n, (rows, 20))
+    caches = {fast: KVCache(model.config, rows, 10, max_segment=7) for fast in (True, False)}
+    decode = model.transformer._decode
+    with torch.no_grad(), modeling.transposed_weights() if scope else contextlib.nullcontext():
+        for t in range(-1, ids.shape[1]):
+            if t == 12:  # weights changed in place between two steps
+                for p in model.parameters():
+                    p.mul_(1.1)
+            out = {}
+            for fast, cache in caches.items():
+                monkeypatch.setattr(modeling, "FAST_DECODE", fast)
+                called = []
+                monkeypatch.setattr(model.transformer, "_decode", spy(decode, called))
+                if t < 0:
+                    out[fast] = model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs
+                else:
+                    out[fast] = model(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1]
+                    assert called == [True] * fast  # the fast path ran exactly when it is on
+            torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+    assert caches[True].start > 0  # the window slid
+    for a, b in ((caches[True].k, caches[False].k), (caches[True].v, caches[False].v)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def spy(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(True)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def test_one_token_steps_read_the_weights_of_the_model_that_runs_them(monkeypatch):
+    """The weights a cache's one-token steps read are looked up once per cache, for the model that runs the step:
+    another model stepping on the same cache uses its own."""
+    a, b = lm(), lm()
+    prompt, tok = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 1))
+    out = {}
+    for fast in (True, False):
+        monkeypatch.setattr(modeling, "FAST_DECODE", fast)
+        cache = KVCache(a.config, 2, 16, max_segment=6)
+        with torch.no_grad():
+            a(prompt, cache=cache)
+            a(tok, cache=cache)
+            out[fast] = b(tok, cache=cache, return_log_probs=True).log_probs
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
