@@ -1171,8 +1171,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         """Every layer for one new position per row, ``h`` [B, 1, D], with a ``cache`` (inference, attn_type 0):
         what the layers' forward computes, as one loop over their weights. For one token the arithmetic is small
         (about 15 MFLOP for the bench-char model) and the general path (module calls, attribute lookups, the checks
-        of each product, the shift) costs more than it; this loop is 1.25x faster per generated token on a 2-core
-        CPU (docs/benchmarks.md). A single newest query needs no shift: its (b)+(d) row is already in key order
+        of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
+        EPYC (benchmarks/levers.py). A single newest query needs no shift: its (b)+(d) row is already in key order
         (distances K-1, ..., 0)."""
         B = h.shape[0]
         if cache.decode_plan is None or cache.decode_plan[0] is not self:
