@@ -79,3 +79,36 @@ def test_two_process_checkpoint_continues_on_one(runs):
     _launch(train_args(tmp, "shrunk", **settings, train__max_tokens=3 * 4 * 16), 2)
     _launch(train_args(tmp, "shrunk", **settings), 1)  # memories regrouped into one process's 4 columns
     _close(losses(tmp / "shrunk"), losses(tmp / "single"), 1e-5)
+
+
+ROUTE_SPY = """
+import os, sys
+from pathlib import Path
+import torch
+import txl.trainer
+from txl.runtime import RouteChoice, choose_fp32_matmul
+rank = os.environ["RANK"]
+def choose(earlier=None, **kw):
+    if earlier is None:  # a measurement: process 0 finds the route faster, the others slower
+        choice = RouteChoice(rank == "0", 2.0 if rank == "0" else 0.5, True)
+    else:
+        choice = RouteChoice(bool(earlier), 1.0, True, earlier)
+    Path(sys.argv[1], f"route-{rank}").write_text(f"{earlier} {choice.enabled}")
+    return choice
+txl.trainer.choose_fp32_matmul = choose
+from txl.cli import main
+main(sys.argv[2:])
+"""
+
+
+def test_every_process_takes_process_0s_fp32_route(tmp_path):
+    """The fp32 GEMM route is measured by process 0 only and given to the others (the paths round differently)."""
+    script = tmp_path / "spy.py"
+    script.write_text(ROUTE_SPY)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    args = train_args(tmp_path, "r", **{**SETTINGS, "train__max_steps": 2})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    res = subprocess.run([*cmd, str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (tmp_path / "route-0").read_text() == "None True"  # measured
+    assert (tmp_path / "route-1").read_text() == "True True"  # given, not measured

@@ -54,3 +54,22 @@ def test_bf16_falls_back_to_fp32_only_without_hardware_bf16(monkeypatch):
     assert runtime.effective_precision(cpu, "fp32") == ("fp32", None)
     monkeypatch.setattr(runtime, "native_bf16", lambda device: True)
     assert runtime.effective_precision(cpu, "bf16") == ("bf16", None)
+
+
+def test_an_earlier_choice_is_kept_without_measuring_where_the_route_is_exact(monkeypatch):
+    """A resumed run keeps the route its checkpoint used (the two paths round differently): no new measurement,
+    which is noisy enough to choose the other way; a route that is not exact here is still refused."""
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(runtime, "median_time", no_timing)
+    exact_here = runtime.choose_fp32_matmul(measure=False).exact
+    on = runtime.choose_fp32_matmul(earlier=True)
+    assert on.enabled == exact_here and on.earlier is True
+    assert torch.backends.mkldnn.matmul.fp32_precision == ("bf16" if exact_here else "ieee")
+    assert "as in the run being resumed" in on.describe() or not exact_here
+    off = runtime.choose_fp32_matmul(earlier=False)
+    assert not off.enabled and torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+    refused = runtime.choose_fp32_matmul(routed_matmul=bf16_matmul, earlier=True)
+    assert not refused.enabled and "not exact here" in refused.describe()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -436,3 +437,29 @@ def test_autocast_validates_the_precision():
     model = torch.nn.Linear(1, 1)  # never reached: the precision is checked before any work
     with pytest.raises(ValueError, match="precision 'fp8'"):
         evaluate(model, torch.zeros(100).numpy(), batch_size=2, tgt_len=4, mem_len=0, precision="fp8")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN: no route to choose")
+def test_a_resumed_run_keeps_the_fp32_route_of_its_checkpoint(tmp_path, monkeypatch):
+    """Checkpoints record the fp32 GEMM route (txl.runtime) and `txl train --resume` keeps it rather than measuring
+    again: the two paths round differently (losses differ in the 6th digit at bench-char size), and the speed check
+    is noisy enough to choose differently from one process to the next."""
+    from txl import runtime
+
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        run = run_inprocess(tmp_path, "r", **EXACT, train__max_tokens=5 * TOKENS_PER_STEP)
+        meta_file = list_checkpoints(run)[-1][1] / "metadata.json"
+        meta = json.loads(meta_file.read_text())
+        assert isinstance(meta["fp32_route"], bool)
+        for recorded in (not meta["fp32_route"], meta["fp32_route"]):  # as if the interrupted run had chosen so
+            meta_file.write_text(json.dumps({**meta, "fp32_route": recorded}))
+            with monkeypatch.context() as m:
+                m.setattr(runtime, "median_time", lambda *a, **k: pytest.fail("the route was measured again"))
+                exact = runtime.choose_fp32_matmul(measure=False).exact
+                run_inprocess(tmp_path, "r", **{**EXACT, "train__max_steps": 6})
+            assert read_metadata(list_checkpoints(run)[-1][1])["fp32_route"] == (recorded and exact)
+            for folder in [p for s, p in list_checkpoints(run) if s == 6]:  # resume from step 5 again
+                shutil.rmtree(folder)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before

@@ -9,7 +9,7 @@ A checkpoint folder holds
   optimizer, scheduler and grad-scaler state, every RNG, the data iterator's position, the memories of each of
   its gradient-accumulation chunks, and the logging accumulators. Tensors and primitives only, read with
   ``torch.load(weights_only=True)``;
-- ``metadata.json``: step, tokens, validation loss, best step, world size, versions;
+- ``metadata.json``: step, tokens, validation loss, best step, world size, versions, the fp32 GEMM route (CPU);
 - ``COMPLETE``: the marker, written last.
 
 It is written as ``.step-N.partial/`` and renamed to ``step-N/`` after the marker, so a folder named ``step-N``

@@ -9,7 +9,8 @@
   matrix units (AMX) the same setting would compute in bf16, so a start-up self-check compares the routed product
   with a float64 one and refuses the route unless its error is that of fp32.
 
-``txl train`` calls :func:`configure` (both); ``txl eval`` and ``txl generate`` set the allocator only: the route
+``txl train`` sets both (the route's choice is saved with each checkpoint and kept when the run resumes: the two
+paths round differently); ``txl eval`` and ``txl generate`` set the allocator only: the route
 pays for the large products of training, but evaluation's are narrower (per-head products of d_head columns) and
 measured slower on it (bench-char / bench-word evaluation 0.91x / 0.84x on an AVX-512 EPYC), and one-token products
 3x slower (generation keeps the default path even under the route: ``fp32_route(False)`` around its steps).
@@ -73,11 +74,20 @@ class RouteChoice:
     enabled: bool
     speedup: float
     exact: bool
+    earlier: bool | None = None
+    """The choice given to :func:`choose_fp32_matmul` (a resumed run's), kept rather than measured; None: measured."""
 
     def describe(self) -> str:
         what = "via oneDNN" if self.enabled else "via the default path"
         why = "" if self.exact else ", oneDNN's route is not exact here"
-        return f"fp32 GEMMs {what} (oneDNN {self.speedup:.2f}x the default{why})"
+        if self.earlier is None:
+            return f"fp32 GEMMs {what} (oneDNN {self.speedup:.2f}x the default{why})"
+        if self.enabled == self.earlier:
+            return f"fp32 GEMMs {what}, as in the run being resumed (not measured again: it computes as before)"
+        return (
+            f"fp32 GEMMs {what}: the run being resumed used oneDNN's route, which is not exact here, so the "
+            "resumed steps round differently from an uninterrupted run"
+        )
 
 
 def _set_route(enabled: bool) -> None:
@@ -97,17 +107,24 @@ def fp32_route(enabled: bool) -> Iterator[None]:
         setting.fp32_precision = previous
 
 
-def choose_fp32_matmul(measure: bool = True, routed_matmul: Callable = torch.matmul) -> RouteChoice:
+def choose_fp32_matmul(
+    measure: bool = True, routed_matmul: Callable = torch.matmul, earlier: bool | None = None
+) -> RouteChoice:
     """Route fp32 GEMMs through oneDNN if that is exact (the self-check runs ``routed_matmul`` with the route on)
-    and at least 15% faster here; otherwise leave (or set back) the default path."""
+    and at least 15% faster here; otherwise leave (or set back) the default path.
+
+    ``earlier`` is the choice of a run being resumed (or of another process of the run): it is kept, without
+    measuring again, wherever the route is exact. The two paths round differently, and the speed check is noisy
+    (1.11x-1.59x in ten calls in one process on a 2-core EPYC), so a choice made again could differ and the
+    resumed run would not compute what the uninterrupted one did."""
     if not torch.backends.mkldnn.is_available():
-        return RouteChoice(False, 1.0, False)
+        return RouteChoice(False, 1.0, False, earlier)
     previous = torch.backends.mkldnn.matmul.fp32_precision
     try:
         _set_route(True)
         exact = is_fp32_exact(routed_matmul)
         speedup = 1.0
-        if exact and measure:
+        if exact and measure and earlier is None:
             operands = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in ROUTE_SHAPES]
             timings = {}
             for routed in (False, True, True, False, False, True):  # best of 3 each, in ABBA order
@@ -117,7 +134,8 @@ def choose_fp32_matmul(measure: bool = True, routed_matmul: Callable = torch.mat
             speedup = timings[False] / timings[True]
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = previous
-    choice = RouteChoice(exact and speedup >= MIN_GAIN, speedup, exact)
+    enabled = exact and (speedup >= MIN_GAIN if earlier is None else earlier)
+    choice = RouteChoice(enabled, speedup, exact, earlier)
     _set_route(choice.enabled)
     return choice
 

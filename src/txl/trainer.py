@@ -45,8 +45,7 @@ from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import CheckpointError, load_weights, read_safetensors
-from txl.runtime import configure as configure_runtime
-from txl.runtime import effective_precision
+from txl.runtime import choose_fp32_matmul, configure_allocator, effective_precision
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
@@ -149,9 +148,9 @@ class Trainer:
         self.precision, note = effective_precision(w.device, tc.precision)
         if note:
             self.say(f"note: train.precision = bf16, but {note}")
+        self.fp32_route: bool | None = None  # (CPU) fp32 GEMMs through oneDNN; saved with every checkpoint
         if w.device.type == "cpu":
-            for line in configure_runtime():
-                self.say(f"runtime: {line}")
+            self._configure_cpu()
 
         # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
         corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None
@@ -198,6 +197,23 @@ class Trainer:
             write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
     # -- setup ------------------------------------------------------------------------------------------------
+
+    def _configure_cpu(self) -> None:
+        """malloc settings, and the fp32 GEMM route (txl.runtime): measured by process 0 of a new run and given to
+        the others; a resumed run keeps its checkpoint's choice, since the two paths round differently (the speed
+        check is noisy, and a choice made again could differ from the one the interrupted run made)."""
+        w = self.world
+        if configure_allocator():
+            self.say("runtime: malloc keeps large freed blocks (no page faults on reused temporaries)")
+        if not torch.backends.mkldnn.is_available():
+            return
+        earlier = read_metadata(self.checkpoint_to_load).get("fp32_route") if self.checkpoint_to_load else None
+        choice = choose_fp32_matmul(earlier=earlier) if w.is_main or earlier is not None else None
+        if earlier is None and w.distributed:  # one choice for every process: process 0's
+            chosen = all_reduce_sum(w, float(choice.enabled) if choice else 0.0)[0] > 0
+            choice = choice or choose_fp32_matmul(earlier=chosen)
+        self.fp32_route = choice.enabled
+        self.say(f"runtime: {choice.describe()}")
 
     def _lock_run_dir(self) -> RunLock | None:
         """Process 0 locks the run folder; every process stops if that fails (one run per folder)."""
@@ -390,6 +406,7 @@ class Trainer:
             "best_step": self.best_step,
             "world_size": self.world.size,
             "torch": torch.__version__,
+            "fp32_route": self.fp32_route,
         }
         keep = {self.best_step} if self.tc.keep_best and self.best_step is not None else set()
         try:
