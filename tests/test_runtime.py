@@ -73,3 +73,25 @@ def test_an_earlier_choice_is_kept_without_measuring_where_the_route_is_exact(mo
     assert not off.enabled and torch.backends.mkldnn.matmul.fp32_precision == "ieee"
     refused = runtime.choose_fp32_matmul(routed_matmul=bf16_matmul, earlier=True)
     assert not refused.enabled and "not exact here" in refused.describe()
+
+
+def test_the_speed_check_is_the_median_of_paired_rounds_after_a_warm_up(monkeypatch):
+    """Each round times both paths (which goes first alternates); the first round, slow while both warm up, is
+    dropped, and a stalled round does not move the median."""
+    n = len(runtime.ROUTE_SHAPES)
+    calls = []
+
+    def fake_median_time(fn, repeats=5):  # one call per shape; a round is 2 * n calls
+        i = len(calls) // (2 * n)
+        routed = torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        calls.append(routed)
+        if routed:
+            return (20.0 if i == 3 else 1.0) / n  # round 3 stalls on the route
+        return (5.0 if i == 0 else 1.0 + 0.1 * i) / n  # round 0 warms up; then ratios 1.1, 1.2, ..., 1.8
+
+    monkeypatch.setattr(runtime, "median_time", fake_median_time)
+    speedup = runtime._route_speedup()
+    assert len(calls) == 2 * n * (runtime.ROUTE_ROUNDS + 1)
+    firsts = [calls[r * 2 * n] for r in range(runtime.ROUTE_ROUNDS + 1)]
+    assert firsts == [r % 2 == 0 for r in range(runtime.ROUTE_ROUNDS + 1)]  # the route first, then alternating
+    assert speedup == pytest.approx(1.45)  # median of 1.1, 1.2, 1.3/20, 1.4, ..., 1.8 (the warm-up's 5.0 dropped)
