@@ -134,9 +134,9 @@ def choose_fp32_matmul(
     and at least 15% faster here; otherwise leave (or set back) the default path.
 
     ``earlier`` is the choice of a run being resumed (or of another process of the run): it is kept, without
-    measuring again, wherever the route is exact. The two paths round differently, and the speed check is noisy
-    (1.11x-1.59x in ten calls in one process on a 2-core EPYC), so a choice made again could differ and the
-    resumed run would not compute what the uninterrupted one did."""
+    measuring again, wherever the route is exact. The two paths round differently, and the speed check follows
+    the machine's drift (see ``_route_speedup``), so a choice made again could differ and the resumed run would
+    not compute what the uninterrupted one did."""
     if not torch.backends.mkldnn.is_available():
         return RouteChoice(False, 1.0, False, earlier)
     previous = torch.backends.mkldnn.matmul.fp32_precision
