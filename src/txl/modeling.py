@@ -818,8 +818,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
 class _DecodeLayer(NamedTuple):
     """One layer's weights as ``TransformerXL._decode`` reads them (the tensors themselves: changes in place are
-    seen). ``norm1``/``norm2``: the arguments of ``F.layer_norm`` after the input."""
+    seen), and its attention (for the scores). ``norm1``/``norm2``: the arguments of ``F.layer_norm`` after the
+    input."""
 
+    attn: RelPartialLearnableMultiHeadAttn
     qkv: Tensor
     o: Tensor
     norm1: tuple
@@ -829,9 +831,6 @@ class _DecodeLayer(NamedTuple):
     b2: Tensor
     norm2: tuple
     pre_lnorm: bool
-    scale: float
-    n_head: int
-    d_head: int
 
     @classmethod
     def of(cls, layer: TransformerXLLayer) -> _DecodeLayer:
@@ -841,9 +840,8 @@ class _DecodeLayer(NamedTuple):
             return ln.normalized_shape, ln.weight, ln.bias, ln.eps
 
         return cls(
-            attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
-            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm, attn.scale, attn.n_head,
-            attn.d_head,
+            attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
+            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
         )  # fmt: skip
 
 
@@ -1172,8 +1170,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         what the layers' forward computes, as one loop over their weights. For one token the arithmetic is small
         (about 15 MFLOP for the bench-char model) and the general path (module calls, attribute lookups, the checks
         of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
-        EPYC (benchmarks/levers.py). A single newest query needs no shift: its (b)+(d) row is already in key order
-        (distances K-1, ..., 0)."""
+        EPYC (benchmarks/levers.py). The attention's own ``scores`` gives the queries and the (b)+(d) row, which for
+        the single newest query needs no shift."""
         B = h.shape[0]
         if cache.decode_plan is None or cache.decode_plan[0] is not self:
             cache.decode_plan = (self, [_DecodeLayer.of(layer) for layer in self.layers])
@@ -1185,14 +1183,11 @@ class TransformerXL(TransformerXLPreTrainedModel):
             return _rows_product(x, _transposed(weight), bias) if few and wide else F.linear(x, weight, bias)
 
         for i, (lay, p) in enumerate(zip(plan, pos, strict=True)):
-            H, Dh = lay.n_head, lay.d_head
+            H, Dh = lay.attn.n_head, lay.attn.d_head
             x = F.layer_norm(h, *lay.norm1) if lay.pre_lnorm else h
             q, k, v = product(x, lay.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
             k, v = cache.append(i, k, v)  # the window's keys and values, [B, H, K, Dh] each
-            K = k.shape[2]
-            q_w = (q + p.u[:, None]) * lay.scale  # (q + u) / sqrt(Dh), [B, H, 1, Dh]
-            q_r = ((q + p.v[:, None]) * lay.scale).view(B, H, Dh).transpose(0, 1)  # (q + v) / sqrt(Dh), [H, B, Dh]
-            bd = torch.bmm(q_r, p.r_k[..., :K]).transpose(0, 1)[:, :, None]  # (b)+(d), [B, H, 1, K]
+            q_w, bd = lay.attn.scores(q.transpose(1, 2), p, k.shape[2])  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
             if mask is not None:  # (same_length's window, or padding)
                 bd = mask_scores(bd, mask, inplace=True)
             vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]

@@ -33,6 +33,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 ROUTE_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (2048, 256, 768))  # FF up/down, fused K/V: M x K x N
 MIN_GAIN = 1.15  # the route must be at least this much faster on the shapes above (timing noise is ~10%)
 ROUTE_ROUNDS = 8  # paired rounds of the speed check (see _route_speedup)
+ALLOCATOR_NOTE = "malloc keeps large freed blocks (no page faults on reused temporaries)"
 
 
 def configure_allocator() -> bool:
@@ -158,7 +159,7 @@ def configure() -> list[str]:
     """Apply every setting that pays on this machine; return one line per setting, for the log."""
     notes = []
     if configure_allocator():
-        notes.append("malloc keeps large freed blocks (no page faults on reused temporaries)")
+        notes.append(ALLOCATOR_NOTE)
     if torch.backends.mkldnn.is_available():
         notes.append(choose_fp32_matmul().describe())
     return notes

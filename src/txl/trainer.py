@@ -45,7 +45,7 @@ from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import CheckpointError, load_weights, read_safetensors
-from txl.runtime import choose_fp32_matmul, configure_allocator, effective_precision
+from txl.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, effective_precision
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
@@ -204,7 +204,7 @@ class Trainer:
         check is noisy, and a choice made again could differ from the one the interrupted run made)."""
         w = self.world
         if configure_allocator():
-            self.say("runtime: malloc keeps large freed blocks (no page faults on reused temporaries)")
+            self.say(f"runtime: {ALLOCATOR_NOTE}")
         if not torch.backends.mkldnn.is_available():
             return
         earlier = read_metadata(self.checkpoint_to_load).get("fp32_route") if self.checkpoint_to_load else None
