@@ -98,9 +98,10 @@ def test_cached_generation_equals_the_uncached_loop_over_a_sliding_memory(varian
         h = model.transformer(prompt, cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
         for i, tok in enumerate(forced):
             _, log_probs = model.crit(h, return_log_probs=True)
-            # (rtol: a log-prob near -21 has an fp32 spacing of 1.9e-6; on an AVX-512 CPU the two paths' GEMM
-            # blockings differ there by more than 1e-5 absolute, with the code of before this test's rtol too)
-            torch.testing.assert_close(log_probs[0], expected[i], atol=1e-5, rtol=1e-6, msg=f"step {i + 1}")
+            # (rtol: the fp32 rounding of this sharp model (init_std 0.3) is itself ~1e-5: the uncached fp32 loop
+            # is 1.8e-5 from a float64 one on the adaptive variant; test_native_step_is_as_exact_as_the_pytorch_path
+            # checks against float64 that the cached step is at least as close to it)
+            torch.testing.assert_close(log_probs[0], expected[i], atol=1e-5, rtol=1e-5, msg=f"step {i + 1}")
             h = model.transformer(torch.tensor([[tok]]), cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
     assert cache.length == mem_len and cache.start > 0
 

@@ -323,6 +323,7 @@ def generate(
     """
     import torch
 
+    from txl import native
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
     from txl.generation import check_sampling
@@ -356,6 +357,8 @@ def generate(
         stops += ids
     if any(not 0 <= i < lm.config.n_token for i in stops):
         raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
+    if lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x slower without it)
+        print(f"txl: note: {native.status()}", file=sys.stderr)
     g = torch.Generator().manual_seed(seed)
     tokens = stream_tokens(
         lm,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl import native
 from txl.pretrained import PretrainedMixin
 
 # ---------------------------------------------------------------------------------------------------------
@@ -592,10 +593,8 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         of every layer, projected once for the longest span."""
         cfg = model.config
         exact = torch.float64 if dtype == torch.float64 else torch.float32
-        biases = [
-            (model.r_w_bias[i], model.r_r_bias[i]) if cfg.untie_r else (model.r_w_bias, model.r_r_bias)
-            for i in range(cfg.n_layer)
-        ]
+        u, v = model.r_w_bias, model.r_r_bias  # [H, Dh], or [n_layer, H, Dh] (untie_r)
+        biases = list(zip(u.unbind(0), v.unbind(0), strict=True)) if cfg.untie_r else [(u, v)] * cfg.n_layer
         if cache is None:
             pos_emb = sinusoid_embedding(K, cfg.d_model, clamp_len, device, exact)  # [K, D]
             pos_emb = model.drop(pos_emb.to(dtype))
@@ -757,7 +756,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """Weight [n_i, d_i], bias [n_i] and projection [d_model, d_i] (or None) of cluster i, fp32."""
         if self.div_val == 1:
             l, r = self.ends[i], self.ends[i + 1]
-            w, b = self.out_layers[0].weight[l:r], self.out_layers[0].bias[l:r]
+            out = self.out_layers[0]
+            w, b = (out.weight, out.bias) if r - l == self.n_token else (out.weight[l:r], out.bias[l:r])
         else:
             w, b = self.out_layers[i].weight, self.out_layers[i].bias
         if i == 0 and self.n_clusters > 0:
@@ -777,11 +777,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
         Returns (per-token NLL [N] in input order (0 where ignored) or None, log-probs [N, V] or None).
         """
-        with torch.autocast(hidden.device.type, enabled=False):
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        with torch.autocast(hidden.device.type, enabled=False) if autocast else contextlib.nullcontext():
             h = _fp32(hidden)
             head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters]
             nll = log_probs = None
-            if return_log_probs:
+            if return_log_probs and self.n_clusters == 0:
+                log_probs = head  # [N, V]
+            elif return_log_probs:
                 parts = [head[:, : self.shortlist]]
                 for i in range(1, self.n_clusters + 1):
                     parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i))
@@ -848,6 +851,9 @@ class _DecodeLayer(NamedTuple):
 FAST_DECODE = True
 """Whether a cached step of one token (generation, serving) runs ``TransformerXL._decode``, one loop over the
 layers' weights, instead of the layers' general path (the same computation; set False to compare)."""
+NATIVE_DECODE = True
+"""Whether ``TransformerXL._decode`` runs as one native call where it can (:mod:`txl.native`: fp32 on the CPU,
+with a C compiler to build it; else the PyTorch loop). The same computation up to fp32 rounding."""
 
 
 class KVCache:
@@ -881,6 +887,7 @@ class KVCache:
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
         self._r_k: list[Tensor | None] = [None] * config.n_layer
         self._r_key: tuple | None = None
+        self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
         self.decode_plan: tuple | None = None  # (the model, its layers' _DecodeLayer), made by its first step
 
     @property
@@ -925,11 +932,16 @@ class KVCache:
         for the longest span seen (for one ``key``: clamp_len, dtype)."""
         if key != self._r_key:
             self._r_k, self._r_key = [None] * self.config.n_layer, key
+        view = self._r_view[layer]
+        if view is not None and view[0] == K and view[1] is self._r_k[layer]:  # (each step of a full window)
+            return view[2]
         table = self._r_k[layer]
         if table is None or table.shape[-1] - SHIFT_ALIGN < K:
             table = project(max(K, self.capacity // 2))
             table = self._r_k[layer] = F.pad(table, (0, SHIFT_ALIGN))
-        return table[..., table.shape[-1] - SHIFT_ALIGN - K :]
+        view = table[..., table.shape[-1] - SHIFT_ALIGN - K :]
+        self._r_view[layer] = (K, table, view)
+        return view
 
     def end_segment(self, T: int, mem_len: int) -> None:
         """The segment is now memory; keep the last ``mem_len`` positions (what ``_update_mems`` keeps)."""
@@ -968,6 +980,7 @@ class KVCache:
         merged.padded = bool(merged.padding[:, :n].any())
         merged.start, merged.end = 0, n
         merged._r_k, merged._r_key = [None] * first.config.n_layer, None
+        merged._r_view = [None] * first.config.n_layer
         merged.decode_plan = None
         return merged
 
@@ -1174,8 +1187,12 @@ class TransformerXL(TransformerXLPreTrainedModel):
         the single newest query needs no shift."""
         B = h.shape[0]
         if cache.decode_plan is None or cache.decode_plan[0] is not self:
-            cache.decode_plan = (self, [_DecodeLayer.of(layer) for layer in self.layers])
-        plan = cache.decode_plan[1]
+            cache.decode_plan = (self, [_DecodeLayer.of(layer) for layer in self.layers], {})
+        _, plan, kernel_state = cache.decode_plan
+        if NATIVE_DECODE:  # the same loop in C, where it applies (fp32 on the CPU, a C compiler: txl.native)
+            out = native.decode_step(plan, (self.r_w_bias, self.r_r_bias), h, pos, mask, cache, kernel_state)
+            if out is not None:
+                return out
         few = _few_rows(h) and h.dtype == plan[0].qkv.dtype  # (linear()'s checks, once per step)
 
         def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:  # = linear(x, weight, bias)

@@ -1,0 +1,199 @@
+"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step.
+
+Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
+model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
+call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
+
+The library is compiled the first time it is needed (``cc -O3 -march=native``, about a second), into
+``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
+and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
+txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or
+``txl.native.ENABLED = False``) turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+"""Whether cached one-token steps may run the native kernel (``TXL_NATIVE=0`` sets it False)."""
+SOURCE = Path(__file__).with_name("decode.c")
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
+_LOCK = threading.Lock()
+_LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
+
+
+class _Layer(ctypes.Structure):
+    """``txl_layer`` of decode.c: one layer's tensors."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("qkv", "o", "ln1_w", "ln1_b", "w1", "b1", "w2", "b2", "ln2_w", "ln2_b", "u", "v")
+    ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float)]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$TXL_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/txl/native`` (default
+    ``~/.cache/txl/native``)."""
+    if os.environ.get("TXL_NATIVE_CACHE"):
+        return Path(os.environ["TXL_NATIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "txl" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
+    """Compile (or find) and load the library: (library, "" or why there is none, its path)."""
+    if not ENABLED:
+        return None, "turned off (TXL_NATIVE=0 or txl.native.ENABLED = False)", None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None, "no C compiler found (install gcc, or set CC)", None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"the C compiler {cc!r} does not run: {e}", None
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
+        name = f"decode-{platform.machine()}-{key.hexdigest()[:16]}.so"
+        for folder in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
+            try:
+                folder = Path(tempfile.mkdtemp(prefix="txl-native-")) if folder is None else folder
+                path = folder / name
+                if not path.exists():
+                    folder.mkdir(parents=True, exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+                    os.close(fd)
+                    cmd = [cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    if done.returncode != 0:
+                        os.unlink(tmp)
+                        errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
+                        break  # (the next flags)
+                    os.replace(tmp, path)  # (atomic: a concurrent build of the same file gives the same bytes)
+                lib = ctypes.CDLL(str(path))
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{path}: {e}")
+                continue
+            lib.txl_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+            lib.txl_exp.restype = None
+            fn = lib.txl_decode_step
+            fn.restype = ctypes.c_int
+            P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
+            fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
+            return lib, "", path
+    return None, "the build failed: " + " | ".join(errors), None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on the first call), or None if there is none (see :func:`status`)."""
+    if "lib" not in _LIB:
+        with _LOCK:
+            if "lib" not in _LIB:
+                lib, why, path = _build()
+                _LIB.update(lib=lib, why=why, path=path)
+    return _LIB["lib"]
+
+
+def status() -> str:
+    """One line: whether the native decoding step is used, and where it was built or why it is not."""
+    if not ENABLED:
+        return "native decoding step: off (TXL_NATIVE=0)"
+    if library() is None:
+        return f"native decoding step: not available, PyTorch path used ({_LIB['why']})"
+    return f"native decoding step: on ({_LIB['path']})"
+
+
+_DATA_PTR = Tensor.data_ptr
+
+
+def _usable(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+class _Plan:
+    """The ctypes view of a model's decoding plan (``txl.modeling._DecodeLayer`` per layer, and u, v): the layer
+    structs, and the addresses they were made from. Each step compares the tensors' addresses with these (a few
+    microseconds) and remakes the structs when a storage moved (``.to()``, ``.data =``), so the kernel never reads
+    freed memory; changes in place are read as they are."""
+
+    def __init__(self, plan: list, biases: tuple[Tensor, Tensor]) -> None:
+        per_layer = [_tensors(lay) for lay in plan]
+        self.tensors = [t for ts in per_layer for t in ts if t is not None] + list(biases)
+        self.ptrs = list(map(_DATA_PTR, self.tensors))
+        self.usable = all(map(_usable, self.tensors))
+        u, v = biases
+        step = u[0].numel() * u.element_size() if u.dim() == 3 else 0  # (untie_r: one [H, Dh] per layer)
+        self.layers = (_Layer * len(plan))()
+        for i, (lay, ts) in enumerate(zip(plan, per_layer, strict=True)):
+            ptrs = [None if t is None else t.data_ptr() for t in ts]
+            self.layers[i] = _Layer(*ptrs, u.data_ptr() + i * step, v.data_ptr() + i * step, lay.norm1[3], lay.norm2[3])
+        self.r = (ctypes.c_void_p * len(plan))()
+
+
+def _tensors(lay: Any) -> tuple:
+    """The weights of one layer that the kernel reads, in ``_Layer``'s order (before u, v)."""
+    n1, n2 = lay.norm1, lay.norm2
+    return lay.qkv, lay.o, n1[1], n1[2], lay.w1, lay.b1, lay.w2, lay.b2, n2[1], n2[2]
+
+
+def decode_step(
+    plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict
+) -> Tensor | None:
+    """``TransformerXL._decode`` as one native call: every layer for one new position per row ``h`` [B, 1, D],
+    with the cache ``cache`` (the new keys/values are written to it). ``plan``: the layers' ``_DecodeLayer``;
+    ``biases``: u and v (``r_w_bias``, ``r_r_bias``); ``pos``: the layers' ``RelPositions`` (their ``r_k``);
+    ``mask``: [1, K] or [B, 1, 1, K] (True = masked) or None; ``state``: a dict kept with the plan. Returns None
+    (nothing done) where the kernel does not apply: no library, not fp32 on the CPU, autocast, a graph being
+    traced."""
+    if not ENABLED or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    lib = _LIB["lib"] if "lib" in _LIB else library()
+    k, v, r0 = cache.k, cache.v, pos[0].r_k
+    if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)):
+        return None
+    native = state.get("native")
+    if native is None or native.ptrs != list(map(_DATA_PTR, native.tensors)):
+        native = state["native"] = _Plan(plan, biases)
+    if not native.usable or r0.dtype != torch.float32 or r0.stride(-1) != 1:
+        return None
+    native.r[:] = [p.r_k.data_ptr() for p in pos]  # (every layer's table has r0's layout: one cache made them)
+    B, _, D = h.shape
+    first = plan[0]
+    attn = first.attn
+    mask_ptr, mask_sb = None, 0
+    if mask is not None:
+        mask = mask.reshape(-1, mask.shape[-1]).to(torch.uint8).contiguous()  # [1 or B, K]
+        mask_ptr, mask_sb = mask.data_ptr(), (mask.shape[-1] if mask.shape[0] > 1 else 0)
+    out = h.reshape(B, D).clone()
+    failed = lib.txl_decode_step(
+        native.layers, len(plan), native.r, r0.stride(0), r0.stride(1), k.data_ptr(), v.data_ptr(), k.shape[3],
+        cache.start, cache.end, mask_ptr, mask_sb, B, D, attn.n_head, attn.d_head, first.w1.shape[0],
+        int(first.pre_lnorm), attn.scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("the native decoding step could not allocate its scratch memory")
+    return out.view(B, 1, D)

@@ -1,0 +1,322 @@
+/* One cached decoding step of Transformer-XL (attn_type 0), every layer, for B rows of one new token each: what
+ * TransformerXL._decode computes with PyTorch kernels, as one call. Built on first use by txl/native/__init__.py
+ * (cc -O3 -march=native; plain C with GCC vector extensions, no dependency), called through ctypes.
+ *
+ * Why: one token is ~15 MFLOP for the bench-char model, but ~30 MB of weights, cached keys/values and projected
+ * positions are read per token. PyTorch runs it as ~20 kernels per layer, each with its dispatch, its threads and
+ * a pass over memory; here each layer is one pass over its weights, cache and positions.
+ *
+ * Per layer (the paper's Sec. 3.3, inference: no dropout), for each row b:
+ *   x = LN1(h) if pre_lnorm else h
+ *   q, k, v = W_qkv x                                  (k, v written to the cache at position `pos`)
+ *   s_j = (q + u).k_j / sqrt(Dh)            (a)+(c)     for the window's keys j = 0 .. K-1 (time order)
+ *       + (q + v).W_kR R_{K-1-j} / sqrt(Dh) (b)+(d)     the newest query's row needs no shift
+ *       (-inf where masked)
+ *   a = sum_j softmax(s)_j v_j, per head;  h = h + W_o a (then LN1 unless pre_lnorm)
+ *   h = h + W_2 relu(W_1 LN2?(h) + b_1) + b_2 (then LN2 unless pre_lnorm)
+ * The same values as the PyTorch path up to fp32 rounding (sums are grouped differently).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define VL 16
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef float vfu __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias)); /* unaligned access */
+
+static inline vf vload(const float *p) { return *(const vfu *)p; }
+static inline void vstore(float *p, vf x) { *(vfu *)p = x; }
+static inline vf vzero(void) { return (vf){0}; }
+
+static inline float hsum(vf a) {
+    float s[VL];
+    vstore(s, a);
+    for (int w = VL / 2; w > 0; w /= 2) /* pairwise: s[i] += s[i + w] */
+        for (int i = 0; i < w; i++) s[i] += s[i + w];
+    return s[0];
+}
+
+/* The layer's tensors (fp32, contiguous, PyTorch layouts). */
+typedef struct {
+    const float *qkv;        /* [3*H*Dh, D]: rows W_q; W_k; W_v */
+    const float *o;          /* [D, H*Dh] */
+    const float *ln1_w, *ln1_b; /* [D] (the attention's layer norm; NULL: no affine) */
+    const float *w1, *b1;    /* [Di, D], [Di] (b1 may be NULL) */
+    const float *w2, *b2;    /* [D, Di], [D] */
+    const float *ln2_w, *ln2_b; /* [D] (the feed-forward's layer norm) */
+    const float *u, *v;      /* r_w_bias, r_r_bias of this layer, [H, Dh] */
+    float eps1, eps2;
+} txl_layer;
+
+static inline float dot(const float *a, const float *b, int n) {
+    const int n2 = n / (2 * VL) * (2 * VL), n1 = n / VL * VL;
+    vf a0 = vzero(), a1 = vzero();
+    int i = 0;
+    for (; i < n2; i += 2 * VL) {
+        a0 += vload(a + i) * vload(b + i);
+        a1 += vload(a + i + VL) * vload(b + i + VL);
+    }
+    for (; i < n1; i += VL) a0 += vload(a + i) * vload(b + i);
+    float s = hsum(a0 + a1);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[b, :] = W x[b, :] + bias for rows b < B: W [n_out, n_in]; x rows `xs` apart, y rows `ys` apart. One weight
+ * row at a time, read front to back: the hardware prefetcher follows one stream well (here ~35 GB/s from L3),
+ * several interleaved rows poorly (~15 GB/s); the row stays in L1 for the B dot products. */
+static void gemv(const float *W, const float *bias, int n_out, int n_in, const float *x, long xs, float *y, long ys,
+                 int B) {
+    for (int o = 0; o < n_out; o++) {
+        const float *w = W + (long)o * n_in;
+        const float c = bias ? bias[o] : 0.0f;
+        for (int b = 0; b < B; b++) y[b * ys + o] = dot(w, x + b * xs, n_in) + c;
+    }
+}
+
+/* y = LayerNorm(x) over n values (biased variance, as torch), in double for the moments. */
+static void layer_norm(const float *x, float *y, int n, const float *w, const float *b, float eps) {
+    double mean = 0, var = 0;
+    for (int i = 0; i < n; i++) mean += x[i];
+    mean /= n;
+    for (int i = 0; i < n; i++) var += ((double)x[i] - mean) * ((double)x[i] - mean);
+    var /= n;
+    const float m = (float)mean, rstd = (float)(1.0 / sqrt(var + eps));
+    for (int i = 0; i < n; i++) {
+        float t = (x[i] - m) * rstd;
+        y[i] = w ? t * w[i] + (b ? b[i] : 0.0f) : t;
+    }
+}
+
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+
+/* exp(x) for x <= 0 (the softmax's shifted scores), 16 at a time: 2^n e^r with |r| <= ln2/2 and Cephes' degree-7
+ * polynomial (relative error ~2e-7, as libm's expf); 0 below -87.3 (and for -inf); NaN for NaN. */
+static inline vf vexp(vf x) {
+    const vi under = x < -87.3f;
+    x = (vf)(((vi)x & ~under) | ((vi)(vzero() - 87.3f) & under)); /* (-inf lanes too: `under` zeroes them below) */
+    const vf y = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(y, vi);
+    n += (vi)(__builtin_convertvector(n, vf) > y); /* floor (truncation rounds negative values up) */
+    const vf fn = __builtin_convertvector(n, vf);
+    const vf r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f + vzero();
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi scaled = (vi)p + (n << 23); /* p * 2^n (n >= -126: x >= -87.3) */
+    const vi nan = x != x;               /* NaN stays NaN (a NaN score makes its row NaN, as in torch) */
+    return (vf)((scaled & ~under) | (nan & (vi)(vzero() + NAN)));
+}
+
+/* y = exp(x) for n values x <= 0, as the softmax computes it (exported for the tests). */
+void txl_exp(const float *x, float *y, long n) {
+    long i = 0;
+    for (; i + VL <= n; i += VL) vstore(y + i, vexp(vload(x + i)));
+    for (; i < n; i++) y[i] = expf(x[i]);
+}
+
+/* The lane sums of 16 vectors, as one vector (lane m: the sum of p[m]): a transpose by halves. */
+static inline vf sums16(const vf *p) {
+    vf u[8], w[4], x[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: 8 partial sums of p[2i]; 8-15: of p[2i+1] */
+        u[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++) /* 4-lane groups: p[4i] .. p[4i+3] */
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++) /* 2-lane groups: p[8i] .. p[8i+7] */
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* One head of one row: out[Dh] = softmax(s) V over the K keys of the window. k, v: the window's first key/value
+ * ([K, Dh] rows); r: W_kR R of this head for distances K-1 .. 0, r[d * rs + j]; mask: K bytes or NULL; s: K floats
+ * of scratch. */
+static void attend_head(const float *qu, const float *qv, const float *k, const float *v, const float *r, long rs,
+                        const uint8_t *mask, int K, int Dh, float *s, float *out) {
+    /* (b)+(d): s_j = sum_d qv_d r[d, j], vectorised over j */
+    memset(s, 0, sizeof(float) * K);
+    const int kv = K / VL * VL;
+    for (int d = 0; d < Dh; d++) {
+        const float c = qv[d];
+        const float *rd = r + d * rs;
+        const vf cv = vzero() + c;
+        int j = 0;
+        for (; j < kv; j += VL) vstore(s + j, vload(s + j) + cv * vload(rd + j));
+        for (; j < K; j++) s[j] += c * rd[j];
+    }
+    /* + (a)+(c): 16 keys at a time (their products summed across lanes together) */
+    int j = 0;
+    if (Dh % VL == 0)
+        for (; j < kv; j += VL) {
+            vf p[VL];
+            for (int m = 0; m < VL; m++) {
+                const float *kj = k + (long)(j + m) * Dh;
+                vf a = vzero();
+                for (int d = 0; d < Dh; d += VL) a += vload(qu + d) * vload(kj + d);
+                p[m] = a;
+            }
+            vstore(s + j, vload(s + j) + sums16(p));
+        }
+    for (; j < K; j++) s[j] += dot(qu, k + (long)j * Dh, Dh);
+    /* the mask, the maximum */
+    float mx = -INFINITY;
+    for (j = 0; j < K; j++) {
+        if (mask && mask[j]) s[j] = -INFINITY;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    /* p_j = exp(s_j - max), their sum, and sum_j p_j v_j */
+    vf tot = vzero();
+    for (j = 0; j < kv; j += VL) {
+        const vf e = vexp(vload(s + j) - mx);
+        vstore(s + j, e);
+        tot += e;
+    }
+    float total = hsum(tot);
+    for (; j < K; j++) {
+        s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - mx);
+        total += s[j];
+    }
+    float acc[Dh];
+    memset(acc, 0, sizeof(float) * Dh);
+    const int dv = Dh / VL * VL;
+    for (j = 0; j < K; j++) {
+        const float p = s[j];
+        const float *vj = v + (long)j * Dh;
+        const vf pv = vzero() + p;
+        int d = 0;
+        for (; d < dv; d += VL) vstore(acc + d, vload(acc + d) + pv * vload(vj + d));
+        for (; d < Dh; d++) acc[d] += p * vj[d];
+    }
+    const float inv = 1.0f / total;
+    for (int d = 0; d < Dh; d++) out[d] = acc[d] * inv;
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#define BARRIER _Pragma("omp barrier")
+#else
+#define BARRIER
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+/* Thread t's share [*lo, *hi) of n items. */
+static inline void share(int n, int *lo, int *hi) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *lo = (int)((long)n * t / nt);
+    *hi = (int)((long)n * (t + 1) / nt);
+}
+
+/* h[b] = LN(h[b] + t[b]) (post-LN) or h[b] + t[b] (pre-LN), for this thread's rows b. */
+static void residual(float *h, float *t, int B, int D, int pre_lnorm, const float *w, const float *bias, float eps) {
+    int lo, hi;
+    share(B, &lo, &hi);
+    for (int b = lo; b < hi; b++) {
+        float *hb = h + (long)b * D, *tb = t + (long)b * D;
+        for (int i = 0; i < D; i++) tb[i] = hb[i] + tb[i];
+        if (pre_lnorm)
+            memcpy(hb, tb, sizeof(float) * D);
+        else
+            layer_norm(tb, hb, D, w, bias, eps);
+    }
+}
+
+/* x[b] = LN(h[b]) (pre-LN; returns x) or h (post-LN; returns h), for this thread's rows b. */
+static const float *layer_input(const float *h, float *x, int B, int D, int pre_lnorm, const float *w,
+                                const float *bias, float eps) {
+    if (!pre_lnorm) return h;
+    int lo, hi;
+    share(B, &lo, &hi);
+    for (int b = lo; b < hi; b++) layer_norm(h + (long)b * D, x + (long)b * D, D, w, bias, eps);
+    return x;
+}
+
+/* Every layer for one new position per row. h [B, D] (in: the embedded tokens; out: the last layer's output).
+ * kc, vc: the cache's keys/values [n_layer, B, H, cap, Dh]; the window is positions [start, pos] (the new token's
+ * key/value is written at pos). r[l]: W_kR R of layer l for the distances K-1 .. 0 (K = pos - start + 1), element
+ * (h, d, j) at r[l][h * rs_h + d * rs_d + j]. mask: [B, K] bytes, rows mask_sb apart (0: one row for all), or NULL.
+ * n_threads threads share each phase (OpenMP: PyTorch's own pool, when its libgomp is the one loaded); every
+ * value is computed by one thread with the same code, so the result does not depend on n_threads.
+ * Returns 0, or 1 when scratch memory could not be allocated (nothing was written then). */
+int txl_decode_step(const txl_layer *layers, int n_layer, const float *const *r, long rs_h, long rs_d, float *kc,
+                    float *vc, long cap, long start, long pos, const uint8_t *mask, long mask_sb, int B, int D, int H,
+                    int Dh, int Di, int pre_lnorm, float scale, float *h, int n_threads) {
+    const int K = (int)(pos - start + 1), HD = H * Dh;
+    const int nt = n_threads > 0 ? n_threads : 1;
+    const long per_thread = K + 2L * Dh;
+    const long n_scratch = (long)B * (3L * HD + HD + D + D + Di) + nt * per_thread;
+    float *buf = malloc(sizeof(float) * n_scratch);
+    if (!buf) return 1;
+    float *qkv = buf, *att = qkv + (long)B * 3 * HD, *x = att + (long)B * HD, *t = x + (long)B * D,
+          *ff = t + (long)B * D, *thread_buf = ff + (long)B * Di;
+    const long layer_stride = (long)B * H * cap * Dh;
+
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        float *s = thread_buf + omp_get_thread_num() * per_thread, *qu = s + K, *qv = qu + Dh;
+        int lo, hi;
+        for (int l = 0; l < n_layer; l++) {
+            const txl_layer *L = &layers[l];
+            float *kl = kc + l * layer_stride, *vl = vc + l * layer_stride;
+            const float *in = layer_input(h, x, B, D, pre_lnorm, L->ln1_w, L->ln1_b, L->eps1);
+            BARRIER
+            /* per head: its rows of q, k, v (k, v into the cache), then its attention, for every row b */
+            share(H, &lo, &hi);
+            for (int hh = lo; hh < hi; hh++) {
+                for (int part = 0; part < 3; part++) /* q, k, v of this head: Dh rows of W_qkv each */
+                    gemv(L->qkv + ((long)part * HD + hh * Dh) * D, NULL, Dh, D, in, D, qkv + part * HD + hh * Dh,
+                         3 * HD, B);
+                for (int b = 0; b < B; b++) {
+                    const float *q = qkv + (long)b * 3 * HD + hh * Dh, *kn = q + HD, *vn = kn + HD;
+                    const long base = (((long)b * H + hh) * cap) * Dh;
+                    memcpy(kl + base + pos * Dh, kn, sizeof(float) * Dh);
+                    memcpy(vl + base + pos * Dh, vn, sizeof(float) * Dh);
+                    for (int d = 0; d < Dh; d++) {
+                        qu[d] = (q[d] + L->u[hh * Dh + d]) * scale;
+                        qv[d] = (q[d] + L->v[hh * Dh + d]) * scale;
+                    }
+                    attend_head(qu, qv, kl + base + start * Dh, vl + base + start * Dh, r[l] + hh * rs_h, rs_d,
+                                mask ? mask + b * mask_sb : NULL, K, Dh, s, att + (long)b * HD + hh * Dh);
+                }
+            }
+            BARRIER
+            /* h = h + W_o a, then LN1 (post-LN) */
+            share(D, &lo, &hi);
+            gemv(L->o + (long)lo * HD, NULL, hi - lo, HD, att, HD, t + lo, D, B);
+            BARRIER
+            residual(h, t, B, D, pre_lnorm, L->ln1_w, L->ln1_b, L->eps1);
+            BARRIER
+            /* feed-forward: h = h + W2 relu(W1 x + b1) + b2, then LN2 (post-LN) */
+            in = layer_input(h, x, B, D, pre_lnorm, L->ln2_w, L->ln2_b, L->eps2);
+            BARRIER
+            share(Di, &lo, &hi);
+            gemv(L->w1 + (long)lo * D, L->b1 ? L->b1 + lo : NULL, hi - lo, D, in, D, ff + lo, Di, B);
+            for (int b = 0; b < B; b++)
+                for (int i = lo; i < hi; i++) {
+                    float *f = ff + (long)b * Di + i;
+                    *f = *f < 0.0f ? 0.0f : *f; /* (NaN stays NaN) */
+                }
+            BARRIER
+            share(D, &lo, &hi);
+            gemv(L->w2 + (long)lo * Di, L->b2 ? L->b2 + lo : NULL, hi - lo, Di, ff, Di, t + lo, D, B);
+            BARRIER
+            residual(h, t, B, D, pre_lnorm, L->ln2_w, L->ln2_b, L->eps2);
+            BARRIER
+        }
+    }
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,226 @@
+"""The native decoding step (txl.native, decode.c): a cached one-token step of every layer in one C call. It must
+compute what the PyTorch path computes (to fp32 rounding: at least as close to a float64 run), on shapes that use
+its vector code and its scalar tails, with padding, same_length, pre-LN, untied biases and a sliding window; not
+depend on the number of threads; read weights that moved; keep NaN; and leave the PyTorch path in place where it
+cannot be built."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+
+import pytest
+import torch
+
+from tests.conftest import debug_config
+from train_helpers import run_inprocess
+from txl import TransformerXLLM, modeling, native
+from txl.cli import main
+from txl.evaluate import NonFiniteError
+from txl.generation import generate
+from txl.modeling import KVCache
+
+needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
+
+SHAPES = {
+    # d_head 32 and 16: whole vectors (16 keys at a time); 12, 48 and d_model 20: the scalar tails
+    "dh32": dict(d_model=64, n_head=2, d_head=32, d_inner=96),
+    "dh12_pre_lnorm": dict(d_model=20, n_head=3, d_head=12, d_inner=40, pre_lnorm=True),
+    "dh16_same_length_clamp": dict(d_model=48, n_head=4, d_head=16, d_inner=64, same_length=True, clamp_len=9),
+    "dh48_untie_r": dict(d_model=32, n_head=1, d_head=48, d_inner=33, untie_r=True),
+}
+
+
+class Calls:
+    """Counts the native kernel's runs (``native.decode_step`` returning a result)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = native.decode_step
+
+        def counted(*args):
+            out = real(*args)
+            self.n += out is not None
+            return out
+
+        monkeypatch.setattr(native, "decode_step", counted)
+
+
+def steps(model, prompt, padding, ids, mem_len, native_on: bool):
+    """The prompt, then one token per step from ``ids`` [B, N]: the log-probs [N + 1, B, V] and the cache."""
+    modeling.NATIVE_DECODE = native_on
+    try:
+        cache = KVCache(model.config, prompt.shape[0], mem_len, prompt.shape[1], dtype=next(model.parameters()).dtype)
+        out = [model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs[:, -1]]
+        for t in range(ids.shape[1]):
+            out.append(model(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1])
+        return torch.stack(out), cache
+    finally:
+        modeling.NATIVE_DECODE = True
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", SHAPES)
+def test_native_step_is_as_exact_as_the_pytorch_path(shape, monkeypatch):
+    """Over 70 steps of a 40-position window (it slides), three rows with a left-padded prompt: the native step's
+    log-probs are as close to a float64 run as the PyTorch fp32 step's, and equal to them within 1e-4 (relative:
+    this sharp model's fp32 rounding); the cached keys and values agree too."""
+    model = TransformerXLLM(debug_config(mem_len=40, **SHAPES[shape])).eval()
+    prompt, ids = torch.randint(0, 97, (3, 21)), torch.randint(0, 97, (3, 70))
+    padding = torch.zeros(3, 21, dtype=torch.bool)
+    padding[0, :9] = True
+    calls = Calls(monkeypatch)
+    with torch.no_grad():
+        fast, fast_cache = steps(model, prompt, padding, ids, 40, True)
+        assert calls.n == 70  # every one-token step ran the kernel
+        slow, slow_cache = steps(model, prompt, padding, ids, 40, False)
+        assert calls.n == 70
+        exact, _ = steps(copy.deepcopy(model).double(), prompt, padding, ids, 40, True)
+    assert calls.n == 70  # (float64 takes the PyTorch path)
+    assert fast_cache.start > 0  # the window slid
+    err_fast, err_slow = (fast.double() - exact).abs().max(), (slow.double() - exact).abs().max()
+    assert err_fast <= 2 * err_slow + 2e-6, (err_fast, err_slow)
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+    for a, b in ((fast_cache.k, slow_cache.k), (fast_cache.v, slow_cache.v)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@needs_lib
+def test_native_step_does_not_depend_on_the_number_of_threads():
+    """Each value is computed by one thread with the same code: 1 and 2 threads give the same bits."""
+    model = TransformerXLLM(debug_config(mem_len=40, **SHAPES["dh32"])).eval()
+    prompt, ids = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 50))
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                out[n], _ = steps(model, prompt, None, ids, 40, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1], out[2])
+
+
+@needs_lib
+def test_native_step_reads_weights_that_moved(monkeypatch):
+    """Weights given new storage between two steps (``.data =``, as ``.to()`` does) are read from the new storage:
+    the kernel's addresses are checked at every step."""
+    model = TransformerXLLM(debug_config(mem_len=16, **SHAPES["dh16_same_length_clamp"])).eval()
+    prompt, ids = torch.randint(0, 97, (2, 5)), torch.randint(0, 97, (2, 12))
+    out = {}
+    for native_on in (True, False):
+        m = copy.deepcopy(model)
+        modeling.NATIVE_DECODE = native_on
+        try:
+            cache = KVCache(m.config, 2, 16, 5)
+            with torch.no_grad():
+                m(prompt, cache=cache)
+                logs = []
+                for t in range(ids.shape[1]):
+                    if t == 6:
+                        for p in m.parameters():
+                            p.data = p.data * 1.25  # new storage; the old one is freed
+                    logs.append(m(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs)
+            out[native_on] = torch.cat(logs, 1)
+        finally:
+            modeling.NATIVE_DECODE = True
+    torch.testing.assert_close(out[True], out[False], atol=1e-4, rtol=0)
+
+
+@needs_lib
+def test_a_nan_score_makes_generation_fail_as_without_the_kernel():
+    """A NaN in u (r_w_bias) makes one head's scores NaN: the softmax must give NaN, not a number, so that
+    generation stops with its error as the PyTorch path does."""
+    model = TransformerXLLM(debug_config(mem_len=40, **SHAPES["dh32"])).eval()
+    prompt = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        model.transformer.r_w_bias[0, 3] = float("nan")
+    for native_on in (True, False):
+        modeling.NATIVE_DECODE = native_on
+        try:
+            with pytest.raises(NonFiniteError):
+                generate(model, prompt[:, :1], 20, temperature=0.0)
+        finally:
+            modeling.NATIVE_DECODE = True
+
+
+@needs_lib
+def test_the_softmax_exponential_is_as_accurate_as_expf():
+    """The kernel's vectorised exp (the softmax's) against float64: within 2.5e-7 relative over [-87, 0], 0 below
+    its range and for -inf, NaN for NaN."""
+    lib = native.library()
+    x = torch.cat([torch.linspace(-87.0, 0.0, 200_003), torch.tensor([-87.5, -100.0, -float("inf"), float("nan")])])
+    x = torch.cat([x, torch.zeros(16 - x.numel() % 16)])  # (whole vectors: the vector code for every value)
+    y = torch.empty_like(x)
+    lib.txl_exp(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), x.numel())
+    n = 200_003
+    rel = ((y[:n].double() - x[:n].double().exp()) / x[:n].double().exp()).abs().max()
+    assert rel <= 2.5e-7, rel
+    assert y[n : n + 3].tolist() == [0.0, 0.0, 0.0] and y[n + 3].isnan()
+
+
+@needs_lib
+def test_generation_through_the_cli_runs_the_kernel_and_matches_the_pytorch_path(tmp_path, monkeypatch, capsys):
+    """``txl generate`` (greedy) gives the same tokens with and without the native step, and runs it."""
+    run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    args = ["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "40", "--temperature", "0"]
+    calls = Calls(monkeypatch)
+    capsys.readouterr()
+    main([*args, "--json"])
+    assert calls.n == 39  # every token after the first came from a native step
+    with_kernel = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(native, "ENABLED", False)
+    main([*args, "--json"])
+    assert calls.n == 39
+    assert json.loads(capsys.readouterr().out) == with_kernel
+
+
+def test_without_a_compiler_the_pytorch_path_is_used(tmp_path, monkeypatch, capsys):
+    """No C compiler, or one that fails: no library, a status line that says why, ``txl generate`` says so once on
+    stderr, and generation gives the same tokens through the PyTorch path."""
+    model = TransformerXLLM(debug_config(mem_len=16)).eval()
+    prompt = torch.randint(0, 97, (1, 6))
+    expected = generate(model, prompt, 30, temperature=0.0)
+    monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path / "cache"))
+    for cc, why in ((str(tmp_path / "no-such-cc"), "does not run"), ("false", "the build failed")):
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setattr(native, "_LIB", {})
+        assert native.library() is None
+        assert "not available" in native.status() and why in native.status()
+        calls = Calls(monkeypatch)
+        assert generate(model, prompt, 30, temperature=0.0).equal(expected)
+        assert calls.n == 0
+    run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    capsys.readouterr()
+    main(["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "3", "--json"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("txl: note: native decoding step: not available"), err
+
+
+@needs_lib
+def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
+    """A second process finds the built library instead of compiling again; a changed source builds a new one."""
+    monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None
+    built = sorted(tmp_path.glob("decode-*.so"))
+    assert len(built) == 1
+    compiles = []
+    real_run = native.subprocess.run
+
+    def run(cmd, *a, **kw):
+        compiles.extend(["-shared" in cmd])
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None and not any(compiles)
+    changed = tmp_path / "src" / "decode.c"
+    changed.parent.mkdir()
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None and any(compiles)
+    assert len(sorted(tmp_path.glob("decode-*.so"))) == 2
