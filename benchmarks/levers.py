@@ -15,8 +15,10 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   segment) and the padded shift whose view takes the mask in place (off: the unpadded shift, and the mask added
   into a copy of the scores);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
-  re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``) and the
-  one-token step as one loop over the layers' weights (``TransformerXL._decode``; off: the layers' own path).
+  re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``; with the
+  native step on, only the prompt's products take it), the one-token step as one native call (``txl.native``;
+  off: the PyTorch loop below) and the one-token step as one loop over the layers' weights
+  (``TransformerXL._decode``, which runs the native call where it can; off: the layers' own path).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -185,6 +187,7 @@ def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
         "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
         "transposed weights for one-row products": lambda: with_patch(modeling, "TRANSPOSED_WEIGHTS", False, run),
+        "one-token steps as one native call (txl.native)": lambda: with_patch(modeling, "NATIVE_DECODE", False, run),
         "one-token steps as one loop over the weights": lambda: with_patch(modeling, "FAST_DECODE", False, run),
     }
     return alternate(cases, 1, repeats, new_tokens)

@@ -287,7 +287,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=11)
-    ap.add_argument("--gen_repeats", type=int, default=3)
+    ap.add_argument("--gen_repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--write", type=Path, help="write the section into this markdown file")
     args = ap.parse_args()
