@@ -888,7 +888,7 @@ class KVCache:
         self._r_k: list[Tensor | None] = [None] * config.n_layer
         self._r_key: tuple | None = None
         self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
-        self.decode_plan: tuple | None = None  # (the model, its layers' _DecodeLayer), made by its first step
+        self.decode_plan: tuple | None = None  # (the model, its layers' _DecodeLayer, the native kernel's state)
 
     @property
     def length(self) -> int:
