@@ -4,7 +4,7 @@ Generation spends most of its time in the Python and dispatch around small kerne
 model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
 call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
 
-The library is compiled the first time it is needed (``cc -O3 -march=native``, about a second), into
+The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
 and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
 txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or

@@ -1,6 +1,6 @@
 /* One cached decoding step of Transformer-XL (attn_type 0), every layer, for B rows of one new token each: what
  * TransformerXL._decode computes with PyTorch kernels, as one call. Built on first use by txl/native/__init__.py
- * (cc -O3 -march=native; plain C with GCC vector extensions, no dependency), called through ctypes.
+ * (cc -O3 -march=native -fopenmp; plain C with GCC vector extensions, no dependency), called through ctypes.
  *
  * Why: one token is ~15 MFLOP for the bench-char model, but ~30 MB of weights, cached keys/values and projected
  * positions are read per token. PyTorch runs it as ~20 kernels per layer, each with its dispatch, its threads and
@@ -272,7 +272,7 @@ int txl_decode_step(const txl_layer *layers, int n_layer, const float *const *r,
             const txl_layer *L = &layers[l];
             float *kl = kc + l * layer_stride, *vl = vc + l * layer_stride;
             const float *in = layer_input(h, x, B, D, pre_lnorm, L->ln1_w, L->ln1_b, L->eps1);
-            BARRIER
+            if (pre_lnorm) { BARRIER } /* (post-LN reads h, complete since the last barrier) */
             /* per head: its rows of q, k, v (k, v into the cache), then its attention, for every row b */
             share(H, &lo, &hi);
             for (int hh = lo; hh < hi; hh++) {
@@ -301,7 +301,7 @@ int txl_decode_step(const txl_layer *layers, int n_layer, const float *const *r,
             BARRIER
             /* feed-forward: h = h + W2 relu(W1 x + b1) + b2, then LN2 (post-LN) */
             in = layer_input(h, x, B, D, pre_lnorm, L->ln2_w, L->ln2_b, L->eps2);
-            BARRIER
+            if (pre_lnorm) { BARRIER }
             share(Di, &lo, &hi);
             gemv(L->w1 + (long)lo * D, L->b1 ? L->b1 + lo : NULL, hi - lo, D, in, D, ff + lo, Di, B);
             for (int b = 0; b < B; b++)
