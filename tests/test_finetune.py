@@ -61,7 +61,9 @@ def valid_rows(run):
 def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
     data = make_data(tmp_path / "data", kind, fmt)
     run = tmp_path / "run"
-    steps = 80 if kind == "multi" else 40  # two marks to find: the harder task gets more steps
+    # two marks to find: the harder task gets more steps (at 80, 3 of 30 seeds of the head and data order ended
+    # under 0.9 accuracy; at 120 none of the 4 tried among them)
+    steps = 120 if kind == "multi" else 40
     main(args(lm, data, run, task=kind, max_steps=steps, eval_interval=steps // 2, checkpoint_interval=steps))
     last = valid_rows(run)[-1]
     assert last["step"] == steps

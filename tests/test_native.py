@@ -196,7 +196,7 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path, monkeypatch, caps
     capsys.readouterr()
     main(["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "3", "--json"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("txl: note: native decoding step: not available"), err
+    assert len(err) == 1 and err[0].startswith("txl: note: native kernels (decoding step, dropout): not available"), err
 
 
 @needs_lib
@@ -205,7 +205,7 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None
-    built = sorted(tmp_path.glob("decode-*.so"))
+    built = sorted(tmp_path.glob("txl-*.so"))
     assert len(built) == 1
     compiles = []
     real_run = native.subprocess.run
@@ -219,8 +219,8 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     assert native.library() is not None and not any(compiles)
     changed = tmp_path / "src" / "decode.c"
     changed.parent.mkdir()
-    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
+    changed.write_text(native.SOURCES[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCES", (changed, *native.SOURCES[1:]))
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and any(compiles)
-    assert len(sorted(tmp_path.glob("decode-*.so"))) == 2
+    assert len(sorted(tmp_path.glob("txl-*.so"))) == 2

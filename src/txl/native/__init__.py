@@ -1,14 +1,17 @@
-"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step.
+"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step and
+dropout.
 
 Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
 model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
 call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
+``dropout.c`` is dropout in one pass with a counter-based random stream (Philox4x32-10) keyed by a seed drawn from
+torch's generator: PyTorch's CPU generator draws its words one at a time on one core.
 
 The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
 and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
 txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or
-``txl.native.ENABLED = False``) turns the kernel off.
+``txl.native.ENABLED = False``) turns the kernels off.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch
 from torch import Tensor
 
 ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
-"""Whether cached one-token steps may run the native kernel (``TXL_NATIVE=0`` sets it False)."""
-SOURCE = Path(__file__).with_name("decode.c")
+"""Whether the native kernels may run (``TXL_NATIVE=0`` sets it False)."""
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
 _LOCK = threading.Lock()
 _LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
@@ -74,11 +77,11 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc!r} does not run: {e}", None
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
-        name = f"decode-{platform.machine()}-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
+        name = f"txl-{platform.machine()}-{key.hexdigest()[:16]}.so"
         for folder in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
             try:
                 folder = Path(tempfile.mkdtemp(prefix="txl-native-")) if folder is None else folder
@@ -87,7 +90,7 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
                     folder.mkdir(parents=True, exist_ok=True)
                     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
                     os.close(fd)
-                    cmd = [cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+                    cmd = [cc, *flags, "-std=gnu11", "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"]
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                     if done.returncode != 0:
                         os.unlink(tmp)
@@ -104,6 +107,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             fn.restype = ctypes.c_int
             P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
             fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
+            lib.txl_dropout.argtypes = [P, P, L, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
+            lib.txl_dropout.restype = None
+            lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
+            lib.txl_dropout_words.restype = None
             return lib, "", path
     return None, "the build failed: " + " | ".join(errors), None
 
@@ -119,12 +126,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """One line: whether the native decoding step is used, and where it was built or why it is not."""
+    """One line: whether the native kernels (decoding step, dropout) are used, and where they were built or why
+    they are not."""
     if not ENABLED:
-        return "native decoding step: off (TXL_NATIVE=0)"
+        return "native kernels (decoding step, dropout): off (TXL_NATIVE=0)"
     if library() is None:
-        return f"native decoding step: not available, PyTorch path used ({_LIB['why']})"
-    return f"native decoding step: on ({_LIB['path']})"
+        return f"native kernels (decoding step, dropout): not available, PyTorch path used ({_LIB['why']})"
+    return f"native kernels (decoding step, dropout): on ({_LIB['path']})"
 
 
 _DATA_PTR = Tensor.data_ptr
@@ -197,3 +205,45 @@ def decode_step(
     if failed:
         raise MemoryError("the native decoding step could not allocate its scratch memory")
     return out.view(B, 1, D)
+
+
+_DROPOUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def dropout_applies(x: Tensor) -> bool:
+    """Whether :func:`dropout` runs for ``x``: fp32 or bf16 on the CPU, the library built, no graph being traced or
+    compiled."""
+    if x.dtype not in _DROPOUT_DTYPES or x.device.type != "cpu" or not ENABLED:
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return (_LIB["lib"] if "lib" in _LIB else library()) is not None
+
+
+def dropout(x: Tensor, p: float, seed: int) -> Tensor | None:
+    """``x`` with each element dropped with probability ``p`` (0 <= p < 1) and the others scaled by 1/(1-p), the
+    decisions made by Philox4x32-10 keyed by ``seed`` (a 64-bit integer): the same ``x``, ``p`` and ``seed`` give the
+    same result at any thread count, and the call on a gradient with the same seed is the backward. fp32 or bf16 on
+    the CPU; None (nothing done) elsewhere, with no library, or in a graph being traced or compiled."""
+    if not dropout_applies(x):
+        return None
+    lib, kind = _LIB["lib"], _DROPOUT_DTYPES[x.dtype]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    threshold = min(round(p * 2.0**32), 2**32 - 1)
+    lib.txl_dropout(
+        x.data_ptr(), y.data_ptr(), x.numel(), kind, seed & (2**64 - 1), threshold, 1.0 / (1.0 - p),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def dropout_words(seed: int, n: int) -> Tensor:
+    """The first ``n`` 32-bit words of :func:`dropout`'s stream for ``seed`` (element i is kept iff its word >=
+    round(p * 2^32)), as int64 [n] (for tests)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(status())
+    out = torch.empty(n, dtype=torch.int32)
+    lib.txl_dropout_words(seed & (2**64 - 1), out.data_ptr(), n)
+    return out.to(torch.int64) & 0xFFFFFFFF

@@ -1,0 +1,145 @@
+/* Dropout in one pass, with a counter-based random stream: y = x * (keep ? 1/(1-p) : 0). Built with decode.c by
+ * txl/native/__init__.py (cc -O3 -march=native -fopenmp; plain C with GCC vector extensions), called through
+ * ctypes by txl.modeling.Dropout.
+ *
+ * Why: PyTorch's CPU generator draws its random words one at a time on one core (~5.7 ns per 64-bit word here),
+ * and the mask then takes three more passes (the bits, the comparison, the products); dropout was ~12% of the
+ * fp32 and ~22% of the bf16 training step of the bench-char model.
+ *
+ * The stream: Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011; the
+ * generator of cuRAND and of PyTorch's CUDA dropout), keyed by a 64-bit seed that the caller draws from torch's
+ * generator (so torch.manual_seed and a saved RNG state fix it). Element i = 64c + 16j + l takes 32-bit word j of
+ * the block with counter 16c + l; it is kept iff that word >= threshold = round(p * 2^32). Each element's
+ * decision depends only on (seed, i): the result does not depend on the number of threads, and the backward
+ * (the same call on the gradient, with the same seed) regenerates the mask instead of storing it.
+ *
+ * The product is the one PyTorch computes for x.mul(keep).mul_(1/(1-p)): x * scale in fp32 (bf16: the value
+ * widened to fp32, multiplied, rounded to nearest even once), and x * 0 for a dropped element (a NaN or an
+ * infinity gives NaN, as there).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef uint32_t u32v __attribute__((vector_size(64)));
+typedef uint64_t u64v __attribute__((vector_size(64)));
+typedef float f32v __attribute__((vector_size(64)));
+typedef float f32vu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t u16v __attribute__((vector_size(32)));
+typedef uint16_t u16vu __attribute__((vector_size(32), aligned(2), may_alias));
+
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+#define LO32 0xFFFFFFFFull
+
+/* The low and high 32 bits of a * m, per 32-bit lane (even and odd lanes as 64-bit products). */
+static inline void mulhilo(u32v a, uint64_t m, u32v *lo, u32v *hi) {
+    const u64v w = (u64v)a;
+    const u64v even = (w & LO32) * m, odd = (w >> 32) * m;
+    *lo = (u32v)((even & LO32) | (odd << 32));
+    *hi = (u32v)((even >> 32) | (odd & ~LO32));
+}
+
+/* Philox4x32-10 of the 16 counters (c, c_hi, 0, 0), lanes l = 0..15: the four words of each, w[j][l]. */
+static void philox16(uint64_t first, uint32_t k0, uint32_t k1, u32v w[4]) {
+    u32v c0, c1, c2 = {0}, c3 = {0};
+    for (int l = 0; l < 16; l++) {
+        c0[l] = (uint32_t)(first + l);
+        c1[l] = (uint32_t)((first + l) >> 32);
+    }
+    for (int round = 0; round < 10; round++) {
+        u32v lo0, hi0, lo1, hi1;
+        mulhilo(c0, PHILOX_M0, &lo0, &hi0);
+        mulhilo(c2, PHILOX_M1, &lo1, &hi1);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+    }
+    w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
+}
+
+static inline u32v keep_mask(u32v w, uint32_t threshold) { return (u32v)(w >= threshold); }
+
+static inline f32v factors(u32v keep, float scale) {
+    uint32_t s;
+    memcpy(&s, &scale, 4);
+    return (f32v)(keep & s); /* scale where kept, +0.0 where dropped */
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN, as c10::BFloat16 */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline f32v bf16_widen(u16v h) {
+    u32v u = __builtin_convertvector(h, u32v) << 16;
+    return (f32v)u;
+}
+
+static inline u16v bf16_round(f32v f) {
+    u32v u = (u32v)f;
+    u32v r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    u32v nan = (u32v)((u & 0x7FFFFFFFu) > 0x7F800000u);
+    r = (r & ~nan) | (0x7FC0u & nan);
+    return __builtin_convertvector(r, u16v);
+}
+
+/* Chunk c (elements 64c .. 64c + 63, the first `len` of them). */
+static void chunk(const void *x, void *y, long c, int len, int bf16, uint32_t k0, uint32_t k1, uint32_t threshold,
+                  float scale) {
+    u32v w[4];
+    philox16((uint64_t)c * 16, k0, k1, w);
+    const long base = c * 64;
+    if (len == 64) {
+        for (int j = 0; j < 4; j++) {
+            const f32v m = factors(keep_mask(w[j], threshold), scale);
+            const long at = base + 16 * j;
+            if (bf16) {
+                const u16v h = *(const u16vu *)((const uint16_t *)x + at);
+                *(u16vu *)((uint16_t *)y + at) = bf16_round(bf16_widen(h) * m);
+            } else {
+                *(f32vu *)((float *)y + at) = *(const f32vu *)((const float *)x + at) * m;
+            }
+        }
+        return;
+    }
+    for (int e = 0; e < len; e++) { /* the tail: the same words, element by element */
+        const float m = w[e / 16][e % 16] >= threshold ? scale : 0.0f;
+        if (bf16) {
+            uint32_t u = (uint32_t)((const uint16_t *)x)[base + e] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            ((uint16_t *)y)[base + e] = to_bf16(f * m);
+        } else {
+            ((float *)y)[base + e] = ((const float *)x)[base + e] * m;
+        }
+    }
+}
+
+/* y[i] = x[i] * (kept ? scale : 0) for i < n, fp32 (bf16 = 0) or bf16 (bf16 = 1) values; x == y is allowed. */
+void txl_dropout(const void *x, void *y, long n, int bf16, uint64_t seed, uint32_t threshold, float scale,
+                 int n_threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const long chunks = (n + 63) / 64;
+    const int nt = n >= (1L << 15) && n_threads > 1 ? n_threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        const long left = n - c * 64;
+        chunk(x, y, c, left < 64 ? (int)left : 64, bf16, k0, k1, threshold, scale);
+    }
+}
+
+/* The 32-bit words of elements 0 .. n-1 (for the tests: the stream itself). */
+void txl_dropout_words(uint64_t seed, uint32_t *out, long n) {
+    for (long c = 0; c * 64 < n; c++) {
+        u32v w[4];
+        philox16((uint64_t)c * 16, (uint32_t)seed, (uint32_t)(seed >> 32), w);
+        for (int e = 0; e < 64 && c * 64 + e < n; e++) out[c * 64 + e] = w[e / 16][e % 16];
+    }
+}

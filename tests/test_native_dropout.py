@@ -1,0 +1,132 @@
+"""The native dropout (txl.native, dropout.c): one pass, a Philox4x32-10 stream keyed by a seed drawn from torch's
+generator. It must be Philox (the published known answers), drop exactly the elements its stream says at the rate
+p, compute PyTorch's products (fp32 and bf16, NaN and infinity included), not depend on the thread count, give the
+backward the forward's mask, follow torch.manual_seed, and be what `txl train` runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from train_helpers import losses, run_inprocess
+from txl import modeling, native
+from txl.modeling import Dropout
+
+needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
+
+
+def threshold(p: float) -> int:
+    return min(round(p * 2.0**32), 2**32 - 1)
+
+
+@needs_lib
+def test_the_stream_is_philox4x32_10():
+    """Random123's known answer for counter 0, key 0: {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}, the four
+    words of block 0, which elements 0, 16, 32 and 48 take."""
+    words = native.dropout_words(0, 64)
+    assert [int(words[i]) for i in (0, 16, 32, 48)] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert len(set(native.dropout_words(0, 4096).tolist())) == 4096  # (distinct words: every block is used once)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 40_001])
+def test_dropout_drops_what_its_stream_says_with_pytorchs_products(dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen).to(dtype)
+    x[:: max(n // 5, 1)] = float("inf")
+    x[1 :: max(n // 7, 1)] = float("nan")
+    for p, seed in ((0.1, 7), (0.5, 2**64 - 3), (0.9, 12345)):
+        keep = native.dropout_words(seed, n).ge(threshold(p))
+        y = native.dropout(x, p, seed)
+        assert y.dtype == dtype and y.shape == x.shape
+        expected = x.mul(keep).mul_(1.0 / (1.0 - p))  # what the PyTorch mask computes (a dropped inf gives NaN)
+        assert torch.equal(y.isnan(), expected.isnan())
+        assert torch.equal(y.nan_to_num(), expected.nan_to_num())
+        again = native.dropout(x.view(1, -1)[:, :n], p, seed)  # (any shape)
+        assert torch.equal(again.view(-1).nan_to_num(), y.nan_to_num())
+
+
+@needs_lib
+def test_dropout_rate_and_independence_from_the_thread_count():
+    x = torch.ones(1 << 20)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.dropout(x, 0.3, 99)
+        torch.set_num_threads(2)
+        two = native.dropout(x, 0.3, 99)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    kept = float(two.ne(0).double().mean())
+    assert abs(kept - 0.7) < 4 * math.sqrt(0.7 * 0.3 / x.numel())
+    assert torch.equal(two.unique(), torch.tensor([0.0, 1.0 / 0.7], dtype=torch.float32))
+    assert not torch.equal(two, native.dropout(x, 0.3, 100))  # another seed, another mask
+    halves = [native.dropout_words(5, 1 << 16)[i::2].ge(1 << 31).double().mean() for i in (0, 1)]
+    assert all(abs(h - 0.5) < 0.02 for h in halves)  # (no bias between neighbours)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_module_uses_the_kernel_follows_the_seed_and_its_backward_has_the_same_mask(dtype, monkeypatch):
+    calls = []
+    real = native.dropout
+    monkeypatch.setattr(native, "dropout", lambda *a: calls.append(a[1:]) or real(*a))
+    drop = Dropout(0.25).train()
+    x = torch.randn(6, 50, 33).to(dtype).requires_grad_()
+    torch.manual_seed(3)
+    y = drop(x)
+    torch.manual_seed(3)
+    assert torch.equal(drop(x), y)
+    assert not torch.equal(drop(x), y)  # (the generator moved on)
+    g = torch.randn(y.shape).to(dtype)
+    y.backward(g)
+    kept = y.detach().ne(0) | x.detach().eq(0)
+    assert torch.equal(x.grad, g.mul(kept).mul_(1.0 / 0.75))
+    assert len(calls) == 4 and calls[0] == calls[1] == calls[3]  # forward, forward again, ..., backward (its seed)
+    assert torch.equal(drop.eval()(x), x)
+
+
+@needs_lib
+def test_without_the_kernel_the_pytorch_mask_is_used(monkeypatch):
+    x = torch.ones(4096)
+    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", False)
+    calls = []
+    monkeypatch.setattr(native, "dropout", lambda *a: calls.append(a))
+    torch.manual_seed(0)
+    y = Dropout(0.5).train()(x)
+    assert not calls and 0.45 < float(y.ne(0).float().mean()) < 0.55 and set(y.unique().tolist()) == {0.0, 2.0}
+    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", True)
+    monkeypatch.setattr(native, "_LIB", {"lib": None, "why": "test", "path": None})
+    torch.manual_seed(0)
+    assert torch.equal(Dropout(0.5).train()(x), y) and not calls
+
+
+@needs_lib
+def test_txl_train_runs_the_kernel_and_resumes_exactly(tmp_path, monkeypatch):
+    """Through `txl train` (the debug preset has dropout 0.1): the kernel runs, and a run stopped and resumed
+    computes the uninterrupted run's losses (the masks' seeds come from torch's generator, which checkpoints
+    keep)."""
+    calls = [0]
+    real = native.dropout
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(native, "dropout", counted)
+    run = dict(train__log_interval=1, train__eval_interval=0, train__checkpoint_interval=3, train__max_steps=6)
+    full = run_inprocess(tmp_path, "full", **run)
+    assert calls[0] > 0
+    part = run_inprocess(tmp_path, "part", **run, train__max_tokens=3 * 4 * 16)  # (debug preset: 4 x 16 per step)
+    run_inprocess(tmp_path, "part", **run)  # --resume auto
+    assert losses(part) == losses(full) and len(losses(full)) == 6
+    modeling.NATIVE_DROPOUT = False
+    try:
+        other = run_inprocess(tmp_path, "torch_mask", **run)
+    finally:
+        modeling.NATIVE_DROPOUT = True
+    assert losses(other)[0] != losses(full)[0]  # (the step's masks came from the kernel)
