@@ -5,12 +5,14 @@
 On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), the same weights and inputs:
 
 * train step (forward + backward + optimizer, mem_len 128): the rel_shift's own backward (off: autograd's generic
-  backward of a strided view), the CPU dropout mask from 24-bit halves of 64-bit random words (off:
-  ``F.dropout``), the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
+  backward of a strided view), the projections of [memory; segment] with one backward (off: ``F.linear`` per
+  slice, with the memory's input gradient), the native one-pass dropout (``txl.native``; off: the PyTorch mask
+  below), the CPU dropout mask from 24-bit halves of 64-bit random words (off, with the native one: ``F.dropout``),
+  the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
   oneDNN (a lever txl turns on only where its start-up check finds it exact and >= 15% faster), and malloc kept
   from returning large blocks (off: glibc's defaults; measured in fresh processes, since it is process-wide);
 * bf16 train step (autocast, where the CPU has native bf16): the attention scores summed and masked in bf16 (off:
-  upcast to fp32 first; the softmax computes in fp32 either way);
+  upcast to fp32 first; the softmax computes in fp32 either way) and the native dropout (off: the PyTorch mask);
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
   segment) and the padded shift whose view takes the mask in place (off: the unpadded shift, and the mask added
   into a copy of the scores);
@@ -70,6 +72,8 @@ TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer optio
     "all levers": (contextlib.nullcontext, {"fused": True}),
     "rel_shift backward": (lambda: mock.patch.object(modeling._RelShift, "apply", generic_shift), {"fused": True}),
     "mask as an added bias": (lambda: mock.patch.object(modeling, "mask_scores", fill_mask), {"fused": True}),
+    "projections' one backward": (lambda: mock.patch.object(modeling, "SEGMENT_PROJECTION", False), {"fused": True}),
+    "native dropout (txl.native)": (lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False), {"fused": True}),
     "CPU dropout mask": (lambda: mock.patch.object(modeling.Dropout, "forward", plain_dropout), {"fused": True}),
     "fused Adam (off: foreach)": (contextlib.nullcontext, {"foreach": True}),
     "fused Adam (off: for-loop)": (contextlib.nullcontext, {"foreach": False}),
@@ -129,14 +133,20 @@ def train_levers(warmup: int, steps: int, route_ok: bool) -> dict[str, list[floa
 
 
 def bf16_train_levers(warmup: int, steps: int) -> dict[str, list[float]]:
-    """bf16 autocast (where the CPU has native bf16): the scores kept in bf16 (off: upcast to fp32 first)."""
+    """bf16 autocast (where the CPU has native bf16): the scores kept in bf16 (off: upcast to fp32 first), the native
+    dropout (off: the PyTorch mask)."""
     torch.manual_seed(0)
     base = TransformerXLLM(TransformerXLConfig(**CFG)).train()
     stream = torch.randint(0, 256, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
     fp32_scores = lambda: mock.patch.object(modeling, "HALF_PRECISION_SCORES", False)  # noqa: E731
+    torch_mask = lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False)  # noqa: E731
+    variants = (
+        ("all levers", contextlib.nullcontext),
+        ("half-precision scores", fp32_scores),
+        ("native dropout (txl.native)", torch_mask),
+    )
     cases = {
-        name: TrainCase(copy.deepcopy(base), stream, off, {"fused": True}, bf16=True).step
-        for name, off in (("all levers", contextlib.nullcontext), ("half-precision scores", fp32_scores))
+        name: TrainCase(copy.deepcopy(base), stream, off, {"fused": True}, bf16=True).step for name, off in variants
     }
     return alternate(cases, warmup, steps, BATCH * TGT)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import debug_config
-from txl import TransformerXLLM
+from txl import TransformerXLLM, modeling
 from txl.modeling import (
     SHIFT_ALIGN,
     Dropout,
@@ -16,6 +16,7 @@ from txl.modeling import (
     mask_scores,
     mask_scores_,
     rel_shift,
+    rel_shift_gather,
     shift_padding,
     sinusoid_embedding,
 )
@@ -109,6 +110,55 @@ def test_rel_shift_equals_naive_gather(qlen, mlen):
     raw_t = torch.randn(3, 2, qlen, klen).transpose(0, 1)
     assert rel_shift(raw_t).untyped_storage().data_ptr() == raw_t.untyped_storage().data_ptr()
     torch.testing.assert_close(rel_shift(raw_t).tril(mlen), rel_shift(raw_t.contiguous()).tril(mlen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qlen, mlen", [(1, 0), (4, 0), (3, 5), (5, 3), (7, 9)])
+def test_rel_shift_gradient_equals_the_gathers_in_the_products_layout(qlen, mlen, dtype):
+    """The shift's backward gives the gradient of the gather (zero on the raw columns no query reads), in a layout
+    the (b)+(d) product's backward reads without a copy: the raw term's [H, B] order, rows of stride K+T."""
+    klen, H, B = qlen + mlen, 3, 2
+    mask = attention_mask(qlen, mlen, False, 0)
+    grad = torch.randn(B, H, qlen, klen).masked_fill(mask, 0).to(dtype)  # (masked scores get no gradient)
+    raws = []
+    for shift in (rel_shift, rel_shift_gather):
+        raw = torch.randn(H, B, qlen, klen).to(dtype).requires_grad_().transpose(0, 1)  # as the model makes it
+        raw.register_hook(raws.append)  # (the gradient as the product's backward gets it)
+        shift(raw).backward(grad)
+    assert raws[0].equal(raws[1])
+    flat = raws[0].transpose(0, 1).view(H, B * qlen, klen)  # (a view: it would raise if a copy were needed)
+    assert flat.stride() == (B * qlen * (klen + qlen), klen + qlen, 1)
+
+
+@pytest.mark.parametrize("pre_lnorm", [False, True])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_training_projections_have_the_gradients_of_autograds_products(pre_lnorm, autocast, monkeypatch):
+    """The projections of [memory; segment] with one backward (no input gradient for the detached memory) give
+    the loss and every gradient of the per-slice F.linear path, to the products' rounding."""
+    model = TransformerXLLM(debug_config(dropout=0.0, pre_lnorm=pre_lnorm)).train()
+    ids = torch.randint(0, model.config.n_token, (3, 2 * 12 + 1))
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(modeling, "SEGMENT_PROJECTION", fused)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            first = model(ids[:, :12], labels=ids[:, 1:13])
+            loss = model(ids[:, 12:24], labels=ids[:, 13:25], mems=first.mems).loss + first.loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert loss.equal(ref_loss) and grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        scale = ref_grads[name].abs().max()
+        tol = 2e-2 if autocast else 1e-5
+        assert (g - ref_grads[name]).abs().max() <= tol * scale, name
+    monkeypatch.setattr(modeling, "SEGMENT_PROJECTION", True)
+    qkv = model.transformer.layers[0].attn.qkv_net.weight
+    calls = []
+    real = modeling._SegmentMemoryProjection.apply
+    monkeypatch.setattr(modeling._SegmentMemoryProjection, "apply", lambda *a: calls.append(1) or real(*a))
+    model(ids[:, 12:24], labels=ids[:, 13:25], mems=first.mems).loss.backward()
+    assert len(calls) == (0 if pre_lnorm else model.config.n_layer) and qkv.grad is not None
 
 
 @pytest.mark.parametrize("qlen, mlen", [(2, 0), (4, 0), (3, 5), (5, 3), (7, 9), (9, 7)])
@@ -342,10 +392,13 @@ def test_dropout_only_in_training():
         assert not only_att(ids, ids).losses.equal(only_att(ids, ids).losses)
 
 
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize("n", [1_001, 300_001])
-def test_cpu_dropout_mask_has_the_dropout_distribution(n):
-    """The CPU mask takes two 24-bit uniforms from each 64-bit random word: keep rate 1 - p, kept entries scaled by
-    1 / (1 - p), the two halves of a word independent, the same mask for the same seed."""
+def test_cpu_dropout_mask_has_the_dropout_distribution(n, native_on, monkeypatch):
+    """Both CPU masks (txl.native's Philox stream; without it, two 24-bit uniforms from each 64-bit random word):
+    keep rate 1 - p, kept entries scaled by 1 / (1 - p), neighbours independent, the same mask for the same
+    seed."""
+    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", native_on)
     p = 0.1
     drop = Dropout(p).train()
     x = torch.ones(n)
@@ -355,7 +408,7 @@ def test_cpu_dropout_mask_has_the_dropout_distribution(n):
     assert torch.allclose(y[kept], torch.full((), 1 / (1 - p)))
     sd = math.sqrt(p * (1 - p) / n)
     assert abs(kept.double().mean().item() - (1 - p)) < 5 * sd
-    pairs = kept[: n // 2 * 2].view(-1, 2).double().t()  # the two uniforms of each word
+    pairs = kept[: n // 2 * 2].view(-1, 2).double().t()  # neighbours (the two uniforms of a word without native)
     assert abs(torch.corrcoef(pairs)[0, 1].item()) < 5 / math.sqrt(n // 2)
     torch.manual_seed(0)
     assert drop(x).equal(y)

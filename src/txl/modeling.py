@@ -231,16 +231,24 @@ class _RelShift(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bd_raw: Tensor) -> Tensor:
         *lead, qlen, klen = bd_raw.shape
+        ctx.order = sorted(range(len(lead)), key=lambda d: -bd_raw.stride(d))  # the raw term's layout (bmm's)
         stride = (*bd_raw.stride()[:-2], klen - 1, 1)
         return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
+        # Rows of K+T: grad_raw[i, c] (c < K) is buf[i, c]; grad[i, j] goes to buf[i, j + T-1-i], i.e. a view of buf
+        # with row stride K+T-1 and offset T-1. Only the first T-1 columns of each row (the zeros of grad_raw, and
+        # columns the copy overwrites) are zeroed first, and buf's leading dimensions take the raw term's layout,
+        # so that the products' backward reads grad_raw without a copy.
         *lead, qlen, klen = grad.shape
-        padded = grad.new_zeros(*lead, qlen, klen + qlen - 1)  # [..., T, T-1 + K]
-        padded[..., qlen - 1 :] = grad
-        stride = (*padded.stride()[:-2], klen + qlen, 1)
-        return padded.as_strided((*lead, qlen, klen), stride, padded.storage_offset())
+        order = ctx.order
+        buf = grad.new_empty(*(lead[d] for d in order), qlen, klen + qlen)  # [..., T, K+T] in the raw layout
+        buf[..., : qlen - 1].zero_()
+        buf = buf.permute(*(order.index(d) for d in range(len(lead))), len(lead), len(lead) + 1)  # grad's order
+        stride = (*buf.stride()[:-2], klen + qlen - 1, 1)
+        buf.as_strided(grad.shape, stride, buf.storage_offset() + qlen - 1).copy_(grad)
+        return buf[..., :klen]
 
 
 def rel_shift(bd_raw: Tensor, klen: int | None = None) -> Tensor:
@@ -470,6 +478,50 @@ def _rows_product(x: Tensor, wt: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(*x.shape[:-1], n)
 
 
+SEGMENT_PROJECTION = True
+"""Whether training's W_q / W_kv products of a post-LN layer take :class:`_SegmentMemoryProjection` (no input
+gradient for the detached memory's rows; docs/benchmarks.md says what it gave). False: ``F.linear`` per slice."""
+
+
+class _SegmentMemoryProjection(torch.autograd.Function):
+    """Training's projections of one layer, ``q = x W_q^T`` for the segment and ``[k; v] = [mem; x] W_kv^T`` for
+    [memory; segment], with one backward: the memory carries no gradient (it is detached), so the input gradient
+    is computed for the segment's rows only (autograd would compute it for all K rows of the concatenation and drop
+    M of them), as one product ``[g_q, g_kv of the segment] W``; the weight gradient is written straight into one
+    [3HD, D] tensor (no zero-filled slice gradients to add). The same values up to fp32 rounding. Under autocast the
+    products run in its dtype, as ``F.linear`` there."""
+
+    @staticmethod
+    def forward(ctx, mem: Tensor, x: Tensor, weight: Tensor, n_q: int) -> tuple[Tensor, Tensor]:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        w, xs = weight.to(dtype), x.to(dtype)  # [3HD, D], [B, T, D]
+        xc = torch.cat([mem.to(dtype), xs], dim=1)  # [B, K, D]
+        with torch.autocast(x.device.type, enabled=False):
+            q = F.linear(xs, w[:n_q])  # [B, T, HD]
+            kv = F.linear(xc, w[n_q:])  # [B, K, 2HD]
+        ctx.save_for_backward(xs, xc, w)
+        ctx.n_q, ctx.dtypes = n_q, (x.dtype, weight.dtype)
+        return q, kv
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_q: Tensor, g_kv: Tensor) -> tuple[None, Tensor, Tensor, None]:
+        xs, xc, w = ctx.saved_tensors
+        n_q, (x_dtype, w_dtype) = ctx.n_q, ctx.dtypes
+        (B, T, D), K = xs.shape, xc.shape[1]
+        g_q, g_kv = g_q.to(w.dtype), g_kv.to(w.dtype)
+        g_x = g_w = None
+        if ctx.needs_input_grad[2]:
+            g_w = w.new_empty(w.shape)  # [3HD, D]
+            torch.mm(g_q.reshape(B * T, n_q).t(), xs.reshape(B * T, D), out=g_w[:n_q])
+            torch.mm(g_kv.reshape(B * K, -1).t(), xc.reshape(B * K, D), out=g_w[n_q:])
+            g_w = g_w.to(w_dtype)
+        if ctx.needs_input_grad[1]:
+            g_seg = torch.cat([g_q, g_kv[:, K - T :]], dim=-1)  # [B, T, 3HD]
+            g_x = torch.mm(g_seg.view(B * T, -1), w).view(B, T, D).to(x_dtype)  # [B, T, D]
+        return None, g_x, g_w, None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 5. Relative multi-head attention (Sec. 3.3, Eq. for A^rel):
 #      A_ij = (a) q_i.k_j + (b) q_i.W_kR R_{i-j} + (c) u.k_j + (d) v.W_kR R_{i-j}
@@ -524,10 +576,15 @@ class _Attention(nn.Module):
             kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
             k, v = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
         else:
-            q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh)).view(B, T, H, Dh)  # queries of the segment only
-            x = torch.cat([self.layer_norm(mem) if self.pre_lnorm else mem, x], dim=1)  # [B, K, D]
-            kv = linear(x, self.qkv_net.weight, out=slice(H * Dh, None))  # [memory; segment], [B, K, 2*H*Dh]
-            k, v = kv.view(B, x.shape[1], 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
+            mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
+            K = mem.shape[1] + T
+            if SEGMENT_PROJECTION and torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad:
+                q, kv = _SegmentMemoryProjection.apply(mem, x, self.qkv_net.weight, H * Dh)  # [B, T, HD], [B, K, 2HD]
+            else:
+                q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
+                kv = linear(torch.cat([mem, x], dim=1), self.qkv_net.weight, out=slice(H * Dh, None))  # [B, K, 2HD]
+            q = q.view(B, T, H, Dh)
+            k, v = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
         return h, q, k, v
 
     def forward(
