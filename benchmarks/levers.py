@@ -14,8 +14,9 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
 * bf16 train step (autocast, where the CPU has native bf16): the attention scores summed and masked in bf16 (off:
   upcast to fp32 first; the softmax computes in fp32 either way) and the native dropout (off: the PyTorch mask);
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
-  segment) and the padded shift whose view takes the mask in place (off: the unpadded shift, and the mask added
-  into a copy of the scores);
+  segment), the attention as one native call per head (``txl.native``; off: the (b)+(d) product, the shift, the
+  mask and SDPA as PyTorch kernels) and the padded shift whose view takes the mask in place (off together with the
+  native attention, whose path it is: the unpadded shift, and the mask added into a copy of the scores);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
   re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``; with the
   native step on, only the prompt's products take it), the one-token step as one native call (``txl.native``;
@@ -171,11 +172,18 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
 
         return step
 
-    unpadded = lambda: mock.patch.object(modeling, "shift_padding", lambda klen: 0)  # noqa: E731
+    torch_attention = lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False)  # noqa: E731
+
+    @contextlib.contextmanager
+    def unpadded():  # (the padded shift is the PyTorch kernels' path: with the native attention off too)
+        with torch_attention(), mock.patch.object(modeling, "shift_padding", lambda klen: 0):
+            yield
+
     cases = {
         "all levers": segments(),
         "K/V cache": segments(cached=False),
-        "padded shift, mask added in place": segments(unpadded),
+        "attention as one native call per head (txl.native)": segments(torch_attention),
+        "padded shift, mask added in place (and the native attention)": segments(unpadded),
     }
     return alternate(cases, warmup, steps, BATCH * TGT)
 

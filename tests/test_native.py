@@ -217,10 +217,12 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.setattr(native.subprocess, "run", run)
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and not any(compiles)
-    changed = tmp_path / "src" / "decode.c"
-    changed.parent.mkdir()
-    changed.write_text(native.SOURCES[0].read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCES", (changed, *native.SOURCES[1:]))
+    copies = tmp_path / "src"
+    copies.mkdir()
+    for path in (*native.SOURCES, *native.HEADERS):
+        (copies / path.name).write_text(path.read_text() + ("\n/* changed */\n" if path.name == "decode.c" else ""))
+    monkeypatch.setattr(native, "SOURCES", tuple(copies / p.name for p in native.SOURCES))
+    monkeypatch.setattr(native, "HEADERS", tuple(copies / p.name for p in native.HEADERS))
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and any(compiles)
     assert len(sorted(tmp_path.glob("txl-*.so"))) == 2

@@ -535,6 +535,12 @@ class _SegmentMemoryProjection(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 
 
+NATIVE_ATTENTION = True
+"""Whether inference attention (evaluation, prompts) of attn_type 0 runs as one native call per head where it can
+(:func:`txl.native.attention`: fp32 on the CPU, a C compiler to build it): the (b)+(d) product, the shift, the mask,
+the softmax and the value sum without a [B, H, T, K] tensor in memory. The same values up to fp32 rounding. False:
+the PyTorch kernels."""
+
 HALF_PRECISION_SCORES = True
 """In half precision (autocast), whether the attention scores (a)+(c) + (b)+(d) are summed and masked in the GEMMs'
 dtype: torch's half-precision softmax computes in fp32 and rounds once (tests/test_invariants.py checks it), so
@@ -605,8 +611,17 @@ class _Attention(nn.Module):
         Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
         """
         h, q, k, v = self.project(h, mem, cache, layer, self.input_positions(pos))
+        if NATIVE_ATTENTION and not (need_weights or torch.is_grad_enabled() or self.training) and native.usable(q):
+            attn_vec = self.native_attention(q, pos, k, v, mask)  # [B, T, H*Dh]
+            if attn_vec is not None:
+                return self.output(h, attn_vec), None
         q_w, bd = self.scores(q, pos, k.shape[2])
         return self.attend(h, q_w, k, v, bd, mask, need_weights)
+
+    def native_attention(self, q: Tensor, pos: Any, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
+        """The attention as one native call (:func:`txl.native.attention`), [B, T, H*Dh]; None: not for this
+        variant."""
+        return None
 
     def input_positions(self, pos: Any) -> Tensor | None:
         """Positions added to the layer input [memory; segment] ([K, D]; None: none, the relative variants)."""
@@ -647,9 +662,13 @@ class _Attention(nn.Module):
             bias = None if bias is None else bias.to(q_w.dtype)
             attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
             prob = None
-        attn_out = self.drop(linear(attn_vec.transpose(1, 2).reshape(B, T, -1), self.o_net.weight))  # [B, T, D]
-        out = h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
-        return out, prob
+        return self.output(h, attn_vec.transpose(1, 2).reshape(B, T, -1)), prob
+
+    def output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
+        """W_o of the heads' values ``attn_vec`` [B, T, H*Dh], added to the residual ``h`` (then the layer norm
+        unless pre-LN)."""
+        attn_out = self.drop(linear(attn_vec, self.o_net.weight))  # [B, T, D]
+        return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
 
 class RelPositions(NamedTuple):
@@ -694,6 +713,17 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             RelPositions(None, cache.positions(i, K, key, table(layer.attn)), u, v)
             for i, (layer, (u, v)) in enumerate(zip(model.layers, biases, strict=True))
         ]
+
+    def native_attention(self, q: Tensor, pos: RelPositions, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        # The same terms as scores() + attend(), with the (b)+(d) rows read at their shift inside the kernel.
+        B, T, H, Dh = q.shape
+        K = k.shape[2]
+        r_k = pos.r_k  # [H, Dh, >= K]
+        if r_k is None:
+            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
+        q_w = ((q + pos.u) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
+        q_v = ((q + pos.v) * self.scale).transpose(1, 2)  # (q + v) / sqrt(Dh), [B, H, T, Dh]
+        return native.attention(q_w, k, v, qv=q_v, r=r_k, mask=mask)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape

@@ -33,6 +33,7 @@ from torch import Tensor
 ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 """Whether the native kernels may run (``TXL_NATIVE=0`` sets it False)."""
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
 _LOCK = threading.Lock()
 _LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
@@ -77,7 +78,7 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the C compiler {cc!r} does not run: {e}", None
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
@@ -107,6 +108,9 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             fn.restype = ctypes.c_int
             P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
             fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
+            lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
+            lib.txl_attention.argtypes += [P, I, I, I, I, I, I]
+            lib.txl_attention.restype = ctypes.c_int
             lib.txl_dropout.argtypes = [P, P, L, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
             lib.txl_dropout.restype = None
             lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
@@ -247,3 +251,63 @@ def dropout_words(seed: int, n: int) -> Tensor:
     out = torch.empty(n, dtype=torch.int32)
     lib.txl_dropout_words(seed & (2**64 - 1), out.data_ptr(), n)
     return out.to(torch.int64) & 0xFFFFFFFF
+
+
+def usable(x: Tensor) -> bool:
+    """Whether the kernels may run for ``x`` now: fp32 on the CPU, the library built, no autocast, no graph being
+    traced or compiled."""
+    if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return False
+    return (_LIB["lib"] if "lib" in _LIB else library()) is not None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor | None = None,
+    r: Tensor | None = None,
+    bias: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> Tensor | None:
+    """Inference attention as one native call per head (attention.c), as [B, T, H * Dh] (the output projection's
+    layout): ``softmax(s) v`` with ``s[i, j] = q_i . k_j`` plus, with ``r``, the relative term ``qv_i . r[:, c]`` at
+    the raw column ``c = j + T-1-i`` (Appendix B's shift; ``r`` [H, Dh, >= K] is W_kR R for the distances K-1 .. 0,
+    ``qv`` the queries with v added, and keys j > M+i are masked), or else ``bias`` [B, H, T, K] (broadcast
+    dimensions allowed); -inf where ``mask`` ([T, K] or [B, 1, T, K], True = masked) is set. q, qv [B, H, T, Dh] come
+    scaled; k, v [B, H, K, Dh]. fp32 on the CPU with the last dimension of each contiguous; None (nothing done)
+    elsewhere, with no library, with autocast or in a graph being traced or compiled."""
+    if not ENABLED or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    tensors = [t for t in (q, k, v, qv, r, bias) if t is not None]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
+        return None
+    lib = _LIB["lib"] if "lib" in _LIB else library()
+    if lib is None:
+        return None
+    B, H, T, Dh = q.shape
+    K = k.shape[2]
+    if r is not None and (qv is None or r.shape[-1] < K):
+        return None
+    null3 = (None, 0, 0, 0)
+    qv_args = null3 if qv is None else (qv.data_ptr(), *qv.stride()[:3])
+    r_args = (None, 0, 0) if r is None else (r.data_ptr(), *r.stride()[:2])
+    if bias is None or r is not None:
+        bias_args = null3
+    else:
+        bias = bias.expand(B, H, T, K)
+        bias_args = (bias.data_ptr(), *bias.stride()[:3])
+    mask_args: tuple = (None, 0, 0)
+    if mask is not None:
+        mask = mask.reshape(-1, T, K).to(torch.uint8).contiguous()  # [1 or B, T, K]
+        mask_args = (mask.data_ptr(), T * K if mask.shape[0] > 1 else 0, K)
+    out = torch.empty(B, T, H * Dh)
+    failed = lib.txl_attention(
+        q.data_ptr(), *q.stride()[:3], *qv_args, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
+        *r_args, *bias_args, *mask_args, out.data_ptr(), B, H, T, K, Dh, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("the native attention could not allocate its scratch memory")
+    return out

@@ -1,0 +1,193 @@
+/* Inference attention of Transformer-XL (attn_type 0) in one pass per head, what the evaluation path computes with
+ * torch's kernels: the (b)+(d) product, the shift, the mask, scaled_dot_product_attention. For query i (absolute
+ * position M+i) and key j of [memory; segment] (K = M+T keys):
+ *   s_ij = (q_i + u).k_j / sqrt(Dh)                          (a)+(c)
+ *        + (q_i + v).W_kR R_{M+i-j} / sqrt(Dh)               (b)+(d): raw column c = j + T-1-i of W_kR R, whose
+ *                                                             columns hold the distances K-1 .. 0 (Appendix B)
+ *        (-inf where j > M+i, or where the mask says)
+ *   out_i = sum_j softmax_j(s_ij) v_j
+ * The queries come scaled, with u and v added. Optionally an additive bias [B, H, T, K] instead of the positional
+ * term (the other attention variants). Built with the other kernels by txl/native/__init__.py, called through ctypes
+ * by txl.modeling.
+ *
+ * Why: on a 2-core EPYC torch's CPU flash attention runs these shapes (d_head 32, 128 queries over 768 keys) at
+ * ~60 GFLOP/s, a third of the GEMM peak (its products are small blocks with a 32-long inner dimension), and the
+ * shifted (b)+(d) scores go through memory twice as a [B, H, T, K] tensor (25 MB per layer of the bench model). Here
+ * one head's keys are transposed once ([Dh, K], zero-padded to a multiple of 16); a block of 8 queries takes 16 keys
+ * (and 16 raw positional columns, read in place from W_kR R [Dh, K]) at a time, 8 accumulators per key vector load;
+ * the block's raw (b)+(d) rows are added to its scores at each row's shift; the softmax runs over whole rows; the
+ * value sum takes 8 rows x Dh outputs per key. Nothing of size T x K leaves the core's caches.
+ *
+ * The same values as the PyTorch path up to fp32 rounding (sums are grouped differently); each row is computed by
+ * one thread with the same code at any thread count. A NaN makes its row NaN, as in torch.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define ROWS 8 /* queries per block */
+
+/* s[r][j] = qb_r . m[:, j] for the block's 8 (zero-padded) query rows qb [ROWS][Dh] and columns j < n of m [Dh][n]
+ * (rows ms apart), into s [ROWS][ss]. */
+static void block_scores(const float *qb, int Dh, const float *m, long ms, int n, float *s, long ss) {
+    int j0 = 0;
+    for (; j0 + VL <= n; j0 += VL) {
+        vf acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = vzero();
+        for (int d = 0; d < Dh; d++) {
+            const vf k = vload(m + d * ms + j0);
+            for (int r = 0; r < ROWS; r++) acc[r] += qb[r * Dh + d] * k;
+        }
+        for (int r = 0; r < ROWS; r++) vstore(s + r * ss + j0, acc[r]);
+    }
+    for (; j0 < n; j0++) /* (the last columns of a width that is not a multiple of 16) */
+        for (int r = 0; r < ROWS; r++) {
+            float a = 0.0f;
+            for (int d = 0; d < Dh; d++) a += qb[r * Dh + d] * m[d * ms + j0];
+            s[r * ss + j0] = a;
+        }
+}
+
+/* acc[r][c] = sum_j p[r][j] v_j[16c : 16c + 16] for NC (constant) chunks starting at chunk c0. */
+static inline __attribute__((always_inline)) void block_values(const float *p, int Kp, int K, const float *v, long vs,
+                                                               int c0, int NC, float *out, int Dh) {
+    vf acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = vzero();
+    for (int j = 0; j < K; j++) {
+        vf val[4];
+        for (int c = 0; c < NC; c++) val[c] = vload(v + j * vs + (c0 + c) * VL);
+        for (int r = 0; r < ROWS; r++) {
+            const float w = p[(long)r * Kp + j];
+            for (int c = 0; c < NC; c++) acc[r][c] += w * val[c];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < NC; c++) vstore(out + r * Dh + (c0 + c) * VL, acc[r][c]);
+}
+
+/* The positional input of a block: W_kR R of its head [Dh, >= K] (rows rs apart), and the scaled q + v rows. */
+typedef struct {
+    const float *r;
+    long rs;
+    const float *qv; /* [ROWS][Dh] */
+} positional;
+
+/* One block of queries t0 .. t0+rows-1: scores (plus the shifted (b)+(d) rows, or the bias; -inf where masked and past
+ * K), softmax over each row, the value sum into ob [ROWS][Dh]. raw: scratch [ROWS][K + VL]. */
+static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const float *kt, int Kp, int K,
+                         const float *v, long vs, const positional *pos, float *raw, const float *bias, long bias_rs,
+                         const unsigned char *mask, long mask_rs, float *s, float *ob) {
+    block_scores(qb, Dh, kt, Kp, Kp, s, Kp);
+    int c_lo = 0; /* the block's first raw column: T-1-i for its last row i */
+    if (pos) {
+        c_lo = T - 1 - (t0 + ROWS - 1);
+        c_lo = c_lo < 0 ? 0 : c_lo;
+        block_scores(pos->qv, Dh, pos->r + c_lo, pos->rs, K - c_lo, raw, K + VL);
+    }
+    for (int r = 0; r < rows; r++) {
+        float *row = s + (long)r * Kp;
+        const int i = t0 + r;
+        int lim = K; /* keys j < lim are scored; the rest are -inf */
+        if (pos) {
+            const float *b = raw + (long)r * (K + VL) + (T - 1 - i - c_lo); /* b[j]: raw column j + T-1-i */
+            lim = K - (T - 1 - i); /* (j > M+i: causally masked) */
+            int j = 0;
+            for (; j + VL <= lim; j += VL) vstore(row + j, vload(row + j) + vload(b + j));
+            for (; j < lim; j++) row[j] += b[j];
+        } else if (bias) {
+            const float *b = bias + r * bias_rs;
+            int j = 0;
+            for (; j + VL <= K; j += VL) vstore(row + j, vload(row + j) + vload(b + j));
+            for (; j < K; j++) row[j] += b[j];
+        }
+        for (int j = lim; j < Kp; j++) row[j] = -INFINITY;
+        if (mask)
+            for (int j = 0; j < lim; j++)
+                if (mask[r * mask_rs + j]) row[j] = -INFINITY;
+        vf mv = vzero() - INFINITY;
+        for (int j = 0; j < Kp; j += VL) {
+            const vf x = vload(row + j);
+            const vi gt = x > mv;
+            mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+        }
+        float m = mv[0]; /* (NaN scores are passed over here; their exp is NaN, so their row becomes NaN) */
+        for (int l = 1; l < VL; l++) m = mv[l] > m ? mv[l] : m;
+        vf sum = vzero();
+        for (int j = 0; j < Kp; j += VL) {
+            const vf e = vexp(vload(row + j) - m);
+            vstore(row + j, e);
+            sum += e;
+        }
+        const float inv = 1.0f / hsum(sum);
+        for (int j = 0; j < Kp; j += VL) vstore(row + j, vload(row + j) * inv);
+    }
+    for (int r = rows; r < ROWS; r++) memset(s + (long)r * Kp, 0, sizeof(float) * Kp);
+    const int chunks = Dh / VL;
+    for (int c0 = 0; c0 + 4 <= chunks; c0 += 4) block_values(s, Kp, K, v, vs, c0, 4, ob, Dh);
+    switch (chunks % 4) { /* (constant chunk counts: the accumulators stay in registers) */
+    case 1: block_values(s, Kp, K, v, vs, chunks - 1, 1, ob, Dh); break;
+    case 2: block_values(s, Kp, K, v, vs, chunks - 2, 2, ob, Dh); break;
+    case 3: block_values(s, Kp, K, v, vs, chunks - 3, 3, ob, Dh); break;
+    }
+    for (int d = chunks * VL; d < Dh; d++) /* the scalar tail of Dh */
+        for (int r = 0; r < ROWS; r++) {
+            float a = 0.0f;
+            for (int j = 0; j < K; j++) a += s[(long)r * Kp + j] * v[j * vs + d];
+            ob[r * Dh + d] = a;
+        }
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* out[b, t, h, :] for B x H heads of T queries over K keys of Dh values (see the top). Strides in floats, the last
+ * dimension contiguous: q, the scaled q + u, and qv, the scaled q + v (b, h, t); k and v (b, h, j); r, W_kR R of each
+ * head (h, d; its columns: the distances K-1 .. 0; NULL: no positional term); bias (b, h, t; 0 for a broadcast
+ * dimension; NULL: none; used only without r); mask, bytes, nonzero = masked (b, t; NULL: none). out is
+ * [B, T, H, Dh], contiguous. Returns nonzero if scratch memory could not be allocated. */
+int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv, long vqsb, long vqsh, long vqst,
+                  const float *k, long ksb, long ksh, long ksj, const float *v, long vsb, long vsh, long vsj,
+                  const float *r, long rsh, long rsd, const float *bias, long bsb, long bsh, long bst,
+                  const unsigned char *mask, long msb, long mst, float *out, int B, int H, int T, int K, int Dh,
+                  int n_threads) {
+    const int Kp = (K + VL - 1) / VL * VL;
+    const long per_thread = ((long)Dh * Kp + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
+    const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
+    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(per_thread * nt) + 63) / 64 * 64);
+    if (!scratch) return 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int u = 0; u < B * H; u++) {
+        int t_id = 0;
+#ifdef _OPENMP
+        t_id = omp_get_thread_num();
+#endif
+        float *kt = scratch + t_id * per_thread, *s = kt + (long)Dh * Kp, *raw = s + (long)ROWS * Kp;
+        float *qb = raw + (long)ROWS * (K + VL), *qvb = qb + ROWS * Dh, *ob = qvb + ROWS * Dh;
+        const int b = u / H, h = u % H;
+        const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
+        const float *qvh = qv ? qv + b * vqsb + h * vqsh : NULL;
+        for (int j = 0; j < K; j++)
+            for (int d = 0; d < Dh; d++) kt[(long)d * Kp + j] = kh[j * ksj + d];
+        for (int d = 0; d < Dh; d++)
+            for (int j = K; j < Kp; j++) kt[(long)d * Kp + j] = 0.0f;
+        const positional pos = {r ? r + h * rsh : NULL, rsd, qvb};
+        for (int t0 = 0; t0 < T; t0 += ROWS) {
+            const int rows = T - t0 < ROWS ? T - t0 : ROWS;
+            for (int i = 0; i < ROWS; i++)
+                for (int d = 0; d < Dh; d++) {
+                    qb[i * Dh + d] = i < rows ? qh[(t0 + i) * qst + d] : 0.0f;
+                    qvb[i * Dh + d] = i < rows && qvh ? qvh[(t0 + i) * vqst + d] : 0.0f;
+                }
+            const float *bb = bias && !r ? bias + b * bsb + h * bsh + t0 * bst : NULL;
+            const unsigned char *mb = mask ? mask + b * msb + t0 * mst : NULL;
+            attend_block(qb, rows, t0, T, Dh, kt, Kp, K, vh, vsj, r ? &pos : NULL, raw, bb, bst, mb, mst, s, ob);
+            for (int i = 0; i < rows; i++)
+                memcpy(out + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, sizeof(float) * Dh);
+        }
+    }
+    free(scratch);
+    return 0;
+}
