@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import debug_config
-from txl import TransformerXLLM
+from txl import TransformerXLLM, modeling
 
 CASES = [
     dict(cutoffs=cutoffs, div_val=div_val, d_embed=d_embed, tie_projs=tie, tie_weight=tie_weight)
@@ -92,3 +92,30 @@ def test_bad_targets():
     for shape in ((2, 5), (3, 4), (2, 0)):  # longer than the input, another batch, nothing to score
         with pytest.raises(ValueError, match="shape"):
             model(ids, torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cutoffs", [[29, 90], [30, 90, 120], [29, 90, 120]], ids=["pad1", "pad7", "pad0"])
+def test_the_heads_padding_columns_change_nothing(cutoffs, monkeypatch):
+    """The head padded with -inf columns up to HEAD_ALIGN (29 + 2 -> 32, 30 + 3 -> 40; 29 + 3 = 32 unpadded) gives
+    the unpadded head's losses, log-probs and gradients, to the softmax's rounding."""
+    head = cutoffs[0] + len(cutoffs)
+    assert (head % modeling.HEAD_ALIGN == 0) == (cutoffs == [29, 90, 120])
+    model = TransformerXLLM(debug_config(n_token=150, cutoffs=cutoffs, div_val=2, d_embed=16)).train()
+    ids, targets = torch.randint(0, 150, (3, 10)), torch.randint(0, 150, (3, 10))
+    results = []
+    for align in (modeling.HEAD_ALIGN, 0):
+        monkeypatch.setattr(modeling, "HEAD_ALIGN", align)
+        model.zero_grad()
+        torch.manual_seed(0)
+        out = model(ids, targets)
+        out.loss.backward()
+        with torch.no_grad():
+            log_probs = model.eval()(ids, return_log_probs=True).log_probs
+        model.train()
+        results.append((out.losses.detach(), log_probs, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (losses, log_probs, grads), (ref_losses, ref_log_probs, ref_grads) = results
+    assert log_probs.shape == ref_log_probs.shape == (3, 10, 150)
+    torch.testing.assert_close(losses, ref_losses, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(log_probs, ref_log_probs, atol=1e-6, rtol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-7, rtol=1e-5, msg=name)

@@ -839,10 +839,16 @@ class AdaptiveEmbedding(nn.Module):
         return out * self.emb_scale
 
 
+HEAD_ALIGN = 8
+"""The adaptive softmax's head (shortlist + one logit per cluster) gets zero weight rows with a -inf bias up to a
+multiple of this many columns: they take no probability (exp(-inf) = 0), and the head's product is faster (the
+bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: no padding."""
+
+
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
-    cutoffs[0] + i - 1, the Hugging Face order); log p(tail token) = head log-prob of its cluster + tail
-    log-prob. Always computed in fp32."""
+    cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
+    token) = head log-prob of its cluster + tail log-prob. Always computed in fp32."""
 
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
@@ -873,8 +879,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         else:
             w, b = self.out_layers[i].weight, self.out_layers[i].bias
         if i == 0 and self.n_clusters > 0:
-            w = torch.cat([w, self.cluster_weight], dim=0)
-            b = torch.cat([b, self.cluster_bias], dim=0)
+            pad = -(w.shape[0] + self.n_clusters) % HEAD_ALIGN if HEAD_ALIGN else 0
+            w = torch.cat([w, self.cluster_weight, w.new_zeros(pad, w.shape[1])], dim=0)
+            b = torch.cat([b, self.cluster_bias, b.new_full((pad,), float("-inf"))], dim=0)
         proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
         return _fp32(w), _fp32(b), proj
 
@@ -892,7 +899,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         autocast = torch.is_autocast_enabled(hidden.device.type)
         with torch.autocast(hidden.device.type, enabled=False) if autocast else contextlib.nullcontext():
             h = _fp32(hidden)
-            head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters]
+            head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:
                 log_probs = head  # [N, V]
