@@ -75,68 +75,76 @@ typedef struct {
 } positional;
 
 /* One block of queries t0 .. t0+rows-1: scores (plus the shifted (b)+(d) rows, or the bias; -inf where masked and past
- * K), softmax over each row, the value sum into ob [ROWS][Dh]. raw: scratch [ROWS][K + VL]. */
+ * K), softmax over each row, the value sum into ob [ROWS][Dh]. Keys past the block's last causal one (j > M + t0 +
+ * rows - 1 with the positional term) are never computed. raw: scratch [ROWS][K + VL]. */
 static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const float *kt, int Kp, int K,
                          const float *v, long vs, const positional *pos, float *raw, const float *bias, long bias_rs,
                          const unsigned char *mask, long mask_rs, float *s, float *ob) {
-    block_scores(qb, Dh, kt, Kp, Kp, s, Kp);
+    const int lim_block = pos ? K - (T - 1 - (t0 + rows - 1)) : K; /* keys j < lim_block: any row sees them */
+    const int width = (lim_block + VL - 1) / VL * VL;             /* <= Kp: the columns computed */
+    block_scores(qb, Dh, kt, Kp, width, s, Kp);
     int c_lo = 0; /* the block's first raw column: T-1-i for its last row i */
     if (pos) {
         c_lo = T - 1 - (t0 + ROWS - 1);
         c_lo = c_lo < 0 ? 0 : c_lo;
         block_scores(pos->qv, Dh, pos->r + c_lo, pos->rs, K - c_lo, raw, K + VL);
     }
+    float inv[ROWS];
     for (int r = 0; r < rows; r++) {
         float *row = s + (long)r * Kp;
         const int i = t0 + r;
-        int lim = K; /* keys j < lim are scored; the rest are -inf */
-        if (pos) {
-            const float *b = raw + (long)r * (K + VL) + (T - 1 - i - c_lo); /* b[j]: raw column j + T-1-i */
-            lim = K - (T - 1 - i); /* (j > M+i: causally masked) */
-            int j = 0;
-            for (; j + VL <= lim; j += VL) vstore(row + j, vload(row + j) + vload(b + j));
-            for (; j < lim; j++) row[j] += b[j];
-        } else if (bias) {
-            const float *b = bias + r * bias_rs;
-            int j = 0;
-            for (; j + VL <= K; j += VL) vstore(row + j, vload(row + j) + vload(b + j));
-            for (; j < K; j++) row[j] += b[j];
-        }
-        for (int j = lim; j < Kp; j++) row[j] = -INFINITY;
-        if (mask)
-            for (int j = 0; j < lim; j++)
-                if (mask[r * mask_rs + j]) row[j] = -INFINITY;
+        const int lim = pos ? K - (T - 1 - i) : K; /* keys j < lim are scored (j > M+i: causally masked) */
+        const float *b = pos ? raw + (long)r * (K + VL) + (T - 1 - i - c_lo) /* b[j]: raw column j + T-1-i */
+                             : bias ? bias + r * bias_rs : NULL;
         vf mv = vzero() - INFINITY;
-        for (int j = 0; j < Kp; j += VL) {
-            const vf x = vload(row + j);
+        int j = 0;
+        for (; j + VL <= lim; j += VL) {
+            const vf x = b ? vload(row + j) + vload(b + j) : vload(row + j);
+            vstore(row + j, x);
             const vi gt = x > mv;
             mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
         }
-        float m = mv[0]; /* (NaN scores are passed over here; their exp is NaN, so their row becomes NaN) */
-        for (int l = 1; l < VL; l++) m = mv[l] > m ? mv[l] : m;
+        float m = -INFINITY; /* (NaN scores are passed over here; their exp is NaN, so their row becomes NaN) */
+        for (; j < lim; j++) {
+            row[j] += b ? b[j] : 0.0f;
+            m = row[j] > m ? row[j] : m;
+        }
+        for (; j < width; j++) row[j] = -INFINITY;
+        if (mask) {
+            for (j = 0; j < lim; j++)
+                if (mask[r * mask_rs + j]) row[j] = -INFINITY;
+            mv = vzero() - INFINITY, m = -INFINITY; /* (the maximum again, over what the mask left) */
+            for (j = 0; j < width; j += VL) {
+                const vf x = vload(row + j);
+                const vi gt = x > mv;
+                mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+            }
+        }
+        for (int l = 0; l < VL; l++) m = mv[l] > m ? mv[l] : m;
         vf sum = vzero();
-        for (int j = 0; j < Kp; j += VL) {
+        for (j = 0; j < width; j += VL) {
             const vf e = vexp(vload(row + j) - m);
             vstore(row + j, e);
             sum += e;
         }
-        const float inv = 1.0f / hsum(sum);
-        for (int j = 0; j < Kp; j += VL) vstore(row + j, vload(row + j) * inv);
+        inv[r] = 1.0f / hsum(sum); /* (applied to the value sums: the same as normalizing the probabilities) */
     }
-    for (int r = rows; r < ROWS; r++) memset(s + (long)r * Kp, 0, sizeof(float) * Kp);
+    for (int r = rows; r < ROWS; r++) memset(s + (long)r * Kp, 0, sizeof(float) * width); /* (padding rows) */
     const int chunks = Dh / VL;
-    for (int c0 = 0; c0 + 4 <= chunks; c0 += 4) block_values(s, Kp, K, v, vs, c0, 4, ob, Dh);
+    for (int c0 = 0; c0 + 4 <= chunks; c0 += 4) block_values(s, Kp, lim_block, v, vs, c0, 4, ob, Dh);
     switch (chunks % 4) { /* (constant chunk counts: the accumulators stay in registers) */
-    case 1: block_values(s, Kp, K, v, vs, chunks - 1, 1, ob, Dh); break;
-    case 2: block_values(s, Kp, K, v, vs, chunks - 2, 2, ob, Dh); break;
-    case 3: block_values(s, Kp, K, v, vs, chunks - 3, 3, ob, Dh); break;
+    case 1: block_values(s, Kp, lim_block, v, vs, chunks - 1, 1, ob, Dh); break;
+    case 2: block_values(s, Kp, lim_block, v, vs, chunks - 2, 2, ob, Dh); break;
+    case 3: block_values(s, Kp, lim_block, v, vs, chunks - 3, 3, ob, Dh); break;
     }
     for (int d = chunks * VL; d < Dh; d++) /* the scalar tail of Dh */
         for (int r = 0; r < ROWS; r++) {
             float a = 0.0f;
-            for (int j = 0; j < K; j++) a += s[(long)r * Kp + j] * v[j * vs + d];
+            for (int j = 0; j < lim_block; j++) a += s[(long)r * Kp + j] * v[j * vs + d];
             ob[r * Dh + d] = a;
         }
+    for (int r = 0; r < rows; r++)
+        for (int d = 0; d < Dh; d++) ob[r * Dh + d] *= inv[r];
 }
 
 #ifdef _OPENMP
