@@ -196,7 +196,9 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path, monkeypatch, caps
     capsys.readouterr()
     main(["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "3", "--json"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("txl: note: native kernels (decoding step, dropout): not available"), err
+    assert len(err) == 1 and err[0].startswith(
+        "txl: note: native kernels (decoding step, attention, dropout): not available"
+    ), err
 
 
 @needs_lib

@@ -1,11 +1,13 @@
-"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step and
-dropout.
+"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step, inference
+attention and dropout.
 
 Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
 model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
 call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
-``dropout.c`` is dropout in one pass with a counter-based random stream (Philox4x32-10) keyed by a seed drawn from
-torch's generator: PyTorch's CPU generator draws its words one at a time on one core.
+``attention.c`` runs the attention of evaluation and prompts per head without a [B, H, T, K] tensor in memory (the
+(b)+(d) rows read at their shift in place, the mask, the softmax, the value sum). ``dropout.c`` is dropout in one
+pass with a counter-based random stream (Philox4x32-10) keyed by a seed drawn from torch's generator: PyTorch's CPU
+generator draws its words one at a time on one core.
 
 The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
@@ -130,13 +132,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """One line: whether the native kernels (decoding step, dropout) are used, and where they were built or why
-    they are not."""
+    """One line: whether the native kernels (decoding step, attention, dropout) are used, and where they were built
+    or why they are not."""
     if not ENABLED:
-        return "native kernels (decoding step, dropout): off (TXL_NATIVE=0)"
+        return "native kernels (decoding step, attention, dropout): off (TXL_NATIVE=0)"
     if library() is None:
-        return f"native kernels (decoding step, dropout): not available, PyTorch path used ({_LIB['why']})"
-    return f"native kernels (decoding step, dropout): on ({_LIB['path']})"
+        return f"native kernels (decoding step, attention, dropout): not available, PyTorch path used ({_LIB['why']})"
+    return f"native kernels (decoding step, attention, dropout): on ({_LIB['path']})"
 
 
 _DATA_PTR = Tensor.data_ptr
