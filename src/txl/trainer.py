@@ -28,6 +28,7 @@ import torch
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
+from txl import native
 from txl.checkpoint import (
     RunLock,
     latest_checkpoint,
@@ -205,6 +206,7 @@ class Trainer:
         w = self.world
         if configure_allocator():
             self.say(f"runtime: {ALLOCATOR_NOTE}")
+        self.say(f"runtime: {native.status()}")  # (dropout and evaluation run slower without them)
         if not torch.backends.mkldnn.is_available():
             return
         earlier = read_metadata(self.checkpoint_to_load).get("fp32_route") if self.checkpoint_to_load else None
