@@ -714,32 +714,31 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             for i, (layer, (u, v)) in enumerate(zip(model.layers, biases, strict=True))
         ]
 
+    def _terms(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries of (a)+(c) and of (b)+(d), (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) ([B, T, H, Dh] each:
+        the 1/sqrt(Dh) of the scores is applied to the T x Dh queries, not the T x K scores), and W_kR R for the
+        distances K-1..0 ([H, Dh, >= K]; a cache's has zero columns after them)."""
+        r_k = pos.r_k
+        if r_k is None:
+            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
+        return (q + pos.u) * self.scale, (q + pos.v) * self.scale, r_k
+
     def native_attention(self, q: Tensor, pos: RelPositions, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         # The same terms as scores() + attend(), with the (b)+(d) rows read at their shift inside the kernel.
-        B, T, H, Dh = q.shape
-        K = k.shape[2]
-        r_k = pos.r_k  # [H, Dh, >= K]
-        if r_k is None:
-            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
-        q_w = ((q + pos.u) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
-        q_v = ((q + pos.v) * self.scale).transpose(1, 2)  # (q + v) / sqrt(Dh), [B, H, T, Dh]
-        return native.attention(q_w, k, v, qv=q_v, r=r_k, mask=mask)
+        q_u, q_v, r_k = self._terms(q, pos, k.shape[2])
+        return native.attention(q_u.transpose(1, 2), k, v, qv=q_v.transpose(1, 2), r=r_k, mask=mask)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape
-        r_k = pos.r_k  # W_kR R for the distances K-1..0 (a cache's has zero columns after them), [H, Dh, >= K]
-        if r_k is None:
-            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(H, Dh, K)
+        q_u, q_v, r_k = self._terms(q, pos, K)
         W = K  # the raw rows' width: in inference, padded (see shift_padding)
         if T > 1 and not torch.is_grad_enabled() and not torch.compiler.is_exporting():
             W = K + shift_padding(K)
             if r_k.shape[-1] < W:  # (a cache's table has the zero columns already)
                 r_k = F.pad(r_k[..., :K], (0, W - K))
         r_k = r_k[..., :W]  # [H, Dh, W]: the layout of the (b)+(d) GEMM
-
-        # The 1/sqrt(Dh) of the scores is applied to the queries (T x Dh values, not T x K scores).
-        q_w = ((q + pos.u) * self.scale).transpose(1, 2)  # (q + u) / sqrt(Dh), [B, H, T, Dh]
-        q_r = ((q + pos.v) * self.scale).permute(2, 0, 1, 3).reshape(H, B * T, Dh)  # (q + v) / sqrt(Dh)
+        q_w = q_u.transpose(1, 2)  # [B, H, T, Dh]
+        q_r = q_v.permute(2, 0, 1, 3).reshape(H, B * T, Dh)
         bd = torch.bmm(q_r, r_k).view(H, B, T, W).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, W]
         if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
             bd = rel_shift(bd, K)  # (b)+(d) by key, [B, H, T, K]

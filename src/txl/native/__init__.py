@@ -141,6 +141,13 @@ def status() -> str:
     return f"native kernels (decoding step, attention, dropout): on ({_LIB['path']})"
 
 
+def _ready() -> ctypes.CDLL | None:
+    """The library, where the kernels may run now: turned on, built, no graph being traced, compiled or exported."""
+    if not ENABLED or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+        return None
+    return _LIB["lib"] if "lib" in _LIB else library()
+
+
 _DATA_PTR = Tensor.data_ptr
 
 
@@ -183,9 +190,7 @@ def decode_step(
     ``mask``: [1, K] or [B, 1, 1, K] (True = masked) or None; ``state``: a dict kept with the plan. Returns None
     (nothing done) where the kernel does not apply: no library, not fp32 on the CPU, autocast, a graph being
     traced."""
-    if not ENABLED or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return None
-    lib = _LIB["lib"] if "lib" in _LIB else library()
+    lib = None if torch.is_autocast_enabled("cpu") else _ready()
     k, v, r0 = cache.k, cache.v, pos[0].r_k
     if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)):
         return None
@@ -219,11 +224,7 @@ _DROPOUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def dropout_applies(x: Tensor) -> bool:
     """Whether :func:`dropout` runs for ``x``: fp32 or bf16 on the CPU, the library built, no graph being traced or
     compiled."""
-    if x.dtype not in _DROPOUT_DTYPES or x.device.type != "cpu" or not ENABLED:
-        return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return (_LIB["lib"] if "lib" in _LIB else library()) is not None
+    return x.dtype in _DROPOUT_DTYPES and x.device.type == "cpu" and _ready() is not None
 
 
 def dropout(x: Tensor, p: float, seed: int) -> Tensor | None:
@@ -258,11 +259,8 @@ def dropout_words(seed: int, n: int) -> Tensor:
 def usable(x: Tensor) -> bool:
     """Whether the kernels may run for ``x`` now: fp32 on the CPU, the library built, no autocast, no graph being
     traced or compiled."""
-    if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
-        return False
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
-        return False
-    return (_LIB["lib"] if "lib" in _LIB else library()) is not None
+    fp32_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
+    return fp32_cpu and not torch.is_autocast_enabled("cpu") and _ready() is not None
 
 
 def attention(
@@ -281,14 +279,10 @@ def attention(
     dimensions allowed); -inf where ``mask`` ([T, K] or [B, 1, T, K], True = masked) is set. q, qv [B, H, T, Dh] come
     scaled; k, v [B, H, K, Dh]. fp32 on the CPU with the last dimension of each contiguous; None (nothing done)
     elsewhere, with no library, with autocast or in a graph being traced or compiled."""
-    if not ENABLED or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return None
     tensors = [t for t in (q, k, v, qv, r, bias) if t is not None]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
+    if not all(usable(t) and t.stride(-1) == 1 for t in tensors):
         return None
-    lib = _LIB["lib"] if "lib" in _LIB else library()
-    if lib is None:
-        return None
+    lib = _LIB["lib"]
     B, H, T, Dh = q.shape
     K = k.shape[2]
     if r is not None and (qv is None or r.shape[-1] < K):

@@ -70,18 +70,12 @@ static inline f32v factors(u32v keep, float scale) {
     return (f32v)(keep & s); /* scale where kept, +0.0 where dropped */
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN, as c10::BFloat16 */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline f32v bf16_widen(u16v h) {
     u32v u = __builtin_convertvector(h, u32v) << 16;
     return (f32v)u;
 }
 
+/* fp32 -> bf16, rounded to nearest even; a NaN becomes 0x7FC0, as c10::BFloat16. */
 static inline u16v bf16_round(f32v f) {
     u32v u = (u32v)f;
     u32v r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
@@ -90,36 +84,34 @@ static inline u16v bf16_round(f32v f) {
     return __builtin_convertvector(r, u16v);
 }
 
+/* The 64 elements of chunk c, from x to y (whole chunks; the last one goes through a zero-padded copy). */
+static void chunk64(const void *x, void *y, long c, int bf16, uint32_t k0, uint32_t k1, uint32_t threshold,
+                    float scale) {
+    u32v w[4];
+    philox16((uint64_t)c * 16, k0, k1, w);
+    for (int j = 0; j < 4; j++) {
+        const f32v m = factors(keep_mask(w[j], threshold), scale);
+        if (bf16) {
+            const u16v h = *(const u16vu *)((const uint16_t *)x + 16 * j);
+            *(u16vu *)((uint16_t *)y + 16 * j) = bf16_round(bf16_widen(h) * m);
+        } else {
+            *(f32vu *)((float *)y + 16 * j) = *(const f32vu *)((const float *)x + 16 * j) * m;
+        }
+    }
+}
+
 /* Chunk c (elements 64c .. 64c + 63, the first `len` of them). */
 static void chunk(const void *x, void *y, long c, int len, int bf16, uint32_t k0, uint32_t k1, uint32_t threshold,
                   float scale) {
-    u32v w[4];
-    philox16((uint64_t)c * 16, k0, k1, w);
-    const long base = c * 64;
+    const size_t size = bf16 ? 2 : 4, at = (size_t)c * 64 * size;
     if (len == 64) {
-        for (int j = 0; j < 4; j++) {
-            const f32v m = factors(keep_mask(w[j], threshold), scale);
-            const long at = base + 16 * j;
-            if (bf16) {
-                const u16v h = *(const u16vu *)((const uint16_t *)x + at);
-                *(u16vu *)((uint16_t *)y + at) = bf16_round(bf16_widen(h) * m);
-            } else {
-                *(f32vu *)((float *)y + at) = *(const f32vu *)((const float *)x + at) * m;
-            }
-        }
+        chunk64((const char *)x + at, (char *)y + at, c, bf16, k0, k1, threshold, scale);
         return;
     }
-    for (int e = 0; e < len; e++) { /* the tail: the same words, element by element */
-        const float m = w[e / 16][e % 16] >= threshold ? scale : 0.0f;
-        if (bf16) {
-            uint32_t u = (uint32_t)((const uint16_t *)x)[base + e] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            ((uint16_t *)y)[base + e] = to_bf16(f * m);
-        } else {
-            ((float *)y)[base + e] = ((const float *)x)[base + e] * m;
-        }
-    }
+    float in[64] = {0}, out[64]; /* (the tail: the same code on a copy, bytes of either dtype) */
+    memcpy(in, (const char *)x + at, len * size);
+    chunk64(in, out, c, bf16, k0, k1, threshold, scale);
+    memcpy((char *)y + at, out, len * size);
 }
 
 /* y[i] = x[i] * (kept ? scale : 0) for i < n, fp32 (bf16 = 0) or bf16 (bf16 = 1) values; x == y is allowed. */
