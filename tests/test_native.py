@@ -148,17 +148,21 @@ def test_a_nan_score_makes_generation_fail_as_without_the_kernel():
 
 @needs_lib
 def test_the_softmax_exponential_is_as_accurate_as_expf():
-    """The kernel's vectorised exp (the softmax's) against float64: within 2.5e-7 relative over [-87, 0], 0 below
-    its range and for -inf, NaN for NaN."""
+    """The kernel's vectorised exp (the softmax's) against float64: within 2.5e-7 relative over [-87, 0]; below,
+    where exp(x) is (near) subnormal, within 1.25e-38 (0 or the subnormal result, depending on the CPU's
+    path); 0 below -104 and for -inf, NaN for NaN."""
     lib = native.library()
-    x = torch.cat([torch.linspace(-87.0, 0.0, 200_003), torch.tensor([-87.5, -100.0, -float("inf"), float("nan")])])
+    low = torch.linspace(-103.9, -87.3, 1001)
+    special = torch.tensor([-104.5, -1e30, -float("inf"), float("nan")])
+    x = torch.cat([torch.linspace(-87.0, 0.0, 200_003), low, special])
     x = torch.cat([x, torch.zeros(16 - x.numel() % 16)])  # (whole vectors: the vector code for every value)
     y = torch.empty_like(x)
     lib.txl_exp(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), x.numel())
-    n = 200_003
+    n, m = 200_003, 200_003 + low.numel()
     rel = ((y[:n].double() - x[:n].double().exp()) / x[:n].double().exp()).abs().max()
     assert rel <= 2.5e-7, rel
-    assert y[n : n + 3].tolist() == [0.0, 0.0, 0.0] and y[n + 3].isnan()
+    assert (y[n:m].double() - low.double().exp()).abs().max() <= 1.25e-38
+    assert y[m : m + 3].tolist() == [0.0, 0.0, 0.0] and y[m + 3].isnan()
 
 
 @needs_lib
@@ -197,7 +201,7 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path, monkeypatch, caps
     main(["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "3", "--json"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "txl: note: native kernels (decoding step, attention, dropout): not available"
+        "txl: note: native kernels (decoding step, attention, dropout, softmax NLL): not available"
     ), err
 
 

@@ -844,6 +844,29 @@ multiple of this many columns: they take no probability (exp(-inf) = 0), and the
 bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: no padding."""
 
 
+class _SoftmaxNLL(torch.autograd.Function):
+    """-log_softmax(x)[i, t_i] per row by :func:`txl.native.nll` (0 where t_i < 0); the backward is
+    g_i (softmax(x_i) - onehot(t_i)), from the logits and each row's log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, target: Tensor) -> Tensor:  # [N, V], [N] -> [N]
+        nll, lse = native.nll(x, target)
+        ctx.save_for_backward(x, target, lse)
+        return nll
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        x, target, lse = ctx.saved_tensors
+        return native.nll_backward(x, target, lse, grad), None
+
+
+NATIVE_NLL = True
+"""Whether the adaptive softmax's training and scoring loss (targets given, no log-probs asked for) takes each
+cluster's NLL straight from its logits with :mod:`txl.native` (fp32 CPU), instead of log_softmax + gather: no
+[N, V] log-probabilities, no zero-filled [N, V] gradient. The same values to fp32 rounding."""
+
+
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
     cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
@@ -884,11 +907,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
         return _fp32(w), _fp32(b), proj
 
-    def _log_softmax(self, h: Tensor, i: int) -> Tensor:
+    def _logits(self, h: Tensor, i: int) -> Tensor:
         w, b, proj = self._cluster_params(i)
         if proj is not None:
             h = h @ proj  # [N, d_i]
-        return F.log_softmax(F.linear(h, w, b), dim=-1)
+        return F.linear(h, w, b)  # [N, n_i (+ clusters and padding for the head)]
+
+    def _log_softmax(self, h: Tensor, i: int) -> Tensor:
+        return F.log_softmax(self._logits(h, i), dim=-1)
 
     def forward(self, hidden: Tensor, targets: Tensor | None = None, return_log_probs: bool = False):
         """``hidden`` [N, d_model], ``targets`` [N] (-100 = ignore).
@@ -898,6 +924,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         autocast = torch.is_autocast_enabled(hidden.device.type)
         with torch.autocast(hidden.device.type, enabled=False) if autocast else contextlib.nullcontext():
             h = _fp32(hidden)
+            if targets is not None and not return_log_probs and NATIVE_NLL and native.nll_applies(h):
+                return self._nll_native(h, targets), None
             head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:
@@ -911,10 +939,32 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 nll = self._nll(h, head, log_probs, targets)
         return nll, log_probs
 
-    def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
+    def _check(self, targets: Tensor) -> Tensor:
+        """``targets != -100``, after checking that the others are token ids."""
         valid = targets != -100
         if (((targets < 0) & valid) | (targets >= self.n_token)).any():
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
+        return valid
+
+    def _nll_native(self, h: Tensor, targets: Tensor) -> Tensor:
+        """``_nll`` with each cluster's loss taken from its logits by :func:`txl.native.nll` (no log-softmax
+        tensor): a token's head term reads its own column, or its cluster's for a tail token."""
+        valid = self._check(targets)
+        col = targets.where(valid, -1)  # [N] head column of each token (-1: ignored)
+        tails = []
+        for i in range(1, self.n_clusters + 1):
+            l, r = self.ends[i], self.ends[i + 1]
+            idx = ((targets >= l) & (targets < r)).nonzero().squeeze(1)
+            if idx.numel():
+                col = col.index_fill(0, idx, self.shortlist + i - 1)
+                tails.append((i, idx, targets[idx] - l))
+        nll = _SoftmaxNLL.apply(self._logits(h, 0), col)  # [N]
+        for i, idx, t in tails:
+            nll = nll.index_add(0, idx, _SoftmaxNLL.apply(self._logits(h.index_select(0, idx), i), t))
+        return nll
+
+    def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
+        valid = self._check(targets)
         t = targets.where(valid, 0)
         if log_probs is not None:
             return -log_probs.gather(1, t[:, None]).squeeze(1) * valid

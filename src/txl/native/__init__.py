@@ -1,5 +1,5 @@
 """Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step, inference
-attention and dropout.
+attention, dropout and the softmax's negative log-likelihood.
 
 Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
 model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
@@ -7,7 +7,9 @@ call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), r
 ``attention.c`` runs the attention of evaluation and prompts per head without a [B, H, T, K] tensor in memory (the
 (b)+(d) rows read at their shift in place, the mask, the softmax, the value sum). ``dropout.c`` is dropout in one
 pass with a counter-based random stream (Philox4x32-10) keyed by a seed drawn from torch's generator: PyTorch's CPU
-generator draws its words one at a time on one core.
+generator draws its words one at a time on one core. ``nll.c`` is the adaptive softmax's loss per cluster,
+-log_softmax(x)[target] and its gradient, without the [N, V] log-probabilities (and, in the backward, without
+PyTorch's zero-filled [N, V] gradient of the gather).
 
 The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
@@ -117,6 +119,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             lib.txl_dropout.restype = None
             lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
             lib.txl_dropout_words.restype = None
+            lib.txl_nll_forward.argtypes = [P, L, L, L, P, P, P, I]
+            lib.txl_nll_forward.restype = None
+            lib.txl_nll_backward.argtypes = [P, L, L, L, P, P, P, P, L, I]
+            lib.txl_nll_backward.restype = None
             return lib, "", path
     return None, "the build failed: " + " | ".join(errors), None
 
@@ -132,13 +138,14 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """One line: whether the native kernels (decoding step, attention, dropout) are used, and where they were built
-    or why they are not."""
+    """One line: whether the native kernels (decoding step, attention, dropout, softmax NLL) are used, and where they
+    were built or why they are not."""
+    what = "native kernels (decoding step, attention, dropout, softmax NLL)"
     if not ENABLED:
-        return "native kernels (decoding step, attention, dropout): off (TXL_NATIVE=0)"
+        return f"{what}: off (TXL_NATIVE=0)"
     if library() is None:
-        return f"native kernels (decoding step, attention, dropout): not available, PyTorch path used ({_LIB['why']})"
-    return f"native kernels (decoding step, attention, dropout): on ({_LIB['path']})"
+        return f"{what}: not available, PyTorch path used ({_LIB['why']})"
+    return f"{what}: on ({_LIB['path']})"
 
 
 def _ready() -> ctypes.CDLL | None:
@@ -307,3 +314,46 @@ def attention(
     if failed:
         raise MemoryError("the native attention could not allocate its scratch memory")
     return out
+
+
+def nll_applies(x: Tensor) -> bool:
+    """Whether :func:`nll` runs for the logits ``x``: fp32 on the CPU, the library built, no graph being traced or
+    compiled."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _ready() is not None
+
+
+def _rows(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    if x.dim() != 2 or target.shape != x.shape[:1]:
+        raise ValueError(f"nll: logits [N, V] and targets [N] expected, got {tuple(x.shape)} and {tuple(target.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, target.to(torch.int64).contiguous()
+
+
+def nll(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``-log_softmax(x)[i, target[i]]`` for each row of the logits ``x`` [N, V] (0 where ``target[i] < 0``:
+    ignored), and each row's log-sum-exp (for :func:`nll_backward`), without the [N, V] log-probabilities (nll.c).
+    Targets must be < V. fp32 on the CPU; None (nothing done) elsewhere, with no library, or in a graph being traced
+    or compiled."""
+    if not nll_applies(x):
+        return None
+    x, target = _rows(x, target)
+    N, V = x.shape
+    out, lse = torch.empty(N), torch.empty(N)
+    _LIB["lib"].txl_nll_forward(
+        x.data_ptr(), N, V, x.stride(0), target.data_ptr(), out.data_ptr(), lse.data_ptr(), torch.get_num_threads()
+    )
+    return out, lse
+
+
+def nll_backward(x: Tensor, target: Tensor, lse: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of ``sum(grad * nll(x, target))`` with respect to ``x``: ``grad[i] * (softmax(x_i) -
+    onehot(target[i]))``, zero rows where ``target[i] < 0``; ``lse`` from :func:`nll`. Only where :func:`nll` ran."""
+    x, target = _rows(x, target)
+    N, V = x.shape
+    lse, grad = lse.float().contiguous(), grad.float().contiguous()
+    dx = torch.empty(N, V)
+    _LIB["lib"].txl_nll_backward(
+        x.data_ptr(), N, V, x.stride(0), target.data_ptr(), lse.data_ptr(), grad.data_ptr(), dx.data_ptr(), V,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return dx

@@ -23,10 +23,31 @@ static inline float hsum(vf a) {
 
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
-/* exp(x) for x <= 0 (the softmax's shifted scores), 16 at a time: 2^n e^r with |r| <= ln2/2 and Cephes' degree-7
- * polynomial (relative error ~2e-7, as libm's expf); 0 below -87.3 (and for -inf); NaN for NaN. */
+/* exp(x) for x <= 0 (the softmax's shifted scores), 16 at a time: 2^n e^r with n = round(x / ln2), |r| <= ln2/2,
+ * and Cephes' degree-7 polynomial (relative error ~2e-7, as libm's expf); 0 for -inf (and below -104, where exp
+ * rounds to 0 in fp32); NaN for NaN. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512: the rounding and the scaling by 2^n (vscalefps: exact, subnormal results included) in one instruction
+ * each. x is clamped at -104 first (so that r stays finite for -inf); max(c, x) returns x where x is NaN. */
 static inline vf vexp(vf x) {
-    const vi under = x < -87.3f;
+    const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-104.0f), (__m512)x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf fn = (vf)n;
+    const vf r = (vf)xc - fn * 0.693359375f - fn * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f + vzero();
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (vf)_mm512_scalef_ps((__m512)p, n);
+}
+#else
+static inline vf vexp(vf x) {
+    const vi under = x < -87.3f; /* (below: 0; the subnormal results are not computed) */
     x = (vf)(((vi)x & ~under) | ((vi)(vzero() - 87.3f) & under)); /* (-inf lanes too: `under` zeroes them below) */
     const vf y = x * 1.44269504088896341f + 0.5f;
     vi n = __builtin_convertvector(y, vi);
@@ -44,5 +65,6 @@ static inline vf vexp(vf x) {
     const vi nan = x != x;               /* NaN stays NaN (a NaN score makes its row NaN, as in torch) */
     return (vf)((scaled & ~under) | (nan & (vi)(vzero() + NAN)));
 }
+#endif
 
 #endif

@@ -1,0 +1,156 @@
+"""The native softmax NLL (txl.native.nll, nll.c): -log_softmax(x)[target] per row and its gradient straight from
+the logits. It must equal float64's log-softmax and gather (and their gradient) to fp32 rounding for any width,
+ignore -100 targets, give -inf columns no probability and NaN rows NaN, not depend on the thread count, and be what
+the adaptive softmax runs in `txl train` and `txl eval` (with the PyTorch path's losses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train_helpers import losses, run_inprocess
+from txl import modeling, native
+from txl.modeling import TransformerXLConfig, TransformerXLLM
+
+needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
+
+
+def reference(x: torch.Tensor, target: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 NLL (0 where target < 0) and the gradient of sum(grad * nll)."""
+    x64 = x.double().requires_grad_()
+    valid = target >= 0
+    nll = -F.log_softmax(x64, dim=-1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
+    (nll * grad.double()).sum().backward()
+    return nll.detach(), x64.grad
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (5, 16), (7, 17), (64, 100), (33, 4008), (9, 16_000)])
+def test_nll_and_its_gradient_equal_float64_log_softmax_and_gather(shape):
+    n, v = shape
+    g = torch.Generator().manual_seed(n * 1000 + v)
+    x = torch.randn(n, v, generator=g) * 4
+    target = torch.randint(0, v, (n,), generator=g)
+    target[n // 2] = -100 if n > 1 else target[0]
+    grad = torch.rand(n, generator=g) + 0.5
+    nll, lse = native.nll(x, target)
+    ref, ref_grad = reference(x, target, grad)
+    assert (nll.double() - ref).abs().max() <= 2e-6 * max(1.0, float(ref.abs().max()))
+    assert torch.allclose(lse.double(), torch.logsumexp(x.double(), -1), atol=2e-6, rtol=1e-6)
+    dx = native.nll_backward(x, target, lse, grad)
+    assert (dx.double() - ref_grad).abs().max() <= 1e-6
+    if n > 1:
+        assert nll[n // 2] == 0 and dx[n // 2].eq(0).all()  # (the ignored row)
+
+
+@needs_lib
+def test_minus_infinity_columns_take_no_probability_and_nan_rows_stay_nan():
+    x = torch.randn(4, 40)
+    x[:, 33:] = float("-inf")  # (the head's padding columns)
+    target = torch.tensor([0, 5, 32, 7])
+    x[3, 10] = float("nan")
+    nll, lse = native.nll(x, target)
+    ref, _ = reference(x[:3, :33], target[:3], torch.ones(3))
+    assert torch.allclose(nll[:3].double(), ref, atol=1e-6) and nll[3].isnan() and lse[3].isnan()
+    dx = native.nll_backward(x, target, lse, torch.ones(4))
+    assert dx[:3, 33:].eq(0).all() and torch.allclose(dx[:3].sum(1), torch.zeros(3), atol=1e-6)
+
+
+@needs_lib
+def test_the_results_do_not_depend_on_the_thread_count():
+    x = torch.randn(300, 1000)
+    target = torch.randint(0, 1000, (300,))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.nll(x, target)
+        one_dx = native.nll_backward(x, target, one[1], torch.ones(300))
+        torch.set_num_threads(2)
+        two = native.nll(x, target)
+        two_dx = native.nll_backward(x, target, two[1], torch.ones(300))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]) and torch.equal(one_dx, two_dx)
+
+
+def adaptive_lm(cutoffs: list[int], div_val: int = 2) -> TransformerXLLM:
+    torch.manual_seed(0)
+    cfg = TransformerXLConfig(
+        n_token=300, cutoffs=cutoffs, div_val=div_val, d_model=32, d_embed=32, n_layer=2, n_head=2, d_head=16,
+        d_inner=64, dropout=0.0, dropatt=0.0, mem_len=8,
+    )  # fmt: skip
+    model = TransformerXLLM(cfg)
+    for p in model.parameters():  # (larger weights: logits far from uniform)
+        p.data.normal_(0, 0.3)
+    return model
+
+
+@needs_lib
+@pytest.mark.parametrize("cutoffs", [[50, 130], [], [47]], ids=["two-tails", "plain", "pad"])
+def test_the_adaptive_softmax_gives_the_pytorch_paths_losses_and_gradients(cutoffs, monkeypatch):
+    """Losses (ignored targets included) and every parameter's gradient, with and without the kernel; the kernel
+    ran (one call per cluster with targets in it)."""
+    model = adaptive_lm(cutoffs, div_val=2 if len(cutoffs) > 1 else 1)
+    x = torch.randint(0, 300, (3, 12))
+    y = torch.randint(0, 300, (3, 12))
+    y[0, 4] = y[2, 0] = -100
+    calls = []
+    real = native.nll
+    monkeypatch.setattr(native, "nll", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for flag in (True, False):
+        monkeypatch.setattr(modeling, "NATIVE_NLL", flag)
+        model.zero_grad()
+        out = model(x, y)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[flag] = out.losses.detach(), grads
+    assert len(calls) == len(cutoffs) + 1
+    (a, ga), (b, gb) = results[True], results[False]
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-5) and a[0, 4] == 0 and a[2, 0] == 0
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-6), n
+
+
+@needs_lib
+def test_log_probs_and_other_devices_keep_the_pytorch_path(monkeypatch):
+    """Asking for the log-probabilities (or bf16 logits) does not run the kernel."""
+    model = adaptive_lm([50, 130])
+    called = []
+    monkeypatch.setattr(native, "nll", lambda *a: called.append(1))
+    x, y = torch.randint(0, 300, (2, 6)), torch.randint(0, 300, (2, 6))
+    out = model(x, y, return_log_probs=True)
+    nll = -out.log_probs.gather(-1, y[..., None]).squeeze(-1)
+    assert not called and torch.allclose(out.losses, nll, atol=1e-5)
+    assert not native.nll_applies(torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
+@needs_lib
+def test_txl_train_and_eval_run_the_kernel_with_the_pytorch_paths_losses(tmp_path, monkeypatch):
+    """`txl train` with an adaptive softmax (the debug preset with two tail clusters): the kernel runs, and the run's
+    training and validation losses (``txl.evaluate``, what `txl eval` runs) equal those of the same run on the
+    PyTorch path to fp32 rounding."""
+    calls = [0]
+    real = native.nll
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(native, "nll", counted)
+    run = dict(
+        train__log_interval=1, train__eval_interval=3, train__max_steps=6, model__cutoffs="[10, 20]",
+        model__div_val=2, model__dropout=0.0, model__dropatt=0.0,
+    )  # fmt: skip
+    fast = run_inprocess(tmp_path, "fast", **run)
+    assert calls[0] > 0
+    monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+    calls[0] = 0
+    slow = run_inprocess(tmp_path, "slow", **run)
+    assert calls[0] == 0
+    for split in ("train", "valid"):
+        a, b = losses(fast, split), losses(slow, split)
+        assert len(a) == len(b) > 0 and [s for s, _ in a] == [s for s, _ in b]
+        assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for (_, x), (_, y) in zip(a, b, strict=True)), (a, b)
