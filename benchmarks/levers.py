@@ -21,7 +21,10 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``; with the
   native step on, only the prompt's products take it), the one-token step as one native call (``txl.native``;
   off: the PyTorch loop below) and the one-token step as one loop over the layers' weights
-  (``TransformerXL._decode``, which runs the native call where it can; off: the layers' own path).
+  (``TransformerXL._decode``, which runs the native call where it can; off: the layers' own path);
+* bench-word (adaptive softmax) train step and evaluation: the adaptive softmax's NLL per cluster by
+  ``txl.native`` (from the logits in training; in evaluation from the hidden states, no logits stored; off: the
+  logits kernel, or log_softmax + gather).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -43,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from _report import replace_section
-from model_speed import cpu_description, uncached_greedy
+from model_speed import build_pair, cpu_description, uncached_greedy
 from txl import modeling
 from txl.generation import generate
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
@@ -188,6 +191,45 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     return alternate(cases, warmup, steps, BATCH * TGT)
 
 
+def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """bench-word (adaptive input and softmax; random tokens, so 7 in 8 targets are in a tail cluster): the
+    training step with the softmax NLL from the logits (off: log_softmax + gather and their backward), and the
+    evaluation step (inside ``transposed_weights()``, as ``txl.evaluate`` runs it) with the NLL without logits (off:
+    from the logits; both off: log_softmax + gather)."""
+    _, base = build_pair("bench-word")
+    stream = torch.randint(0, 32000, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
+    no_nll = lambda: mock.patch.object(modeling, "NATIVE_NLL", False)  # noqa: E731
+    train = {
+        name: TrainCase(copy.deepcopy(base).train(), stream, off, {"fused": True}).step
+        for name, off in (("all levers", contextlib.nullcontext), ("softmax NLL from the logits (txl.native)", no_nll))
+    }
+    model = base.eval()
+
+    def segments(off=contextlib.nullcontext):
+        state = {"cache": KVCache(model.config, BATCH, 640, TGT), "pos": 0}
+
+        @torch.no_grad()
+        def step():
+            x = stream[:, state["pos"] : state["pos"] + TGT]
+            y = stream[:, state["pos"] + 1 : state["pos"] + TGT + 1]
+            state["pos"] = (state["pos"] + TGT) % (stream.shape[1] - TGT - 1)
+            with off():
+                model(x, y, cache=state["cache"], mem_len=640).loss.item()
+
+        return step
+
+    def with_logits():  # (the NLL kernel on logits: what runs outside transposed_weights())
+        return mock.patch.object(modeling, "_SCOPES", [0])
+
+    evaluation = {
+        "all levers": segments(),
+        "softmax NLL without the logits (txl.native)": segments(with_logits),
+        "softmax NLL, both kernels (off: log_softmax + gather)": segments(no_nll),
+    }
+    with modeling.transposed_weights():
+        return alternate(train, warmup, steps, BATCH * TGT), alternate(evaluation, warmup, steps, BATCH * TGT)
+
+
 def with_patch(owner, name: str, value, fn):
     with mock.patch.object(owner, name, value):
         return fn()
@@ -272,12 +314,15 @@ def main() -> None:
     route = choose_fp32_matmul()
     print(f"machine: {cpu_description()}; {route.describe()}", flush=True)
     table = []
+    word_train, word_eval = word_levers(args.warmup, args.steps)
     for case, times in (
         ("train step", train_levers(args.warmup, args.steps, route.exact)),
         ("train step", allocator_lever(args.rounds, args.warmup, args.steps) if alloc_on else None),
         ("train step, bf16", bf16_train_levers(args.warmup, args.steps) if native_bf16(torch.device("cpu")) else None),
         ("eval, mem 640", eval_levers(args.warmup, args.steps)),
         ("generation (new tok/s)", generation_levers(args.gen_repeats, 128)),
+        ("bench-word train step", word_train),
+        ("bench-word eval, mem 640", word_eval),
     ):
         if times:
             table += rows(case, times)
@@ -287,8 +332,8 @@ def main() -> None:
             f"{HEADING} (`benchmarks/levers.py`)\n\n"
             f"Command: `make bench-levers` (= `python benchmarks/levers.py --warmup {args.warmup} --steps "
             f"{args.steps} --rounds {args.rounds} --gen_repeats {args.gen_repeats} --write docs/benchmarks.md`). "
-            f"Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. bench-char shapes, fp32 (the bf16 "
-            "row: bf16 autocast); each "
+            f"Machine: {cpu_description()}; 2 threads, torch {torch.__version__}. bench-char shapes (the last rows: "
+            "bench-word), fp32 (the bf16 row: bf16 autocast); each "
             "row turns one lever off (or, for a lever txl leaves off here, on) and keeps the others; the variants "
             "alternate step by step in one process (malloc: fresh processes, alternating). gain = tokens/s with "
             "all levers / tokens/s with the lever off. The exactness of each lever is tested in `tests/` (the "

@@ -42,11 +42,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from _report import replace_section
-from txl import TransformerXLLM
+from txl import TransformerXLLM, native
 from txl.config import TrainConfig
 from txl.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.generation import generate
-from txl.modeling import KVCache
+from txl.modeling import KVCache, transposed_weights
 from txl.optim import build_optimizer
 from txl.pretrained import load_weights
 from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
@@ -178,11 +178,13 @@ def measure(name, *, train, warmup, steps, device, precision="fp32", route=False
     ]
     timer = Timer(device)
     times: dict[str, list[float]] = {"txl": [], "hf": []}
-    for i in range(warmup + steps):
-        for r in runners if i % 2 == 0 else runners[::-1]:
-            dt = timer(r.step)
-            if i >= warmup:
-                times[r.kind].append(dt)
+    # (evaluation: the scope txl.evaluate opens, the weights being fixed; HF's steps are not affected by it)
+    with contextlib.nullcontext() if train else transposed_weights():
+        for i in range(warmup + steps):
+            for r in runners if i % 2 == 0 else runners[::-1]:
+                dt = timer(r.step)
+                if i >= warmup:
+                    times[r.kind].append(dt)
     out = {k: [BATCH * TGT / t for t in v] for k, v in times.items()}
     if not train:  # the same function: every per-token NLL agrees
         a, b = (torch.cat(r.nll, dim=1) for r in runners)
@@ -192,9 +194,15 @@ def measure(name, *, train, warmup, steps, device, precision="fp32", route=False
 
 
 def count_flops(runner: Runner) -> float:
-    """FLOPs of one more step of ``runner`` (matrix products; the optimizer and element-wise ops add little)."""
-    with FlopCounterMode(display=False) as counter:
-        runner.step()
+    """FLOPs of one more step of ``runner`` (matrix products; the optimizer and element-wise ops add little),
+    counted on the PyTorch path (the counter does not see txl's native kernels, which compute the same products)."""
+    enabled = native.ENABLED
+    native.ENABLED = False
+    try:
+        with FlopCounterMode(display=False) as counter:
+            runner.step()
+    finally:
+        native.ENABLED = enabled
     return float(counter.get_total_flops())
 
 

@@ -164,9 +164,9 @@ def test_one_row_products_equal_f_linear(rows):
         sliced = modeling.linear(x, weight, bias, out=slice(32, None))
         wide_in, narrow_x = weight.t().contiguous(), torch.randn(rows, 96)
         narrow = modeling.linear(narrow_x, wide_in)  # fewer outputs than inputs: F.linear, no copy
-        assert id(wide_in) not in modeling._TRANSPOSED
+        assert (id(wide_in), "t") not in modeling._TRANSPOSED
         # the transposed copy is made for a few rows (and kept for the next call of the scope)
-        assert (id(weight) in modeling._TRANSPOSED) == (rows <= modeling.SMALL_ROWS)
+        assert ((id(weight), "t") in modeling._TRANSPOSED) == (rows <= modeling.SMALL_ROWS)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(sliced, F.linear(x, weight[32:], bias[32:]), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(narrow, F.linear(narrow_x, wide_in), atol=1e-5, rtol=1e-6)
@@ -227,7 +227,7 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
     next(steps)
     next(steps)
     qkv = model.transformer.layers[0].attn.qkv_net.weight
-    assert id(qkv) in modeling._TRANSPOSED  # made by the first generated token
+    assert (id(qkv), "t") in modeling._TRANSPOSED  # made by the first generated token
     list(steps)
     assert not modeling._TRANSPOSED  # dropped when the stream ends: training never reads a stale copy
 

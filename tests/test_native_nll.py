@@ -5,12 +5,15 @@ the adaptive softmax runs in `txl train` and `txl eval` (with the PyTorch path's
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from train_helpers import losses, run_inprocess
 from txl import modeling, native
+from txl.cli import main
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
@@ -128,29 +131,114 @@ def test_log_probs_and_other_devices_keep_the_pytorch_path(monkeypatch):
 
 
 @needs_lib
-def test_txl_train_and_eval_run_the_kernel_with_the_pytorch_paths_losses(tmp_path, monkeypatch):
-    """`txl train` with an adaptive softmax (the debug preset with two tail clusters): the kernel runs, and the run's
-    training and validation losses (``txl.evaluate``, what `txl eval` runs) equal those of the same run on the
-    PyTorch path to fp32 rounding."""
-    calls = [0]
-    real = native.nll
-
-    def counted(*a):
-        calls[0] += 1
-        return real(*a)
-
-    monkeypatch.setattr(native, "nll", counted)
+def test_txl_train_and_eval_run_the_kernels_with_the_pytorch_paths_losses(tmp_path, monkeypatch, capsys):
+    """`txl train` with an adaptive softmax (the debug preset with two tail clusters) and `txl eval` of its model:
+    training runs ``nll`` and validation ``nll_linear``, and the training and validation losses, and `txl eval`'s,
+    equal those of the PyTorch path to fp32 rounding."""
+    calls = {"nll": 0, "nll_linear": 0}
+    for name in calls:
+        real = getattr(native, name)
+        monkeypatch.setattr(
+            native, name, lambda *a, name=name, real=real: calls.__setitem__(name, calls[name] + 1) or real(*a)
+        )
     run = dict(
         train__log_interval=1, train__eval_interval=3, train__max_steps=6, model__cutoffs="[10, 20]",
         model__div_val=2, model__dropout=0.0, model__dropatt=0.0,
     )  # fmt: skip
     fast = run_inprocess(tmp_path, "fast", **run)
-    assert calls[0] > 0
+    assert calls["nll"] > 0 and calls["nll_linear"] > 0
+    capsys.readouterr()
+    evaluate = ["eval", "--model", str(fast), "--max_batches", "4", "--json"]
+    main(evaluate)
+    fast_eval = json.loads(capsys.readouterr().out)["loss"]
     monkeypatch.setattr(modeling, "NATIVE_NLL", False)
-    calls[0] = 0
+    calls.update(nll=0, nll_linear=0)
     slow = run_inprocess(tmp_path, "slow", **run)
-    assert calls[0] == 0
+    capsys.readouterr()
+    main(evaluate)
+    slow_eval = json.loads(capsys.readouterr().out)["loss"]
+    assert calls == {"nll": 0, "nll_linear": 0}
+    assert abs(fast_eval - slow_eval) <= 1e-5 * max(1.0, abs(slow_eval))
     for split in ("train", "valid"):
         a, b = losses(fast, split), losses(slow, split)
         assert len(a) == len(b) > 0 and [s for s, _ in a] == [s for s, _ in b]
         assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for (_, x), (_, y) in zip(a, b, strict=True)), (a, b)
+
+
+@needs_lib
+@pytest.mark.parametrize(
+    "n, d, v", [(1, 1, 1), (9, 5, 33), (8, 16, 16_000), (13, 64, 1000), (40, 100, 600), (17, 256, 4008)]
+)
+def test_nll_of_a_linear_layer_equals_float64_without_the_logits(n, d, v):
+    """:func:`txl.native.nll_linear` (the product, maximum and sum in one kernel) against float64, for inputs of 1
+    to 256 values, widths that are not multiples of the kernel's 32 columns or 512-column chunks, ignored rows, and
+    a row with a NaN input (NaN)."""
+    g = torch.Generator().manual_seed(n * d + v)
+    h, w, b = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) * 0.3, torch.randn(v, generator=g)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[n // 3] = -100 if n > 2 else target[n // 3]
+    ref, _ = reference(F.linear(h.double(), w.double(), b.double()), target, torch.ones(n))
+    packed = native.pack_linear(w, b)
+    assert packed[0].shape == (d, -(-v // 32) * 32) and packed[1][v:].eq(float("-inf")).all()
+    out = native.nll_linear(h, packed, target)
+    assert (out.double() - ref).abs().max() <= 2e-6 * max(1.0, float(ref.abs().max()))
+    no_bias = native.nll_linear(h, native.pack_linear(w, None), target)
+    ref_no_bias, _ = reference(F.linear(h.double(), w.double()), target, torch.ones(n))
+    assert (no_bias.double() - ref_no_bias).abs().max() <= 2e-6 * max(1.0, float(ref_no_bias.abs().max()))
+    if n > 2:
+        h[n - 1, d // 2] = float("nan")
+        out = native.nll_linear(h, packed, target)
+        assert out[n // 3] == 0 and out[n - 1].isnan() and not out[: n - 1].isnan().any()
+
+
+@needs_lib
+def test_nll_of_a_linear_layer_keeps_the_thread_count_out_and_refuses_what_it_cannot_run():
+    h, w = torch.randn(200, 64), torch.randn(3000, 64)
+    target = torch.randint(0, 3000, (200,))
+    packed = native.pack_linear(w, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.nll_linear(h, packed, target)
+        torch.set_num_threads(2)
+        two = native.nll_linear(h, packed, target)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    wide = native.pack_linear(torch.randn(10, native.LINEAR_MAX_DIM + 1), None)
+    assert native.nll_linear(torch.randn(2, native.LINEAR_MAX_DIM + 1), wide, torch.zeros(2)) is None
+    assert native.nll_linear(h.to(torch.bfloat16), packed, target) is None
+
+
+@needs_lib
+def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_unchanged(monkeypatch):
+    """Inside ``transposed_weights()`` without a gradient (``txl.evaluate``): each cluster's NLL comes from
+    ``nll_linear`` with the PyTorch path's losses; the packed layers are made once, made again after an in-place
+    change of a weight, and dropped when the scope closes; with a gradient the logits path runs."""
+    model = adaptive_lm([50, 130]).eval()
+    x, y = torch.randint(0, 300, (3, 12)), torch.randint(0, 300, (3, 12))
+    y[1, 2] = -100
+    calls, packs = [], []
+    real_nll, real_pack = native.nll_linear, native.pack_linear
+    monkeypatch.setattr(native, "nll_linear", lambda *a: calls.append(1) or real_nll(*a))
+    monkeypatch.setattr(native, "pack_linear", lambda *a: packs.append(1) or real_pack(*a))
+    with torch.no_grad():
+        monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+        slow = model(x, y).losses
+        monkeypatch.setattr(modeling, "NATIVE_NLL", True)
+        with modeling.transposed_weights():
+            fast = model(x, y).losses
+            assert len(calls) == 3 and len(packs) == 3
+            model(x, y)
+            assert len(calls) == 6 and len(packs) == 3  # (kept)
+            model.crit.cluster_bias.add_(1.0)  # (the head's pack is made from it)
+            changed = model(x, y).losses
+            assert len(packs) == 4
+        assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-5) and fast[1, 2] == 0
+        monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+        assert torch.allclose(changed, model(x, y).losses, rtol=1e-6, atol=1e-5)
+        monkeypatch.setattr(modeling, "NATIVE_NLL", True)
+    assert not modeling._TRANSPOSED  # (dropped with the scope)
+    with modeling.transposed_weights():
+        model(x, y).loss.backward()  # (a gradient: from the logits)
+    assert len(calls) == 9

@@ -29,7 +29,7 @@ from txl.data import (
 from txl.data.download import sha256_file
 from txl.data.errors import DataError
 from txl.distributed import World, all_reduce_sum
-from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM, supports_kv_cache
+from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM, supports_kv_cache, transposed_weights
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -71,6 +71,7 @@ def autocast(device: torch.device, precision: str):
 
 
 @torch.no_grad()
+@transposed_weights()  # (the weights are fixed while evaluating: packed copies may be kept)
 def evaluate(
     model: TransformerXLLM,
     data: np.ndarray | list,
@@ -156,6 +157,7 @@ def sliding_windows(n_targets: int, window: int, stride: int) -> list[tuple[int,
 
 
 @torch.no_grad()
+@transposed_weights()
 def evaluate_sliding(
     model: TransformerXLLM,
     data: np.ndarray | list,

@@ -393,16 +393,17 @@ TRANSPOSED_WEIGHTS = True
 """Whether CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as
 inputs (W_q/W_k/W_v, W_o, the first feed-forward layer: about 2/3 of the layer weights): generation is faster, at
 that memory. Set ``txl.modeling.TRANSPOSED_WEIGHTS = False`` to save the memory."""
-_TRANSPOSED: dict[int, tuple[weakref.ref, tuple, Tensor]] = {}  # id(weight) -> (the weight, its stamp, the copy)
+_TRANSPOSED: dict[tuple, tuple[weakref.ref, tuple, Any]] = {}  # (id(weight), what) -> (the weight, its stamp, copy)
 _SCOPES = [0]  # open transposed_weights() scopes
 _SCOPE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def transposed_weights() -> Iterator[None]:
-    """Let :func:`linear` keep transposed copies of the weights while this is open (generation and serving open it:
-    their weights do not change). The copies are dropped when the last scope closes, so training, whose weights
-    change every step (also through ``.data``, which no version counter sees), never reads a stale one."""
+    """Let :func:`linear` keep transposed copies of the weights, and the adaptive softmax packed copies of its output
+    layers, while this is open (generation, serving and ``txl.evaluate`` open it: their weights do not change). The
+    copies are dropped when the last scope closes, so training, whose weights change every step (also through
+    ``.data``, which no version counter sees), never reads a stale one."""
     with _SCOPE_LOCK:
         _SCOPES[0] += 1
     try:
@@ -414,14 +415,23 @@ def transposed_weights() -> Iterator[None]:
                 _TRANSPOSED.clear()
 
 
+def _stamp(*tensors: Tensor) -> tuple:
+    return tuple((t._version, t.data_ptr(), t.dtype) for t in tensors)
+
+
+def _kept(weight: Tensor, what: Any, stamp: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, made once per :func:`transposed_weights` scope for (``weight``, ``what``) and remade when
+    ``stamp`` (the versions and addresses of what it is made from) changes."""
+    entry = _TRANSPOSED.get((id(weight), what))
+    if entry is None or entry[0]() is not weight or entry[1] != stamp:
+        entry = _TRANSPOSED[(id(weight), what)] = (weakref.ref(weight), stamp, make())
+    return entry[2]
+
+
 def _transposed(weight: Tensor) -> Tensor:
     """A contiguous [in, out] copy of ``weight``, made once per scope and remade when the weight changes in place or
     moves."""
-    stamp = (weight._version, weight.data_ptr(), weight.dtype)
-    entry = _TRANSPOSED.get(id(weight))
-    if entry is None or entry[0]() is not weight or entry[1] != stamp:
-        entry = _TRANSPOSED[id(weight)] = (weakref.ref(weight), stamp, weight.detach().t().contiguous())
-    return entry[2]
+    return _kept(weight, "t", _stamp(weight), lambda: weight.detach().t().contiguous())
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: slice | None = None) -> Tensor:
@@ -864,7 +874,9 @@ class _SoftmaxNLL(torch.autograd.Function):
 NATIVE_NLL = True
 """Whether the adaptive softmax's training and scoring loss (targets given, no log-probs asked for) takes each
 cluster's NLL straight from its logits with :mod:`txl.native` (fp32 CPU), instead of log_softmax + gather: no
-[N, V] log-probabilities, no zero-filled [N, V] gradient. The same values to fp32 rounding."""
+[N, V] log-probabilities, no zero-filled [N, V] gradient; in ``txl.evaluate`` (no gradient, weights fixed) without
+the logits either (the product, maximum and sum in one kernel, from a packed copy of each output layer kept while
+evaluating). The same values to fp32 rounding."""
 
 
 class ProjectedAdaptiveLogSoftmax(nn.Module):
@@ -958,10 +970,31 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             if idx.numel():
                 col = col.index_fill(0, idx, self.shortlist + i - 1)
                 tails.append((i, idx, targets[idx] - l))
-        nll = _SoftmaxNLL.apply(self._logits(h, 0), col)  # [N]
+        nll = self._cluster_nll(h, 0, col)  # [N]
         for i, idx, t in tails:
-            nll = nll.index_add(0, idx, _SoftmaxNLL.apply(self._logits(h.index_select(0, idx), i), t))
+            nll = nll.index_add(0, idx, self._cluster_nll(h.index_select(0, idx), i, t))
         return nll
+
+    def _cluster_nll(self, h: Tensor, i: int, target: Tensor) -> Tensor:
+        """Cluster i's NLL of ``target`` [n] for the rows ``h`` [n, d_model]. Without a gradient, inside
+        :func:`transposed_weights` (``txl.evaluate``): :func:`txl.native.nll_linear` on the cluster's packed output
+        layer, no logits stored; otherwise from the logits (:class:`_SoftmaxNLL`)."""
+        if _SCOPES[0] and not torch.is_grad_enabled():
+            proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
+            hp = h if proj is None else h @ proj  # [n, d_i]
+            if hp.shape[1] <= native.LINEAR_MAX_DIM and native.nll_applies(hp):
+                return native.nll_linear(hp, self._packed(i), target)
+        return _SoftmaxNLL.apply(self._logits(h, i), target)
+
+    def _packed(self, i: int) -> tuple[Tensor, Tensor]:
+        """Cluster i's weight and bias as :func:`txl.native.pack_linear` packs them, kept for the scope."""
+        layer = self.out_layers[0 if self.div_val == 1 else i]
+        sources = [layer.weight, layer.bias]
+        if i == 0 and self.n_clusters > 0:
+            sources += [self.cluster_weight, self.cluster_bias]
+        stamp = (*_stamp(*sources), HEAD_ALIGN)
+        pack = lambda: native.pack_linear(*self._cluster_params(i)[:2])  # noqa: E731
+        return _kept(layer.weight, ("crit", id(self), i), stamp, pack)
 
     def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
         valid = self._check(targets)

@@ -123,6 +123,8 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             lib.txl_nll_forward.restype = None
             lib.txl_nll_backward.argtypes = [P, L, L, L, P, P, P, P, L, I]
             lib.txl_nll_backward.restype = None
+            lib.txl_nll_linear.argtypes = [P, L, I, L, P, L, P, P, P, I]
+            lib.txl_nll_linear.restype = None
             return lib, "", path
     return None, "the build failed: " + " | ".join(errors), None
 
@@ -357,3 +359,37 @@ def nll_backward(x: Tensor, target: Tensor, lse: Tensor, grad: Tensor) -> Tensor
         torch.get_num_threads(),
     )  # fmt: skip
     return dx
+
+
+LINEAR_MAX_DIM = 256
+"""The most inputs per row :func:`nll_linear` takes."""
+
+
+def pack_linear(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A linear layer's weight [V, d] and bias [V] (or None) as :func:`nll_linear` reads them: W^T [d, Vp] and a bias
+    [Vp], Vp the next multiple of 32, the extra columns zero weights and a -inf bias (no probability)."""
+    V, d = weight.shape
+    vp = -(-V // 32) * 32
+    wt = weight.new_zeros(d, vp, dtype=torch.float32)
+    wt[:, :V] = weight.detach().t()
+    b = torch.full((vp,), float("-inf"))
+    b[:V] = 0.0 if bias is None else bias.detach()
+    return wt, b
+
+
+def nll_linear(h: Tensor, packed: tuple[Tensor, Tensor], target: Tensor) -> Tensor | None:
+    """:func:`nll` of the logits ``h @ W^T + b`` without storing them (nll.c: 8 rows x 512 columns at a time, a
+    running maximum and sum per row); ``packed`` is :func:`pack_linear`'s (W, b). ``h`` [N, d] with d <=
+    ``LINEAR_MAX_DIM``, ``target`` [N] (< V; < 0: ignored, 0). No gradient. fp32 on the CPU; None (nothing done)
+    elsewhere, with no library, or in a graph being traced or compiled."""
+    wt, b = packed
+    if not (nll_applies(h) and h.dim() == 2 and h.shape[1] == wt.shape[0] <= LINEAR_MAX_DIM):
+        return None
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    target = target.to(torch.int64).contiguous()
+    out = torch.empty(h.shape[0])
+    _LIB["lib"].txl_nll_linear(
+        h.data_ptr(), h.shape[0], h.shape[1], h.stride(0), wt.data_ptr(), wt.shape[1], b.data_ptr(),
+        target.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -16,6 +16,8 @@
  * (inf - inf), -inf entries (the head's padding columns) take no probability. Rows are split among threads, each
  * computed by one thread in a fixed order: the same results at any thread count.
  */
+#include <stdint.h>
+
 #include "vec.h"
 
 /* max_j x_j over a row of v floats (NaN skipped). */
@@ -87,5 +89,92 @@ void txl_nll_backward(const float *x, long n, long v, long ldx, const int64_t *t
             for (int l = 0; j < v; j++, l++) out[j] = r[l];
         }
         out[t] -= gi;
+    }
+}
+
+/* The same NLL for logits that are never stored: x = h W^T + b computed 8 rows x 32 columns at a time into a scratch
+ * that stays in L1, with a running maximum and sum per row (the sum rescaled once per chunk when the maximum grows).
+ * For the adaptive softmax's tail clusters in evaluation (d of 16 or 64 inputs and 12,000-16,000 columns: BLAS runs
+ * those products at a third to half of its peak, and their [N, V] logits are written and read again).
+ *   h [n][d] (rows ldh apart), wt = W^T [d][vp] (vp, a multiple of 32 columns, the extra ones zero), bias [vp] (-inf
+ *   past the v real columns), target [n] (< v; < 0: ignored), nll [n].
+ * The same values as the products and txl_nll_forward up to fp32 rounding. */
+#define NL_ROWS 8
+#define NL_CHUNK 512 /* columns per chunk (a multiple of 32): 8 x 512 floats of scratch */
+#define NL_MAX_D 256 /* inputs per row (the caller checks) */
+#define NL_KBLOCK 64 /* inputs summed per block */
+
+static void nll_linear_block(const float *hb, int d, const float *wt, long vp, const float *bias, const int64_t *t,
+                             int rows, float *out) {
+    float scratch[NL_ROWS * NL_CHUNK] __attribute__((aligned(64)));
+    float m[NL_ROWS], s[NL_ROWS], xt[NL_ROWS];
+    for (int r = 0; r < NL_ROWS; r++) m[r] = -INFINITY, s[r] = 0.0f, xt[r] = 0.0f;
+    for (long c0 = 0; c0 < vp; c0 += NL_CHUNK) {
+        const int width = vp - c0 < NL_CHUNK ? (int)(vp - c0) : NL_CHUNK;
+        vf cmax[NL_ROWS];
+        for (int r = 0; r < NL_ROWS; r++) cmax[r] = vzero() - INFINITY;
+        for (int j = 0; j < width; j += 2 * VL)
+            for (int k0 = 0; k0 < d; k0 += NL_KBLOCK) { /* (sums over blocks of inputs, added: BLAS's accuracy) */
+                const int k1 = d - k0 < NL_KBLOCK ? d : k0 + NL_KBLOCK;
+                vf a0[NL_ROWS], a1[NL_ROWS];
+                for (int r = 0; r < NL_ROWS; r++) a0[r] = a1[r] = vzero();
+                for (int k = k0; k < k1; k++) {
+                    const vf w0 = vload(wt + k * vp + c0 + j), w1 = vload(wt + k * vp + c0 + j + VL);
+                    for (int r = 0; r < NL_ROWS; r++) {
+                        const float x = hb[r * d + k];
+                        a0[r] += x * w0;
+                        a1[r] += x * w1;
+                    }
+                }
+                for (int r = 0; r < NL_ROWS; r++) {
+                    float *at = scratch + r * NL_CHUNK + j;
+                    if (k0 == 0) {
+                        a0[r] += vload(bias + c0 + j), a1[r] += vload(bias + c0 + j + VL);
+                    } else {
+                        a0[r] += vload(at), a1[r] += vload(at + VL);
+                    }
+                    vstore(at, a0[r]);
+                    vstore(at + VL, a1[r]);
+                    if (k1 == d) {
+                        const vi g0 = a0[r] > cmax[r];
+                        cmax[r] = (vf)(((vi)a0[r] & g0) | ((vi)cmax[r] & ~g0));
+                        const vi g1 = a1[r] > cmax[r];
+                        cmax[r] = (vf)(((vi)a1[r] & g1) | ((vi)cmax[r] & ~g1));
+                    }
+                }
+            }
+        for (int r = 0; r < rows; r++) {
+            float cm = -INFINITY;
+            for (int l = 0; l < VL; l++) cm = cmax[r][l] > cm ? cmax[r][l] : cm;
+            if (cm > m[r]) { /* (the sum so far, relative to the new maximum) */
+                s[r] *= expf(m[r] - cm);
+                m[r] = cm;
+            }
+            const float *row = scratch + r * NL_CHUNK;
+            vf acc = vzero();
+            for (int j = 0; j < width; j += VL) acc += vexp(vload(row + j) - m[r]);
+            s[r] += hsum(acc);
+            if (t[r] >= c0 && t[r] < c0 + width) xt[r] = row[t[r] - c0];
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = t[r] < 0 ? 0.0f : logf(s[r]) - (xt[r] - m[r]);
+}
+
+/* nll [n] of the rows of h (see above); d <= NL_MAX_D. */
+void txl_nll_linear(const float *h, long n, int d, long ldh, const float *wt, long vp, const float *bias,
+                    const int64_t *target, float *nll, int n_threads) {
+    const long blocks = (n + NL_ROWS - 1) / NL_ROWS;
+    const int nt = n * vp * d >= (1L << 18) && n_threads > 1 ? n_threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long blk = 0; blk < blocks; blk++) {
+        const long i0 = blk * NL_ROWS;
+        const int rows = n - i0 < NL_ROWS ? (int)(n - i0) : NL_ROWS;
+        float hb[NL_ROWS * NL_MAX_D];
+        int64_t t[NL_ROWS];
+        for (int r = 0; r < NL_ROWS; r++) {
+            t[r] = r < rows ? target[i0 + r] : -1;
+            for (int k = 0; k < d; k++) hb[r * d + k] = r < rows ? h[(i0 + r) * ldh + k] : 0.0f;
+        }
+        nll_linear_block(hb, d, wt, vp, bias, t, rows, nll + i0);
     }
 }
