@@ -25,16 +25,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from _report import replace_section
+from txl import trainer as trainer_module
 from txl.config import load_recipe
 from txl.data import OrderedIterator, prepare_corpus
 from txl.metrics import read_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer
-from txl.runtime import configure, native_bf16
+from txl.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
 from txl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +65,18 @@ def run_config(config: str, data: Path, work: Path, steps: int, device: str, **t
     return load_recipe(ROOT / "configs" / config, overrides)
 
 
+ROUTE: list = [None]  # the fp32 GEMM route chosen once by main(): both sides compute on it
+
+
 def txl_train(config: str, data: Path, work: Path, steps: int, device: str) -> tuple[float, float]:
     """Tokens/s of ``fit()`` (start-up excluded: the corpus cache and the model exist before the clock starts),
-    with and without the time spent writing checkpoints."""
+    with and without the time spent writing checkpoints. The trainer takes the route chosen by main() instead of
+    measuring its own at start-up (a choice made again in each round can differ: the check is noisy here, and the
+    bare step would then run on the other path)."""
     cfg = run_config(config, data, work, steps, device)
-    with contextlib.redirect_stdout(io.StringIO()):  # the run's log goes to its train.log
+    chosen = ROUTE[0]
+    pin = mock.patch.object(trainer_module, "choose_fp32_matmul", lambda **_: chosen) if chosen else None
+    with contextlib.redirect_stdout(io.StringIO()), pin or contextlib.nullcontext():  # (the log: train.log)
         trainer = Trainer(cfg, resume="none")
     saving, save = [0.0], trainer.save
 
@@ -104,17 +113,23 @@ def bare_step(config: str, data: Path, work: Path, steps: int, device: str) -> f
     opt = build_optimizer(params, cfg.train, dev)
     it = OrderedIterator(corpus.splits["train"], cfg.train.batch_size, cfg.train.tgt_len, device=dev)
     batches = [b for _, b in zip(range(steps), it.forever(), strict=False)]
-    mems = None
+    route = fp32_route(ROUTE[0].enabled) if ROUTE[0] else contextlib.nullcontext()
     t = time.perf_counter()
+    with route:
+        _bare_steps(model, batches, params, opt, cfg.train.clip)
+    return steps * cfg.train.batch_size * cfg.train.tgt_len / (time.perf_counter() - t)
+
+
+def _bare_steps(model, batches, params, opt, clip: float) -> None:
+    mems = None
     for b in batches:
         out = model(b.input, b.target, mems=mems)
         mems = out.mems
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.train.clip)
+        torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.loss.item()
-    return steps * cfg.train.batch_size * cfg.train.tgt_len / (time.perf_counter() - t)
 
 
 def bf16_gap(config: str, data: Path, work: Path, steps: int, device: str) -> float:
@@ -153,7 +168,11 @@ def main() -> None:
     ap.add_argument("--write", type=Path, help="update this markdown file's section")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    notes = configure() if args.device == "cpu" else []
+    notes = []
+    if args.device == "cpu":
+        notes = [ALLOCATOR_NOTE] if configure_allocator() else []
+        ROUTE[0] = choose_fp32_matmul()
+        notes.append(ROUTE[0].describe() + ", for both sides")
     work = Path(tempfile.mkdtemp(prefix="txl-train-bench-"))
     lines = [
         "| config | txl train tok/s, end to end | without the checkpoint write | bare model step tok/s "

@@ -23,9 +23,20 @@ static inline float hsum(vf a) {
 
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
+/* e^r for |r| <= ln2/2: Cephes' degree-7 polynomial. */
+static inline vf exp_poly(vf r) {
+    vf p = 1.9875691500e-4f + vzero();
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return p * r * r + r + 1.0f;
+}
+
 /* exp(x) for x <= 0 (the softmax's shifted scores), 16 at a time: 2^n e^r with n = round(x / ln2), |r| <= ln2/2,
- * and Cephes' degree-7 polynomial (relative error ~2e-7, as libm's expf); 0 for -inf (and below -104, where exp
- * rounds to 0 in fp32); NaN for NaN. */
+ * and Cephes' degree-7 polynomial (relative error ~2e-7, as libm's expf); 0 for -inf and below -104 (where exp
+ * rounds to 0 in fp32; the portable version: below -87.3, no subnormal results); NaN for NaN. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512: the rounding and the scaling by 2^n (vscalefps: exact, subnormal results included) in one instruction
@@ -36,13 +47,7 @@ static inline vf vexp(vf x) {
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vf fn = (vf)n;
     const vf r = (vf)xc - fn * 0.693359375f - fn * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f + vzero();
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vf p = exp_poly(r);
     return (vf)_mm512_scalef_ps((__m512)p, n);
 }
 #else
@@ -54,13 +59,7 @@ static inline vf vexp(vf x) {
     n += (vi)(__builtin_convertvector(n, vf) > y); /* floor (truncation rounds negative values up) */
     const vf fn = __builtin_convertvector(n, vf);
     const vf r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f + vzero();
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vf p = exp_poly(r);
     const vi scaled = (vi)p + (n << 23); /* p * 2^n (n >= -126: x >= -87.3) */
     const vi nan = x != x;               /* NaN stays NaN (a NaN score makes its row NaN, as in torch) */
     return (vf)((scaled & ~under) | (nan & (vi)(vzero() + NAN)));
