@@ -959,8 +959,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return valid
 
     def _nll_native(self, h: Tensor, targets: Tensor) -> Tensor:
-        """``_nll`` with each cluster's loss taken from its logits by :func:`txl.native.nll` (no log-softmax
-        tensor): a token's head term reads its own column, or its cluster's for a tail token."""
+        """``_nll`` with each cluster's loss from :mod:`txl.native` (``_cluster_nll``: no log-softmax tensor): a
+        token's head term reads its own column, or its cluster's for a tail token."""
         valid = self._check(targets)
         col = targets.where(valid, -1)  # [N] head column of each token (-1: ignored)
         tails = []

@@ -3,8 +3,8 @@
  *
  * Why: PyTorch writes the whole log-softmax (N x V floats) to read one entry per row, and its backward fills an
  * [N, V] zero gradient, scatters the targets' entries into it and runs the log-softmax's backward over both (two
- * more [N, V] tensors). On the bench-word model (a 4,008-column head and tails of 12,000 and 16,000 columns) that
- * was ~25% of the fp32 training step. Here the forward reads each row twice (its maximum, then the sum of
+ * more [N, V] tensors). On the bench-word model (a 4,008-column head and tails of 12,000 and 16,000 columns) this
+ * kernel takes 4-6% off the fp32 training step. Here the forward reads each row twice (its maximum, then the sum of
  * exponentials, from L1/L2) and writes one float per row; the backward writes the gradient once.
  *
  *   forward:  m = max_j x_j,  s = sum_j exp(x_j - m),  nll = log(s) - (x_t - m)   (0 where t < 0: ignored)
@@ -94,8 +94,9 @@ void txl_nll_backward(const float *x, long n, long v, long ldx, const int64_t *t
 
 /* The same NLL for logits that are never stored: x = h W^T + b computed 8 rows x 32 columns at a time into a scratch
  * that stays in L1, with a running maximum and sum per row (the sum rescaled once per chunk when the maximum grows).
- * For the adaptive softmax's tail clusters in evaluation (d of 16 or 64 inputs and 12,000-16,000 columns: BLAS runs
- * those products at a third to half of its peak, and their [N, V] logits are written and read again).
+ * For the adaptive softmax's clusters in evaluation (inputs of at most NL_MAX_D): bench-word's tails (16 or 64 inputs,
+ * 12,000-16,000 columns) run through BLAS at a third to half of its peak and their [N, V] logits are written and read
+ * again; its head (256 inputs, 4,008 columns) also takes less time here than its product alone through BLAS.
  *   h [n][d] (rows ldh apart), wt = W^T [d][vp] (vp, a multiple of 32 columns, the extra ones zero), bias [vp] (-inf
  *   past the v real columns), target [n] (< v; < 0: ignored), nll [n].
  * The same values as the products and txl_nll_forward up to fp32 rounding. */
