@@ -12,10 +12,13 @@ steps that alternate between the implementations so that both see the same machi
   reference code and HF's examples use); txl: its own optimizer (``txl.optim.build_optimizer``: fused Adam).
 * Eval = no_grad, mem_len 640 (the memory is full after the warm-up). txl keeps the memory as cached keys/values
   (``KVCache``); HF re-projects it. Both start from an empty memory, so every per-token NLL must agree (reported).
+  txl's steps run inside ``transposed_weights()``, the scope ``txl.evaluate`` opens (its packed output layers for
+  the NLL kernel are kept across segments, as in ``txl eval``); HF's steps are not affected by it.
 * Generation = bench-char model, batch 1, a 128-token prompt, 512 new tokens, mem_len 640, greedy: txl's
   ``generate`` against HF's ``generate()``; new tokens per second over the whole call.
-* MFU = FLOPs of the step (counted by ``torch.utils.flop_counter``) per second, over the GEMM peak of this machine
-  measured in the same run (the fastest of 7 2048^3 matrix products, through each exact fp32 route).
+* MFU = FLOPs of the step (counted by ``torch.utils.flop_counter`` on the PyTorch path: the counter does not see
+  txl's native kernels) per second, over the GEMM peak of this machine measured in the same run (the fastest of 7
+  2048^3 matrix products, through each exact fp32 route).
 * Process settings (``txl.runtime``): glibc's allocator tuning is process-wide, so HF gets it too; the fp32 GEMM
   route through oneDNN is switched on around txl's training steps only (as ``txl train`` and ``txl eval`` use it),
   and only if its start-up check found it exact and faster.
