@@ -149,8 +149,10 @@ def test_txl_train_and_eval_run_the_kernels_with_the_pytorch_paths_losses(tmp_pa
     assert calls["nll"] > 0 and calls["nll_linear"] > 0
     capsys.readouterr()
     evaluate = ["eval", "--model", str(fast), "--max_batches", "4", "--json"]
+    calls.update(nll=0, nll_linear=0)
     main(evaluate)
     fast_eval = json.loads(capsys.readouterr().out)["loss"]
+    assert calls["nll_linear"] > 0 and calls["nll"] == 0  # (`txl eval` scores without logits)
     monkeypatch.setattr(modeling, "NATIVE_NLL", False)
     calls.update(nll=0, nll_linear=0)
     slow = run_inprocess(tmp_path, "slow", **run)

@@ -919,11 +919,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
         return _fp32(w), _fp32(b), proj
 
-    def _logits(self, h: Tensor, i: int) -> Tensor:
-        w, b, proj = self._cluster_params(i)
-        if proj is not None:
-            h = h @ proj  # [N, d_i]
-        return F.linear(h, w, b)  # [N, n_i (+ clusters and padding for the head)]
+    def _project(self, h: Tensor, i: int) -> Tensor:
+        """``h`` [N, d_model] in cluster i's input width, [N, d_i]."""
+        return h @ _fp32(self.out_projs[i]) if len(self.out_projs) else h
+
+    def _logits(self, h: Tensor, i: int, projected: bool = False) -> Tensor:
+        w, b, _ = self._cluster_params(i)
+        return F.linear(h if projected else self._project(h, i), w, b)  # [N, n_i (+ clusters, padding: head)]
 
     def _log_softmax(self, h: Tensor, i: int) -> Tensor:
         return F.log_softmax(self._logits(h, i), dim=-1)
@@ -979,12 +981,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """Cluster i's NLL of ``target`` [n] for the rows ``h`` [n, d_model]. Without a gradient, inside
         :func:`transposed_weights` (``txl.evaluate``): :func:`txl.native.nll_linear` on the cluster's packed output
         layer, no logits stored; otherwise from the logits (:class:`_SoftmaxNLL`)."""
-        if _SCOPES[0] and not torch.is_grad_enabled():
-            proj = _fp32(self.out_projs[i]) if len(self.out_projs) else None
-            hp = h if proj is None else h @ proj  # [n, d_i]
-            if hp.shape[1] <= native.LINEAR_MAX_DIM and native.nll_applies(hp):
-                return native.nll_linear(hp, self._packed(i), target)
-        return _SoftmaxNLL.apply(self._logits(h, i), target)
+        hp = self._project(h, i)  # [n, d_i]
+        if _SCOPES[0] and not torch.is_grad_enabled() and hp.shape[1] <= native.LINEAR_MAX_DIM:
+            return native.nll_linear(hp, self._packed(i), target)  # (h is fp32 on the CPU: _nll_native's caller)
+        return _SoftmaxNLL.apply(self._logits(hp, i, projected=True), target)
 
     def _packed(self, i: int) -> tuple[Tensor, Tensor]:
         """Cluster i's weight and bias as :func:`txl.native.pack_linear` packs them, kept for the scope."""

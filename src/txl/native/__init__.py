@@ -325,8 +325,9 @@ def nll_applies(x: Tensor) -> bool:
 
 
 def _rows(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` [N, V] with contiguous rows and ``target`` [N] as the kernels read them (int64)."""
     if x.dim() != 2 or target.shape != x.shape[:1]:
-        raise ValueError(f"nll: logits [N, V] and targets [N] expected, got {tuple(x.shape)} and {tuple(target.shape)}")
+        raise ValueError(f"nll: [N, V] rows and targets [N] expected, got {tuple(x.shape)} and {tuple(target.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     return x, target.to(torch.int64).contiguous()
 
@@ -385,8 +386,7 @@ def nll_linear(h: Tensor, packed: tuple[Tensor, Tensor], target: Tensor) -> Tens
     wt, b = packed
     if not (nll_applies(h) and h.dim() == 2 and h.shape[1] == wt.shape[0] <= LINEAR_MAX_DIM):
         return None
-    h = h if h.stride(-1) == 1 else h.contiguous()
-    target = target.to(torch.int64).contiguous()
+    h, target = _rows(h, target)
     out = torch.empty(h.shape[0])
     _LIB["lib"].txl_nll_linear(
         h.data_ptr(), h.shape[0], h.shape[1], h.stride(0), wt.data_ptr(), wt.shape[1], b.data_ptr(),
