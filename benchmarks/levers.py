@@ -4,8 +4,10 @@
 
 On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), the same weights and inputs:
 
-* train step (forward + backward + optimizer, mem_len 128): the rel_shift's own backward (off: autograd's generic
-  backward of a strided view), the projections of [memory; segment] with one backward (off: ``F.linear`` per
+* train step (forward + backward + optimizer, mem_len 128): the attention's forward and backward as native calls
+  per head (``txl.native``; off: the PyTorch kernels), the rel_shift's own backward and the mask as an added bias
+  (levers of the PyTorch kernels' path: off with the native attention off too; off: autograd's generic backward of
+  a strided view, masked_fill), the projections of [memory; segment] with one backward (off: ``F.linear`` per
   slice, with the memory's input gradient), the native one-pass dropout (``txl.native``; off: the PyTorch mask
   below), the CPU dropout mask from 24-bit halves of 64-bit random words (off, with the native one: ``F.dropout``),
   the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
@@ -24,7 +26,7 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   (``TransformerXL._decode``, which runs the native call where it can; off: the layers' own path);
 * bench-word (adaptive softmax) train step and evaluation: the adaptive softmax's NLL per cluster by
   ``txl.native`` (from the logits in training; in evaluation from the hidden states, no logits stored; off: the
-  logits kernel, or log_softmax + gather).
+  logits kernel, or log_softmax + gather), and in training the native attention (off: the PyTorch kernels).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
 """
@@ -72,10 +74,27 @@ def plain_dropout(self, x: torch.Tensor) -> torch.Tensor:
     return F.dropout(x, self.p, self.training)
 
 
+@contextlib.contextmanager
+def torch_attention_without(owner, name: str, value):
+    """The PyTorch kernels' attention (the native one off), with one of their levers off too."""
+    with mock.patch.object(modeling, "NATIVE_ATTENTION", False), mock.patch.object(owner, name, value):
+        yield
+
+
 TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer options)
     "all levers": (contextlib.nullcontext, {"fused": True}),
-    "rel_shift backward": (lambda: mock.patch.object(modeling._RelShift, "apply", generic_shift), {"fused": True}),
-    "mask as an added bias": (lambda: mock.patch.object(modeling, "mask_scores", fill_mask), {"fused": True}),
+    "attention forward + backward as native calls (txl.native)": (
+        lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False),
+        {"fused": True},
+    ),
+    "rel_shift backward (and the native attention)": (
+        lambda: torch_attention_without(modeling._RelShift, "apply", generic_shift),
+        {"fused": True},
+    ),
+    "mask as an added bias (and the native attention)": (
+        lambda: torch_attention_without(modeling, "mask_scores", fill_mask),
+        {"fused": True},
+    ),
     "projections' one backward": (lambda: mock.patch.object(modeling, "SEGMENT_PROJECTION", False), {"fused": True}),
     "native dropout (txl.native)": (lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False), {"fused": True}),
     "CPU dropout mask": (lambda: mock.patch.object(modeling.Dropout, "forward", plain_dropout), {"fused": True}),
@@ -193,16 +212,20 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
 
 def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """bench-word (adaptive input and softmax; random tokens, so 7 in 8 targets are in a tail cluster): the
-    training step with the softmax NLL from the logits (off: log_softmax + gather and their backward), and the
+    training step with the softmax NLL from the logits (off: log_softmax + gather and their backward) and the native
+    attention forward and backward (off: the PyTorch kernels), and the
     evaluation step (inside ``transposed_weights()``, as ``txl.evaluate`` runs it) with the NLL without logits (off:
     from the logits; both off: log_softmax + gather)."""
     _, base = build_pair("bench-word")
     stream = torch.randint(0, 32000, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
     no_nll = lambda: mock.patch.object(modeling, "NATIVE_NLL", False)  # noqa: E731
-    train = {
-        name: TrainCase(copy.deepcopy(base).train(), stream, off, {"fused": True}).step
-        for name, off in (("all levers", contextlib.nullcontext), ("softmax NLL from the logits (txl.native)", no_nll))
-    }
+    torch_attention = lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False)  # noqa: E731
+    variants = (
+        ("all levers", contextlib.nullcontext),
+        ("softmax NLL from the logits (txl.native)", no_nll),
+        ("attention forward + backward as native calls (txl.native)", torch_attention),
+    )
+    train = {name: TrainCase(copy.deepcopy(base).train(), stream, off, {"fused": True}).step for name, off in variants}
     model = base.eval()
 
     def segments(off=contextlib.nullcontext):

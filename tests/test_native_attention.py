@@ -1,8 +1,9 @@
-"""The native inference attention (txl.native, attention.c): the (b)+(d) product, Appendix B's shift, the mask, the
-softmax and the value sum of attn_type 0 in one call per head. It must compute what the PyTorch path computes (to
-fp32 rounding: as close to a float64 run), on shapes that use its vector code and its scalar tails (d_head, keys,
-queries not multiples of 16 or 8), with padding; not depend on the number of threads; keep NaN; and be what
-`txl eval` runs, with the same result."""
+"""The native attention (txl.native, attention.c and attention_grad.c): the (b)+(d) product, Appendix B's shift, the
+mask, the softmax and the value sum of attn_type 0 in one call per head, and in training its backward (with dropatt).
+It must compute what the PyTorch path computes (to fp32 rounding: as close to a float64 run), outputs and gradients,
+on shapes that use its vector code and its scalar tails (d_head, keys, queries not multiples of 16 or 8), with
+padding and same_length masks; not depend on the number of threads; keep NaN; and be what `txl eval` and `txl train`
+run, with the same results."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train_helpers import run_inprocess
+from train_helpers import losses, run_inprocess
 from txl import modeling, native
 from txl.cli import main
 from txl.modeling import attention_mask, rel_shift
@@ -112,3 +113,157 @@ def test_txl_eval_runs_the_kernel_with_the_pytorch_paths_result(tmp_path, monkey
     without = json.loads(capsys.readouterr().out)
     assert len(calls) == n
     assert abs(with_kernel["loss"] - without["loss"]) <= 1e-5 and with_kernel["tokens"] == without["tokens"]
+
+
+def reference_train(q, qv, kv, r, mask, dtype, factors=None):
+    """The PyTorch path's training attention, differentiable: (b)+(d) by distance, the shift, the mask, the softmax,
+    the dropout ``factors`` (0 or 1/(1-p) per probability), the value sum."""
+    B, H, T, _ = q.shape
+    k, v = kv.to(dtype)
+    K = k.shape[2]
+    bd = rel_shift(torch.einsum("bhtd,hdc->bhtc", qv.to(dtype), r[..., :K].to(dtype)).contiguous(), K)
+    score = (q.to(dtype) @ k.transpose(-1, -2) + bd).masked_fill(mask, float("-inf"))
+    prob = score.softmax(-1)
+    prob = prob if factors is None else prob * factors.to(dtype)
+    return (prob @ v).transpose(1, 2).reshape(B, T, -1)
+
+
+def train_inputs(B, H, T, M, Dh, extra=0, seed=0):
+    q, qv, k, v, r = inputs(B, H, T, M, Dh, extra, seed)
+    kv = torch.stack([k, v], 2).permute(2, 0, 1, 3, 4).contiguous()  # [2, B, H, K, Dh]
+    kv = kv.permute(1, 3, 0, 2, 4).contiguous().permute(2, 0, 3, 1, 4)  # (the projection's layout, [B, K, 2, H, Dh])
+    return q, qv, kv, r
+
+
+def train_mask(kind, B, T, M, mem_len=7):
+    if kind == "padding":
+        return padding_mask(B, T, M)
+    return attention_mask(T, M, kind == "same_length", mem_len)
+
+
+@needs_lib
+@pytest.mark.parametrize(
+    "B, H, T, M, Dh, extra, kind, dropatt",
+    [
+        (2, 3, 5, 4, 12, 0, "causal", 0.0),  # d_head 12: the scalar tails everywhere
+        (2, 2, 20, 20, 32, 3, "causal", 0.0),  # the bench d_head, a partial last block, a wider W_kR R
+        (1, 2, 17, 16, 48, 0, "causal", 0.3),  # 3 vector chunks of d_head (2 + 1 in the outer products), dropatt
+        (3, 1, 8, 0, 16, 0, "causal", 0.0),  # no memory
+        (2, 2, 9, 61, 64, 1, "padding", 0.1),  # keys not a multiple of 16, padding
+        (2, 2, 33, 40, 32, 0, "same_length", 0.2),
+        (1, 3, 1, 10, 32, 0, "causal", 0.0),  # one query
+        (1, 2, 40, 40, 80, 0, "same_length", 0.0),  # 5 chunks of d_head
+    ],
+)
+def test_training_attention_and_its_gradients_are_as_exact_as_the_pytorch_path(B, H, T, M, Dh, extra, kind, dropatt):
+    q, qv, kv, r = train_inputs(B, H, T, M, Dh, extra)
+    K = M + T
+    mask = train_mask(kind, B, T, M)
+    drop = (dropatt, 1234) if dropatt else None
+    factors = native.dropout(torch.ones(B, H, T, K), *drop) if drop else None  # (Dropout's mask for that seed)
+    grad = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(2))
+    assert native.attention_applies(q, kv[0], kv[1], qv, r)
+    out, prob = native.attention_train(q, kv[0], kv[1], qv, r, mask, drop)
+    ours = (out, *native.attention_backward(q, kv[0], kv[1], qv, r, prob, grad, drop))
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, qv, kv, r)]
+        y = reference_train(*leaves, mask, dtype, factors)
+        y.backward(grad.to(dtype))
+        runs[dtype] = (y.detach(), *(t.grad.transpose(1, 2) if i < 2 else t.grad for i, t in enumerate(leaves)))
+    names = ("out", "dq", "dqv", "dkv", "dr")
+    for name, a, exact, fp32 in zip(names, ours, runs[torch.float64], runs[torch.float32], strict=True):
+        assert a.shape == exact.shape, name
+        bound = 2 * (fp32.double() - exact).abs().max() + 2e-6 * exact.abs().max()
+        assert (a.double() - exact).abs().max() <= bound, name
+    assert (ours[4][..., K:] == 0).all()  # (W_kR R's padding columns get no gradient)
+    expected = runs[torch.float64][0].new_zeros(B, H, T, K)
+    assert prob.shape == expected.shape and (prob[mask.expand(B, H, T, K)] == 0).all()  # (kept before dropout)
+
+
+@needs_lib
+def test_training_attention_does_not_depend_on_the_number_of_threads():
+    q, qv, kv, r = train_inputs(4, 3, 19, 30, 32)
+    mask = attention_mask(19, 30, False, 0)
+    grad = torch.randn(4, 19, 96, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out, prob = native.attention_train(q, kv[0], kv[1], qv, r, mask, (0.2, 99))
+            results.append((out, prob, *native.attention_backward(q, kv[0], kv[1], qv, r, prob, grad, (0.2, 99))))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(a.equal(b) for a, b in zip(results[0], other, strict=True))
+
+
+def _training_run(model, x, y, seed):
+    """Two segments (the second with the first's memory), the sum of their losses backpropagated: the second
+    segment's losses and every parameter's gradient."""
+    model.zero_grad()
+    torch.manual_seed(seed)
+    first = model(x, y)
+    second = model(x, y, mems=first.mems)
+    (first.loss.mean() + second.loss.mean()).backward()
+    return second.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@needs_lib
+@pytest.mark.parametrize("dropatt, same_length", [(0.0, False), (0.25, False), (0.1, True)])
+def test_model_training_runs_the_kernels_with_the_pytorch_paths_losses_and_gradients(dropatt, same_length, monkeypatch):
+    """A training step (dropout, dropatt with Dropout's mask, memory) gives the PyTorch kernels' losses and gradients,
+    through the native forward and backward in every layer; what they do not cover stays on the PyTorch path."""
+    config = modeling.TransformerXLConfig(
+        n_token=50, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, dropout=0.1, dropatt=dropatt, mem_len=12,
+        same_length=same_length,
+    )  # fmt: skip
+    model = modeling.TransformerXLLM(config).train()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 50, (3, 10), generator=g), torch.randint(0, 50, (3, 10), generator=g)
+    calls = []
+    real = native.attention_train
+    monkeypatch.setattr(native, "attention_train", lambda *a: calls.append(a[-1]) or real(*a))
+    loss, grads = _training_run(model, x, y, seed=5)
+    assert len(calls) == 2 * 2 and all((c is None) == (dropatt == 0) for c in calls)
+    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    loss_torch, grads_torch = _training_run(model, x, y, seed=5)
+    assert len(calls) == 4
+    assert (loss - loss_torch).abs().max() <= 1e-5 * loss_torch.abs().max()
+    assert grads.keys() == grads_torch.keys()
+    for name, grad in grads.items():
+        assert (grad - grads_torch[name]).abs().max() <= 1e-5 * grads_torch[name].abs().max() + 1e-8, name
+    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", True)
+    if dropatt:  # (PyTorch's dropout mask: the PyTorch kernels)
+        monkeypatch.setattr(modeling, "NATIVE_DROPOUT", False)
+        _training_run(model, x, y, seed=5)
+        assert len(calls) == 4
+        monkeypatch.setattr(modeling, "NATIVE_DROPOUT", True)
+    model.eval()  # (gradients in eval mode: the kernel without dropout)
+    model(x, y).loss.mean().backward()
+    assert len(calls) == 6 and calls[-1] is None
+    model(x, y, output_attentions=True)  # (the probabilities asked for: the PyTorch kernels)
+    assert len(calls) == 6
+
+
+@needs_lib
+def test_txl_train_runs_the_native_attention_with_the_pytorch_paths_losses(tmp_path, monkeypatch):
+    """`txl train` on the debug preset (dropatt 0.1): every layer of every step runs the native forward and backward,
+    and the training and validation losses equal those of the PyTorch kernels to fp32 rounding."""
+    counts = {"attention_train": 0, "attention_backward": 0}
+    for name in counts:
+        real = getattr(native, name)
+        monkeypatch.setattr(
+            native, name, lambda *a, name=name, real=real: counts.__setitem__(name, counts[name] + 1) or real(*a)
+        )
+    run = dict(train__log_interval=1, train__eval_interval=3, train__max_steps=6)
+    fast = run_inprocess(tmp_path, "fast", **run)
+    assert counts["attention_train"] >= 6 * 2 and counts["attention_backward"] == counts["attention_train"]
+    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    slow = run_inprocess(tmp_path, "slow", **run)
+    assert counts["attention_train"] == counts["attention_backward"] >= 12
+    for split in ("train", "valid"):
+        a, b = losses(fast, split), losses(slow, split)
+        assert len(a) == len(b) > 0 and [s for s, _ in a] == [s for s, _ in b]
+        assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for (_, x), (_, y) in zip(a, b, strict=True)), (a, b)

@@ -352,6 +352,11 @@ stream keyed by a seed from torch's generator, ~5x cheaper (1.1x / 1.2x on the f
 step, docs/benchmarks.md). False, or no C compiler: the PyTorch mask below (a different random stream)."""
 
 
+def dropout_seed() -> int:
+    """The key of one native dropout mask: 63 random bits of torch's generator."""
+    return int(torch.empty((), dtype=torch.int64).random_())
+
+
 class Dropout(nn.Module):
     """``nn.Dropout`` with a cheaper mask on the CPU. Each call draws one 64-bit seed from torch's generator (so
     ``torch.manual_seed`` and a saved RNG state fix the masks) for :mod:`txl.native`'s one-pass kernel; without it,
@@ -369,8 +374,7 @@ class Dropout(nn.Module):
         if x.device.type != "cpu":
             return F.dropout(x, self.p, True)
         if NATIVE_DROPOUT and native.dropout_applies(x):
-            seed = int(torch.empty((), dtype=torch.int64).random_())  # 63 random bits of torch's generator
-            return _NativeDropout.apply(x, self.p, seed)
+            return _NativeDropout.apply(x, self.p, dropout_seed())
         n = x.numel()
         words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
         uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
@@ -546,10 +550,12 @@ class _SegmentMemoryProjection(torch.autograd.Function):
 
 
 NATIVE_ATTENTION = True
-"""Whether inference attention (evaluation, prompts) of attn_type 0 runs as one native call per head where it can
-(:func:`txl.native.attention`: fp32 on the CPU, a C compiler to build it): the (b)+(d) product, the shift, the mask,
-the softmax and the value sum without a [B, H, T, K] tensor in memory. The same values up to fp32 rounding. False:
-the PyTorch kernels."""
+"""Whether the attention of attn_type 0 runs as one native call per head where it can (fp32 on the CPU, a C compiler
+to build it): in inference (evaluation, prompts, :func:`txl.native.attention`) the (b)+(d) product, the shift, the
+mask, the softmax and the value sum without a [B, H, T, K] tensor in memory; with gradients (training,
+:class:`_NativeRelAttention`) the same forward keeping the probabilities, and one native backward (dropatt included,
+with :class:`Dropout`'s mask where ``NATIVE_DROPOUT``). The same values up to fp32 rounding. False: the PyTorch
+kernels."""
 
 HALF_PRECISION_SCORES = True
 """In half precision (autocast), whether the attention scores (a)+(c) + (b)+(d) are summed and masked in the GEMMs'
@@ -576,10 +582,11 @@ class _Attention(nn.Module):
 
     def project(
         self, h: Tensor, mem: Tensor | None, cache: KVCache | None, layer: int, pos: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | tuple[Tensor, Tensor]]:
         """Queries [B, T, H, Dh] of the segment, keys and values [B, H, K, Dh] of [memory; segment] (with a
         ``cache``: the cached ones of ``layer`` plus the segment's). ``pos`` [K, D] (absolute variants) is added to
-        [memory; segment] first. Returns (the residual input [B, T, D], q, k, v)."""
+        [memory; segment] first. Returns (the residual input [B, T, D], q, kv): kv is the keys and values as one
+        [2, B, H, K, Dh] view of the projection's output, or (k, v) from a cache."""
         B, T, _ = h.shape
         H, Dh = self.n_head, self.d_head
         if pos is not None:  # absolute positions of [memory; segment], added out of place (the memory stays clean)
@@ -590,7 +597,7 @@ class _Attention(nn.Module):
             qkv = linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
             q, kv = qkv[..., : H * Dh].view(B, T, H, Dh), qkv[..., H * Dh :]
             kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
-            k, v = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
+            kv = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
         else:
             mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
             K = mem.shape[1] + T
@@ -600,8 +607,8 @@ class _Attention(nn.Module):
                 q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
                 kv = linear(torch.cat([mem, x], dim=1), self.qkv_net.weight, out=slice(H * Dh, None))  # [B, K, 2HD]
             q = q.view(B, T, H, Dh)
-            k, v = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [B, H, K, Dh] each
-        return h, q, k, v
+            kv = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
+        return h, q, kv
 
     def forward(
         self,
@@ -620,17 +627,28 @@ class _Attention(nn.Module):
 
         Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
         """
-        h, q, k, v = self.project(h, mem, cache, layer, self.input_positions(pos))
-        if NATIVE_ATTENTION and not (need_weights or torch.is_grad_enabled() or self.training) and native.usable(q):
-            attn_vec = self.native_attention(q, pos, k, v, mask)  # [B, T, H*Dh]
+        h, q, kv = self.project(h, mem, cache, layer, self.input_positions(pos))
+        dropatt = self.dropatt.p if self.training else 0.0
+        if NATIVE_ATTENTION and not need_weights and native.usable(q):
+            attn_vec = self.native_attention(q, pos, kv, mask, torch.is_grad_enabled(), dropatt)  # [B, T, H*Dh]
             if attn_vec is not None:
                 return self.output(h, attn_vec), None
+        k, v = kv  # [B, H, K, Dh] each
         q_w, bd = self.scores(q, pos, k.shape[2])
         return self.attend(h, q_w, k, v, bd, mask, need_weights)
 
-    def native_attention(self, q: Tensor, pos: Any, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor | None:
-        """The attention as one native call (:func:`txl.native.attention`), [B, T, H*Dh]; None: not for this
-        variant."""
+    def native_attention(
+        self,
+        q: Tensor,
+        pos: Any,
+        kv: Tensor | tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        grad: bool = False,
+        dropatt: float = 0.0,
+    ) -> Tensor | None:
+        """The attention as one native call (:func:`txl.native.attention`; with ``grad``, one that keeps what its
+        native backward needs), [B, T, H*Dh]; ``kv`` as :meth:`project` returns it; ``dropatt``: the dropout of the
+        probabilities (with ``grad`` only). None: not for this variant or these operands."""
         return None
 
     def input_positions(self, pos: Any) -> Tensor | None:
@@ -691,6 +709,29 @@ class RelPositions(NamedTuple):
     v: Tensor
 
 
+class _NativeRelAttention(torch.autograd.Function):
+    """attn_type 0's attention with gradients, natively (fp32 on the CPU): the forward is the inference kernel that
+    also keeps the probabilities [B, H, T, K], the backward (:func:`txl.native.attention_backward`) the softmax's and
+    the five products' gradients with the shift undone in place, computing only the keys each block of queries sees
+    (no [B, H, T, K] scores, shifted copies or zero-filled buffers). ``drop`` (p, seed): dropatt, the mask that
+    :class:`Dropout` draws for that seed (regenerated in the backward). The same values as scores() + attend() up to
+    fp32 rounding; ``NATIVE_ATTENTION = False`` gives the PyTorch kernels."""
+
+    @staticmethod
+    def forward(ctx, q_u: Tensor, q_v: Tensor, kv: Tensor, r_k: Tensor, mask: Tensor | None, drop: tuple | None):
+        out, prob = native.attention_train(q_u, kv[0], kv[1], q_v, r_k, mask, drop)  # [B, T, H*Dh], [B, H, T, K]
+        ctx.save_for_backward(q_u, q_v, kv, r_k, prob)
+        ctx.drop = drop
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple:
+        q_u, q_v, kv, r_k, prob = ctx.saved_tensors
+        dq_u, dq_v, dkv, dr = native.attention_backward(q_u, kv[0], kv[1], q_v, r_k, prob, grad, ctx.drop)
+        return dq_u.transpose(1, 2), dq_v.transpose(1, 2), dkv, dr, None, None
+
+
 class RelPartialLearnableMultiHeadAttn(_Attention):
     """attn_type 0: the Transformer-XL relative attention."""
 
@@ -733,10 +774,29 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
         return (q + pos.u) * self.scale, (q + pos.v) * self.scale, r_k
 
-    def native_attention(self, q: Tensor, pos: RelPositions, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        # The same terms as scores() + attend(), with the (b)+(d) rows read at their shift inside the kernel.
+    def native_attention(
+        self,
+        q: Tensor,
+        pos: RelPositions,
+        kv: Tensor | tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        grad: bool = False,
+        dropatt: float = 0.0,
+    ) -> Tensor | None:
+        # The same terms as scores() + attend(), with the (b)+(d) rows read at their shift inside the kernel; the
+        # dropout of the probabilities draws its seed where attend() would, and is the mask Dropout would draw.
+        if dropatt and not (grad and NATIVE_DROPOUT):
+            return None
+        k, v = kv
         q_u, q_v, r_k = self._terms(q, pos, k.shape[2])
-        return native.attention(q_u.transpose(1, 2), k, v, qv=q_v.transpose(1, 2), r=r_k, mask=mask)
+        q_u, q_v = q_u.transpose(1, 2), q_v.transpose(1, 2)  # [B, H, T, Dh]
+        if not native.attention_applies(q_u, k, v, q_v, r_k):
+            return None
+        if not grad:
+            return native.attention(q_u, k, v, qv=q_v, r=r_k, mask=mask)
+        if not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
+            return None
+        return _NativeRelAttention.apply(q_u, q_v, kv, r_k, mask, (dropatt, dropout_seed()) if dropatt else None)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape

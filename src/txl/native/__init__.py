@@ -52,6 +52,17 @@ class _Layer(ctypes.Structure):
     ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float)]
 
 
+class _DropoutSpec(ctypes.Structure):
+    """``dropout_spec`` of blocks.h: the dropout of the attention's probabilities."""
+
+    _fields_ = [("seed", ctypes.c_uint64), ("threshold", ctypes.c_uint32), ("scale", ctypes.c_float)]
+
+
+def _dropout_spec(p: float, seed: int) -> _DropoutSpec:
+    """What :func:`dropout` gives its kernel for ``p`` and ``seed``."""
+    return _DropoutSpec(seed & (2**64 - 1), min(round(p * 2.0**32), 2**32 - 1), 1.0 / (1.0 - p))
+
+
 def cache_dir() -> Path:
     """Where built libraries are kept: ``$TXL_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/txl/native`` (default
     ``~/.cache/txl/native``)."""
@@ -113,8 +124,12 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
             fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
             lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
-            lib.txl_attention.argtypes += [P, I, I, I, I, I, I]
+            lib.txl_attention.argtypes += [P, P, P, I, I, I, I, I, I]
             lib.txl_attention.restype = ctypes.c_int
+            fn = lib.txl_attention_backward
+            fn.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, P, L, L, L, P, P]
+            fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, I, I, I, I, I, I]
+            fn.restype = ctypes.c_int
             lib.txl_dropout.argtypes = [P, P, L, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
             lib.txl_dropout.restype = None
             lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
@@ -246,11 +261,10 @@ def dropout(x: Tensor, p: float, seed: int) -> Tensor | None:
     lib, kind = _LIB["lib"], _DROPOUT_DTYPES[x.dtype]
     x = x.contiguous()
     y = torch.empty_like(x)
-    threshold = min(round(p * 2.0**32), 2**32 - 1)
+    spec = _dropout_spec(p, seed)
     lib.txl_dropout(
-        x.data_ptr(), y.data_ptr(), x.numel(), kind, seed & (2**64 - 1), threshold, 1.0 / (1.0 - p),
-        torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(), y.data_ptr(), x.numel(), kind, spec.seed, spec.threshold, spec.scale, torch.get_num_threads()
+    )
     return y
 
 
@@ -288,14 +302,26 @@ def attention(
     dimensions allowed); -inf where ``mask`` ([T, K] or [B, 1, T, K], True = masked) is set. q, qv [B, H, T, Dh] come
     scaled; k, v [B, H, K, Dh]. fp32 on the CPU with the last dimension of each contiguous; None (nothing done)
     elsewhere, with no library, with autocast or in a graph being traced or compiled."""
-    tensors = [t for t in (q, k, v, qv, r, bias) if t is not None]
-    if not all(usable(t) and t.stride(-1) == 1 for t in tensors):
+    if not attention_applies(q, k, v, qv, r, bias):
         return None
+    return _attention(q, k, v, qv, r, bias, mask, None)
+
+
+def attention_applies(
+    q: Tensor, k: Tensor, v: Tensor, qv: Tensor | None = None, r: Tensor | None = None, bias: Tensor | None = None
+) -> bool:
+    """Whether :func:`attention` (and :func:`attention_train`) run for these operands (None: absent): each fp32 on the
+    CPU with its last dimension contiguous, the library built, no autocast, no graph being traced or compiled; W_kR R
+    ``r`` at least as wide as the keys, with ``qv``."""
+    if not all(usable(t) and t.stride(-1) == 1 for t in (q, k, v, qv, r, bias) if t is not None):
+        return False
+    return r is None or (qv is not None and r.shape[-1] >= k.shape[2])
+
+
+def _attention(q, k, v, qv, r, bias, mask, p: Tensor | None, drop: tuple[float, int] | None = None) -> Tensor:
     lib = _LIB["lib"]
     B, H, T, Dh = q.shape
     K = k.shape[2]
-    if r is not None and (qv is None or r.shape[-1] < K):
-        return None
     null3 = (None, 0, 0, 0)
     qv_args = null3 if qv is None else (qv.data_ptr(), *qv.stride()[:3])
     r_args = (None, 0, 0) if r is None else (r.data_ptr(), *r.stride()[:2])
@@ -309,13 +335,66 @@ def attention(
         mask = mask.reshape(-1, T, K).to(torch.uint8).contiguous()  # [1 or B, T, K]
         mask_args = (mask.data_ptr(), T * K if mask.shape[0] > 1 else 0, K)
     out = torch.empty(B, T, H * Dh)
+    spec = None if drop is None else _dropout_spec(*drop)
     failed = lib.txl_attention(
         q.data_ptr(), *q.stride()[:3], *qv_args, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
-        *r_args, *bias_args, *mask_args, out.data_ptr(), B, H, T, K, Dh, torch.get_num_threads(),
+        *r_args, *bias_args, *mask_args, out.data_ptr(), None if p is None else p.data_ptr(),
+        None if spec is None else ctypes.addressof(spec), B, H, T, K, Dh, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native attention could not allocate its scratch memory")
     return out
+
+
+def attention_train(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor,
+    r: Tensor,
+    mask: Tensor | None = None,
+    dropout: tuple[float, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`attention` with the relative term, keeping what :func:`attention_backward` needs: (the output
+    [B, T, H * Dh], the probabilities [B, H, T, K] before dropout). ``dropout`` (p, seed): the probabilities are
+    dropped out as :func:`dropout` (p, seed) drops out a [B, H, T, K] tensor. Only where :func:`attention_applies`."""
+    B, H, T, _ = q.shape
+    p = torch.empty(B, H, T, k.shape[2])
+    return _attention(q, k, v, qv, r, None, mask, p, dropout), p
+
+
+def attention_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor,
+    r: Tensor,
+    p: Tensor,
+    grad: Tensor,
+    dropout: tuple[float, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`attention_train`'s output (attention_grad.c) for its gradient ``grad`` [B, T, H * Dh],
+    with respect to q, qv ([B, T, H, Dh] each), k and v together ([2, B, H, K, Dh], a view of a contiguous
+    [B, K, 2, H, Dh] tensor: the layout of the K/V projection's output) and r (its shape; 0 past the first K
+    columns). ``p``: the probabilities it returned; ``dropout``: its dropout."""
+    B, H, T, Dh = q.shape
+    K = k.shape[2]
+    grad = grad.contiguous().view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+    p = p.contiguous()
+    dq, dqv = torch.empty(B, T, H, Dh), torch.empty(B, T, H, Dh)
+    dkv = torch.empty(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
+    dr = torch.zeros(r.shape) if r.shape[-1] > K else torch.empty(r.shape)
+    spec = None if dropout is None else _dropout_spec(*dropout)
+    failed = _LIB["lib"].txl_attention_backward(
+        q.data_ptr(), *q.stride()[:3], qv.data_ptr(), *qv.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(),
+        *v.stride()[:3], r.data_ptr(), *r.stride()[:2], p.data_ptr(), grad.data_ptr(), *grad.stride()[:3],
+        dq.data_ptr(), dqv.data_ptr(), dkv[0].data_ptr(), *dkv[0].stride()[:3], dkv[1].data_ptr(),
+        *dkv[1].stride()[:3], dr.data_ptr(), *dr.stride()[:2], None if spec is None else ctypes.addressof(spec), B, H,
+        T, K, Dh, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("the native attention's backward could not allocate its scratch memory")
+    return dq, dqv, dkv, dr
 
 
 def nll_applies(x: Tensor) -> bool:

@@ -1,5 +1,6 @@
-/* Inference attention of Transformer-XL (attn_type 0) in one pass per head, what the evaluation path computes with
- * torch's kernels: the (b)+(d) product, the shift, the mask, scaled_dot_product_attention. For query i (absolute
+/* The attention of Transformer-XL (attn_type 0) in one pass per head, what the evaluation path computes with torch's
+ * kernels: the (b)+(d) product, the shift, the mask, scaled_dot_product_attention; in training it also keeps the
+ * probabilities for the backward (attention_grad.c). For query i (absolute
  * position M+i) and key j of [memory; segment] (K = M+T keys):
  *   s_ij = (q_i + u).k_j / sqrt(Dh)                          (a)+(c)
  *        + (q_i + v).W_kR R_{M+i-j} / sqrt(Dh)               (b)+(d): raw column c = j + T-1-i of W_kR R, whose
@@ -16,7 +17,8 @@
  * one head's keys are transposed once ([Dh, K], zero-padded to a multiple of 16); a block of 8 queries takes 16 keys
  * (and 16 raw positional columns, read in place from W_kR R [Dh, K]) at a time, 8 accumulators per key vector load;
  * the block's raw (b)+(d) rows are added to its scores at each row's shift; the softmax runs over whole rows; the
- * value sum takes 8 rows x Dh outputs per key. Nothing of size T x K leaves the core's caches.
+ * value sum takes 8 rows x Dh outputs per key. Nothing of size T x K leaves the core's caches (in training, the
+ * probabilities are written once).
  *
  * The same values as the PyTorch path up to fp32 rounding (sums are grouped differently); each row is computed by
  * one thread with the same code at any thread count. A NaN makes its row NaN, as in torch.
@@ -24,48 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec.h"
-
-#define ROWS 8 /* queries per block */
-
-/* s[r][j] = qb_r . m[:, j] for the block's 8 (zero-padded) query rows qb [ROWS][Dh] and columns j < n of m [Dh][n]
- * (rows ms apart), into s [ROWS][ss]. */
-static void block_scores(const float *qb, int Dh, const float *m, long ms, int n, float *s, long ss) {
-    int j0 = 0;
-    for (; j0 + VL <= n; j0 += VL) {
-        vf acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = vzero();
-        for (int d = 0; d < Dh; d++) {
-            const vf k = vload(m + d * ms + j0);
-            for (int r = 0; r < ROWS; r++) acc[r] += qb[r * Dh + d] * k;
-        }
-        for (int r = 0; r < ROWS; r++) vstore(s + r * ss + j0, acc[r]);
-    }
-    for (; j0 < n; j0++) /* (the last columns of a width that is not a multiple of 16) */
-        for (int r = 0; r < ROWS; r++) {
-            float a = 0.0f;
-            for (int d = 0; d < Dh; d++) a += qb[r * Dh + d] * m[d * ms + j0];
-            s[r * ss + j0] = a;
-        }
-}
-
-/* acc[r][c] = sum_j p[r][j] v_j[16c : 16c + 16] for NC (constant) chunks starting at chunk c0. */
-static inline __attribute__((always_inline)) void block_values(const float *p, int Kp, int K, const float *v, long vs,
-                                                               int c0, int NC, float *out, int Dh) {
-    vf acc[ROWS][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = vzero();
-    for (int j = 0; j < K; j++) {
-        vf val[4];
-        for (int c = 0; c < NC; c++) val[c] = vload(v + j * vs + (c0 + c) * VL);
-        for (int r = 0; r < ROWS; r++) {
-            const float w = p[(long)r * Kp + j];
-            for (int c = 0; c < NC; c++) acc[r][c] += w * val[c];
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int c = 0; c < NC; c++) vstore(out + r * Dh + (c0 + c) * VL, acc[r][c]);
-}
+#include "blocks.h"
 
 /* The positional input of a block: W_kR R of its head [Dh, >= K] (rows rs apart), and the scaled q + v rows. */
 typedef struct {
@@ -76,10 +37,13 @@ typedef struct {
 
 /* One block of queries t0 .. t0+rows-1: scores (plus the shifted (b)+(d) rows, or the bias; -inf where masked and past
  * K), softmax over each row, the value sum into ob [ROWS][Dh]. Keys past the block's last causal one (j > M + t0 +
- * rows - 1 with the positional term) are never computed. raw: scratch [ROWS][K + VL]. */
+ * rows - 1 with the positional term) are never computed. raw: scratch [ROWS][K + VL]. p (NULL: not kept): the
+ * block's rows of the probabilities [rows][K], written normalized (0 where masked), and the value sum reads them;
+ * with drop (NULL: none), dropped out, the row at index e0 + r K of the [B, H, T, K] stream (p keeps them whole). */
 static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const float *kt, int Kp, int K,
                          const float *v, long vs, const positional *pos, float *raw, const float *bias, long bias_rs,
-                         const unsigned char *mask, long mask_rs, float *s, float *ob) {
+                         const unsigned char *mask, long mask_rs, float *s, float *ob, float *p,
+                         const dropout_spec *drop, long e0) {
     const int lim_block = pos ? K - (T - 1 - (t0 + rows - 1)) : K; /* keys j < lim_block: any row sees them */
     const int width = (lim_block + VL - 1) / VL * VL;             /* <= Kp: the columns computed */
     block_scores(qb, Dh, kt, Kp, width, s, Kp);
@@ -130,19 +94,21 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
         inv[r] = 1.0f / hsum(sum); /* (applied to the value sums: the same as normalizing the probabilities) */
     }
     for (int r = rows; r < ROWS; r++) memset(s + (long)r * Kp, 0, sizeof(float) * width); /* (padding rows) */
-    const int chunks = Dh / VL;
-    for (int c0 = 0; c0 + 4 <= chunks; c0 += 4) block_values(s, Kp, lim_block, v, vs, c0, 4, ob, Dh);
-    switch (chunks % 4) { /* (constant chunk counts: the accumulators stay in registers) */
-    case 1: block_values(s, Kp, lim_block, v, vs, chunks - 1, 1, ob, Dh); break;
-    case 2: block_values(s, Kp, lim_block, v, vs, chunks - 2, 2, ob, Dh); break;
-    case 3: block_values(s, Kp, lim_block, v, vs, chunks - 3, 3, ob, Dh); break;
-    }
-    for (int d = chunks * VL; d < Dh; d++) /* the scalar tail of Dh */
-        for (int r = 0; r < ROWS; r++) {
-            float a = 0.0f;
-            for (int j = 0; j < lim_block; j++) a += s[(long)r * Kp + j] * v[j * vs + d];
-            ob[r * Dh + d] = a;
+    if (p) { /* (training: the probabilities are kept, normalized, and the value sum reads them) */
+        const int kept = width < K ? width : K;
+        for (int r = 0; r < rows; r++) {
+            float *row = s + (long)r * Kp, *pr = p + (long)r * K;
+            for (int j = 0; j < width; j++) row[j] *= inv[r];
+            memcpy(pr, row, sizeof(float) * kept);
+            memset(pr + kept, 0, sizeof(float) * (K - kept));
+            inv[r] = 1.0f;
+            if (drop) { /* (raw is free by now: the factors) */
+                txl_dropout_factors(drop->seed, e0 + (long)r * K, kept, drop->threshold, drop->scale, raw);
+                for (int j = 0; j < kept; j++) row[j] *= raw[j];
+            }
         }
+    }
+    block_product(s, Kp, lim_block, v, vs, Dh, ob);
     for (int r = 0; r < rows; r++)
         for (int d = 0; d < Dh; d++) ob[r * Dh + d] *= inv[r];
 }
@@ -155,12 +121,13 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
  * dimension contiguous: q, the scaled q + u, and qv, the scaled q + v (b, h, t); k and v (b, h, j); r, W_kR R of each
  * head (h, d; its columns: the distances K-1 .. 0; NULL: no positional term); bias (b, h, t; 0 for a broadcast
  * dimension; NULL: none; used only without r); mask, bytes, nonzero = masked (b, t; NULL: none). out is
- * [B, T, H, Dh], contiguous. Returns nonzero if scratch memory could not be allocated. */
+ * [B, T, H, Dh], contiguous; p (training; NULL: none) [B, H, T, K], contiguous, receives the probabilities that
+ * attention_grad.c's backward reads, and drop (with p; NULL: none) is the dropout of the probabilities. Returns nonzero if scratch memory could not be allocated. */
 int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv, long vqsb, long vqsh, long vqst,
                   const float *k, long ksb, long ksh, long ksj, const float *v, long vsb, long vsh, long vsj,
                   const float *r, long rsh, long rsd, const float *bias, long bsb, long bsh, long bst,
-                  const unsigned char *mask, long msb, long mst, float *out, int B, int H, int T, int K, int Dh,
-                  int n_threads) {
+                  const unsigned char *mask, long msb, long mst, float *out, float *p, const dropout_spec *drop,
+                  int B, int H, int T, int K, int Dh, int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
     const long per_thread = ((long)Dh * Kp + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
     const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
@@ -177,21 +144,21 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
         const int b = u / H, h = u % H;
         const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
         const float *qvh = qv ? qv + b * vqsb + h * vqsh : NULL;
-        for (int j = 0; j < K; j++)
-            for (int d = 0; d < Dh; d++) kt[(long)d * Kp + j] = kh[j * ksj + d];
-        for (int d = 0; d < Dh; d++)
-            for (int j = K; j < Kp; j++) kt[(long)d * Kp + j] = 0.0f;
+        transpose(kh, ksj, K, Dh, kt, Kp);
         const positional pos = {r ? r + h * rsh : NULL, rsd, qvb};
         for (int t0 = 0; t0 < T; t0 += ROWS) {
             const int rows = T - t0 < ROWS ? T - t0 : ROWS;
-            for (int i = 0; i < ROWS; i++)
-                for (int d = 0; d < Dh; d++) {
-                    qb[i * Dh + d] = i < rows ? qh[(t0 + i) * qst + d] : 0.0f;
-                    qvb[i * Dh + d] = i < rows && qvh ? qvh[(t0 + i) * vqst + d] : 0.0f;
-                }
+            for (int i = 0; i < ROWS; i++) {
+                if (i < rows) memcpy(qb + i * Dh, qh + (t0 + i) * qst, sizeof(float) * Dh);
+                else memset(qb + i * Dh, 0, sizeof(float) * Dh);
+                if (i < rows && qvh) memcpy(qvb + i * Dh, qvh + (t0 + i) * vqst, sizeof(float) * Dh);
+                else memset(qvb + i * Dh, 0, sizeof(float) * Dh);
+            }
             const float *bb = bias && !r ? bias + b * bsb + h * bsh + t0 * bst : NULL;
             const unsigned char *mb = mask ? mask + b * msb + t0 * mst : NULL;
-            attend_block(qb, rows, t0, T, Dh, kt, Kp, K, vh, vsj, r ? &pos : NULL, raw, bb, bst, mb, mst, s, ob);
+            const long e0 = ((long)u * T + t0) * K;
+            attend_block(qb, rows, t0, T, Dh, kt, Kp, K, vh, vsj, r ? &pos : NULL, raw, bb, bst, mb, mst, s, ob,
+                         p ? p + e0 : NULL, p ? drop : NULL, e0);
             for (int i = 0; i < rows; i++)
                 memcpy(out + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, sizeof(float) * Dh);
         }

@@ -135,3 +135,15 @@ void txl_dropout_words(uint64_t seed, uint32_t *out, long n) {
         for (int e = 0; e < 64 && c * 64 + e < n; e++) out[c * 64 + e] = w[e / 16][e % 16];
     }
 }
+
+/* f[i] = scale where element first + i of the stream for seed is kept, else 0, for i < n: the factors txl_dropout
+ * multiplies by (the attention kernels use them for the dropout of their probabilities). */
+void txl_dropout_factors(uint64_t seed, long first, long n, uint32_t threshold, float scale, float *f) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (long c = first / 64; c * 64 < first + n; c++) {
+        u32v w[4];
+        philox16((uint64_t)c * 16, k0, k1, w);
+        const long lo = c * 64 < first ? first : c * 64, hi = c * 64 + 64 < first + n ? c * 64 + 64 : first + n;
+        for (long e = lo; e < hi; e++) f[e - first] = w[(e % 64) / 16][e % 16] >= threshold ? scale : 0.0f;
+    }
+}
