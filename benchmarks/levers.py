@@ -9,10 +9,11 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
   (levers of the PyTorch kernels' path: off with the native attention off too; off: autograd's generic backward of
   a strided view, masked_fill), the projections of [memory; segment] with one backward (off: ``F.linear`` per
   slice, with the memory's input gradient), the native one-pass dropout (``txl.native``; off: the PyTorch mask
-  below), the CPU dropout mask from 24-bit halves of 64-bit random words (off, with the native one: ``F.dropout``),
-  the fused Adam kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through
-  oneDNN (a lever txl turns on only where its start-up check finds it exact and >= 15% faster), and malloc kept
-  from returning large blocks (off: glibc's defaults; measured in fresh processes, since it is process-wide);
+  below), the feed-forward's relu and dropout as one native pass each way (off: relu, then the dropout), the CPU
+  dropout mask from 24-bit halves of 64-bit random words (off, with the native one: ``F.dropout``), the fused Adam
+  kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through oneDNN (a lever txl turns on only
+  where its start-up check finds it exact and >= 15% faster), and malloc kept from returning large blocks (off:
+  glibc's defaults; measured in fresh processes, since it is process-wide);
 * bf16 train step (autocast, where the CPU has native bf16): the attention scores summed and masked in bf16 (off:
   upcast to fp32 first; the softmax computes in fp32 either way) and the native dropout (off: the PyTorch mask);
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
@@ -75,6 +76,14 @@ def plain_dropout(self, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def plain_dropouts():
+    """Every dropout by ``F.dropout`` (the feed-forward's relu too: relu, then ``F.dropout``)."""
+    with mock.patch.object(modeling.Dropout, "forward", plain_dropout):
+        with mock.patch.object(modeling, "NATIVE_RELU_DROPOUT", False):
+            yield
+
+
+@contextlib.contextmanager
 def torch_attention_without(owner, name: str, value):
     """The PyTorch kernels' attention (the native one off), with one of their levers off too."""
     with mock.patch.object(modeling, "NATIVE_ATTENTION", False), mock.patch.object(owner, name, value):
@@ -97,7 +106,11 @@ TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer optio
     ),
     "projections' one backward": (lambda: mock.patch.object(modeling, "SEGMENT_PROJECTION", False), {"fused": True}),
     "native dropout (txl.native)": (lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False), {"fused": True}),
-    "CPU dropout mask": (lambda: mock.patch.object(modeling.Dropout, "forward", plain_dropout), {"fused": True}),
+    "feed-forward relu + dropout in one pass (txl.native)": (
+        lambda: mock.patch.object(modeling, "NATIVE_RELU_DROPOUT", False),
+        {"fused": True},
+    ),
+    "CPU dropout mask": (plain_dropouts, {"fused": True}),
     "fused Adam (off: foreach)": (contextlib.nullcontext, {"foreach": True}),
     "fused Adam (off: for-loop)": (contextlib.nullcontext, {"foreach": False}),
 }

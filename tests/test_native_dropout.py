@@ -1,7 +1,8 @@
 """The native dropout (txl.native, dropout.c): one pass, a Philox4x32-10 stream keyed by a seed drawn from torch's
 generator. It must be Philox (the published known answers), drop exactly the elements its stream says at the rate
 p, compute PyTorch's products (fp32 and bf16, NaN and infinity included), not depend on the thread count, give the
-backward the forward's mask, follow torch.manual_seed, and be what `txl train` runs."""
+backward the forward's mask, follow torch.manual_seed, and be what `txl train` runs. The feed-forward's relu and
+dropout in one pass must give what relu then dropout give, values and gradients, bit for bit."""
 
 from __future__ import annotations
 
@@ -113,9 +114,9 @@ def test_txl_train_runs_the_kernel_and_resumes_exactly(tmp_path, monkeypatch):
     calls = [0]
     real = native.dropout
 
-    def counted(*a):
+    def counted(*a, **kw):
         calls[0] += 1
-        return real(*a)
+        return real(*a, **kw)
 
     monkeypatch.setattr(native, "dropout", counted)
     run = dict(train__log_interval=1, train__eval_interval=0, train__checkpoint_interval=3, train__max_steps=6)
@@ -130,3 +131,46 @@ def test_txl_train_runs_the_kernel_and_resumes_exactly(tmp_path, monkeypatch):
     finally:
         modeling.NATIVE_DROPOUT = True
     assert losses(other)[0] != losses(full)[0]  # (the step's masks came from the kernel)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 64, 100, 40_001])
+def test_relu_and_dropout_in_one_pass_equal_relu_then_dropout(dtype, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x[:: max(1, n // 7)] = 0.0
+    if n > 2:
+        x[1], x[2] = float("nan"), float("-inf")
+    y = native.dropout(x, 0.3, 5, relu=True)
+    assert torch.equal(y.nan_to_num(7.0), native.dropout(torch.relu(x), 0.3, 5).nan_to_num(7.0))
+    assert y[1].isnan().item() if n > 2 else True  # (relu keeps NaN, as torch's)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    through_both = torch.where(torch.relu(x) > 0, native.dropout(g, 0.3, 5), torch.zeros_like(g))  # (finite x)
+    finite = ~x.isnan()
+    assert torch.equal(native.relu_dropout_backward(g, y, 0.3)[finite], through_both[finite])
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_feed_forward_runs_relu_and_dropout_in_one_pass_with_the_same_values_and_gradients(dtype, monkeypatch):
+    """A training forward and backward of the feed-forward: one native pass each way, the same output and input
+    gradient as relu then Dropout (the same seed, so the same mask)."""
+    torch.manual_seed(0)
+    config = modeling.TransformerXLConfig(n_token=20, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=40)
+    ff = modeling.PositionwiseFF(config).to(dtype).train()
+    x = torch.randn(3, 9, 16).to(dtype)
+    calls = []
+    real = native.relu_dropout_backward
+    monkeypatch.setattr(native, "relu_dropout_backward", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(modeling, "NATIVE_RELU_DROPOUT", fused)
+        leaf = x.clone().requires_grad_()
+        torch.manual_seed(1)
+        y = ff(leaf)
+        y.backward(torch.ones_like(y))
+        results[fused] = (y.detach(), leaf.grad, {n: p.grad.clone() for n, p in ff.named_parameters()})
+        ff.zero_grad()
+    assert calls == [1]
+    (y1, g1, w1), (y2, g2, w2) = results[True], results[False]
+    assert torch.equal(y1, y2) and torch.equal(g1, g2) and all(torch.equal(w1[n], w2[n]) for n in w1)

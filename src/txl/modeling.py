@@ -357,6 +357,29 @@ def dropout_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
+NATIVE_RELU_DROPOUT = True
+"""Whether the feed-forward's relu and dropout run as one native pass each way in training (where the native dropout
+runs; the same values and masks). False: relu, then :class:`Dropout`."""
+
+
+class _NativeReluDropout(torch.autograd.Function):
+    """dropout(relu(x)) by one :func:`txl.native.dropout` pass (relu=True), and one backward pass from its output
+    (which the next layer keeps anyway): the same values and gradient as relu then :class:`Dropout`, one pass less
+    each way and one [.., d_inner] tensor less kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float, seed: int) -> Tensor:
+        y = native.dropout(x, p, seed, relu=True)
+        ctx.save_for_backward(y)
+        ctx.p = p
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return native.relu_dropout_backward(grad, ctx.saved_tensors[0], ctx.p), None, None
+
+
 class Dropout(nn.Module):
     """``nn.Dropout`` with a cheaper mask on the CPU. Each call draws one 64-bit seed from torch's generator (so
     ``torch.manual_seed`` and a saved RNG state fix the masks) for :mod:`txl.native`'s one-pass kernel; without it,
@@ -380,6 +403,12 @@ class Dropout(nn.Module):
         uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
         keep = uniform24.ge(round(self.p * (1 << 24))).view(x.shape)
         return x.mul(keep).mul_(1.0 / (1.0 - self.p))
+
+    def relu(self, x: Tensor) -> Tensor:
+        """``self(F.relu(x))``: in one native pass where the native dropout runs (the same mask)."""
+        if self.training and self.p > 0 and NATIVE_RELU_DROPOUT and NATIVE_DROPOUT and native.dropout_applies(x):
+            return _NativeReluDropout.apply(x, self.p, dropout_seed())
+        return self(F.relu(x))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -831,8 +860,8 @@ class PositionwiseFF(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         x = self.layer_norm(h) if self.pre_lnorm else h
-        y = F.relu(linear(x, self.layer_1.weight, self.layer_1.bias))  # [B, T, d_inner]
-        y = self.drop(linear(self.drop(y), self.layer_2.weight, self.layer_2.bias))  # [B, T, D]
+        y = self.drop.relu(linear(x, self.layer_1.weight, self.layer_1.bias))  # relu, dropout: [B, T, d_inner]
+        y = self.drop(linear(y, self.layer_2.weight, self.layer_2.bias))  # [B, T, D]
         return h + y if self.pre_lnorm else self.layer_norm(h + y)
 
 

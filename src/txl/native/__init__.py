@@ -130,8 +130,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             fn.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, P, L, L, L, P, P]
             fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, I, I, I, I, I, I]
             fn.restype = ctypes.c_int
-            lib.txl_dropout.argtypes = [P, P, L, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
+            lib.txl_dropout.argtypes = [P, P, L, I, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
             lib.txl_dropout.restype = None
+            lib.txl_relu_dropout_backward.argtypes = [P, P, P, L, I, ctypes.c_float, I]
+            lib.txl_relu_dropout_backward.restype = None
             lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
             lib.txl_dropout_words.restype = None
             lib.txl_nll_forward.argtypes = [P, L, L, L, P, P, P, I]
@@ -251,11 +253,12 @@ def dropout_applies(x: Tensor) -> bool:
     return x.dtype in _DROPOUT_DTYPES and x.device.type == "cpu" and _ready() is not None
 
 
-def dropout(x: Tensor, p: float, seed: int) -> Tensor | None:
+def dropout(x: Tensor, p: float, seed: int, relu: bool = False) -> Tensor | None:
     """``x`` with each element dropped with probability ``p`` (0 <= p < 1) and the others scaled by 1/(1-p), the
     decisions made by Philox4x32-10 keyed by ``seed`` (a 64-bit integer): the same ``x``, ``p`` and ``seed`` give the
-    same result at any thread count, and the call on a gradient with the same seed is the backward. fp32 or bf16 on
-    the CPU; None (nothing done) elsewhere, with no library, or in a graph being traced or compiled."""
+    same result at any thread count, and the call on a gradient with the same seed is the backward. With ``relu``,
+    ``relu(x)`` dropped out in the same pass (backward: :func:`relu_dropout_backward`). fp32 or bf16 on the CPU; None
+    (nothing done) elsewhere, with no library, or in a graph being traced or compiled."""
     if not dropout_applies(x):
         return None
     lib, kind = _LIB["lib"], _DROPOUT_DTYPES[x.dtype]
@@ -263,9 +266,22 @@ def dropout(x: Tensor, p: float, seed: int) -> Tensor | None:
     y = torch.empty_like(x)
     spec = _dropout_spec(p, seed)
     lib.txl_dropout(
-        x.data_ptr(), y.data_ptr(), x.numel(), kind, spec.seed, spec.threshold, spec.scale, torch.get_num_threads()
-    )
+        x.data_ptr(), y.data_ptr(), x.numel(), kind, int(relu), spec.seed, spec.threshold, spec.scale,
+        torch.get_num_threads(),
+    )  # fmt: skip
     return y
+
+
+def relu_dropout_backward(grad: Tensor, y: Tensor, p: float) -> Tensor:
+    """The gradient of ``dropout(x, p, seed, relu=True)`` from its output ``y``: ``grad / (1 - p)`` where ``y > 0``
+    (positive and kept), 0 elsewhere. Only where that :func:`dropout` ran."""
+    grad = grad.to(y.dtype).contiguous()
+    dx = torch.empty_like(y)
+    _LIB["lib"].txl_relu_dropout_backward(
+        grad.data_ptr(), y.data_ptr(), dx.data_ptr(), y.numel(), _DROPOUT_DTYPES[y.dtype], 1.0 / (1.0 - p),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return dx
 
 
 def dropout_words(seed: int, n: int) -> Tensor:

@@ -16,6 +16,9 @@
  * The product is the one PyTorch computes for x.mul(keep).mul_(1/(1-p)): x * scale in fp32 (bf16: the value
  * widened to fp32, multiplied, rounded to nearest even once), and x * 0 for a dropped element (a NaN or an
  * infinity gives NaN, as there).
+ *
+ * The feed-forward's relu and its dropout run as one pass too (relu = 1: the same result as relu, then dropout), with
+ * one backward from the output (the gradient passes where the output is positive: kept and positive).
  */
 #include <stdint.h>
 #include <string.h>
@@ -84,46 +87,85 @@ static inline u16v bf16_round(f32v f) {
     return __builtin_convertvector(r, u16v);
 }
 
+#define BF16 1 /* kind bits: the values are bf16 (else fp32) */
+#define RELU 2 /* relu(x) is dropped out */
+
+/* relu(x), NaN kept (as torch's relu). */
+static inline f32v relu(f32v x) { return (f32v)((u32v)x & ((u32v)(x > 0.0f) | (u32v)(x != x))); }
+
+/* 16 values from element `at` of p (fp32 or bf16; the first len of them, the rest 0), as fp32. */
+static inline f32v load16(const void *p, long at, int len, int bf16) {
+    if (len < 16) {
+        uint16_t tail[32] = {0};
+        memcpy(tail, (const char *)p + at * (bf16 ? 2 : 4), len * (bf16 ? 2 : 4));
+        return bf16 ? bf16_widen(*(const u16vu *)tail) : (f32v) * (const f32vu *)tail;
+    }
+    return bf16 ? bf16_widen(*(const u16vu *)((const uint16_t *)p + at)) :
+                  (f32v) * (const f32vu *)((const float *)p + at);
+}
+
 /* The 64 elements of chunk c, from x to y (whole chunks; the last one goes through a zero-padded copy). */
-static void chunk64(const void *x, void *y, long c, int bf16, uint32_t k0, uint32_t k1, uint32_t threshold,
+static void chunk64(const void *x, void *y, long c, int kind, uint32_t k0, uint32_t k1, uint32_t threshold,
                     float scale) {
     u32v w[4];
     philox16((uint64_t)c * 16, k0, k1, w);
     for (int j = 0; j < 4; j++) {
         const f32v m = factors(keep_mask(w[j], threshold), scale);
-        if (bf16) {
-            const u16v h = *(const u16vu *)((const uint16_t *)x + 16 * j);
-            *(u16vu *)((uint16_t *)y + 16 * j) = bf16_round(bf16_widen(h) * m);
-        } else {
-            *(f32vu *)((float *)y + 16 * j) = *(const f32vu *)((const float *)x + 16 * j) * m;
-        }
+        f32v v = load16(x, 16 * j, 16, kind & BF16);
+        v = kind & RELU ? relu(v) : v;
+        if (kind & BF16)
+            *(u16vu *)((uint16_t *)y + 16 * j) = bf16_round(v * m);
+        else
+            *(f32vu *)((float *)y + 16 * j) = v * m;
     }
 }
 
 /* Chunk c (elements 64c .. 64c + 63, the first `len` of them). */
-static void chunk(const void *x, void *y, long c, int len, int bf16, uint32_t k0, uint32_t k1, uint32_t threshold,
+static void chunk(const void *x, void *y, long c, int len, int kind, uint32_t k0, uint32_t k1, uint32_t threshold,
                   float scale) {
-    const size_t size = bf16 ? 2 : 4, at = (size_t)c * 64 * size;
+    const size_t size = kind & BF16 ? 2 : 4, at = (size_t)c * 64 * size;
     if (len == 64) {
-        chunk64((const char *)x + at, (char *)y + at, c, bf16, k0, k1, threshold, scale);
+        chunk64((const char *)x + at, (char *)y + at, c, kind, k0, k1, threshold, scale);
         return;
     }
     float in[64] = {0}, out[64]; /* (the tail: the same code on a copy, bytes of either dtype) */
     memcpy(in, (const char *)x + at, len * size);
-    chunk64(in, out, c, bf16, k0, k1, threshold, scale);
+    chunk64(in, out, c, kind, k0, k1, threshold, scale);
     memcpy((char *)y + at, out, len * size);
 }
 
-/* y[i] = x[i] * (kept ? scale : 0) for i < n, fp32 (bf16 = 0) or bf16 (bf16 = 1) values; x == y is allowed. */
-void txl_dropout(const void *x, void *y, long n, int bf16, uint64_t seed, uint32_t threshold, float scale,
+/* y[i] = x[i] * (kept ? scale : 0) for i < n, fp32 (bf16 = 0) or bf16 (bf16 = 1) values; x == y is allowed. With
+ * relu = 1, relu(x[i]) instead of x[i] (the feed-forward's inner activation, in the same pass). */
+void txl_dropout(const void *x, void *y, long n, int bf16, int relu, uint64_t seed, uint32_t threshold, float scale,
                  int n_threads) {
+    const int kind = (bf16 ? BF16 : 0) | (relu ? RELU : 0);
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     const long chunks = (n + 63) / 64;
     const int nt = n >= (1L << 15) && n_threads > 1 ? n_threads : 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (long c = 0; c < chunks; c++) {
         const long left = n - c * 64;
-        chunk(x, y, c, left < 64 ? (int)left : 64, bf16, k0, k1, threshold, scale);
+        chunk(x, y, c, left < 64 ? (int)left : 64, kind, k0, k1, threshold, scale);
+    }
+}
+
+/* The backward of relu + dropout from the forward's output y: dx[i] = g[i] * scale where y[i] > 0 (the element was
+ * positive and kept), else 0; fp32 or bf16 (the product rounded once, as the dropout's). */
+void txl_relu_dropout_backward(const void *g, const void *y, void *dx, long n, int bf16, float scale,
+                               int n_threads) {
+    const long chunks = (n + 15) / 16;
+    const int nt = n >= (1L << 15) && n_threads > 1 ? n_threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        const long at = c * 16;
+        const int len = n - at < 16 ? (int)(n - at) : 16;
+        const f32v d = (f32v)((u32v)(load16(g, at, len, bf16) * scale) & (u32v)(load16(y, at, len, bf16) > 0.0f));
+        uint16_t out[32];
+        if (bf16)
+            *(u16vu *)out = bf16_round(d);
+        else
+            *(f32vu *)out = d;
+        memcpy((char *)dx + at * (bf16 ? 2 : 4), out, len * (bf16 ? 2 : 4));
     }
 }
 
