@@ -153,6 +153,7 @@ def train_mask(kind, B, T, M, mem_len=7):
         (2, 2, 33, 40, 32, 0, "same_length", 0.2),
         (1, 3, 1, 10, 32, 0, "causal", 0.0),  # one query
         (1, 2, 40, 40, 80, 0, "same_length", 0.0),  # 5 chunks of d_head
+        (5, 4, 11, 13, 32, 0, "causal", 0.0),  # the backward's batch groups: 2, 2, 1 and an empty one per head
     ],
 )
 def test_training_attention_and_its_gradients_are_as_exact_as_the_pytorch_path(B, H, T, M, Dh, extra, kind, dropatt):

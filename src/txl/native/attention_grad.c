@@ -16,8 +16,9 @@
  * GFLOP/s here), a softmax backward, the shift's zero-filled [B, H, T, K + T] buffer and copy, and the gradient's
  * transposes: ~11 ms per layer of the bench-char training step.
  *
- * Each head is computed by one thread (its dr sums over the batch in a fixed order), so the results do not depend on
- * the number of threads. The same values as the PyTorch path up to fp32 rounding. */
+ * The work is split into units of one head and a fixed group of batch rows (at least UNITS units where the batch
+ * allows), each computed by one thread; dr is summed per unit and the units' sums added in a fixed order, so the
+ * results do not depend on the number of threads. The same values as the PyTorch path up to fp32 rounding. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,6 +27,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#define UNITS 16 /* the work units to aim for (threads that can share the backward) */
 
 /* Strides in floats, the last dimension contiguous. qu, qv (b, h, t); k, v (b, h, j); r [H, Dh, >= K] (h, d); p
  * [B, H, T, K] contiguous (the forward's probabilities, before dropout); g, the output's gradient (b, h, t); drop:
@@ -38,17 +41,24 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                            float *dv, long dvsb, long dvsh, long dvsj, float *dr, long drsh, long drsd,
                            const dropout_spec *drop, int B, int H, int T, int K, int Dh, int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
+    /* Work units: each head's batch rows in G groups (G from H and B only, not the thread count: each unit sums its
+     * part of dr, and the parts are added in order after), at least UNITS units where the batch allows. */
+    const int G = H >= UNITS ? 1 : (B < (UNITS + H - 1) / H ? B : (UNITS + H - 1) / H), per_group = (B + G - 1) / G;
+    const int units = H * G;
     const long per_thread =
-        ((long)Dh * Kp + 3L * ROWS * Kp + (long)ROWS * (K + VL) + 4L * ROWS * Dh + 4L * K * Dh + VL) / VL * VL;
-    const int nt = n_threads < H ? (n_threads > 1 ? n_threads : 1) : H;
-    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(per_thread * nt) + 63) / 64 * 64);
+        ((long)Dh * Kp + 3L * ROWS * Kp + (long)ROWS * (K + VL) + 4L * ROWS * Dh + 3L * K * Dh + VL) / VL * VL;
+    const int nt = n_threads < units ? (n_threads > 1 ? n_threads : 1) : units;
+    const size_t bytes = sizeof(float) * (size_t)(per_thread * nt + (long)units * K * Dh);
+    float *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch) return 1;
+    float *parts = scratch + per_thread * nt; /* [units][K][Dh]: each unit's dr, transposed */
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int h = 0; h < H; h++) {
+    for (int unit = 0; unit < units; unit++) {
         int t_id = 0;
 #ifdef _OPENMP
         t_id = omp_get_thread_num();
 #endif
+        const int h = unit / G, b_lo = unit % G * per_group, b_hi = b_lo + per_group < B ? b_lo + per_group : B;
         float *vt = scratch + t_id * per_thread;  /* [Dh][Kp]: the values, transposed */
         float *s = vt + (long)Dh * Kp;            /* [ROWS][Kp]: dP, then dS */
         float *pb = s + (long)ROWS * Kp;          /* [ROWS][Kp]: the block's P */
@@ -57,11 +67,11 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
         float *qb = raw + (long)ROWS * (K + VL);  /* [ROWS][Dh] x 4: qu, qv, g, and a product's rows */
         float *qvb = qb + ROWS * Dh, *gb = qvb + ROWS * Dh, *ob = gb + ROWS * Dh;
         float *dka = ob + ROWS * Dh, *dva = dka + (long)K * Dh; /* [K][Dh]: dk, dv of one (b, h) */
-        float *rt = dva + (long)K * Dh, *drt = rt + (long)K * Dh; /* [K][Dh]: r of the head and dr, transposed */
+        float *rt = dva + (long)K * Dh, *drt = parts + (long)unit * K * Dh; /* [K][Dh]: r, dr, transposed */
         for (int c = 0; c < K; c++)
             for (int d = 0; d < Dh; d++) rt[(long)c * Dh + d] = r[h * rsh + d * rsd + c];
         memset(drt, 0, sizeof(float) * K * Dh);
-        for (int b = 0; b < B; b++) {
+        for (int b = b_lo; b < b_hi; b++) {
             const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh;
             const float *quh = qu + b * qsb + h * qsh, *qvh = qv + b * vqsb + h * vqsh, *gh = g + b * gsb + h * gsh;
             const float *ph = p + ((long)b * H + h) * T * K;
@@ -135,8 +145,16 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 memcpy(dvh + j * dvsj, dva + (long)j * Dh, sizeof(float) * Dh);
             }
         }
+    }
+#pragma omp parallel for num_threads(nt < H ? nt : H) schedule(static)
+    for (int h = 0; h < H; h++) { /* dr of each head: its units' parts, in order */
+        const float *part = parts + (long)h * G * K * Dh;
         for (int d = 0; d < Dh; d++)
-            for (int c = 0; c < K; c++) dr[h * drsh + d * drsd + c] = drt[(long)c * Dh + d];
+            for (int c = 0; c < K; c++) {
+                float acc = part[(long)c * Dh + d];
+                for (int grp = 1; grp < G; grp++) acc += part[((long)grp * K + c) * Dh + d];
+                dr[h * drsh + d * drsd + c] = acc;
+            }
     }
     free(scratch);
     return 0;
