@@ -232,3 +232,26 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and any(compiles)
     assert len(sorted(tmp_path.glob("txl-*.so"))) == 2
+
+
+@needs_lib
+def test_a_library_without_one_of_the_kernels_is_not_used(tmp_path, monkeypatch):
+    """Sources that build but lack a kernel (an inconsistent install): no library, a status line that names the
+    missing kernel, and the model on the PyTorch path (not an AttributeError from the loader)."""
+    model = TransformerXLLM(debug_config(mem_len=16)).eval()
+    prompt = torch.randint(0, 97, (1, 6))
+    expected = generate(model, prompt, 12, temperature=0.0)
+    monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path / "cache"))
+    copies = tmp_path / "src"
+    copies.mkdir()
+    for path in (*native.SOURCES, *native.HEADERS):
+        (copies / path.name).write_text(path.read_text().replace("void txl_nll_linear(", "void txl_nll_other("))
+    monkeypatch.setattr(native, "SOURCES", tuple(copies / p.name for p in native.SOURCES))
+    monkeypatch.setattr(native, "HEADERS", tuple(copies / p.name for p in native.HEADERS))
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is None
+    assert "not available" in native.status() and "lacks a kernel" in native.status()
+    assert "txl_nll_linear" in native.status()
+    calls = Calls(monkeypatch)
+    assert generate(model, prompt, 12, temperature=0.0).equal(expected)
+    assert calls.n == 0

@@ -1,15 +1,17 @@
-"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step, inference
-attention, dropout and the softmax's negative log-likelihood.
+"""Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step, the
+attention (inference, and training's forward and backward), dropout (and relu + dropout) and the softmax's negative
+log-likelihood.
 
 Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
 model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
 call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
 ``attention.c`` runs the attention of evaluation and prompts per head without a [B, H, T, K] tensor in memory (the
-(b)+(d) rows read at their shift in place, the mask, the softmax, the value sum). ``dropout.c`` is dropout in one
-pass with a counter-based random stream (Philox4x32-10) keyed by a seed drawn from torch's generator: PyTorch's CPU
-generator draws its words one at a time on one core. ``nll.c`` is the adaptive softmax's loss per cluster,
--log_softmax(x)[target] and its gradient, without the [N, V] log-probabilities (and, in the backward, without
-PyTorch's zero-filled [N, V] gradient of the gather).
+(b)+(d) rows read at their shift in place, the mask, the softmax, the value sum); in training it keeps the
+probabilities, and ``attention_grad.c`` is its backward (the shift undone in place, the causally masked keys
+skipped). ``dropout.c`` is dropout in one pass with a counter-based random stream (Philox4x32-10) keyed by a seed
+drawn from torch's generator: PyTorch's CPU generator draws its words one at a time on one core. ``nll.c`` is the
+adaptive softmax's loss per cluster, -log_softmax(x)[target] and its gradient, without the [N, V] log-probabilities
+(and, in the backward, without PyTorch's zero-filled [N, V] gradient of the gather).
 
 The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
@@ -82,6 +84,35 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    """The kernels' argument and result types (AttributeError: the library lacks one)."""
+    lib.txl_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    lib.txl_exp.restype = None
+    fn = lib.txl_decode_step
+    fn.restype = ctypes.c_int
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
+    fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
+    lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
+    lib.txl_attention.argtypes += [P, P, P, I, I, I, I, I, I]
+    lib.txl_attention.restype = ctypes.c_int
+    fn = lib.txl_attention_backward
+    fn.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, P, L, L, L, P, P]
+    fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, I, I, I, I, I, I]
+    fn.restype = ctypes.c_int
+    lib.txl_dropout.argtypes = [P, P, L, I, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
+    lib.txl_dropout.restype = None
+    lib.txl_relu_dropout_backward.argtypes = [P, P, P, L, I, ctypes.c_float, I]
+    lib.txl_relu_dropout_backward.restype = None
+    lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
+    lib.txl_dropout_words.restype = None
+    lib.txl_nll_forward.argtypes = [P, L, L, L, P, P, P, I]
+    lib.txl_nll_forward.restype = None
+    lib.txl_nll_backward.argtypes = [P, L, L, L, P, P, P, P, L, I]
+    lib.txl_nll_backward.restype = None
+    lib.txl_nll_linear.argtypes = [P, L, I, L, P, L, P, P, P, I]
+    lib.txl_nll_linear.restype = None
+
+
 def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
     """Compile (or find) and load the library: (library, "" or why there is none, its path)."""
     if not ENABLED:
@@ -117,31 +148,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{path}: {e}")
                 continue
-            lib.txl_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-            lib.txl_exp.restype = None
-            fn = lib.txl_decode_step
-            fn.restype = ctypes.c_int
-            P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
-            fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
-            lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
-            lib.txl_attention.argtypes += [P, P, P, I, I, I, I, I, I]
-            lib.txl_attention.restype = ctypes.c_int
-            fn = lib.txl_attention_backward
-            fn.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, P, L, L, L, P, P]
-            fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, I, I, I, I, I, I]
-            fn.restype = ctypes.c_int
-            lib.txl_dropout.argtypes = [P, P, L, I, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
-            lib.txl_dropout.restype = None
-            lib.txl_relu_dropout_backward.argtypes = [P, P, P, L, I, ctypes.c_float, I]
-            lib.txl_relu_dropout_backward.restype = None
-            lib.txl_dropout_words.argtypes = [ctypes.c_uint64, P, L]
-            lib.txl_dropout_words.restype = None
-            lib.txl_nll_forward.argtypes = [P, L, L, L, P, P, P, I]
-            lib.txl_nll_forward.restype = None
-            lib.txl_nll_backward.argtypes = [P, L, L, L, P, P, P, P, L, I]
-            lib.txl_nll_backward.restype = None
-            lib.txl_nll_linear.argtypes = [P, L, I, L, P, L, P, P, P, I]
-            lib.txl_nll_linear.restype = None
+            try:
+                _declare(lib)
+            except AttributeError as e:  # (an inconsistent source tree: building again gives the same library)
+                return None, f"{path} lacks a kernel ({e}); reinstall txl, its native sources are inconsistent", None
             return lib, "", path
     return None, "the build failed: " + " | ".join(errors), None
 
