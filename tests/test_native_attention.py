@@ -77,6 +77,22 @@ def test_native_attention_is_as_exact_as_the_pytorch_path(B, H, T, M, Dh, extra,
 
 
 @needs_lib
+@pytest.mark.parametrize("density", [0.02, 0.3])
+def test_native_attention_masks_keys_anywhere_in_a_row(density):
+    """A mask with keys masked at any column (the kernel skips runs of 8 unmasked mask bytes at a time): what the
+    PyTorch path gives, in inference and in training's forward."""
+    B, H, T, M, Dh = 2, 2, 21, 43, 32
+    q, qv, k, v, r = inputs(B, H, T, M, Dh)
+    scattered = torch.rand(B, 1, T, M + T, generator=torch.Generator().manual_seed(2)) < density
+    scattered[..., torch.arange(T), M + torch.arange(T)] = False  # (each query keeps its own key)
+    mask = attention_mask(T, M, False, 0) | scattered  # [B, 1, T, K]
+    exact = reference(q, qv, k, v, r, mask, torch.float64)
+    fp32 = reference(q, qv, k, v, r, mask, torch.float32)
+    for out in (native.attention(q, k, v, qv=qv, r=r, mask=mask), native.attention_train(q, k, v, qv, r, mask)[0]):
+        assert (out.double() - exact).abs().max() <= 2 * (fp32.double() - exact).abs().max() + 1e-6
+
+
+@needs_lib
 def test_native_attention_does_not_depend_on_the_number_of_threads_and_keeps_nan():
     q, qv, k, v, r = inputs(4, 3, 19, 30, 32)
     threads = torch.get_num_threads()

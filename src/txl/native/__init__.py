@@ -358,7 +358,7 @@ def _attention(q, k, v, qv, r, bias, mask, p: Tensor | None, drop: tuple[float, 
         bias_args = (bias.data_ptr(), *bias.stride()[:3])
     mask_args: tuple = (None, 0, 0)
     if mask is not None:
-        mask = mask.reshape(-1, T, K).to(torch.uint8).contiguous()  # [1 or B, T, K]
+        mask = mask.reshape(-1, T, K).to(torch.bool).contiguous().view(torch.uint8)  # [1 or B, T, K], a byte each
         mask_args = (mask.data_ptr(), T * K if mask.shape[0] > 1 else 0, K)
     out = torch.empty(B, T, H * Dh)
     spec = None if drop is None else _dropout_spec(*drop)

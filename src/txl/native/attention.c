@@ -74,14 +74,23 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
             m = row[j] > m ? row[j] : m;
         }
         for (; j < width; j++) row[j] = -INFINITY;
-        if (mask) {
-            for (j = 0; j < lim; j++)
-                if (mask[r * mask_rs + j]) row[j] = -INFINITY;
-            mv = vzero() - INFINITY, m = -INFINITY; /* (the maximum again, over what the mask left) */
-            for (j = 0; j < width; j += VL) {
-                const vf x = vload(row + j);
-                const vi gt = x > mv;
-                mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+        if (mask) { /* (8 mask bytes at a time while they are all 0, as the causal part is: the kernel masks it) */
+            const unsigned char *mr = mask + r * mask_rs;
+            int masked = 0;
+            for (j = 0; j + 8 <= lim; j += 8) {
+                uint64_t w;
+                memcpy(&w, mr + j, 8);
+                if (w) break;
+            }
+            for (; j < lim; j++)
+                if (mr[j]) row[j] = -INFINITY, masked = 1;
+            if (masked) { /* (the maximum again, over what the mask left) */
+                mv = vzero() - INFINITY, m = -INFINITY;
+                for (j = 0; j < width; j += VL) {
+                    const vf x = vload(row + j);
+                    const vi gt = x > mv;
+                    mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+                }
             }
         }
         for (int l = 0; l < VL; l++) m = mv[l] > m ? mv[l] : m;
