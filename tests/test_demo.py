@@ -1,0 +1,45 @@
+"""`make demo` (python -m txl.demo), the quick start's first command, on the project's corpus: the corpus found and
+verified instead of downloaded, a short training run, test bpc with the training memory and with 4x longer memory,
+500 sampled characters, the loss plot; run again, it continues the finished run instead of training anew."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from txl import demo
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "shakespeare"
+EVAL = re.compile(r"^test: loss [\d.]+ \| bpc ([\d.]+) \| tgt_len 64, mem_len (\d+),", re.M)
+
+
+@pytest.mark.slow
+def test_make_demo_trains_evaluates_samples_and_plots_then_continues(tmp_path, monkeypatch, capsys):
+    if not (SHARED / "test.txt").is_file():
+        pytest.skip("needs ../shared/data/shakespeare (the project's corpus)")
+    monkeypatch.setenv("TXL_CACHE_DIR", str(tmp_path / "cache"))  # (the encoded corpus goes there)
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        shutil.copy(SHARED / f"{split}.txt", data / f"{split}.txt")
+    argv = ["--data", str(data), "--run_dir", str(run), "--max_steps", "3", "--budget", "300"]
+    demo.main(argv)
+    out, err = capsys.readouterr()
+    assert "Shakespeare already there (sha256 verified)" in err  # (no download: the corpus is the verified one)
+    for step in ("1/5 data", "2/5 train", "3/5 test bpc", "4/5 sample", "5/5 loss curves", "Where things are"):
+        assert step in out
+    assert "stopped at step 3 (max_steps 3)" in out
+    evals = [(float(bpc), int(mem)) for bpc, mem in EVAL.findall(out)]
+    assert [mem for _, mem in evals] == [64, 256], out  # the recipe's eval memory, then 4x longer
+    assert all(5.5 < bpc < 7.5 for bpc, _ in evals)  # 3 steps from random: near log2(84) = 6.4 bits
+    sample = out.split("== 4/5 sample")[1].split("== 5/5")[0].split("==\n", 1)[1]
+    assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) >= 500 + len("ROMEO:")
+    assert (run / "loss.png").stat().st_size > 0
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-3"]
+    demo.main(argv)  # again: the finished run is evaluated and sampled again, not trained further
+    again = capsys.readouterr().out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == steps
+    assert [(float(bpc), int(mem)) for bpc, mem in EVAL.findall(again)] == evals
+    assert again.split("== 4/5 sample")[1].split("== 5/5")[0].split("==\n", 1)[1] == sample  # (seed 0)
