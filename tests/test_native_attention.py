@@ -8,6 +8,7 @@ run, with the same results."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -216,6 +217,30 @@ def test_training_attention_does_not_depend_on_the_number_of_threads():
         assert all(a.equal(b) for a, b in zip(results[0], other, strict=True))
 
 
+@needs_lib
+def test_the_kernels_form_the_query_terms_as_the_pytorch_path_does():
+    """With the biases given (u, v, scale), the kernels take the raw queries and form (q + u) * scale and
+    (q + v) * scale themselves, rounded as torch rounds the two operations: the same outputs and probabilities, bit
+    for bit, as with the terms formed by torch; the backward gives the gradients of q + u and q + v (times the
+    scale)."""
+    B, H, T, M, Dh = 3, 2, 13, 9, 32
+    q, _, k, v, r = inputs(B, H, T, M, Dh)
+    g = torch.Generator().manual_seed(5)
+    u, vb, scale = torch.randn(H, Dh, generator=g), torch.randn(H, Dh, generator=g), 1.0 / math.sqrt(Dh)
+    rows = q.transpose(1, 2)  # [B, T, H, Dh], the model's layout of the raw queries
+    qu, qv = ((rows + u) * scale).transpose(1, 2), ((rows + vb) * scale).transpose(1, 2)
+    mask, drop, biases = attention_mask(T, M, False, 0), (0.2, 7), (u, vb, scale)
+    formed = native.attention(qu, k, v, qv=qv, r=r, mask=mask)
+    assert native.attention(q, k, v, qv=q, r=r, mask=mask, query_bias=biases).equal(formed)
+    out, prob = native.attention_train(q, k, v, q, r, mask, drop, biases)
+    out_formed, prob_formed = native.attention_train(qu, k, v, qv, r, mask, drop)
+    assert out.equal(out_formed) and prob.equal(prob_formed)
+    grad = torch.randn(B, T, H * Dh, generator=g)
+    d_u, d_v, dkv, dr = native.attention_backward(q, k, v, q, r, prob, grad, drop, biases)
+    dqu, dqv, dkv_formed, dr_formed = native.attention_backward(qu, k, v, qv, r, prob, grad, drop)
+    assert d_u.equal(dqu * scale) and d_v.equal(dqv * scale) and dkv.equal(dkv_formed) and dr.equal(dr_formed)
+
+
 def _training_run(model, x, y, seed):
     """Two segments (the second with the first's memory), the sum of their losses backpropagated: the second
     segment's losses and every parameter's gradient."""
@@ -241,7 +266,7 @@ def test_model_training_runs_the_kernels_with_the_pytorch_paths_losses_and_gradi
     x, y = torch.randint(0, 50, (3, 10), generator=g), torch.randint(0, 50, (3, 10), generator=g)
     calls = []
     real = native.attention_train
-    monkeypatch.setattr(native, "attention_train", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(native, "attention_train", lambda *a: calls.append(a[6]) or real(*a))  # (its dropout)
     loss, grads = _training_run(model, x, y, seed=5)
     assert len(calls) == 2 * 2 and all((c is None) == (dropatt == 0) for c in calls)
     monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)

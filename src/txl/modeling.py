@@ -747,18 +747,27 @@ class _NativeRelAttention(torch.autograd.Function):
     fp32 rounding; ``NATIVE_ATTENTION = False`` gives the PyTorch kernels."""
 
     @staticmethod
-    def forward(ctx, q_u: Tensor, q_v: Tensor, kv: Tensor, r_k: Tensor, mask: Tensor | None, drop: tuple | None):
-        out, prob = native.attention_train(q_u, kv[0], kv[1], q_v, r_k, mask, drop)  # [B, T, H*Dh], [B, H, T, K]
-        ctx.save_for_backward(q_u, q_v, kv, r_k, prob)
-        ctx.drop = drop
+    def forward(
+        ctx, q: Tensor, u: Tensor, v: Tensor, kv: Tensor, r_k: Tensor, mask: Tensor | None, drop: tuple | None, scale
+    ):
+        qt = q.transpose(1, 2)  # [B, H, T, Dh], raw: the kernel forms (q + u) * scale and (q + v) * scale
+        out, prob = native.attention_train(qt, kv[0], kv[1], qt, r_k, mask, drop, (u, v, scale))  # [B, T, H*Dh]
+        ctx.save_for_backward(q, u, v, kv, r_k, prob)  # (prob [B, H, T, K])
+        ctx.drop, ctx.scale = drop, scale
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple:
-        q_u, q_v, kv, r_k, prob = ctx.saved_tensors
-        dq_u, dq_v, dkv, dr = native.attention_backward(q_u, kv[0], kv[1], q_v, r_k, prob, grad, ctx.drop)
-        return dq_u.transpose(1, 2), dq_v.transpose(1, 2), dkv, dr, None, None
+        q, u, v, kv, r_k, prob = ctx.saved_tensors
+        qt = q.transpose(1, 2)
+        g_u, g_v, dkv, dr = native.attention_backward(
+            qt, kv[0], kv[1], qt, r_k, prob, grad, ctx.drop, (u, v, ctx.scale)
+        )
+        # g_u, g_v [B, T, H, Dh]: the gradients of q + u and q + v, as autograd's of the two sums
+        du = g_u.sum((0, 1)) if ctx.needs_input_grad[1] else None  # [H, Dh]
+        dv = g_v.sum((0, 1)) if ctx.needs_input_grad[2] else None
+        return g_u + g_v, du, dv, dkv, dr, None, None, None
 
 
 class RelPartialLearnableMultiHeadAttn(_Attention):
@@ -796,12 +805,14 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
 
     def _terms(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor, Tensor]:
         """The queries of (a)+(c) and of (b)+(d), (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) ([B, T, H, Dh] each:
-        the 1/sqrt(Dh) of the scores is applied to the T x Dh queries, not the T x K scores), and W_kR R for the
-        distances K-1..0 ([H, Dh, >= K]; a cache's has zero columns after them)."""
-        r_k = pos.r_k
-        if r_k is None:
-            r_k = torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
-        return (q + pos.u) * self.scale, (q + pos.v) * self.scale, r_k
+        the 1/sqrt(Dh) of the scores is applied to the T x Dh queries, not the T x K scores), and W_kR R."""
+        return (q + pos.u) * self.scale, (q + pos.v) * self.scale, self._positions(pos, K)
+
+    def _positions(self, pos: RelPositions, K: int) -> Tensor:
+        """W_kR R for the distances K-1..0 ([H, Dh, >= K]; a cache's has zero columns after them)."""
+        if pos.r_k is not None:
+            return pos.r_k
+        return torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
 
     def native_attention(
         self,
@@ -816,16 +827,18 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         # dropout of the probabilities draws its seed where attend() would, and is the mask Dropout would draw.
         if dropatt and not (grad and NATIVE_DROPOUT):
             return None
+        # The kernels take the raw queries and form (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as _terms() does.
         k, v = kv
-        q_u, q_v, r_k = self._terms(q, pos, k.shape[2])
-        q_u, q_v = q_u.transpose(1, 2), q_v.transpose(1, 2)  # [B, H, T, Dh]
-        if not native.attention_applies(q_u, k, v, q_v, r_k):
+        r_k = self._positions(pos, k.shape[2])
+        qt, biases = q.transpose(1, 2), (pos.u, pos.v, self.scale)  # [B, H, T, Dh]
+        if not native.attention_applies(qt, k, v, qt, r_k, query_bias=biases):
             return None
         if not grad:
-            return native.attention(q_u, k, v, qv=q_v, r=r_k, mask=mask)
+            return native.attention(qt, k, v, qv=qt, r=r_k, mask=mask, query_bias=biases)
         if not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
             return None
-        return _NativeRelAttention.apply(q_u, q_v, kv, r_k, mask, (dropatt, dropout_seed()) if dropatt else None)
+        drop = (dropatt, dropout_seed()) if dropatt else None
+        return _NativeRelAttention.apply(q, pos.u, pos.v, kv, r_k, mask, drop, self.scale)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape

@@ -60,6 +60,30 @@ class _DropoutSpec(ctypes.Structure):
     _fields_ = [("seed", ctypes.c_uint64), ("threshold", ctypes.c_uint32), ("scale", ctypes.c_float)]
 
 
+class _QueryBias(ctypes.Structure):
+    """attention.c's query_bias: the queries' u and v rows and scale."""
+
+    _fields_ = [
+        ("u", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("us", ctypes.c_long),
+        ("vs", ctypes.c_long),
+        ("scale", ctypes.c_float),
+    ]
+
+
+QueryBias = tuple[Tensor, Tensor, float]
+"""(u, v, scale): the attention kernels take the raw queries and compute (q + u) * scale and (qv + v) * scale
+themselves, as the PyTorch path rounds them; u and v [H, Dh]."""
+
+
+def _query_bias(query_bias: QueryBias | None) -> _QueryBias | None:
+    if query_bias is None:
+        return None
+    u, v, scale = query_bias
+    return _QueryBias(u.data_ptr(), v.data_ptr(), u.stride(0), v.stride(0), scale)
+
+
 def _dropout_spec(p: float, seed: int) -> _DropoutSpec:
     """What :func:`dropout` gives its kernel for ``p`` and ``seed``."""
     return _DropoutSpec(seed & (2**64 - 1), min(round(p * 2.0**32), 2**32 - 1), 1.0 / (1.0 - p))
@@ -93,11 +117,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
     fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
     lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
-    lib.txl_attention.argtypes += [P, P, P, I, I, I, I, I, I]
+    lib.txl_attention.argtypes += [P, P, P, P, I, I, I, I, I, I]
     lib.txl_attention.restype = ctypes.c_int
     fn = lib.txl_attention_backward
     fn.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, P, L, L, L, P, P]
-    fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, I, I, I, I, I, I]
+    fn.argtypes += [P, L, L, L, P, L, L, L, P, L, L, P, P, I, I, I, I, I, I]
     fn.restype = ctypes.c_int
     lib.txl_dropout.argtypes = [P, P, L, I, I, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float, I]
     lib.txl_dropout.restype = None
@@ -320,31 +344,44 @@ def attention(
     r: Tensor | None = None,
     bias: Tensor | None = None,
     mask: Tensor | None = None,
+    query_bias: QueryBias | None = None,
 ) -> Tensor | None:
     """Inference attention as one native call per head (attention.c), as [B, T, H * Dh] (the output projection's
     layout): ``softmax(s) v`` with ``s[i, j] = q_i . k_j`` plus, with ``r``, the relative term ``qv_i . r[:, c]`` at
     the raw column ``c = j + T-1-i`` (Appendix B's shift; ``r`` [H, Dh, >= K] is W_kR R for the distances K-1 .. 0,
     ``qv`` the queries with v added, and keys j > M+i are masked), or else ``bias`` [B, H, T, K] (broadcast
     dimensions allowed); -inf where ``mask`` ([T, K] or [B, 1, T, K], True = masked) is set. q, qv [B, H, T, Dh] come
-    scaled; k, v [B, H, K, Dh]. fp32 on the CPU with the last dimension of each contiguous; None (nothing done)
-    elsewhere, with no library, with autocast or in a graph being traced or compiled."""
-    if not attention_applies(q, k, v, qv, r, bias):
+    scaled, or raw with ``query_bias`` (u, v, scale): then the kernel uses (q + u) * scale and (qv + v) * scale; k, v
+    [B, H, K, Dh]. fp32 on the CPU with the last dimension of each contiguous; None (nothing done) elsewhere, with no
+    library, with autocast or in a graph being traced or compiled."""
+    if not attention_applies(q, k, v, qv, r, bias, query_bias):
         return None
-    return _attention(q, k, v, qv, r, bias, mask, None)
+    return _attention(q, k, v, qv, r, bias, mask, None, None, query_bias)
 
 
 def attention_applies(
-    q: Tensor, k: Tensor, v: Tensor, qv: Tensor | None = None, r: Tensor | None = None, bias: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qv: Tensor | None = None,
+    r: Tensor | None = None,
+    bias: Tensor | None = None,
+    query_bias: QueryBias | None = None,
 ) -> bool:
     """Whether :func:`attention` (and :func:`attention_train`) run for these operands (None: absent): each fp32 on the
     CPU with its last dimension contiguous, the library built, no autocast, no graph being traced or compiled; W_kR R
-    ``r`` at least as wide as the keys, with ``qv``."""
-    if not all(usable(t) and t.stride(-1) == 1 for t in (q, k, v, qv, r, bias) if t is not None):
+    ``r`` at least as wide as the keys, with ``qv``; ``query_bias``'s u and v [H, Dh]."""
+    extra = () if query_bias is None else query_bias[:2]
+    if not all(usable(t) and t.stride(-1) == 1 for t in (q, k, v, qv, r, bias, *extra) if t is not None):
+        return False
+    if extra and not all(t.shape == (q.shape[1], q.shape[3]) for t in extra):
         return False
     return r is None or (qv is not None and r.shape[-1] >= k.shape[2])
 
 
-def _attention(q, k, v, qv, r, bias, mask, p: Tensor | None, drop: tuple[float, int] | None = None) -> Tensor:
+def _attention(
+    q, k, v, qv, r, bias, mask, p: Tensor | None, drop: tuple[float, int] | None, query_bias: QueryBias | None
+) -> Tensor:
     lib = _LIB["lib"]
     B, H, T, Dh = q.shape
     K = k.shape[2]
@@ -362,10 +399,12 @@ def _attention(q, k, v, qv, r, bias, mask, p: Tensor | None, drop: tuple[float, 
         mask_args = (mask.data_ptr(), T * K if mask.shape[0] > 1 else 0, K)
     out = torch.empty(B, T, H * Dh)
     spec = None if drop is None else _dropout_spec(*drop)
+    qbias = _query_bias(query_bias)
     failed = lib.txl_attention(
         q.data_ptr(), *q.stride()[:3], *qv_args, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
         *r_args, *bias_args, *mask_args, out.data_ptr(), None if p is None else p.data_ptr(),
-        None if spec is None else ctypes.addressof(spec), B, H, T, K, Dh, torch.get_num_threads(),
+        None if spec is None else ctypes.addressof(spec), None if qbias is None else ctypes.addressof(qbias), B, H, T,
+        K, Dh, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native attention could not allocate its scratch memory")
@@ -380,13 +419,14 @@ def attention_train(
     r: Tensor,
     mask: Tensor | None = None,
     dropout: tuple[float, int] | None = None,
+    query_bias: QueryBias | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`attention` with the relative term, keeping what :func:`attention_backward` needs: (the output
     [B, T, H * Dh], the probabilities [B, H, T, K] before dropout). ``dropout`` (p, seed): the probabilities are
     dropped out as :func:`dropout` (p, seed) drops out a [B, H, T, K] tensor. Only where :func:`attention_applies`."""
     B, H, T, _ = q.shape
     p = torch.empty(B, H, T, k.shape[2])
-    return _attention(q, k, v, qv, r, None, mask, p, dropout), p
+    return _attention(q, k, v, qv, r, None, mask, p, dropout, query_bias), p
 
 
 def attention_backward(
@@ -398,11 +438,14 @@ def attention_backward(
     p: Tensor,
     grad: Tensor,
     dropout: tuple[float, int] | None = None,
+    query_bias: QueryBias | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`attention_train`'s output (attention_grad.c) for its gradient ``grad`` [B, T, H * Dh],
     with respect to q, qv ([B, T, H, Dh] each), k and v together ([2, B, H, K, Dh], a view of a contiguous
     [B, K, 2, H, Dh] tensor: the layout of the K/V projection's output) and r (its shape; 0 past the first K
-    columns). ``p``: the probabilities it returned; ``dropout``: its dropout."""
+    columns). ``p``: the probabilities it returned; ``dropout``: its dropout. With ``query_bias`` (u, v, scale), as
+    the forward took it: q and qv are the raw queries, and the first two gradients are those of q + u and qv + v
+    (the scale applied), whose sums over batch and time are u's and v's."""
     B, H, T, Dh = q.shape
     K = k.shape[2]
     grad = grad.contiguous().view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
@@ -411,12 +454,13 @@ def attention_backward(
     dkv = torch.empty(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
     dr = torch.zeros(r.shape) if r.shape[-1] > K else torch.empty(r.shape)
     spec = None if dropout is None else _dropout_spec(*dropout)
+    qbias = _query_bias(query_bias)
     failed = _LIB["lib"].txl_attention_backward(
         q.data_ptr(), *q.stride()[:3], qv.data_ptr(), *qv.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], r.data_ptr(), *r.stride()[:2], p.data_ptr(), grad.data_ptr(), *grad.stride()[:3],
         dq.data_ptr(), dqv.data_ptr(), dkv[0].data_ptr(), *dkv[0].stride()[:3], dkv[1].data_ptr(),
-        *dkv[1].stride()[:3], dr.data_ptr(), *dr.stride()[:2], None if spec is None else ctypes.addressof(spec), B, H,
-        T, K, Dh, torch.get_num_threads(),
+        *dkv[1].stride()[:3], dr.data_ptr(), *dr.stride()[:2], None if spec is None else ctypes.addressof(spec),
+        None if qbias is None else ctypes.addressof(qbias), B, H, T, K, Dh, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native attention's backward could not allocate its scratch memory")

@@ -7,7 +7,9 @@
  *                                                             columns hold the distances K-1 .. 0 (Appendix B)
  *        (-inf where j > M+i, or where the mask says)
  *   out_i = sum_j softmax_j(s_ij) v_j
- * The queries come scaled, with u and v added. Optionally an additive bias [B, H, T, K] instead of the positional
+ * The queries come scaled, with u and v added, or raw with u, v and the scale given (query_bias, blocks.h): then the
+ * kernel forms (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as it copies each block's rows, rounded as torch's two
+ * operations round them. Optionally an additive bias [B, H, T, K] instead of the positional
  * term (the other attention variants). Built with the other kernels by txl/native/__init__.py, called through ctypes
  * by txl.modeling.
  *
@@ -131,12 +133,14 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
  * head (h, d; its columns: the distances K-1 .. 0; NULL: no positional term); bias (b, h, t; 0 for a broadcast
  * dimension; NULL: none; used only without r); mask, bytes, nonzero = masked (b, t; NULL: none). out is
  * [B, T, H, Dh], contiguous; p (training; NULL: none) [B, H, T, K], contiguous, receives the probabilities that
- * attention_grad.c's backward reads, and drop (with p; NULL: none) is the dropout of the probabilities. Returns nonzero if scratch memory could not be allocated. */
+ * attention_grad.c's backward reads, and drop (with p; NULL: none) is the dropout of the probabilities. With qb
+ * (NULL: none), q and qv are the raw queries and the kernel adds u and v and scales them (see query_bias). Returns
+ * nonzero if scratch memory could not be allocated. */
 int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv, long vqsb, long vqsh, long vqst,
                   const float *k, long ksb, long ksh, long ksj, const float *v, long vsb, long vsh, long vsj,
                   const float *r, long rsh, long rsd, const float *bias, long bsb, long bsh, long bst,
                   const unsigned char *mask, long msb, long mst, float *out, float *p, const dropout_spec *drop,
-                  int B, int H, int T, int K, int Dh, int n_threads) {
+                  const query_bias *qbias, int B, int H, int T, int K, int Dh, int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
     const long per_thread = ((long)Dh * Kp + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
     const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
@@ -153,14 +157,16 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
         const int b = u / H, h = u % H;
         const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
         const float *qvh = qv ? qv + b * vqsb + h * vqsh : NULL;
+        const float *uh = qbias ? qbias->u + h * qbias->us : NULL, *vbh = qbias ? qbias->v + h * qbias->vs : NULL;
+        const float scale = qbias ? qbias->scale : 1.0f;
         transpose(kh, ksj, K, Dh, kt, Kp);
         const positional pos = {r ? r + h * rsh : NULL, rsd, qvb};
         for (int t0 = 0; t0 < T; t0 += ROWS) {
             const int rows = T - t0 < ROWS ? T - t0 : ROWS;
             for (int i = 0; i < ROWS; i++) {
-                if (i < rows) memcpy(qb + i * Dh, qh + (t0 + i) * qst, sizeof(float) * Dh);
+                if (i < rows) query_row(qb + i * Dh, qh + (t0 + i) * qst, uh, scale, Dh);
                 else memset(qb + i * Dh, 0, sizeof(float) * Dh);
-                if (i < rows && qvh) memcpy(qvb + i * Dh, qvh + (t0 + i) * vqst, sizeof(float) * Dh);
+                if (i < rows && qvh) query_row(qvb + i * Dh, qvh + (t0 + i) * vqst, vbh, scale, Dh);
                 else memset(qvb + i * Dh, 0, sizeof(float) * Dh);
             }
             const float *bb = bias && !r ? bias + b * bsb + h * bsh + t0 * bst : NULL;

@@ -1,7 +1,7 @@
 /* The backward of training's relative attention (attn_type 0), from the probabilities that attention.c's forward
  * kept. With s_ij = qu_i . k_j + qv_i . r[:, c] (c = j + T-1-i, Appendix B's shift; the queries qu = (q + u) /
- * sqrt(Dh) and qv = (q + v) / sqrt(Dh) come scaled), P = softmax(s) and out_i = sum_j P_ij v_j, for the gradient
- * g_i of out_i:
+ * sqrt(Dh) and qv = (q + v) / sqrt(Dh), formed by the caller or, with query_bias, here), P = softmax(s) and
+ * out_i = sum_j P_ij v_j, for the gradient g_i of out_i:
  *   dP_ij = g_i . v_j                      dS_ij = P_ij (dP_ij - sum_l P_il dP_il)     (softmax backward)
  *   dqu_i = sum_j dS_ij k_j                dk_j  = sum_i dS_ij qu_i
  *   dv_j  = sum_i P_ij g_i
@@ -30,16 +30,28 @@
 
 #define UNITS 16 /* the work units to aim for (threads that can share the backward) */
 
+/* dst [Dh] = src times the queries' scale where the kernel applied it (qbias), else src. */
+static inline void scaled_row(float *dst, const float *src, const query_bias *qbias, float scale, int Dh) {
+    if (!qbias) {
+        memcpy(dst, src, sizeof(float) * Dh);
+        return;
+    }
+    for (int d = 0; d < Dh; d++) dst[d] = src[d] * scale;
+}
+
 /* Strides in floats, the last dimension contiguous. qu, qv (b, h, t); k, v (b, h, j); r [H, Dh, >= K] (h, d); p
  * [B, H, T, K] contiguous (the forward's probabilities, before dropout); g, the output's gradient (b, h, t); drop:
  * the forward's dropout of the probabilities (NULL: none). Written: dqu, dqv [B, T, H, Dh] contiguous; dk, dv
- * (b, h, j); dr (h, d; its first K columns). Returns nonzero if scratch memory could not be allocated. */
+ * (b, h, j); dr (h, d; its first K columns). With qb (NULL: none), qu and qv are the raw queries, to which the
+ * kernel adds u and v and which it scales as the forward did, and dqu, dqv are the gradients of q + u and q + v
+ * (times the scale). Returns nonzero if scratch memory could not be allocated. */
 int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const float *qv, long vqsb, long vqsh,
                            long vqst, const float *k, long ksb, long ksh, long ksj, const float *v, long vsb, long vsh,
                            long vsj, const float *r, long rsh, long rsd, const float *p, const float *g, long gsb,
                            long gsh, long gst, float *dqu, float *dqv, float *dk, long dksb, long dksh, long dksj,
                            float *dv, long dvsb, long dvsh, long dvsj, float *dr, long drsh, long drsd,
-                           const dropout_spec *drop, int B, int H, int T, int K, int Dh, int n_threads) {
+                           const dropout_spec *drop, const query_bias *qbias, int B, int H, int T, int K, int Dh,
+                           int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
     /* Work units: each head's batch rows in G groups (G from H and B only, not the thread count: each unit sums its
      * part of dr, and the parts are added in order after), at least UNITS units where the batch allows. */
@@ -59,6 +71,8 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
         t_id = omp_get_thread_num();
 #endif
         const int h = unit / G, b_lo = unit % G * per_group, b_hi = b_lo + per_group < B ? b_lo + per_group : B;
+        const float *uh = qbias ? qbias->u + h * qbias->us : NULL, *vbh = qbias ? qbias->v + h * qbias->vs : NULL;
+        const float scale = qbias ? qbias->scale : 1.0f;
         float *vt = scratch + t_id * per_thread;  /* [Dh][Kp]: the values, transposed */
         float *s = vt + (long)Dh * Kp;            /* [ROWS][Kp]: dP, then dS */
         float *pb = s + (long)ROWS * Kp;          /* [ROWS][Kp]: the block's P */
@@ -87,8 +101,8 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 for (int i = 0; i < ROWS; i++) {
                     const int real = i < rows;
                     if (real) {
-                        memcpy(qb + i * Dh, quh + (t0 + i) * qst, sizeof(float) * Dh);
-                        memcpy(qvb + i * Dh, qvh + (t0 + i) * vqst, sizeof(float) * Dh);
+                        query_row(qb + i * Dh, quh + (t0 + i) * qst, uh, scale, Dh);
+                        query_row(qvb + i * Dh, qvh + (t0 + i) * vqst, vbh, scale, Dh);
                         memcpy(gb + i * Dh, gh + (t0 + i) * gst, sizeof(float) * Dh);
                     } else {
                         memset(qb + i * Dh, 0, sizeof(float) * Dh);
@@ -121,7 +135,7 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 }
                 block_product(s, Kp, lim_block, kh, ksj, Dh, ob); /* dqu */
                 for (int i = 0; i < rows; i++)
-                    memcpy(dqu + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, sizeof(float) * Dh);
+                    scaled_row(dqu + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, qbias, scale, Dh);
                 block_outer(s, Kp, lim_block, qb, Dh, dka);  /* dk */
                 block_outer(drop ? pd : pb, Kp, lim_block, gb, Dh, dva); /* dv */
                 for (int i = 0; i < ROWS; i++) {             /* dS at the raw columns c_lo .. K-1 */
@@ -136,7 +150,7 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 }
                 block_product(raw, K + VL, n_c, rt + (long)c_lo * Dh, Dh, Dh, ob); /* dqv */
                 for (int i = 0; i < rows; i++)
-                    memcpy(dqv + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, sizeof(float) * Dh);
+                    scaled_row(dqv + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, qbias, scale, Dh);
                 block_outer(raw, K + VL, n_c, qvb, Dh, drt + (long)c_lo * Dh); /* dr */
             }
             float *dkh = dk + b * dksb + h * dksh, *dvh = dv + b * dvsb + h * dvsh;

@@ -7,6 +7,8 @@
  * Rows past the block's real ones must be zero in the operands that have them. */
 #ifndef TXL_BLOCKS_H
 #define TXL_BLOCKS_H
+#include <string.h>
+
 #include "vec.h"
 
 #define ROWS 8 /* queries per block */
@@ -20,6 +22,24 @@ typedef struct {
 } dropout_spec;
 
 void txl_dropout_factors(uint64_t seed, long first, long n, uint32_t threshold, float scale, float *f);
+
+/* The relative attention's query terms from the raw queries: qu = (q + u) * scale and qv = (q + v) * scale, with u and
+ * v per head ([H][Dh], rows us and vs apart), as the PyTorch path rounds them (the sum, then the product); NULL:
+ * the queries come with them added and scaled. */
+typedef struct {
+    const float *u, *v;
+    long us, vs;
+    float scale;
+} query_bias;
+
+/* dst [Dh] = (src + add) * scale, or src itself without add: a query row as the block takes it. */
+static inline void query_row(float *dst, const float *src, const float *add, float scale, int Dh) {
+    if (!add) {
+        memcpy(dst, src, sizeof(float) * Dh);
+        return;
+    }
+    for (int d = 0; d < Dh; d++) dst[d] = (src[d] + add[d]) * scale;
+}
 
 /* t [Dh][np] = m^T for the rows m [n][Dh] (rows ms apart), the columns from n to np zero: 16 rows at a time, each
  * of t's rows written 16 floats at a time. */
