@@ -191,7 +191,9 @@ def main() -> None:
             got["steps"].append(steps_only)
             if not r % 2:
                 got["bare"].append(bare_step(config, args.data, work, args.steps, args.device))
-        paired = {k: statistics.median(a / b for a, b in zip(got[k], got["bare"], strict=True)) for k in got}
+        paired = {
+            k: statistics.median(a / b for a, b in zip(got[k], got["bare"], strict=True)) for k in ("txl", "steps")
+        }
         lines.append(
             f"| {name} | {fmt(got['txl'])} | {fmt(got['steps'])} | {fmt(got['bare'])} | "
             f"**{paired['txl']:.3f}** ({paired['steps']:.3f}) |"

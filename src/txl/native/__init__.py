@@ -84,6 +84,11 @@ def _query_bias(query_bias: QueryBias | None) -> _QueryBias | None:
     return _QueryBias(u.data_ptr(), v.data_ptr(), u.stride(0), v.stride(0), scale)
 
 
+def _address(struct: ctypes.Structure | None) -> int | None:
+    """A kernel's pointer argument to ``struct`` (None: NULL)."""
+    return None if struct is None else ctypes.addressof(struct)
+
+
 def _dropout_spec(p: float, seed: int) -> _DropoutSpec:
     """What :func:`dropout` gives its kernel for ``p`` and ``seed``."""
     return _DropoutSpec(seed & (2**64 - 1), min(round(p * 2.0**32), 2**32 - 1), 1.0 / (1.0 - p))
@@ -403,8 +408,7 @@ def _attention(
     failed = lib.txl_attention(
         q.data_ptr(), *q.stride()[:3], *qv_args, k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3],
         *r_args, *bias_args, *mask_args, out.data_ptr(), None if p is None else p.data_ptr(),
-        None if spec is None else ctypes.addressof(spec), None if qbias is None else ctypes.addressof(qbias), B, H, T,
-        K, Dh, torch.get_num_threads(),
+        _address(spec), _address(qbias), B, H, T, K, Dh, torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native attention could not allocate its scratch memory")
@@ -459,8 +463,8 @@ def attention_backward(
         q.data_ptr(), *q.stride()[:3], qv.data_ptr(), *qv.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr(),
         *v.stride()[:3], r.data_ptr(), *r.stride()[:2], p.data_ptr(), grad.data_ptr(), *grad.stride()[:3],
         dq.data_ptr(), dqv.data_ptr(), dkv[0].data_ptr(), *dkv[0].stride()[:3], dkv[1].data_ptr(),
-        *dkv[1].stride()[:3], dr.data_ptr(), *dr.stride()[:2], None if spec is None else ctypes.addressof(spec),
-        None if qbias is None else ctypes.addressof(qbias), B, H, T, K, Dh, torch.get_num_threads(),
+        *dkv[1].stride()[:3], dr.data_ptr(), *dr.stride()[:2], _address(spec), _address(qbias), B, H, T, K, Dh,
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native attention's backward could not allocate its scratch memory")

@@ -157,8 +157,8 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
         const int b = u / H, h = u % H;
         const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
         const float *qvh = qv ? qv + b * vqsb + h * vqsh : NULL;
-        const float *uh = qbias ? qbias->u + h * qbias->us : NULL, *vbh = qbias ? qbias->v + h * qbias->vs : NULL;
-        const float scale = qbias ? qbias->scale : 1.0f;
+        const float *uh, *vbh;
+        const float scale = head_bias(qbias, h, &uh, &vbh);
         transpose(kh, ksj, K, Dh, kt, Kp);
         const positional pos = {r ? r + h * rsh : NULL, rsd, qvb};
         for (int t0 = 0; t0 < T; t0 += ROWS) {

@@ -30,9 +30,9 @@
 
 #define UNITS 16 /* the work units to aim for (threads that can share the backward) */
 
-/* dst [Dh] = src times the queries' scale where the kernel applied it (qbias), else src. */
-static inline void scaled_row(float *dst, const float *src, const query_bias *qbias, float scale, int Dh) {
-    if (!qbias) {
+/* dst [Dh] = src times the queries' scale (1 where the caller formed the queries: a copy). */
+static inline void scaled_row(float *dst, const float *src, float scale, int Dh) {
+    if (scale == 1.0f) {
         memcpy(dst, src, sizeof(float) * Dh);
         return;
     }
@@ -71,8 +71,8 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
         t_id = omp_get_thread_num();
 #endif
         const int h = unit / G, b_lo = unit % G * per_group, b_hi = b_lo + per_group < B ? b_lo + per_group : B;
-        const float *uh = qbias ? qbias->u + h * qbias->us : NULL, *vbh = qbias ? qbias->v + h * qbias->vs : NULL;
-        const float scale = qbias ? qbias->scale : 1.0f;
+        const float *uh, *vbh;
+        const float scale = head_bias(qbias, h, &uh, &vbh);
         float *vt = scratch + t_id * per_thread;  /* [Dh][Kp]: the values, transposed */
         float *s = vt + (long)Dh * Kp;            /* [ROWS][Kp]: dP, then dS */
         float *pb = s + (long)ROWS * Kp;          /* [ROWS][Kp]: the block's P */
@@ -135,7 +135,7 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 }
                 block_product(s, Kp, lim_block, kh, ksj, Dh, ob); /* dqu */
                 for (int i = 0; i < rows; i++)
-                    scaled_row(dqu + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, qbias, scale, Dh);
+                    scaled_row(dqu + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, scale, Dh);
                 block_outer(s, Kp, lim_block, qb, Dh, dka);  /* dk */
                 block_outer(drop ? pd : pb, Kp, lim_block, gb, Dh, dva); /* dv */
                 for (int i = 0; i < ROWS; i++) {             /* dS at the raw columns c_lo .. K-1 */
@@ -150,7 +150,7 @@ int txl_attention_backward(const float *qu, long qsb, long qsh, long qst, const 
                 }
                 block_product(raw, K + VL, n_c, rt + (long)c_lo * Dh, Dh, Dh, ob); /* dqv */
                 for (int i = 0; i < rows; i++)
-                    scaled_row(dqv + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, qbias, scale, Dh);
+                    scaled_row(dqv + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, scale, Dh);
                 block_outer(raw, K + VL, n_c, qvb, Dh, drt + (long)c_lo * Dh); /* dr */
             }
             float *dkh = dk + b * dksb + h * dksh, *dvh = dv + b * dvsb + h * dvsh;

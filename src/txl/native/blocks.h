@@ -32,6 +32,13 @@ typedef struct {
     float scale;
 } query_bias;
 
+/* Head h's u and v rows (NULL without qb) into *u and *v; returns the scale (1 without qb). */
+static inline float head_bias(const query_bias *qb, int h, const float **u, const float **v) {
+    *u = qb ? qb->u + h * qb->us : NULL;
+    *v = qb ? qb->v + h * qb->vs : NULL;
+    return qb ? qb->scale : 1.0f;
+}
+
 /* dst [Dh] = (src + add) * scale, or src itself without add: a query row as the block takes it. */
 static inline void query_row(float *dst, const float *src, const float *add, float scale, int Dh) {
     if (!add) {
