@@ -9,6 +9,11 @@ from __future__ import annotations
 import copy
 import ctypes
 import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,6 +237,65 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and any(compiles)
     assert len(sorted(tmp_path.glob("txl-*.so"))) == 2
+
+
+@needs_lib
+def test_compiler_flags_from_the_environment_replace_the_default_ones(tmp_path, monkeypatch):
+    """``TXL_NATIVE_CFLAGS``: the library is compiled with those flags alone (no -march=native added) into a file of
+    its own; flags the compiler refuses give no library and a status line with the compiler's complaint."""
+    monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path))
+    commands = []
+    real_run = native.subprocess.run
+
+    def run(cmd, *a, **kw):
+        commands.extend([cmd] if "-shared" in cmd else [])
+        return real_run(cmd, *a, **kw)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None
+    monkeypatch.setenv("TXL_NATIVE_CFLAGS", "-O2  -fno-fast-math")
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None
+    assert "-march=native" in commands[0] and "-O2" not in commands[0]
+    assert commands[1][1:3] == ["-O2", "-fno-fast-math"] and "-march=native" not in commands[1]
+    assert len(list(tmp_path.glob("txl-*.so"))) == 2
+    monkeypatch.setenv("TXL_NATIVE_CFLAGS", "-O3 -fno-such-flag-at-all")
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is None and len(commands) == 3
+    assert "the build failed" in native.status() and "fno-such-flag-at-all" in native.status()
+
+
+# the kernels' tests that the vector code's other builds must pass (the portable exponential, narrower vectors)
+KERNEL_TESTS = (
+    "tests/test_native.py::test_the_softmax_exponential_is_as_accurate_as_expf",
+    "tests/test_native.py::test_native_step_is_as_exact_as_the_pytorch_path",
+    "tests/test_native_attention.py::test_native_attention_is_as_exact_as_the_pytorch_path",
+    "tests/test_native_attention.py::test_native_attention_masks_keys_anywhere_in_a_row",
+    "tests/test_native_attention.py::test_training_attention_and_its_gradients_are_as_exact_as_the_pytorch_path",
+    "tests/test_native_attention.py::test_the_kernels_form_the_query_terms_as_the_pytorch_path_does",
+    "tests/test_native_dropout.py::test_the_stream_is_philox4x32_10",
+    "tests/test_native_dropout.py::test_dropout_drops_what_its_stream_says_with_pytorchs_products",
+    "tests/test_native_dropout.py::test_relu_and_dropout_in_one_pass_equal_relu_then_dropout",
+    "tests/test_native_nll.py::test_nll_and_its_gradient_equal_float64_log_softmax_and_gather",
+    "tests/test_native_nll.py::test_minus_infinity_columns_take_no_probability_and_nan_rows_stay_nan",
+    "tests/test_native_nll.py::test_nll_of_a_linear_layer_equals_float64_without_the_logits",
+)
+
+
+@needs_lib
+@pytest.mark.parametrize("cflags", ["-O3 -fopenmp", "-O3 -march=x86-64-v3 -fopenmp"], ids=["baseline", "avx2"])
+def test_builds_without_the_machines_vector_extensions_pass_the_kernel_tests(tmp_path, cflags):
+    """The library as a machine without AVX-512 builds it (the portable exponential, 16-float vectors as narrower
+    registers): the kernels' tests pass against a library built with those flags, in a fresh process."""
+    if "x86-64-v3" in cflags and (platform.machine() != "x86_64" or " avx2 " not in native._cpu_flags() + " "):
+        pytest.skip("an AVX2 build runs only on an x86-64 CPU with AVX2")
+    env = {**os.environ, "TXL_NATIVE_CFLAGS": cflags, "TXL_NATIVE_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *KERNEL_TESTS]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    assert "skipped" not in done.stdout and "deselected" not in done.stdout
+    assert len(list(tmp_path.glob("txl-*.so"))) == 1  # (built there, with those flags: the default one is elsewhere)
 
 
 @needs_lib

@@ -17,7 +17,8 @@ The library is compiled the first time it is needed (``cc -O3 -march=native -fop
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
 and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
 txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or
-``txl.native.ENABLED = False``) turns the kernels off.
+``txl.native.ENABLED = False``) turns the kernels off; ``TXL_NATIVE_CFLAGS`` replaces the compiler flags (e.g.
+``"-O3 -march=x86-64-v3 -fopenmp"`` for one library that runs on every AVX2 machine of a cluster).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +43,14 @@ ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false"
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
+
+
+def _flag_sets() -> tuple[tuple[str, ...], ...]:
+    """The compiler flags to try in order: ``$TXL_NATIVE_CFLAGS`` alone where it is set, else :data:`FLAG_SETS`."""
+    given = os.environ.get("TXL_NATIVE_CFLAGS", "").strip()
+    return (tuple(shlex.split(given)),) if given else FLAG_SETS
+
+
 _LOCK = threading.Lock()
 _LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
 
@@ -155,7 +165,7 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
         return None, f"the C compiler {cc!r} does not run: {e}", None
     sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     errors = []
-    for flags in FLAG_SETS:
+    for flags in _flag_sets():
         key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
         name = f"txl-{platform.machine()}-{key.hexdigest()[:16]}.so"
         for folder in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
