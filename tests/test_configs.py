@@ -109,6 +109,14 @@ def test_derived_fields_follow_the_final_values(cli_config, capsys, tmp_path):
     # tie_projs follows the final cutoffs (one entry per cluster, the head untied)
     cutoffs = cli_config("--config", debug, "--model.cutoffs", "[10, 40]").model
     assert cutoffs.tie_projs == [False, True, True]
+    word = cli_config("--config", str(CONFIGS / "shakespeare_word.yaml"), "--model.cutoffs", "[2000, 8000]").model
+    assert word.tie_projs == [False, True, True]  # (the word recipe leaves tie_projs to its default)
+    # a recipe that sets tie_projs keeps it: new cutoffs without it are an error that says what to give
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(CONFIGS / "wt103_base.yaml"), "--model.cutoffs", "[2000, 8000]"])
+    err = capsys.readouterr().err
+    assert "tie_projs = [False, True, True, True]: needs one entry per cluster" in err
+    assert "e.g. the default [False, True, True]" in err
     # no section is built from the defaults of the parser: nothing but the given fields differs from a bare recipe
     bare = tmp_path / "bare.yaml"
     bare.write_text("model:\n  d_model: 96\n  n_head: 4\n")

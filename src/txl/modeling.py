@@ -138,7 +138,9 @@ class TransformerXLConfig:
         if any(b <= a for a, b in zip([0, *c], [*c, self.n_token], strict=True)):
             bad("cutoffs", f"must be strictly increasing, > 0 and < n_token ({self.n_token})")
         if len(self.tie_projs) != len(c) + 1:
-            bad("tie_projs", f"needs one entry per cluster (len(cutoffs) + 1 = {len(c) + 1})")
+            default = [False] + [True] * len(c)
+            why = f"needs one entry per cluster (len(cutoffs) + 1 = {len(c) + 1}), e.g. the default {default}"
+            bad("tie_projs", why)
         if self.div_val > 1 and self.d_embed // self.div_val ** len(c) < 1:
             bad("div_val", f"gives a zero-width embedding for the last cluster (d_embed={self.d_embed})")
         for name in ("dropout", "dropatt"):

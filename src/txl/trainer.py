@@ -262,7 +262,8 @@ class Trainer:
         try:
             return TransformerXLConfig.from_dict({**model.to_dict(), "n_token": vocab_size})
         except ValueError as e:
-            raise ValueError(f"{e} (n_token is the vocabulary size, {vocab_size:,}: adjust model.cutoffs)") from None
+            what = "adjust model.cutoffs, and model.tie_projs to one entry per cluster if the recipe sets it"
+            raise ValueError(f"{e} (n_token is the vocabulary size, {vocab_size:,}: {what})") from None
 
     def _load(self, folder: Path) -> None:
         w, tc = self.world, self.tc
