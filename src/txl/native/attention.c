@@ -16,8 +16,10 @@
  * Why: on a 2-core EPYC torch's CPU flash attention runs these shapes (d_head 32, 128 queries over 768 keys) at
  * ~60 GFLOP/s, a third of the GEMM peak (its products are small blocks with a 32-long inner dimension), and the
  * shifted (b)+(d) scores go through memory twice as a [B, H, T, K] tensor (25 MB per layer of the bench model). Here
- * one head's keys are transposed once ([Dh, K], zero-padded to a multiple of 16); a block of 8 queries takes 16 keys
- * (and 16 raw positional columns, read in place from W_kR R [Dh, K]) at a time, 8 accumulators per key vector load;
+ * one head's keys are transposed once ([Dh, K], zero-padded to a multiple of 16) and W_kR R is copied once per call
+ * (zero-padded past K: a block's raw columns start anywhere, and their last partial vector would otherwise be
+ * computed one column at a time, ~8% of the kernel); a block of 8 queries takes 16 keys (and 16 raw positional
+ * columns) at a time, 8 accumulators per key vector load; the copies' rows are not 4 KB multiples apart (cache sets);
  * the block's raw (b)+(d) rows are added to its scores at each row's shift; the softmax runs over whole rows; the
  * value sum takes 8 rows x Dh outputs per key. Nothing of size T x K leaves the core's caches (in training, the
  * probabilities are written once).
@@ -30,7 +32,8 @@
 
 #include "blocks.h"
 
-/* The positional input of a block: W_kR R of its head [Dh, >= K] (rows rs apart), and the scaled q + v rows. */
+/* The positional input of a block: W_kR R of its head [Dh, >= Kp + VL] (rows rs apart; zero past column K, so that
+ * the block's raw columns are computed in whole vectors), and the scaled q + v rows. */
 typedef struct {
     const float *r;
     long rs;
@@ -42,18 +45,19 @@ typedef struct {
  * rows - 1 with the positional term) are never computed. raw: scratch [ROWS][K + VL]. p (NULL: not kept): the
  * block's rows of the probabilities [rows][K], written normalized (0 where masked), and the value sum reads them;
  * with drop (NULL: none), dropped out, the row at index e0 + r K of the [B, H, T, K] stream (p keeps them whole). */
-static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const float *kt, int Kp, int K,
+static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const float *kt, long kts, int Kp, int K,
                          const float *v, long vs, const positional *pos, float *raw, const float *bias, long bias_rs,
                          const unsigned char *mask, long mask_rs, float *s, float *ob, float *p,
                          const dropout_spec *drop, long e0) {
     const int lim_block = pos ? K - (T - 1 - (t0 + rows - 1)) : K; /* keys j < lim_block: any row sees them */
     const int width = (lim_block + VL - 1) / VL * VL;             /* <= Kp: the columns computed */
-    block_scores(qb, Dh, kt, Kp, width, s, Kp);
+    block_scores(qb, Dh, kt, kts, width, s, Kp);
     int c_lo = 0; /* the block's first raw column: T-1-i for its last row i */
     if (pos) {
         c_lo = T - 1 - (t0 + ROWS - 1);
         c_lo = c_lo < 0 ? 0 : c_lo;
-        block_scores(pos->qv, Dh, pos->r + c_lo, pos->rs, K - c_lo, raw, K + VL);
+        const int n = (K - c_lo + VL - 1) / VL * VL; /* (whole vectors: r's copy is zero past K) */
+        block_scores(pos->qv, Dh, pos->r + c_lo, pos->rs, n, raw, K + VL);
     }
     float inv[ROWS];
     for (int r = 0; r < rows; r++) {
@@ -142,25 +146,37 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
                   const unsigned char *mask, long msb, long mst, float *out, float *p, const dropout_spec *drop,
                   const query_bias *qbias, int B, int H, int T, int K, int Dh, int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
-    const long per_thread = ((long)Dh * Kp + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
+    const int ks = Kp + VL, rs = r ? ks : 0; /* the copies' row strides: not a multiple of 4 KB (cache sets) */
+    const long per_thread = ((long)Dh * ks + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
     const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
-    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(per_thread * nt) + 63) / 64 * 64);
+    const long shared = ((long)H * Dh * rs + VL) / VL * VL; /* r's copy, every head's */
+    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(shared + per_thread * nt) + 63) / 64 * 64);
     if (!scratch) return 1;
+    float *rts = scratch + per_thread * nt; /* [H][Dh][rs]: W_kR R, zero past column K */
+    if (r) {
+#pragma omp parallel for num_threads(nt < H ? nt : H) schedule(static)
+        for (int h = 0; h < H; h++)
+            for (int d = 0; d < Dh; d++) {
+                float *row = rts + ((long)h * Dh + d) * rs;
+                memcpy(row, r + h * rsh + d * rsd, sizeof(float) * K);
+                memset(row + K, 0, sizeof(float) * (rs - K));
+            }
+    }
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int u = 0; u < B * H; u++) {
         int t_id = 0;
 #ifdef _OPENMP
         t_id = omp_get_thread_num();
 #endif
-        float *kt = scratch + t_id * per_thread, *s = kt + (long)Dh * Kp, *raw = s + (long)ROWS * Kp;
+        float *kt = scratch + t_id * per_thread, *s = kt + (long)Dh * ks, *raw = s + (long)ROWS * Kp;
         float *qb = raw + (long)ROWS * (K + VL), *qvb = qb + ROWS * Dh, *ob = qvb + ROWS * Dh;
         const int b = u / H, h = u % H;
         const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
         const float *qvh = qv ? qv + b * vqsb + h * vqsh : NULL;
         const float *uh, *vbh;
         const float scale = head_bias(qbias, h, &uh, &vbh);
-        transpose(kh, ksj, K, Dh, kt, Kp);
-        const positional pos = {r ? r + h * rsh : NULL, rsd, qvb};
+        transpose(kh, ksj, K, Dh, kt, ks);
+        const positional pos = {rts + (long)h * Dh * rs, rs, qvb};
         for (int t0 = 0; t0 < T; t0 += ROWS) {
             const int rows = T - t0 < ROWS ? T - t0 : ROWS;
             for (int i = 0; i < ROWS; i++) {
@@ -172,7 +188,7 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
             const float *bb = bias && !r ? bias + b * bsb + h * bsh + t0 * bst : NULL;
             const unsigned char *mb = mask ? mask + b * msb + t0 * mst : NULL;
             const long e0 = ((long)u * T + t0) * K;
-            attend_block(qb, rows, t0, T, Dh, kt, Kp, K, vh, vsj, r ? &pos : NULL, raw, bb, bst, mb, mst, s, ob,
+            attend_block(qb, rows, t0, T, Dh, kt, ks, Kp, K, vh, vsj, r ? &pos : NULL, raw, bb, bst, mb, mst, s, ob,
                          p ? p + e0 : NULL, p ? drop : NULL, e0);
             for (int i = 0; i < rows; i++)
                 memcpy(out + (((long)b * T + t0 + i) * H + h) * Dh, ob + i * Dh, sizeof(float) * Dh);
