@@ -43,16 +43,14 @@ ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false"
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
+_LOCK = threading.Lock()
+_LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
 
 
 def _flag_sets() -> tuple[tuple[str, ...], ...]:
     """The compiler flags to try in order: ``$TXL_NATIVE_CFLAGS`` alone where it is set, else :data:`FLAG_SETS`."""
     given = os.environ.get("TXL_NATIVE_CFLAGS", "").strip()
     return (tuple(shlex.split(given)),) if given else FLAG_SETS
-
-
-_LOCK = threading.Lock()
-_LIB: dict[str, Any] = {}  # "lib": the loaded library or None, "why": why there is none, "path": its file
 
 
 class _Layer(ctypes.Structure):

@@ -146,20 +146,20 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
                   const unsigned char *mask, long msb, long mst, float *out, float *p, const dropout_spec *drop,
                   const query_bias *qbias, int B, int H, int T, int K, int Dh, int n_threads) {
     const int Kp = (K + VL - 1) / VL * VL;
-    const int ks = Kp + VL, rs = r ? ks : 0; /* the copies' row strides: not a multiple of 4 KB (cache sets) */
+    const int ks = Kp + VL; /* the copies' row stride (keys and W_kR R): not a multiple of 4 KB (cache sets) */
     const long per_thread = ((long)Dh * ks + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
     const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
-    const long shared = ((long)H * Dh * rs + VL) / VL * VL; /* r's copy, every head's */
+    const long shared = r ? (long)H * Dh * ks : 0; /* r's copy, every head's */
     float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(shared + per_thread * nt) + 63) / 64 * 64);
     if (!scratch) return 1;
-    float *rts = scratch + per_thread * nt; /* [H][Dh][rs]: W_kR R, zero past column K */
+    float *rts = scratch + per_thread * nt; /* [H][Dh][ks]: W_kR R, zero past column K */
     if (r) {
 #pragma omp parallel for num_threads(nt < H ? nt : H) schedule(static)
         for (int h = 0; h < H; h++)
             for (int d = 0; d < Dh; d++) {
-                float *row = rts + ((long)h * Dh + d) * rs;
+                float *row = rts + ((long)h * Dh + d) * ks;
                 memcpy(row, r + h * rsh + d * rsd, sizeof(float) * K);
-                memset(row + K, 0, sizeof(float) * (rs - K));
+                memset(row + K, 0, sizeof(float) * (ks - K));
             }
     }
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -176,7 +176,7 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
         const float *uh, *vbh;
         const float scale = head_bias(qbias, h, &uh, &vbh);
         transpose(kh, ksj, K, Dh, kt, ks);
-        const positional pos = {rts + (long)h * Dh * rs, rs, qvb};
+        const positional pos = {rts + (long)h * Dh * ks, ks, qvb};
         for (int t0 = 0; t0 < T; t0 += ROWS) {
             const int rows = T - t0 < ROWS ? T - t0 : ROWS;
             for (int i = 0; i < ROWS; i++) {
