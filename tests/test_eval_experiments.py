@@ -11,7 +11,8 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLLM
-from txl.evaluate import evaluate_sliding, sliding_windows
+from txl.checkpoint import read_run_config, resolve_model_dir
+from txl.evaluate import eval_text, evaluate, evaluate_sliding, sliding_windows
 
 
 def naive(model: TransformerXLLM, ids: np.ndarray, window: int, stride: int) -> float:
@@ -70,9 +71,7 @@ def char_run(tmp_path_factory):
 
 def test_txl_eval_sliding_window(char_run, capsys):
     """The CLI path: the run's test split, scored by windows; equal to the library on the same ids."""
-    from txl.checkpoint import read_run_config, resolve_model_dir
     from txl.cli import main
-    from txl.evaluate import eval_text
 
     base = ["eval", "--model", str(char_run), "--batch_size", "2", "--max_batches", "3"]
     main([*base, "--json", "--sliding_window", "12", "--stride", "4"])
@@ -156,19 +155,30 @@ def test_txl_recl_cli(tmp_path, capsys):
 
 
 def test_memory_sweep(char_run, tmp_path, capsys):
-    """`txl eval --mem_len 4,8,16`: one line per length, each what `--mem_len m` alone gives, and the plot."""
+    """`txl eval --mem_len 0,4,8,16`: one line per length, each what `--mem_len m` alone gives, and the plot. The
+    run evaluates with same_length (the debug preset's eval section): it applies to every length with a memory,
+    and the memory-less point is plain causal attention, unless --same_length is asked for explicitly."""
     from txl.cli import main
 
     base = ["eval", "--model", str(char_run), "--max_batches", "3", "--json"]
-    main([*base, "--mem_len", "4,8,16", "--plot", str(tmp_path / "sweep.png")])
+    main([*base, "--mem_len", "0,4,8,16", "--plot", str(tmp_path / "sweep.png")])
     captured = capsys.readouterr()
     lines = [json.loads(x) for x in captured.out.strip().splitlines()]
-    assert [x["mem_len"] for x in lines] == [4, 8, 16]
+    assert [x["mem_len"] for x in lines] == [0, 4, 8, 16]
+    assert [x["same_length"] for x in lines] == [False, True, True, True]
     assert (tmp_path / "sweep.png").stat().st_size > 1000 and "sweep.png" in captured.err
     for line in lines:
         main([*base, "--mem_len", str(line["mem_len"])])
         assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(line["loss"], abs=1e-9)
-    assert len({x["loss"] for x in lines}) == 3  # the memory changes the score
+    assert len({x["loss"] for x in lines}) == 4  # the memory changes the score
+    folder = resolve_model_dir(char_run)
+    model, run = TransformerXLLM.from_pretrained(folder), read_run_config(folder)
+    ids = eval_text(folder, run, lines[0]["split"], None, None, None).ids
+    alone = evaluate(model, ids, batch_size=run.eval.batch_size, tgt_len=run.eval.tgt_len, mem_len=0, max_batches=3)
+    assert lines[0]["loss"] == pytest.approx(alone.loss, abs=1e-6)  # no memory: each segment on its own
+    with pytest.raises(SystemExit):
+        main([*base, "--mem_len", "0", "--same_length", "true"])
+    assert "--same_length = True: needs mem_len > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--plot", str(tmp_path / "x.png")])
     assert "--plot needs a list of memory lengths" in capsys.readouterr().err

@@ -229,13 +229,17 @@ def evaluate_sliding(
 
 def eval_settings(run: RunConfig | None, model_config: TransformerXLConfig, **given) -> EvalConfig:
     """The evaluation settings: each value in ``given`` that is not None, else the run's ``eval`` section, else
-    defaults from the model (its mem_len and clamp_len; same_length when it has a memory). Errors name the
-    command-line option (``--tgt_len``)."""
+    defaults from the model (its mem_len and clamp_len; same_length when it has a memory). A same_length that is
+    not given and comes from the run or the model does not apply without a memory (mem_len 0, e.g. the first
+    point of a memory sweep): that evaluation is plain causal attention. Errors name the command-line option
+    (``--tgt_len``)."""
     m = model_config
     base = (
         run.eval if run is not None else EvalConfig(mem_len=m.mem_len, clamp_len=m.clamp_len, same_length=m.mem_len > 0)
     )
     settings = replace(base, **{k: v for k, v in given.items() if v is not None})
+    if settings.mem_len == 0 and given.get("same_length") is None:
+        settings = replace(settings, same_length=False)
     settings.validate(prefix="--")
     return settings
 
