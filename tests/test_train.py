@@ -70,6 +70,37 @@ def test_exact_resume_in_process_and_memory_sensitivity(tmp_path, monkeypatch):
     assert losses(broken)[5] != losses(ref)[5]  # step 6 sees an empty memory instead of steps 5's
 
 
+def test_a_run_alone_resumes_with_its_recorded_settings(tmp_path, capsys, monkeypatch):
+    """`txl train --resume RUN` (or a step-N folder of it), or `txl train --run_dir RUN`, without the recipe: the
+    run goes on with the settings its checkpoint recorded (data, model, schedule, seed), in its own folder, with the
+    options given on top; bit-identical to an uninterrupted run."""
+    monkeypatch.chdir(tmp_path)  # where the default run folder would land if the record were not used
+    threads = torch.get_num_threads()
+    ref = run_inprocess(tmp_path, "ref", **EXACT)
+    cases = {
+        "a": ["--resume", str(tmp_path / "a")],
+        "b": ["--run_dir", str(tmp_path / "b")],
+        "c": ["--resume", str(tmp_path / "c" / "checkpoints" / "step-5")],
+    }
+    try:
+        for run, args in cases.items():
+            part = run_inprocess(tmp_path, run, **EXACT, train__max_tokens=5 * TOKENS_PER_STEP)
+            capsys.readouterr()
+            main(["train", *args, "--train.max_tokens", "null"])  # the recorded max_tokens would stop it again
+            out = capsys.readouterr().out
+            assert f"continuing from {part / 'checkpoints' / 'step-5'} with the settings recorded" in out
+            assert losses(part) == losses(ref), run
+            assert_same_weights(final_weights(part), final_weights(ref))
+        assert not (tmp_path / "runs").exists()
+        loose = tmp_path / "loose"
+        shutil.copytree(list_checkpoints(tmp_path / "a")[-1][1], loose)
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--resume", str(loose)])
+        assert e.value.code == 2 and "not inside a run folder" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def process_reference(tmp_path_factory):
     """An uninterrupted 300-step run in its own process (the comparison for the interrupted ones)."""

@@ -107,6 +107,32 @@ def train(cfg: RunConfig, resume: str = "auto", print_config: bool = False) -> N
     _train(cfg, resume)
 
 
+def _recorded_run_args(node, args: list[str]) -> list[str] | None:
+    """`txl train` without --config, continuing a run (--resume auto with a --run_dir that has a checkpoint, or
+    --resume PATH): the settings recorded in that checkpoint (its run.json) as the config, then the options given;
+    with --resume PATH and no --run_dir, the run goes on in the checkpoint's own run folder. None: parse as given."""
+    from txl.checkpoint import RUN_CONFIG, latest_checkpoint, resolve_model_dir
+
+    if node.get("config") or node["resume"] == "none":
+        return None
+    explicit = node["resume"] != "auto"
+    folder = resolve_model_dir(node["resume"], prefer="latest") if explicit else latest_checkpoint(node["run_dir"])
+    if folder is None or not (folder / RUN_CONFIG).is_file():
+        return None
+    extra = []
+    if explicit and not any(a == "--run_dir" or a.startswith("--run_dir=") for a in args):
+        run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else None
+        if run_dir is None:
+            raise ValueError(
+                f"--resume {node['resume']}: not inside a run folder (RUN/checkpoints/step-N); say where the run "
+                "goes on with --run_dir"
+            )
+        extra = ["--run_dir", str(run_dir)]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"continuing from {folder} with the settings recorded in its {RUN_CONFIG} (options given override them)")
+    return [str(folder / RUN_CONFIG), *extra]
+
+
 def _set_threads(threads: int | None) -> None:
     import torch
 
@@ -858,7 +884,9 @@ def build_parser():
                     "--resume",
                     default="auto",
                     help="auto (continue from the run's latest complete checkpoint, if any), none (start fresh; "
-                    "refused if the run has checkpoints), or a checkpoint/run folder to continue from.",
+                    "refused if the run has checkpoints), or a checkpoint/run folder to continue from. Without "
+                    "--config, a run continues with the settings recorded in its checkpoint (run.json; options given "
+                    "override them), in the checkpoint's run folder unless --run_dir says otherwise.",
                 )
                 child.add_argument(
                     "--print_config",
@@ -902,6 +930,9 @@ def run(argv: list[str]) -> None:
         commands = target
     parser = parsers[path]
     if target is train:
+        recorded = _recorded_run_args(node, argv[1:])
+        if recorded is not None:  # parsed again: the recorded settings first, the options given on top
+            node = parser.parse_args(["--config", recorded[0], *argv[1:], *recorded[1:]])
         train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
         return
     if target is finetune:
