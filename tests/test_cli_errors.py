@@ -169,6 +169,16 @@ def test_binary_config_json_is_named(char_run, tmp_path, capsys):
         assert f"{model / 'config.json'}: not a JSON text file" in line
 
 
+def test_a_run_that_saved_no_checkpoint_is_named_as_such(tmp_path, capsys):
+    """A run folder that stopped before its first checkpoint (here: its log only) is a run without a checkpoint for
+    eval and generate, not 'no config.json here'."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("training ...\n")
+    for args in (["eval", "--model", str(run)], ["generate", "--model", str(run), "--prompt_ids", "[1]"]):
+        assert f"{run}: the run has no complete checkpoint yet" in fails(capsys, args)
+
+
 def test_train_threads_and_non_utf8_hint_name_real_options(tmp_path, capsys):
     line = fails(capsys, ["train", "--config", "configs/debug.yaml", "--train.threads", "-1"])
     assert "train.threads = -1" in line
@@ -296,6 +306,7 @@ def test_generate_stop_tokens_and_no_stream(char_run, capsys):
     main([*base, "--stop_ids", f"[{tok.token_to_id(stop)}]", "--stream", "false"])
     assert capsys.readouterr().out == tok.decode(free["prompt_ids"] + stopped) + "\n"
     assert "is 2 tokens for this tokenizer" in fails(capsys, [*base, "--stop", "ab"])
+    assert "a line break is --stop $'\\n'" in fails(capsys, [*base, "--stop", "\\n"])  # a backslash and an n
     assert "--stop_ids must be token ids" in fails(capsys, [*base, "--stop_ids", "[100000]"])
 
 

@@ -132,6 +132,19 @@ def test_yaml_numbers_and_overrides_parse_alike(cli_config, tmp_path):
     assert cfg == load_recipe(recipe, {"train": {"max_steps": 7}})
 
 
+def test_number_lists_on_the_command_line(cli_config):
+    """`--model.cutoffs 2000,8000`, `--model.cutoffs=2000,8000` and `--model.cutoffs 2000` (a list of one) as the
+    YAML list would give them; `--train.betas 0.9,0.98` too."""
+    word = str(CONFIGS / "shakespeare_word.yaml")
+    yaml_list = cli_config("--config", word, "--model.cutoffs", "[2000, 8000]", "--train.betas", "[0.9, 0.98]")
+    for args in (["--model.cutoffs", "2000,8000"], ["--model.cutoffs=2000,8000"]):
+        assert cli_config("--config", word, *args, "--train.betas", "0.9,0.98") == yaml_list
+    assert yaml_list.model.cutoffs == [2000, 8000] and yaml_list.train.betas == [0.9, 0.98]
+    one = cli_config("--config", word, "--model.cutoffs", "2000").model
+    assert one.cutoffs == [2000] and one.tie_projs == [False, True]
+    assert cli_config("--config", word, "--model.cutoffs", "[]").model.cutoffs == []
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -97,7 +97,7 @@ def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder)")
-    if (p / "checkpoints").is_dir() or p.name == "checkpoints":
+    if any((p / name).exists() for name in ("checkpoints", "config.yaml", "train.log")) or p.name == "checkpoints":
         run = p.parent if p.name == "checkpoints" else p
         found = best_checkpoint(run) if prefer == "best" else latest_checkpoint(run)
         if found is None:

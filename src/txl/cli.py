@@ -377,9 +377,13 @@ def generate(
     for text in [stop] if isinstance(stop, str) else stop or []:
         if tok is None:
             raise ValueError(f"{folder}: no tokenizer.json to encode --stop; use --stop_ids")
-        ids = tok.encode(text)
+        hint = " (a line break is --stop $'\\n' in bash, or its id with --stop_ids)" if "\\n" in text else ""
+        try:
+            ids = tok.encode(text)
+        except ValueError as e:
+            raise ValueError(f"--stop {text!r}: {e}{hint}") from None
         if len(ids) != 1:
-            raise ValueError(f"--stop {text!r} is {len(ids)} tokens for this tokenizer; a stop is one token")
+            raise ValueError(f"--stop {text!r} is {len(ids)} tokens for this tokenizer; a stop is one token{hint}")
         stops += ids
     if any(not 0 <= i < lm.config.n_token for i in stops):
         raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
@@ -822,26 +826,33 @@ FLAGS = {
 }
 
 
-NUMBER_LISTS = {"--mem_len", "--contexts", "--r"}  # options that also take comma-separated numbers: 0,64,128
-_COMMA_NUMBERS = re.compile(r"^-?[0-9.]+(,-?[0-9.]+)+$")
+NUMBER_LISTS = {"--mem_len", "--contexts", "--r", "--model.cutoffs", "--train.betas"}  # also as 0,64,128
+LIST_ONLY = {"--model.cutoffs"}  # one number is a list of one (--mem_len 64 is one length, not a sweep)
+_NUMBERS = re.compile(r"^-?[0-9.]+(,-?[0-9.]+)*$")
+
+
+def _number_list(option: str, value: str) -> str:
+    """``0,64,128`` as ``[0,64,128]`` after an option that takes a list of numbers (``2000`` as ``[2000]`` after one
+    that takes only a list)."""
+    if option in NUMBER_LISTS and _NUMBERS.match(value) and ("," in value or option in LIST_ONLY):
+        return f"[{value}]"
+    return value
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
     """Accept ``--some-option`` for ``--some_option``, ``--flag`` alone for ``--flag=true``, and ``0,64,128`` for
-    ``[0, 64, 128]`` after the options that take a list of numbers."""
-    argv = [
-        f"[{arg}]" if i and argv[i - 1].replace("-", "_")[2:] in {o[2:] for o in NUMBER_LISTS}
-        and _COMMA_NUMBERS.match(arg) else arg
-        for i, arg in enumerate(argv)
-    ]  # fmt: skip
-    out = []
+    ``[0, 64, 128]`` after the options that take a list of numbers (also as ``--option=0,64,128``)."""
+    out: list[str] = []
     for i, arg in enumerate(argv):
+        prev = out[-1] if out else ""
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             name = "--" + name[2:].replace("-", "_")
             nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
             bare = name in FLAGS and not eq and nxt not in ("true", "false", "null")
-            arg = f"{name}=true" if bare else name + eq + value
+            arg = f"{name}=true" if bare else name + eq + (_number_list(name, value) if eq else "")
+        elif prev.startswith("--") and "=" not in prev:
+            arg = _number_list(prev, arg)
         out.append(arg)
     return out
 
