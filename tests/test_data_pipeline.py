@@ -81,6 +81,39 @@ def test_flat_folder_holds_out_last_documents(tmp_path):
         find_splits("custom", empty)
 
 
+def test_single_text_file_holds_out_its_last_lines(tmp_path, capsys):
+    """A custom dataset given as one file: its last ~5% of bytes test, the ~5% before valid, each cut at a line
+    start (never inside a line, a CRLF pair or a UTF-8 character); the splits together are the whole file. Through
+    `txl data prepare`: the char vocabulary and token counts of those splits."""
+    from txl.cli import main
+
+    ends = ["\n", "\r\n", "\r"]
+    lines = [f"line {i} é – ünïcode{'x' * (i % 7)}{ends[i % 3]}" for i in range(300)]
+    path = tmp_path / "book.txt"
+    path.write_bytes("".join(lines).encode())
+    data = path.read_bytes()
+    layout = find_splits("custom", path)
+    ranges = [layout.splits[s] for s in SPLITS]
+    assert all(len(r) == 1 and r[0].path == path for r in ranges)
+    cuts = [r[0].start for r in ranges] + [ranges[-1][0].stop()]
+    assert cuts[0] == 0 and cuts[-1] == len(data) and cuts[1] < cuts[2] < cuts[3]
+    assert [r[0].stop() for r in ranges[:-1]] == cuts[1:3]  # contiguous
+    starts = {len("".join(lines[:i]).encode()) for i in range(len(lines))}
+    assert cuts[1] in starts and cuts[2] in starts  # at line starts
+    assert 0.89 < cuts[1] / len(data) < 0.91 and 0.94 < cuts[2] / len(data) < 0.96
+    args = ["--data.path", str(path), "--data.dataset", "custom", "--data.tokenizer", "char"]
+    main(["data", "prepare", *args, "--data.cache_dir", str(tmp_path / "cache")])
+    report = json.loads(capsys.readouterr().out)
+    pieces = zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+    text = {s: data[a:b].decode().replace("\r\n", "\n").replace("\r", "\n") for s, a, b in pieces}
+    assert report["kind"] == "char" and report["vocab_size"] == len(set("".join(text.values())))
+    assert report["tokens"] == {s: len(text[s]) for s in SPLITS}
+    one_line = tmp_path / "short.txt"
+    one_line.write_text("a single line of text\n")
+    with pytest.raises(DataError, match=rf"^{one_line}: too few lines to hold out valid and test text"):
+        find_splits("custom", one_line)
+
+
 @pytest.mark.parametrize("dataset", ["enwik8", "text8"])
 def test_char_dataset_layouts(tmp_path, monkeypatch, dataset):
     monkeypatch.setattr(readers_mod, "HELDOUT_CHARS", 10)

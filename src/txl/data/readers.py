@@ -14,8 +14,8 @@ Layouts accepted, first match wins:
 * lm1b: ``training-monolingual.tokenized.shuffled/news.en-*`` (train) and
   ``heldout-monolingual.tokenized.shuffled/news.en.heldout-000NN-of-00050`` (test = shard 0, valid = a chosen
   shard), directly or under ``1-billion-word-language-modeling-benchmark-r13output/``, plus ``1b_word_vocab.txt``.
-* anything else: ``{split}.txt``, ``{train,valid,test}/*.txt``, or a flat folder of ``*.txt`` documents (sorted;
-  the last ones held out, see :func:`hold_out`).
+* anything else: ``{split}.txt``, ``{train,valid,test}/*.txt``, a flat folder of ``*.txt`` documents (sorted;
+  the last ones held out, see :func:`hold_out`), or a single text file (its last ~5% held out, cut at line starts).
 """
 
 from __future__ import annotations
@@ -166,6 +166,34 @@ def hold_out(files: list[Path], folder: Path) -> dict[str, list[FileRange]]:
     }
 
 
+def _line_start_after(f, offset: int, size: int) -> int:
+    """The first byte of the line after the one holding ``offset`` (``size`` when there is none)."""
+    f.seek(offset)
+    while data := f.read(1 << 20):
+        ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+        if ends:
+            end = offset + min(ends) + 1
+            f.seek(end - 1)
+            return end + (f.read(2) == b"\r\n")
+        offset += len(data)
+    return size
+
+
+def _single_file(path: Path) -> Layout:
+    """One text file: the last ~5% of its bytes test, the ~5% before them valid, each cut at the next line start
+    (never inside a line, nor inside a UTF-8 character)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        cuts = [0, *(_line_start_after(f, int(size * q), size) for q in (0.9, 0.95)), size]
+    if not cuts[0] < cuts[1] < cuts[2] < cuts[3]:
+        raise DataError(
+            f"{path}: too few lines to hold out valid and test text from one file (its last ~5% of bytes for test, "
+            "the ~5% before them for valid, cut at line ends); give a folder with train.txt, valid.txt and test.txt"
+        )
+    ranges = zip(SPLITS, cuts[:-1], cuts[1:], strict=True)
+    return Layout({s: [FileRange(path, a, b)] for s, a, b in ranges}, f"text file {path} (last ~5% test, ~5% valid)")
+
+
 def _folder(path: Path) -> Layout:
     txt = _triple(path, ["{split}.txt"])
     if txt:
@@ -201,9 +229,7 @@ def find_splits(dataset: str, path: Path, *, valid_shard: int = 1) -> Layout:
             )
         layout = Layout(splits, f"{dataset} splits {splits['train'][0].path.parent}")
     else:
-        if not path.is_dir():
-            raise DataError(f"{path}: a custom dataset is a folder of .txt files")
-        layout = _folder(path)
+        layout = _folder(path) if path.is_dir() else _single_file(path)
     for split, ranges in layout.splits.items():
         if sum(r.stop() - r.start for r in ranges) == 0:
             raise DataError(f"{ranges[0].describe()}: the {split} split is empty")
