@@ -80,6 +80,8 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
         assert (a["labels"], b["labels"]) == (["x"], ["y"])
     else:
         assert a["value"] > 0.3 and b["value"] < -0.3
+    main(["predict", "--model", str(run), "--text", "gh ij aaaa."])  # one text, as it is
+    assert json.loads(capsys.readouterr().out) == a
 
 
 def test_resume_is_exact(lm, tmp_path):

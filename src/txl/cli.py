@@ -666,7 +666,7 @@ def finetune(cfg=None) -> None:
 
 def predict(
     model: Path | None = None,
-    text: list[str] | None = None,
+    text: str | list[str] | None = None,
     file: Path | None = None,
     threads: int | None = None,
 ) -> None:
