@@ -179,6 +179,16 @@ def test_a_run_that_saved_no_checkpoint_is_named_as_such(tmp_path, capsys):
         assert f"{run}: the run has no complete checkpoint yet" in fails(capsys, args)
 
 
+def test_a_file_where_the_run_folder_goes_is_named(tmp_path, capsys):
+    """--run_dir naming a file, or a folder under a file: one line that says a file is in the way (exit 2)."""
+    corpus = tiny_corpus(tmp_path / "corpus")
+    (tmp_path / "afile").write_text("not a folder\n")
+    base = ["train", "--config", "configs/debug.yaml", "--data.path", str(corpus), "--data.dataset", "custom"]
+    for run in (tmp_path / "afile", tmp_path / "afile" / "run"):
+        line = fails(capsys, [*base, "--run_dir", str(run), "--train.max_steps", "1"])
+        assert line.startswith(f"txl: error: {run}: ") and "a file is in the way of a folder" in line
+
+
 def test_train_threads_and_non_utf8_hint_name_real_options(tmp_path, capsys):
     line = fails(capsys, ["train", "--config", "configs/debug.yaml", "--train.threads", "-1"])
     assert "train.threads = -1" in line

@@ -985,6 +985,8 @@ def _error(e: BaseException) -> tuple[int, str] | None:
         return 1, f"txl: error: {e}"
     if isinstance(e, FileNotFoundError):
         return 2, f"txl: error: {e.filename}: {e.strerror}" if e.filename else f"txl: error: {e}"
+    if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:  # a file where a folder must be
+        return 2, f"txl: error: {e.filename}: {e.strerror} (a file is in the way of a folder: choose another path)"
     if isinstance(e, OSError):
         where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         return 1, f"txl: error: {where} (check that folder's permissions and free space)"
