@@ -101,6 +101,32 @@ def test_a_run_alone_resumes_with_its_recorded_settings(tmp_path, capsys, monkey
         torch.set_num_threads(threads)
 
 
+def test_a_damaged_latest_checkpoint_names_the_one_before_and_going_back_supersedes_it(tmp_path, capsys, monkeypatch):
+    """A latest checkpoint with a damaged file: the error names it and the complete checkpoint before it; resuming
+    from that one (as the hint says) moves the later checkpoints aside, kept, to RUN/superseded/ (--resume auto,
+    retention and the best choice no longer see them) and goes on bit-identical to an uninterrupted run."""
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    ref = run_inprocess(tmp_path, "ref", **EXACT)
+    run = run_inprocess(tmp_path, "run", **EXACT)
+    (before, latest) = (path for _, path in list_checkpoints(run)[-2:])
+    (latest / "model.safetensors").write_bytes(b"\0" * 100)
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--run_dir", str(run)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{latest / 'model.safetensors'}: not a readable safetensors file" in err
+        assert err.rstrip().endswith(f"to continue from the checkpoint before it: --resume {before}")
+        main(["train", "--resume", str(before)])  # the hint, as given
+        out = capsys.readouterr().out
+        assert f"the later checkpoints of this run ({latest.name}) were moved to {run / 'superseded'}" in out
+        assert (run / "superseded" / latest.name / "model.safetensors").read_bytes() == b"\0" * 100  # kept
+        assert list_checkpoints(run)[-1][1] == latest and losses(run) == losses(ref)
+        assert_same_weights(final_weights(run), final_weights(ref))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def process_reference(tmp_path_factory):
     """An uninterrupted 300-step run in its own process (the comparison for the interrupted ones)."""

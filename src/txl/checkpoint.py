@@ -83,7 +83,17 @@ def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / METADATA).read_text())
+    return read_json(Path(folder) / METADATA)
+
+
+def earlier_checkpoint_hint(folder: Path) -> str:
+    """For an unusable checkpoint: how to continue from the complete one before it in its run, if there is one."""
+    folder = Path(folder)
+    if folder.parent.name != "checkpoints" or not _STEP.match(folder.name):
+        return ""
+    step = int(_STEP.match(folder.name).group(1))
+    before = [path for n, path in list_checkpoints(folder.parent.parent) if n < step]
+    return f"; to continue from the checkpoint before it: --resume {before[-1]}" if before else ""
 
 
 def read_run_config(folder: Path) -> RunConfig | None:
@@ -175,6 +185,30 @@ def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
             shutil.rmtree(p)
     for p in (run_dir / "checkpoints").glob(".step-*.partial"):
         shutil.rmtree(p, ignore_errors=True)
+
+
+SUPERSEDED = "superseded"
+
+
+def supersede_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """A run going on from ``step`` while it holds later checkpoints (resumed from an earlier one): those belong to
+    the abandoned continuation. They are moved, not deleted, to ``RUN/superseded/`` (where ``--resume auto``,
+    retention and the best-checkpoint choice no longer see them); returns where they went."""
+    later = [path for n, path in list_checkpoints(run_dir) if n > step]
+    moved = []
+    for path in later:
+        dest = Path(run_dir) / SUPERSEDED / path.name
+        k = 1
+        while dest.exists():
+            k += 1
+            dest = Path(run_dir) / SUPERSEDED / f"{path.name}.{k}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(path, dest)
+        moved.append(dest)
+    if moved:
+        fsync_dir(Path(run_dir) / "checkpoints")
+        fsync_dir(Path(run_dir) / SUPERSEDED)
+    return moved
 
 
 def load_states(folder: Path) -> list[dict[str, Any]]:

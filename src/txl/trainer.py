@@ -19,6 +19,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,13 @@ from torch.nn.parallel import DistributedDataParallel
 from txl import native
 from txl.checkpoint import (
     RunLock,
+    earlier_checkpoint_hint,
     latest_checkpoint,
     load_states,
     read_metadata,
     resolve_model_dir,
     save_checkpoint,
+    supersede_later_checkpoints,
 )
 from txl.config import RunConfig
 from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
@@ -139,13 +142,22 @@ class Trainer:
         if tc.eval_batch_size % w.size:
             raise ValueError(f"train.eval_batch_size = {tc.eval_batch_size} must split evenly over {w.size} processes")
         self.checkpoint_to_load = self._find_resume(resume)
-        if w.is_main:  # rows after the checkpoint were written by a run that did not get to save them
+        with _naming_an_earlier_checkpoint(self.checkpoint_to_load):
             start = read_metadata(self.checkpoint_to_load)["step"] if self.checkpoint_to_load else -1
+        superseded = []
+        if w.is_main:  # rows (and checkpoints) after the checkpoint belong to a continuation this run replaces
             truncate_metrics(self.run_dir, start)
+            if start >= 0:
+                superseded = supersede_later_checkpoints(self.run_dir, start)
         self.reporter = Reporter(
             self.run_dir, enabled=w.is_main, progress=tc.progress, tensorboard=tc.tensorboard, total=tc.max_steps
         )
         self.say = self.reporter.say
+        if superseded:
+            self.say(
+                f"going on from step {start:,}: the later checkpoints of this run "
+                f"({', '.join(p.name.split('.')[0] for p in superseded)}) were moved to {superseded[0].parent}"
+            )
         self.precision, note = effective_precision(w.device, tc.precision)
         if note:
             self.say(f"note: train.precision = bf16, but {note}")
@@ -193,7 +205,8 @@ class Trainer:
         self._epoch = 0
         self._stop_signal = False
         if self.checkpoint_to_load is not None:
-            self._load(self.checkpoint_to_load)
+            with _naming_an_earlier_checkpoint(self.checkpoint_to_load):
+                self._load(self.checkpoint_to_load)
         if w.is_main:
             write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
@@ -513,6 +526,18 @@ class Trainer:
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _naming_an_earlier_checkpoint(folder: Path | None) -> Iterator[None]:
+    """A checkpoint that cannot be read (a damaged file): the error also says how to continue from the one before."""
+    try:
+        yield
+    except CheckpointError as e:
+        hint = earlier_checkpoint_hint(folder) if folder is not None else ""
+        if not hint:
+            raise
+        raise CheckpointError(f"{e}{hint}") from None
 
 
 def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:
