@@ -152,6 +152,11 @@ def test_txl_recl_cli(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["recl", "--models", f"[{a}]", "--contexts", "[4, 8]"])
     assert "--models needs at least two models" in capsys.readouterr().err
+    for args, message in [(["--contexts", "4,8,16"], "evenly spaced"), (["--r", "0,0.5"], "r = 0.0: must be in")]:
+        with pytest.raises(SystemExit):  # refused before any model is scored
+            main(["recl", "--models", f"[{a}, {b}]", "--contexts", "4,8", *args])
+        captured = capsys.readouterr()
+        assert message in captured.err and "scoring" not in captured.out
 
 
 def test_memory_sweep(char_run, tmp_path, capsys):

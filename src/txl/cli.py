@@ -465,7 +465,7 @@ def recl(
     from txl.checkpoint import read_run_config, resolve_model_dir
     from txl.evaluate import eval_settings, eval_text
     from txl.modeling import TransformerXLLM
-    from txl.recl import context_losses, plot_gains
+    from txl.recl import check_contexts, check_ratio, context_losses, plot_gains
     from txl.recl import recl as compute_recl
 
     if not models or len(models) < 2:
@@ -474,6 +474,9 @@ def recl(
         raise ValueError("--contexts needs evenly spaced lengths, e.g. '[32, 64, 96]'")
     if tokens < 2:
         raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    contexts = check_contexts(contexts)  # (before any model is scored)
+    for ratio in r or []:
+        check_ratio(ratio)
     sliding_set = {str(p) for p in sliding or []}
     unknown = sliding_set - {str(p) for p in models}
     if unknown:

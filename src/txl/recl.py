@@ -37,10 +37,24 @@ class ReclResult:
     """Per model: g(c_i, c_{i+1}) for every i."""
 
 
-def relative_gains(losses: Mapping[str, np.ndarray], r: float) -> dict[str, list[float]]:
-    """g_m(c_i, c_{i+1}) for every model of the group; ``losses[m]`` is [n_contexts, n_tokens]."""
+def check_contexts(contexts: Sequence[int]) -> list[int]:
+    """The context lengths as ints: at least two, increasing, evenly spaced (else a ValueError saying so)."""
+    contexts = [int(c) for c in contexts]
+    if len(contexts) < 2 or any(b <= a for a, b in zip(contexts, contexts[1:], strict=False)):
+        raise ValueError(f"contexts {contexts}: need at least two increasing lengths")
+    if len({b - a for a, b in zip(contexts, contexts[1:], strict=False)}) != 1:
+        raise ValueError(f"contexts {contexts}: RECL steps by one Δ, so the lengths must be evenly spaced")
+    return contexts
+
+
+def check_ratio(r: float) -> None:
     if not 0 < r <= 1:
         raise ValueError(f"r = {r}: must be in (0, 1]")
+
+
+def relative_gains(losses: Mapping[str, np.ndarray], r: float) -> dict[str, list[float]]:
+    """g_m(c_i, c_{i+1}) for every model of the group; ``losses[m]`` is [n_contexts, n_tokens]."""
+    check_ratio(r)
     arrays = {m: np.asarray(v, dtype=np.float64) for m, v in losses.items()}
     shapes = {a.shape for a in arrays.values()}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
@@ -60,11 +74,7 @@ def relative_gains(losses: Mapping[str, np.ndarray], r: float) -> dict[str, list
 
 def recl(losses: Mapping[str, np.ndarray], contexts: Sequence[int], r: float, threshold: float = 0.01) -> ReclResult:
     """RECL of every model of the group at ratio ``r`` (see the module docstring)."""
-    contexts = [int(c) for c in contexts]
-    if len(contexts) < 2 or any(b <= a for a, b in zip(contexts, contexts[1:], strict=False)):
-        raise ValueError(f"contexts {contexts}: need at least two increasing lengths")
-    if len({b - a for a, b in zip(contexts, contexts[1:], strict=False)}) != 1:
-        raise ValueError(f"contexts {contexts}: RECL steps by one Δ, so the lengths must be evenly spaced")
+    contexts = check_contexts(contexts)
     gains = relative_gains(losses, r)
     n = len(contexts)
     if any(len(g) != n - 1 for g in gains.values()):
