@@ -43,6 +43,20 @@ def test_config_validation_names_the_field(field, value):
         debug_config(**{field: value, **extra})
 
 
+def test_odd_d_model_needs_a_learned_position_table():
+    """The sinusoid R (attn_type 0, 2) has a sin and a cos half: an odd d_model is refused at the config, not deep in
+    the forward (where the reference fails); attn_type 1 and 3 learn their positions and build and train with it."""
+    for attn_type in (0, 2):
+        with pytest.raises(ValueError, match=rf"d_model = 33: must be even for attn_type {attn_type}"):
+            debug_config(d_model=33, n_head=3, d_head=11, attn_type=attn_type)
+    x = torch.randint(0, 84, (2, 9))
+    for attn_type in (1, 3):
+        model = TransformerXLLM(debug_config(d_model=33, n_head=3, d_head=11, attn_type=attn_type, max_klen=24))
+        out = model(x[:, :8], x[:, 1:])
+        out.loss.backward()
+        assert model(x[:, :8], x[:, 1:], mems=out.mems).loss.isfinite()
+
+
 def test_config_defaults_and_round_trip():
     cfg = debug_config(cutoffs=[20, 50], d_embed=None)
     assert cfg.d_embed == cfg.d_model and cfg.tie_projs == [False, True, True]

@@ -159,6 +159,8 @@ class TransformerXLConfig:
             bad("max_klen", "must be an integer >= 0")
         if self.attn_type in (0, 2) and self.max_klen:
             bad("max_klen", f"attn_type {self.attn_type} learns no position table (only 1 and 3 do): leave it 0")
+        if self.d_model % 2 and self.attn_type in (0, 2):  # (the reference fails on it deep inside the forward)
+            bad("d_model", f"must be even for attn_type {self.attn_type}: the sinusoid R has a sin and a cos half")
         if self.clamp_len > 0 and self.attn_type in (2, 3):
             bad("clamp_len", f"clamps relative distances; attn_type {self.attn_type} has absolute positions: use -1")
         if self.untie_r and self.attn_type != 0:
