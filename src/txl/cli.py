@@ -51,6 +51,30 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
         print(f"no tokenizer vocabulary ({TEXT_VOCAB} or {PICKLE_VOCAB}) in {src}: txl generate needs --prompt_ids")
 
 
+def convert_original(src: Path, out: Path, corpus: Path | None = None, trust_pickle: bool = False) -> None:
+    """Convert a checkpoint of the original PyTorch code or of NVIDIA's port to a txl model folder.
+
+    The weights, and the tokenizer from the vocabulary (the corpus cache's, or the one NVIDIA's checkpoint holds).
+
+    Args:
+        src: The original code's model.pt (torch.save of the whole MemTransformerLM, any PyTorch version's format),
+            or NVIDIA DeepLearningExamples' checkpoint_best.pt / checkpoint_last.pt (it holds the vocabulary).
+        out: Output folder (config.json + model.safetensors + tokenizer.json).
+        corpus: The original code's corpus cache (DATA/cache.pt), for the vocabulary of a model.pt.
+        trust_pickle: Needed: both files are pickles. They are read with a restricted unpickler that rebuilds the
+            tensors and keeps every object of the original code as inert data; it runs none of their code.
+    """
+    from txl.convert_original import convert_original_checkpoint
+
+    model, tokenizer = convert_original_checkpoint(src, out, corpus=corpus, trust_pickle=trust_pickle)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
+    if tokenizer is not None:
+        print(f"tokenizer: {out / 'tokenizer.json'} ({tokenizer.vocab_size:,} {tokenizer.kind} symbols, the same ids)")
+    else:
+        print("no vocabulary: give the corpus cache with --corpus DATA/cache.pt (else txl generate needs --prompt_ids)")
+
+
 def export_onnx(
     model: str | None = None,
     out: Path | None = None,
@@ -809,7 +833,7 @@ COMMANDS = {
     "finetune": finetune,
     "predict": predict,
     "tokenize": tokenize,
-    "convert": {"hf": convert_hf},
+    "convert": {"hf": convert_hf, "original": convert_original},
     "export": {"onnx": export_onnx},
     "data": {"get": data_get, "prepare": data_prepare},
 }
