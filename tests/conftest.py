@@ -20,6 +20,23 @@ ADAPTIVE_FIXTURE = VENDORED / "word-adaptive-div4-sharp"  # adaptive input/softm
 CHAR_FIXTURE = VENDORED / "same-length-clamp-sharp"
 
 
+def assert_hf_losses(model, fixture: Path, segments: int = 3) -> None:
+    """The fixture's segments, from the memory its outputs start from (HF's zeros, or the original code's empty
+    memory where the fixture has those outputs), give the per-token NLL that HF computed."""
+    from safetensors.torch import load_file
+
+    inputs = load_file(str(fixture / "inputs.safetensors"))
+    empty = (fixture / "outputs_empty_init.safetensors").exists()
+    ref = load_file(str(fixture / ("outputs_empty_init.safetensors" if empty else "outputs.safetensors")))
+    cfg = model.config
+    mems = None if empty else [torch.zeros(2, cfg.mem_len, cfg.d_model) for _ in range(cfg.n_layer)]
+    with torch.no_grad():
+        for s in range(segments):
+            out = model(inputs[f"seg{s}.input_ids"], inputs[f"seg{s}.targets"], mems=mems)
+            torch.testing.assert_close(out.losses, ref[f"seg{s}.nll_targets"], atol=1e-4, rtol=0)
+            mems = out.mems
+
+
 def debug_config(**overrides) -> TransformerXLConfig:
     """The tiny `debug` preset every test starts from (dropout off so outputs are deterministic)."""
     base = dict(

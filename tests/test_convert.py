@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, HF_FIXTURES
+from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, HF_FIXTURES, assert_hf_losses
 from txl import CheckpointError, TransformerXL, TransformerXLLM
 from txl.cli import main as cli_main
 from txl.convert import convert_hf_checkpoint, hf_config_to_txl
@@ -40,14 +40,7 @@ def test_cli_converts_every_fixture(tmp_path, name, capsys):
     n_dup = sum(hf[k].numel() for g in groups for k in g[1:])
     assert sum(p.numel() for p in model.parameters()) == n_hf - n_dup
     # the converted, saved and reloaded model reproduces the HF outputs (all of them: test_oracle_parity)
-    inputs = load_file(str(fixture / "inputs.safetensors"))
-    empty = (fixture / "outputs_empty_init.safetensors").exists()
-    ref = load_file(str(fixture / ("outputs_empty_init.safetensors" if empty else "outputs.safetensors")))
-    cfg = model.config
-    mems = None if empty else [torch.zeros(2, cfg.mem_len, cfg.d_model) for _ in range(cfg.n_layer)]
-    with torch.no_grad():
-        out = model(inputs["seg0.input_ids"], inputs["seg0.targets"], mems=mems)
-    torch.testing.assert_close(out.losses, ref["seg0.nll_targets"], atol=1e-4, rtol=0)
+    assert_hf_losses(model, fixture)
 
 
 def test_console_script_runs(tmp_path):

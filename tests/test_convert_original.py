@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE
+from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, assert_hf_losses
 from txl import CheckpointError, TransformerXLLM
 from txl.cli import main
 from txl.convert import convert_hf_checkpoint
@@ -44,21 +44,6 @@ def expected_symbols(dataset: str, n: int) -> list[str]:
     return ["<eos>", "<unk>"] + [f"w{i}" for i in range(n - 2)]
 
 
-def hf_losses(model: TransformerXLLM, fixture: Path) -> None:
-    """The three segments of the fixture, from the memory its outputs start from (HF's zeros, or the original's
-    empty memory): the per-token NLL HF computed."""
-    inputs = load_file(str(fixture / "inputs.safetensors"))
-    empty = (fixture / "outputs_empty_init.safetensors").exists()
-    ref = load_file(str(fixture / ("outputs_empty_init.safetensors" if empty else "outputs.safetensors")))
-    cfg = model.config
-    mems = None if empty else [torch.zeros(2, cfg.mem_len, cfg.d_model) for _ in range(cfg.n_layer)]
-    with torch.no_grad():
-        for s in range(3):
-            out = model(inputs[f"seg{s}.input_ids"], inputs[f"seg{s}.targets"], mems=mems)
-            torch.testing.assert_close(out.losses, ref[f"seg{s}.nll_targets"], atol=1e-4, rtol=0)
-            mems = out.mems
-
-
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("file", ["model.pt", "model_legacy.pt", "checkpoint_best.pt"])
 def test_cli_converts_original_and_nvidia_checkpoints(saved, name, file, tmp_path, capsys, monkeypatch):
@@ -79,7 +64,7 @@ def test_cli_converts_original_and_nvidia_checkpoints(saved, name, file, tmp_pat
     for field in INIT_ONLY:
         setattr(via_hf.config, field, getattr(model.config, field))
     assert model.config == via_hf.config  # ties, cutoffs, div_val, mem_len, same_length, clamp_len, ...
-    hf_losses(model, fixture)
+    assert_hf_losses(model, fixture)
     tokenizer = Tokenizer.load(out / "tokenizer.json")
     assert tokenizer.symbols == expected_symbols(dataset, model.config.n_token)
     assert tokenizer.kind == ("byte" if dataset == "enwik8" else "word")
@@ -123,7 +108,7 @@ def test_a_checkpoint_dict_of_a_wrapped_model_and_other_attention(tmp_path):
     torch.save({"model_state": state, "model_config": config}, path)
     model, tokenizer = convert_original_checkpoint(path, tmp_path / "out", trust_pickle=True)
     assert tokenizer is None and not (tmp_path / "out" / "tokenizer.json").exists()
-    hf_losses(model, CHAR_FIXTURE)
+    assert_hf_losses(model, CHAR_FIXTURE)
     torch.save({"model_state": state, "model_config": {**config, "attn_type": 2}}, path)
     with pytest.raises(CheckpointError, match="attn_type 2 .only the paper's attention"):
         convert_original_checkpoint(path, trust_pickle=True)
