@@ -16,8 +16,11 @@ an inert :class:`Stub` that keeps its state and runs nothing; any other global (
 (tied parameters are one object in the pickle) and the attributes give the configuration.
 
 The names are the original's, which Hugging Face's port kept under ``transformer.``: the weights go through the
-same mapping as ``txl convert hf`` (:func:`txl.convert.hf_state_dict_to_txl`). Only the paper's attention
-(``attn_type`` 0) is imported; the original has one pair of biases u, v shared by all layers (``untie_r`` False).
+same mapping as ``txl convert hf`` (:func:`txl.convert.hf_state_dict_to_txl`), except the order of the adaptive
+softmax's cluster logits: the original's head gives tail cluster i the logit at column -i (``cluster_weight`` rows
+in reverse), txl's (like HF's and the TF code's) the one at ``cutoffs[0] + i - 1``, so those rows are reversed.
+Only the paper's attention (``attn_type`` 0) is imported; the original has one pair of biases u, v shared by all
+layers (``untie_r`` False).
 """
 
 from __future__ import annotations
@@ -310,6 +313,8 @@ def convert_original_checkpoint(
         raise CheckpointError(
             f"{corpus or src}: the vocabulary has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,}"
         )
+    # The original (and NVIDIA's) head reads tail cluster i's logit at column -i; txl (as HF and TF) at shortlist + i-1.
+    state = {k: v.flip(0) if k in ("crit.cluster_weight", "crit.cluster_bias") else v for k, v in state.items()}
     named = {(k if k.startswith("crit.") else f"transformer.{k}"): v.detach() for k, v in state.items()}
     tensors = hf_state_dict_to_txl(named, config, "transformer.", str(src))
     model = TransformerXLLM(config, init=False)
