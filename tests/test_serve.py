@@ -195,14 +195,16 @@ def test_engine_queue_limit_and_shutdown(run):
 
 
 def test_http_limits_disconnect_and_api_key(run):
-    app = create_app(run, ServeLimits(max_batch=1, max_queue=0), api_key="s3cret")
+    # (a first generation long enough to be running whatever the machine's speed: 150 tokens once ended, ~0.1 s,
+    # before the second request arrived)
+    app = create_app(run, ServeLimits(max_batch=1, max_queue=0, max_new_tokens=50_000), api_key="s3cret")
     key = {"X-API-Key": "s3cret"}
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200  # no key needed
         assert c.get("/v1/model").status_code == 401 and c.get("/").status_code == 401
         assert c.get("/v1/model", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/?key=s3cret").status_code == 200
-        body = {"prompt": "ab", "max_new_tokens": 150, "stream": True}
+        body = {"prompt": "ab", "max_new_tokens": 50_000, "stream": True}
         with c.stream("POST", "/v1/generate", json=body, headers=key) as res:
             lines = res.iter_lines()
             assert next(lines).startswith("data: ")  # it is running: the only slot is taken
