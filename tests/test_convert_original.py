@@ -19,7 +19,7 @@ from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, assert_hf_losses
 from txl import CheckpointError, TransformerXLLM
 from txl.cli import main
 from txl.convert import convert_hf_checkpoint
-from txl.convert_original import Stub, _vocab_tokenizer, convert_original_checkpoint
+from txl.convert_original import Stub, convert_original_checkpoint, vocab_tokenizer
 from txl.data import Tokenizer
 from txl.data.tokenizer import BYTE_CHARS
 
@@ -121,13 +121,13 @@ def vocab(symbols: list[str], lower_case: bool = False) -> Stub:
 
 
 def test_vocabularies_of_each_dataset_keep_their_ids():
-    text8 = _vocab_tokenizer(vocab(["_", "e", "t", "a"]), "text8", "cache.pt")
+    text8 = vocab_tokenizer(vocab(["_", "e", "t", "a"]), "text8", "cache.pt")
     assert text8.kind == "char" and text8.encode("a te") == [3, 0, 2, 1]  # prep_text8.py wrote spaces as '_'
-    lm1b = _vocab_tokenizer(vocab(["<S>", "</S>", "<UNK>", "the", "cat"]), "lm1b", "cache.pt")
+    lm1b = vocab_tokenizer(vocab(["<S>", "</S>", "<UNK>", "the", "cat"]), "lm1b", "cache.pt")
     assert (lm1b.line_end, lm1b.unk_token) == ("double", "<UNK>") and lm1b.encode("the dog\n") == [0, 3, 2, 0]
-    ptb = _vocab_tokenizer(vocab(["<eos>", "<unk>", "the"], lower_case=True), "ptb", "cache.pt")
+    ptb = vocab_tokenizer(vocab(["<eos>", "<unk>", "the"], lower_case=True), "ptb", "cache.pt")
     assert ptb.lower_case and ptb.encode("The\n") == [2, 0]
-    enwik8 = _vocab_tokenizer(vocab(["32", "101", "60"]), "enwik8", "cache.pt")
+    enwik8 = vocab_tokenizer(vocab(["32", "101", "60"]), "enwik8", "cache.pt")
     assert enwik8.kind == "byte" and enwik8.drop_newlines and enwik8.encode("e<") == [1, 2]
     with pytest.raises(CheckpointError, match="not byte values"):
-        _vocab_tokenizer(vocab(["a", "b"]), "enwik8", "cache.pt")
+        vocab_tokenizer(vocab(["a", "b"]), "enwik8", "cache.pt")

@@ -67,12 +67,49 @@ def convert_original(src: Path, out: Path, corpus: Path | None = None, trust_pic
     from txl.convert_original import convert_original_checkpoint
 
     model, tokenizer = convert_original_checkpoint(src, out, corpus=corpus, trust_pickle=trust_pickle)
+    _converted(src, out, model, tokenizer, "", "the corpus cache with --corpus DATA/cache.pt")
+
+
+def _converted(src: Path, out: Path, model, tokenizer, note: str, where_vocab: str) -> None:
+    """What a conversion printed: the model, and the tokenizer or how to get one."""
     n = sum(p.numel() for p in model.parameters())
-    print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
+    print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters{note}")
     if tokenizer is not None:
         print(f"tokenizer: {out / 'tokenizer.json'} ({tokenizer.vocab_size:,} {tokenizer.kind} symbols, the same ids)")
     else:
-        print("no vocabulary: give the corpus cache with --corpus DATA/cache.pt (else txl generate needs --prompt_ids)")
+        print(f"no vocabulary: give {where_vocab} (else txl generate needs --prompt_ids)")
+
+
+def convert_tf(
+    src: Path,
+    out: Path,
+    corpus: Path | None = None,
+    trust_pickle: bool = False,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+) -> None:
+    """Convert a checkpoint of the original TensorFlow code (the paper's published models) to a txl model folder.
+
+    TensorFlow is not needed. The architecture comes from the variables' shapes; the memory settings from the options,
+    else from the paper's evaluation scripts for the four published models (wt103, enwik8, text8, lm1b).
+
+    Args:
+        src: The checkpoint: its folder (e.g. pretrained_xl/tf_wt103/model), its prefix (model.ckpt-0) or its .index.
+        out: Output folder (config.json + model.safetensors + tokenizer.json).
+        corpus: The TF code's corpus cache with the vocabulary (default: data/cache.pkl beside the model folder).
+        trust_pickle: Needed to read the vocabulary (cache.pkl is a pickle), with a restricted unpickler that runs
+            none of its code. The checkpoint itself is not a pickle.
+        mem_len: Memory length of the converted model (its default for eval and generation).
+        clamp_len: Relative distances above this share one position embedding (-1: none).
+        same_length: Every query attends to the same number of keys.
+    """
+    from txl.convert_tf import convert_tf_checkpoint
+
+    model, tokenizer, note = convert_tf_checkpoint(
+        src, out, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+    )
+    _converted(src, out, model, tokenizer, f"; {note}", "the data folder's cache.pkl with --corpus")
 
 
 def export_onnx(
@@ -833,7 +870,7 @@ COMMANDS = {
     "finetune": finetune,
     "predict": predict,
     "tokenize": tokenize,
-    "convert": {"hf": convert_hf, "original": convert_original},
+    "convert": {"hf": convert_hf, "original": convert_original, "tf": convert_tf},
     "export": {"onnx": export_onnx},
     "data": {"get": data_get, "prepare": data_prepare},
 }

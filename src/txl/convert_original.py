@@ -32,8 +32,10 @@ from pathlib import Path
 from pickle import UnpicklingError
 from typing import Any
 
+import numpy as np
 import torch
 import torch._utils
+from numpy._core import multiarray as np_multiarray
 
 from txl.convert import hf_state_dict_to_txl
 from txl.data import Tokenizer
@@ -66,6 +68,13 @@ TENSOR_FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state,
     ("collections", "defaultdict"): defaultdict,
     ("torch", "Size"): torch.Size,
+    # numpy arrays (the TF code's corpus cache): rebuilt from their dtype, shape and bytes
+    ("numpy.core.multiarray", "_reconstruct"): np_multiarray._reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): np_multiarray._reconstruct,
+    ("numpy.core.multiarray", "scalar"): np_multiarray.scalar,
+    ("numpy._core.multiarray", "scalar"): np_multiarray.scalar,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
 }
 
 
@@ -124,9 +133,19 @@ def _load(f: Any, **kwargs: Any) -> Any:
 PICKLE_MODULE = types.SimpleNamespace(__name__="txl.convert_original", Unpickler=Unpickler, load=_load)
 
 
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first object of PyTorch's pre-1.6 format
+
+
 def read_trusted_pickle(path: Path) -> Any:
-    """``torch.load`` of ``path`` through :class:`Unpickler` (both the zip format and PyTorch 0.4's legacy one)."""
+    """``path`` through :class:`Unpickler`: a ``torch.save`` file (the zip format or PyTorch 0.4's legacy one, with
+    ``torch.load``) or a plain pickle (the TF code's ``cache.pkl``)."""
     try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+            f.seek(0)
+            first = None if zipped else Unpickler(f).load()
+        if not zipped and first != TORCH_LEGACY_MAGIC:
+            return first
         with warnings.catch_warnings():  # (the legacy format's "couldn't retrieve source code" of the stubs)
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", pickle_module=PICKLE_MODULE, weights_only=False)
@@ -239,7 +258,7 @@ def _module_fields(root: Stub) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _vocab_tokenizer(vocab: Any, dataset: str | None, source: str) -> Tokenizer:
+def vocab_tokenizer(vocab: Any, dataset: str | None, source: str) -> Tokenizer:
     """A txl tokenizer with the original ``Vocab``'s ids, read the way the original read the dataset's files."""
     symbols = vocab.get("idx2sym") if isinstance(vocab, Stub) else None
     if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
@@ -308,7 +327,7 @@ def convert_original_checkpoint(
         if vocab is None:
             raise CheckpointError(f"{corpus}: not the original code's corpus cache (a Corpus with a vocab)")
     config = _config(fields, state, str(src))
-    tokenizer = _vocab_tokenizer(vocab, dataset, str(corpus or src)) if vocab is not None else None
+    tokenizer = vocab_tokenizer(vocab, dataset, str(corpus or src)) if vocab is not None else None
     if tokenizer is not None and tokenizer.vocab_size != config.n_token:
         raise CheckpointError(
             f"{corpus or src}: the vocabulary has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,}"

@@ -1,0 +1,114 @@
+"""`txl convert tf`: checkpoints of the original TensorFlow code, read without TensorFlow. The fixtures in
+tests/fixtures/tf were written by TensorFlow's own Saver (tests/fixtures/tf/make_tf_checkpoints.py) with the TF
+code's variable names and the weights of two Hugging Face fixtures: the converted models give HF's outputs and the
+weights `txl convert hf` gives, with the TF code's layer-norm epsilon; the vocabulary's pickle is read only when
+trusted, and runs nothing."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, ROOT, assert_hf_losses
+from txl import CheckpointError, TransformerXLLM
+from txl.cli import main
+from txl.convert import convert_hf_checkpoint
+from txl.convert_tf import convert_tf_checkpoint
+from txl.data import Tokenizer
+from txl.data.tokenizer import BYTE_CHARS
+from txl.tf_checkpoint import _snappy, read_tf_checkpoint
+
+TF = ROOT / "tests" / "fixtures" / "tf"
+# name: (HF fixture, the fixture's memory settings as options, untie_r)
+CASES = {
+    "adaptive": (ADAPTIVE_FIXTURE, ["--mem_len", "24", "--same_length", "false"], False),
+    "adaptive-untied": (ADAPTIVE_FIXTURE, ["--mem_len", "24", "--same_length", "false"], True),
+    "char": (CHAR_FIXTURE, ["--mem_len", "20", "--clamp_len", "8", "--same_length", "true"], False),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cli_converts_tf_checkpoints(name, tmp_path, capsys):
+    fixture, settings, untie_r = CASES[name]
+    out = tmp_path / "txl"
+    main(["convert", "tf", str(TF / name / "model"), str(out), "--trust-pickle", *settings])
+    printed = capsys.readouterr().out
+    assert f"-> {out}: TransformerXLLM" in printed and "(from the options)" in printed and "tokenizer:" in printed
+    model = TransformerXLLM.from_pretrained(out)
+    cfg, via_hf = model.config, convert_hf_checkpoint(fixture)
+    assert cfg.untie_r == untie_r and cfg.layer_norm_epsilon == 1e-12  # (tf.contrib.layers.layer_norm's)
+    for field in ("n_token", "cutoffs", "div_val", "d_embed", "tie_projs", "mem_len", "same_length", "clamp_len"):
+        assert getattr(cfg, field) == getattr(via_hf.config, field), field
+    ours, theirs = model.state_dict(), via_hf.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        expected = theirs[k].expand_as(ours[k]) if untie_r and k.endswith(("r_w_bias", "r_r_bias")) else theirs[k]
+        assert torch.equal(ours[k], expected), k
+    assert_hf_losses(model, fixture)  # (HF computed them with epsilon 1e-5: the same to well under 1e-4)
+    tokenizer = Tokenizer.load(out / "tokenizer.json")
+    if name == "char":
+        assert tokenizer.kind == "byte" and tokenizer.symbols == [BYTE_CHARS[b] for b in range(32, 96)]
+    else:
+        assert tokenizer.symbols[:3] == ["<eos>", "<unk>", "w0"] and tokenizer.encode("w5 w7\n") == [7, 9, 0]
+
+
+def test_the_reader_skips_training_state_and_reports_damage(tmp_path):
+    tensors = read_tf_checkpoint(TF / "adaptive" / "model" / "model.ckpt-0.index")
+    assert tensors["global_step"].dtype == torch.int64 and tensors["global_step"].dim() == 0
+    assert any(k.endswith("/Adam") for k in tensors)  # read, and left out by the converter
+    copy = tmp_path / "model"
+    shutil.copytree(TF / "adaptive" / "model", copy)
+    data = copy / "model.ckpt-0.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="its bytes run past the end of data shard 0"):
+        read_tf_checkpoint(copy)
+    (copy / "model.ckpt-0.index").write_bytes(b"\0" * 100)
+    with pytest.raises(CheckpointError, match=r"not a readable TensorFlow checkpoint \(.*no table magic"):
+        read_tf_checkpoint(copy)
+    # raw snappy: a varint length, a one-byte literal, a copy of 9 from 1 back (overlapping what it writes)
+    assert _snappy(bytes([10, 0x00, ord("a"), 0x15, 0x01])) == b"a" * 10
+
+
+def test_memory_settings_and_the_vocabulary_need_saying(tmp_path, capsys):
+    src = str(TF / "adaptive" / "model")
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "tf", src, str(tmp_path / "a")])
+    assert e.value.code == 2 and "holds no memory length; give --mem_len" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=r"cache.pkl \(the vocabulary\) is a pickle.*--trust-pickle"):
+        convert_tf_checkpoint(src, tmp_path / "b", mem_len=24)
+    assert not (tmp_path / "b").exists()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    evil = tmp_path / "cache.pkl"
+    evil.write_bytes(pickle.dumps(Payload(), protocol=2))
+    with pytest.raises(CheckpointError, match=r"refused to load (posix|os)\.system.*nothing in it was run"):
+        convert_tf_checkpoint(src, corpus=evil, trust_pickle=True, mem_len=24)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_projection_the_tf_code_leaves_out_is_the_identity(monkeypatch):
+    """proj_same_dim=False (One Billion Word): a cluster already d_model wide has no proj_W, and its softmax no proj;
+    the same model as one whose file holds identity matrices there."""
+    import txl.convert_tf as convert_tf
+
+    tensors = read_tf_checkpoint(TF / "adaptive" / "model")
+    eye = torch.eye(32)
+    with_eye = tensors | {
+        "transformer/adaptive_embed/cutoff_0/proj_W": eye,
+        "transformer/adaptive_softmax/cutoff_0/proj": eye,
+    }
+    without = {k: v for k, v in with_eye.items() if not k.endswith(("cutoff_0/proj_W", "cutoff_0/proj"))}
+    models = []
+    for variables in (with_eye, without):
+        monkeypatch.setattr(convert_tf, "read_tf_checkpoint", lambda _, v=variables: v)
+        models.append(convert_tf_checkpoint(TF / "adaptive" / "model", mem_len=24, corpus=None, trust_pickle=True)[0])
+    a, b = (m.state_dict() for m in models)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(a["transformer.word_emb.emb_projs.0"], eye)
