@@ -172,7 +172,7 @@ def read_tf_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         if header.get(2, 0) != 0:
             raise ValueError("a big-endian checkpoint")
         n_shards = int(header.get(1, 1))
-        shards: dict[int, bytes] = {}
+        shards: dict[int, np.ndarray] = {}  # (memory-mapped: a published model's shard is gigabytes)
         out: dict[str, torch.Tensor] = {}
         for key, value in table.items():
             if not key:
@@ -192,7 +192,7 @@ def read_tf_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
                 data_file = prefix.with_name(f"{prefix.name}.data-{shard:05d}-of-{n_shards:05d}")
                 if not data_file.is_file():
                     raise CheckpointError(f"{data_file}: missing data shard of {index}")
-                shards[shard] = data_file.read_bytes()
+                shards[shard] = np.memmap(data_file, dtype=np.uint8, mode="r") if data_file.stat().st_size else b""
             raw = shards[shard][offset : offset + size]
             if len(raw) != size:
                 raise ValueError(f"{name}: its bytes run past the end of data shard {shard}")
