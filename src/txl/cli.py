@@ -70,13 +70,13 @@ def convert_original(src: Path, out: Path, corpus: Path | None = None, trust_pic
     _converted(src, out, model, tokenizer, "", "the corpus cache with --corpus DATA/cache.pt")
 
 
-def _converted(src: Path, out: Path, model, tokenizer, note: str, where_vocab: str) -> None:
+def _converted(src: Path, out: Path, model, tokenizer, note: str, where_vocab: str | None) -> None:
     """What a conversion printed: the model, and the tokenizer or how to get one."""
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters{note}")
     if tokenizer is not None:
         print(f"tokenizer: {out / 'tokenizer.json'} ({tokenizer.vocab_size:,} {tokenizer.kind} symbols, the same ids)")
-    else:
+    elif where_vocab is not None:
         print(f"no vocabulary: give {where_vocab} (else txl generate needs --prompt_ids)")
 
 
@@ -109,7 +109,8 @@ def convert_tf(
     model, tokenizer, note = convert_tf_checkpoint(
         src, out, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
     )
-    _converted(src, out, model, tokenizer, f"; {note}", "the data folder's cache.pkl with --corpus")
+    where = None if "vocabulary not read" in note else "the data folder's cache.pkl with --corpus"  # (the note says)
+    _converted(src, out, model, tokenizer, f"; {note}", where)
 
 
 def export_onnx(

@@ -165,8 +165,9 @@ def convert_tf_checkpoint(
     """Convert a TF Transformer-XL checkpoint (a prefix, its ``.index`` or its folder) to a txl model.
 
     ``corpus``: the data folder's ``cache.pkl`` for the vocabulary (default: ``data/cache.pkl`` of the published
-    layout, read only with ``trust_pickle``). Returns the model, the tokenizer (or None) and a line saying where the
-    memory settings came from. Everything is read and checked before anything is written to ``out``.
+    layout), read only with ``trust_pickle`` (else the weights alone are converted, and the note says why). Returns
+    the model, the tokenizer (or None) and a note: where the memory settings came from, and why the vocabulary was not
+    read if it was not. Everything is read and checked before anything is written to ``out``.
     """
     prefix = checkpoint_prefix(src)
     source = str(prefix)
@@ -186,9 +187,9 @@ def convert_tf_checkpoint(
         "clamp_len": (sota[1] if sota[1] is not None else -1) if clamp_len is None else clamp_len,
         "same_length": (sota[2] if sota[2] is not None else True) if same_length is None else same_length,
     }
-    given = [v for v in (mem_len, clamp_len, same_length) if v is not None]
-    origin = f"the paper's {dataset} evaluation (tf/sota/{dataset}.sh)" if dataset else "the options"
-    note = ", ".join(f"{k} {v}" for k, v in settings.items()) + f" (from {'the options' if given else origin})"
+    given = {"mem_len": mem_len, "clamp_len": clamp_len, "same_length": same_length}
+    fallback = f"tf/sota/{dataset}.sh" if dataset else "default"
+    note = ", ".join(f"{k} {v} ({'option' if given[k] is not None else fallback})" for k, v in settings.items())
     try:
         config = TransformerXLConfig(
             n_layer=n_layer, d_model=d_model, n_head=int(r_w_bias.shape[-2]), d_head=int(r_w_bias.shape[-1]),
@@ -200,12 +201,12 @@ def convert_tf_checkpoint(
         raise CheckpointError(f"{source}: {e}") from None
     tokenizer = None
     cache = Path(corpus) if corpus is not None else (_data_folder(prefix.parent) or Path()) / "cache.pkl"
-    if cache.is_file():
-        if not trust_pickle:
-            raise CheckpointError(
-                f"{cache} (the vocabulary) is a pickle; pickles can run code when loaded. If you trust its origin "
-                "pass --trust-pickle (it is read with a restricted unpickler that runs nothing)"
-            )
+    if cache.is_file() and not trust_pickle:  # the weights alone, as txl convert hf does without trust
+        note += (
+            f"; vocabulary not read: {cache} is a pickle (pickles can run code when loaded); if you trust its origin "
+            "pass --trust-pickle (it is read with a restricted unpickler that runs nothing)"
+        )
+    elif cache.is_file():
         corpus_obj = read_trusted_pickle(cache)
         vocab = corpus_obj.get("vocab") if isinstance(corpus_obj, Stub) else None
         if vocab is None:
