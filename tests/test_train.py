@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from train_helpers import (
@@ -92,6 +93,9 @@ def test_a_run_alone_resumes_with_its_recorded_settings(tmp_path, capsys, monkey
             assert losses(part) == losses(ref), run
             assert_same_weights(final_weights(part), final_weights(ref))
         assert not (tmp_path / "runs").exists()
+        main(["train", "--resume", str(tmp_path / "a"), "--print_config"])  # the recorded settings, as YAML alone
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["run_dir"] == str(tmp_path / "a") and printed["data"]["path"] == str(tmp_path / "corpus")
         loose = tmp_path / "loose"
         shutil.copytree(list_checkpoints(tmp_path / "a")[-1][1], loose)
         with pytest.raises(SystemExit) as e:

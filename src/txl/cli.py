@@ -196,7 +196,9 @@ def _recorded_run_args(node, args: list[str]) -> list[str] | None:
             )
         extra = ["--run_dir", str(run_dir)]
     if os.environ.get("RANK", "0") == "0":
-        print(f"continuing from {folder} with the settings recorded in its {RUN_CONFIG} (options given override them)")
+        where = sys.stderr if node["print_config"] else sys.stdout  # (--print_config's output stays YAML)
+        print(f"continuing from {folder} with the settings recorded in its {RUN_CONFIG} (options given override them)",
+              file=where)  # fmt: skip
     return [str(folder / RUN_CONFIG), *extra]
 
 
