@@ -23,6 +23,7 @@ by a killed run never blocks the next one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -30,6 +31,7 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +88,7 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     return read_json(Path(folder) / METADATA)
 
 
-def earlier_checkpoint_hint(folder: Path) -> str:
+def _earlier_checkpoint_hint(folder: Path) -> str:
     """For an unusable checkpoint: how to continue from the complete one before it in its run, if there is one."""
     folder = Path(folder)
     if folder.parent.name != "checkpoints" or not _STEP.match(folder.name):
@@ -94,6 +96,19 @@ def earlier_checkpoint_hint(folder: Path) -> str:
     step = int(_STEP.match(folder.name).group(1))
     before = [path for n, path in list_checkpoints(folder.parent.parent) if n < step]
     return f"; to continue from the checkpoint before it: --resume {before[-1]}" if before else ""
+
+
+@contextlib.contextmanager
+def naming_an_earlier_checkpoint(folder: Path | None) -> Iterator[None]:
+    """Reading checkpoint ``folder``: a file that cannot be read (damaged) is an error that also says how to continue
+    from the complete checkpoint before it."""
+    try:
+        yield
+    except CheckpointError as e:
+        hint = _earlier_checkpoint_hint(folder) if folder is not None else ""
+        if not hint:
+            raise
+        raise CheckpointError(f"{e}{hint}") from None
 
 
 def read_run_config(folder: Path) -> RunConfig | None:

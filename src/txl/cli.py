@@ -109,8 +109,7 @@ def convert_tf(
     model, tokenizer, note = convert_tf_checkpoint(
         src, out, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
     )
-    where = None if "vocabulary not read" in note else "the data folder's cache.pkl with --corpus"  # (the note says)
-    _converted(src, out, model, tokenizer, f"; {note}", where)
+    _converted(src, out, model, tokenizer, f"; {note}", None)  # (without a vocabulary, the note says why)
 
 
 def export_onnx(
@@ -173,8 +172,8 @@ def _recorded_run_args(node, args: list[str]) -> list[str] | None:
     """`txl train` without --config, continuing a run (--resume auto with a --run_dir that has a checkpoint, or
     --resume PATH): the settings recorded in that checkpoint (its run.json) as the config, then the options given;
     with --resume PATH and no --run_dir, the run goes on in the checkpoint's own run folder. None: parse as given."""
-    from txl.checkpoint import RUN_CONFIG, earlier_checkpoint_hint, latest_checkpoint, resolve_model_dir
-    from txl.pretrained import CheckpointError, read_json
+    from txl.checkpoint import RUN_CONFIG, latest_checkpoint, naming_an_earlier_checkpoint, resolve_model_dir
+    from txl.pretrained import read_json
 
     if node.get("config") or node["resume"] == "none":
         return None
@@ -182,10 +181,8 @@ def _recorded_run_args(node, args: list[str]) -> list[str] | None:
     folder = resolve_model_dir(node["resume"], prefer="latest") if explicit else latest_checkpoint(node["run_dir"])
     if folder is None or not (folder / RUN_CONFIG).is_file():
         return None
-    try:
+    with naming_an_earlier_checkpoint(folder):
         read_json(folder / RUN_CONFIG)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}{earlier_checkpoint_hint(folder)}") from None
     extra = []
     if explicit and not any(a == "--run_dir" or a.startswith("--run_dir=") for a in args):
         run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else None

@@ -248,6 +248,12 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
         tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     model = (TransformerXLLM if is_lm else TransformerXL)(config, init=False)
     _check_hf_ties(model, tensors, source)
+    return load_converted(model, tensors, source, tokenizer, out)
+
+
+def load_converted(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, tokenizer, out) -> Any:
+    """``model`` with ``tensors`` loaded (all checked together), in eval mode; saved with ``tokenizer`` (if any) to
+    ``out`` if given."""
     load_weights(model, tensors, source)
     model.eval()
     if out is not None:

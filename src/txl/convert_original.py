@@ -37,14 +37,14 @@ import torch
 import torch._utils
 from numpy._core import multiarray as np_multiarray
 
-from txl.convert import hf_state_dict_to_txl
+from txl.convert import hf_state_dict_to_txl, load_converted
 from txl.data import Tokenizer
 from txl.data.errors import DataError
 from txl.data.rawtext import Moses
 from txl.data.tokenizer import BYTE_CHARS
-from txl.hf_vocab import Refused, RestrictedUnpickler
+from txl.hf_vocab import Inert, Refused, RestrictedUnpickler
 from txl.modeling import TransformerXLConfig, TransformerXLLM
-from txl.pretrained import CheckpointError, load_weights
+from txl.pretrained import CheckpointError
 
 # Modules whose classes become stubs: the original code's, NVIDIA's (same names), torch.nn's and argparse's.
 STUB_MODULES = (
@@ -78,14 +78,12 @@ TENSOR_FUNCTIONS: dict[tuple[str, str], Any] = {
 }
 
 
-class Stub:
-    """Stands in for an object of a class txl does not import: keeps its state (a module's ``_parameters``,
-    ``_buffers``, ``_modules`` and attributes) and its constructor arguments; runs nothing."""
+class Stub(Inert):
+    """:class:`txl.hf_vocab.Inert` for a class of the original code, torch.nn or argparse: its state (a module's
+    ``_parameters``, ``_buffers``, ``_modules`` and attributes) as a dict, read with :meth:`get` and :meth:`child`."""
 
     origin = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs, self.state = args, kwargs, {}
+    state: dict[str, Any] = {}  # (until the pickle sets it)
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict | None):  # (dict, slots)
@@ -148,6 +146,8 @@ def read_trusted_pickle(path: Path) -> Any:
             return first
         with warnings.catch_warnings():  # (the legacy format's "couldn't retrieve source code" of the stubs)
             warnings.simplefilter("ignore")
+            # weights_only=False is what lets torch.load take a pickle_module: ours, whose find_class admits only
+            # tensor rebuilders, plain data and inert stubs (the caller has asked for --trust-pickle)
             return torch.load(path, map_location="cpu", pickle_module=PICKLE_MODULE, weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
@@ -287,6 +287,34 @@ def vocab_tokenizer(vocab: Any, dataset: str | None, source: str) -> Tokenizer:
         raise CheckpointError(f"{source}: {e}") from None
 
 
+def corpus_vocabulary(path: Path, code: str) -> tuple[Any, str | None]:
+    """The ``Vocab`` and the dataset name of a pickled corpus cache (``code``: whose, for the error)."""
+    cache = read_trusted_pickle(Path(path))
+    vocab = cache.get("vocab") if isinstance(cache, Stub) else None
+    if vocab is None:
+        raise CheckpointError(f"{path}: not {code}'s corpus cache (a Corpus with a vocab)")
+    return vocab, cache.get("dataset")
+
+
+def build_converted(
+    config: TransformerXLConfig,
+    named: dict[str, torch.Tensor],
+    source: str,
+    tokenizer: Tokenizer | None,
+    vocab_source: str,
+    out: str | Path | None,
+) -> TransformerXLLM:
+    """The txl model of ``named`` (the original PyTorch names, as ``txl convert hf`` maps them), checked against the
+    tokenizer's vocabulary; saved with it to ``out`` if given."""
+    if tokenizer is not None and tokenizer.vocab_size != config.n_token:
+        raise CheckpointError(
+            f"{vocab_source}: the vocabulary has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,}"
+        )
+    tensors = hf_state_dict_to_txl(named, config, "transformer.", source)
+    tensors = {k: v.float().contiguous() for k, v in tensors.items()}
+    return load_converted(TransformerXLLM(config, init=False), tensors, source, tokenizer, out)
+
+
 def _namespace(obj: Any) -> dict[str, Any]:
     return obj.state if isinstance(obj, Stub) else obj if isinstance(obj, dict) else {}
 
@@ -322,25 +350,11 @@ def convert_original_checkpoint(
         what = obj.origin if isinstance(obj, Stub) else type(obj).__name__
         raise CheckpointError(f"{src}: holds a {what}, not a pickled MemTransformerLM or a checkpoint dict")
     if corpus is not None:
-        cache = read_trusted_pickle(Path(corpus))
-        vocab, dataset = (cache.get("vocab"), cache.get("dataset")) if isinstance(cache, Stub) else (None, None)
-        if vocab is None:
-            raise CheckpointError(f"{corpus}: not the original code's corpus cache (a Corpus with a vocab)")
+        vocab, dataset = corpus_vocabulary(Path(corpus), "the original code")
     config = _config(fields, state, str(src))
-    tokenizer = vocab_tokenizer(vocab, dataset, str(corpus or src)) if vocab is not None else None
-    if tokenizer is not None and tokenizer.vocab_size != config.n_token:
-        raise CheckpointError(
-            f"{corpus or src}: the vocabulary has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,}"
-        )
+    vocab_source = str(corpus or src)
+    tokenizer = vocab_tokenizer(vocab, dataset, vocab_source) if vocab is not None else None
     # The original (and NVIDIA's) head reads tail cluster i's logit at column -i; txl (as HF and TF) at shortlist + i-1.
     state = {k: v.flip(0) if k in ("crit.cluster_weight", "crit.cluster_bias") else v for k, v in state.items()}
     named = {(k if k.startswith("crit.") else f"transformer.{k}"): v.detach() for k, v in state.items()}
-    tensors = hf_state_dict_to_txl(named, config, "transformer.", str(src))
-    model = TransformerXLLM(config, init=False)
-    load_weights(model, {k: v.float() for k, v in tensors.items()}, str(src))
-    model.eval()
-    if out is not None:
-        model.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save(Path(out) / "tokenizer.json")
-    return model, tokenizer
+    return build_converted(config, named, str(src), tokenizer, vocab_source, out), tokenizer

@@ -35,11 +35,10 @@ from typing import Any
 
 import torch
 
-from txl.convert import hf_state_dict_to_txl
-from txl.convert_original import Stub, read_trusted_pickle, vocab_tokenizer
+from txl.convert_original import build_converted, corpus_vocabulary, vocab_tokenizer
 from txl.data import Tokenizer
 from txl.modeling import TransformerXLConfig, TransformerXLLM
-from txl.pretrained import CheckpointError, load_weights
+from txl.pretrained import CheckpointError
 from txl.tf_checkpoint import checkpoint_prefix, read_tf_checkpoint
 
 T = "transformer/"
@@ -179,15 +178,11 @@ def convert_tf_checkpoint(
     untie_r = r_w_bias.dim() == 3
     fields, tensors = _adaptive(tf, d_model, source)
     tensors |= _layers(tf, n_layer, untie_r, source)
-    dataset, *sota = SOTA.get(fields["n_token"], (None, None, None, None))
+    dataset, *sota = SOTA.get(fields["n_token"], (None, None, -1, True))  # (no model of the paper: defaults)
     if mem_len is None and sota[0] is None:
         raise CheckpointError(f"{source}: a TF checkpoint holds no memory length; give --mem_len (and --clamp_len)")
-    settings = {
-        "mem_len": sota[0] if mem_len is None else mem_len,
-        "clamp_len": (sota[1] if sota[1] is not None else -1) if clamp_len is None else clamp_len,
-        "same_length": (sota[2] if sota[2] is not None else True) if same_length is None else same_length,
-    }
     given = {"mem_len": mem_len, "clamp_len": clamp_len, "same_length": same_length}
+    settings = {k: sota[i] if v is None else v for i, (k, v) in enumerate(given.items())}
     fallback = f"tf/sota/{dataset}.sh" if dataset else "default"
     note = ", ".join(f"{k} {v} ({'option' if given[k] is not None else fallback})" for k, v in settings.items())
     try:
@@ -201,27 +196,17 @@ def convert_tf_checkpoint(
         raise CheckpointError(f"{source}: {e}") from None
     tokenizer = None
     cache = Path(corpus) if corpus is not None else (_data_folder(prefix.parent) or Path()) / "cache.pkl"
-    if cache.is_file() and not trust_pickle:  # the weights alone, as txl convert hf does without trust
+    if corpus is not None and not cache.is_file():
+        raise CheckpointError(f"{cache}: not found")
+    if not cache.is_file():
+        note += "; no vocabulary: no data/cache.pkl beside the model (give it with --corpus, else txl generate needs "
+        note += "--prompt_ids)"
+    elif not trust_pickle:  # the weights alone, as txl convert hf does without trust
         note += (
             f"; vocabulary not read: {cache} is a pickle (pickles can run code when loaded); if you trust its origin "
             "pass --trust-pickle (it is read with a restricted unpickler that runs nothing)"
         )
-    elif cache.is_file():
-        corpus_obj = read_trusted_pickle(cache)
-        vocab = corpus_obj.get("vocab") if isinstance(corpus_obj, Stub) else None
-        if vocab is None:
-            raise CheckpointError(f"{cache}: not the TF code's corpus cache (a Corpus with a vocab)")
-        tokenizer = vocab_tokenizer(vocab, corpus_obj.get("dataset") or dataset, str(cache))
-        if tokenizer.vocab_size != config.n_token:
-            raise CheckpointError(f"{cache}: {tokenizer.vocab_size:,} symbols, but the model has {config.n_token:,}")
-    elif corpus is not None:
-        raise CheckpointError(f"{cache}: not found")
-    model = TransformerXLLM(config, init=False)
-    txl_tensors = hf_state_dict_to_txl(tensors, config, "transformer.", source)
-    load_weights(model, {k: v.float().contiguous() for k, v in txl_tensors.items()}, source)
-    model.eval()
-    if out is not None:
-        model.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save(Path(out) / "tokenizer.json")
-    return model, tokenizer, note
+    else:
+        vocab, cache_dataset = corpus_vocabulary(cache, "the TF code")
+        tokenizer = vocab_tokenizer(vocab, cache_dataset or dataset, str(cache))
+    return build_converted(config, tensors, source, tokenizer, str(cache), out), tokenizer, note

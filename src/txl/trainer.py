@@ -19,7 +19,6 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 from txl import native
 from txl.checkpoint import (
     RunLock,
-    earlier_checkpoint_hint,
     latest_checkpoint,
     load_states,
+    naming_an_earlier_checkpoint,
     read_metadata,
     resolve_model_dir,
     save_checkpoint,
@@ -142,7 +141,7 @@ class Trainer:
         if tc.eval_batch_size % w.size:
             raise ValueError(f"train.eval_batch_size = {tc.eval_batch_size} must split evenly over {w.size} processes")
         self.checkpoint_to_load = self._find_resume(resume)
-        with _naming_an_earlier_checkpoint(self.checkpoint_to_load):
+        with naming_an_earlier_checkpoint(self.checkpoint_to_load):
             start = read_metadata(self.checkpoint_to_load)["step"] if self.checkpoint_to_load else -1
         superseded = []
         if w.is_main:  # rows (and checkpoints) after the checkpoint belong to a continuation this run replaces
@@ -205,7 +204,7 @@ class Trainer:
         self._epoch = 0
         self._stop_signal = False
         if self.checkpoint_to_load is not None:
-            with _naming_an_earlier_checkpoint(self.checkpoint_to_load):
+            with naming_an_earlier_checkpoint(self.checkpoint_to_load):
                 self._load(self.checkpoint_to_load)
         if w.is_main:
             write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
@@ -526,18 +525,6 @@ class Trainer:
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def _naming_an_earlier_checkpoint(folder: Path | None) -> Iterator[None]:
-    """A checkpoint that cannot be read (a damaged file): the error also says how to continue from the one before."""
-    try:
-        yield
-    except CheckpointError as e:
-        hint = earlier_checkpoint_hint(folder) if folder is not None else ""
-        if not hint:
-            raise
-        raise CheckpointError(f"{e}{hint}") from None
 
 
 def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:
