@@ -23,7 +23,7 @@ def make_data(folder, kind: str, fmt: str = "jsonl", n_train: int = 160, seed: i
         for _ in range(n):
             marks = rng.choice([["aaaa"], ["pppp"], ["aaaa", "pppp"]] if kind == "multi" else [["aaaa"], ["pppp"]])
             text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) + " " + " ".join(marks) + "."
-            label = {"single": "yes" if marks == ["aaaa"] else "no",
+            label = {"single": "yes" if marks == ["aaaa"] else "nö",
                      "multi": ["x" if m == "aaaa" else "y" for m in marks],
                      "regression": 1.0 if marks == ["aaaa"] else -1.0}[kind]  # fmt: skip
             rows.append({"text": text, "label": label})
@@ -73,9 +73,11 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
         assert last["accuracy"] >= 0.9 and last["f1"] >= 0.9
     capsys.readouterr()
     main(["predict", "--model", str(run), "--text", '["gh ij aaaa.", "ab cd pppp."]'])
-    a, b = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    out = capsys.readouterr().out
+    a, b = (json.loads(x) for x in out.splitlines())
     if kind == "single":
-        assert (a["label"], b["label"]) == ("yes", "no") and abs(sum(a["scores"].values()) - 1) < 1e-5
+        assert (a["label"], b["label"]) == ("yes", "nö") and abs(sum(a["scores"].values()) - 1) < 1e-5
+        assert '"nö"' in out  # labels as written (UTF-8), not \u escapes
     elif kind == "multi":
         assert (a["labels"], b["labels"]) == (["x"], ["y"])
     else:

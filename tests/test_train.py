@@ -271,6 +271,19 @@ def test_cli_reports_bad_config(tmp_path, capsys):
     assert e.value.code == 2 and "'fp16' needs CUDA" in capsys.readouterr().err
 
 
+def test_a_recipe_fits_a_smaller_vocabulary(tmp_path, capsys):
+    """The recipe's adaptive softmax on a text with fewer tokens: n_token becomes the vocabulary's size and the
+    cutoffs past its end go (with their tie_projs entries), said once; the run resumes with the same model."""
+    run = run_inprocess(tmp_path, model__cutoffs="20,60,100", model__div_val=2, train__max_steps=3)
+    out = capsys.readouterr().out
+    cfg = json.loads((list_checkpoints(run)[-1][1] / "config.json").read_text())
+    assert 20 < cfg["n_token"] < 60  # the tiny corpus's characters
+    assert cfg["cutoffs"] == [20] and cfg["tie_projs"] == [False, True] and cfg["div_val"] == 2
+    assert "model.cutoffs = [20] (the clusters from 60, 100 on lie past the vocabulary's end" in out
+    run_inprocess(tmp_path, model__cutoffs="20,60,100", model__div_val=2, train__max_steps=5)
+    assert "resumed from" in capsys.readouterr().out and list_checkpoints(run)[-1][0] == 5
+
+
 def test_resume_guards(tmp_path, capsys):
     run_inprocess(tmp_path, train__max_steps=3)
     with pytest.raises(SystemExit) as e:  # starting fresh over a run with checkpoints would lose it

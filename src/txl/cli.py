@@ -332,7 +332,7 @@ def eval(
         settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
         if json:
             record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value}
-            print(_json.dumps(record | {"tokens": res.tokens} | settings), flush=True)
+            print(_json.dumps(record | {"tokens": res.tokens} | settings, ensure_ascii=False), flush=True)
         else:
             label = text.description if data is not None and Path(data).is_file() else s.split
             print(
@@ -370,7 +370,7 @@ def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batch
     settings |= {"clamp_len": s.clamp_len, "batch_size": s.batch_size}
     if json:
         record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value, "tokens": res.tokens}
-        print(_json.dumps(record | settings))
+        print(_json.dumps(record | settings, ensure_ascii=False))
         return
     print(
         f"{s.split}: loss {res.loss:.4f} | {name} {value:.4f} | sliding window {window}, stride {stride}, no memory, "
@@ -475,7 +475,7 @@ def generate(
         record = {"prompt_ids": prompt_ids, "new_ids": new}
         if tok is not None:
             record["text"] = tok.decode(new)
-        print(_json.dumps(record))
+        print(_json.dumps(record, ensure_ascii=False))
         return
     decoder = tok.stream_decoder()
     out = sys.stdout
@@ -765,7 +765,7 @@ def predict(
         else:
             texts += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
     for record in run_predict(model, texts):
-        print(_json.dumps(record))
+        print(_json.dumps(record, ensure_ascii=False))
 
 
 def tokenize(
@@ -1013,6 +1013,7 @@ def run(argv: list[str]) -> None:
         recorded = _recorded_run_args(node, argv[1:])
         if recorded is not None:  # parsed again: the recorded settings first, the options given on top
             node = parser.parse_args(["--config", recorded[0], *argv[1:], *recorded[1:]])
+        _n_token_past_the_cutoffs(node["model"])
         train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
         return
     if target is finetune:
@@ -1022,6 +1023,15 @@ def run(argv: list[str]) -> None:
         return
     init = parser.instantiate(node)
     target(**{k: init[k] for k in inspect.signature(target).parameters})
+
+
+def _n_token_past_the_cutoffs(model) -> None:
+    """A recipe's n_token is a placeholder that training replaces with the vocabulary's size (dropping the cutoffs
+    past its end): cutoffs given beyond it, for a larger vocabulary, raise it instead of failing its check."""
+    cutoffs = model["cutoffs"]
+    if isinstance(cutoffs, list) and cutoffs and all(isinstance(c, int) and not isinstance(c, bool) for c in cutoffs):
+        if isinstance(model["n_token"], int) and model["n_token"] <= max(cutoffs):
+            model["n_token"] = max(cutoffs) + 1
 
 
 def _argument_message(message: str) -> str:

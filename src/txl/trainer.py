@@ -265,14 +265,25 @@ class Trainer:
         return resolve_model_dir(resume, prefer="latest")
 
     def _model_config(self, model: TransformerXLConfig, vocab_size: int) -> TransformerXLConfig:
+        """The recipe's model for the corpus's vocabulary: n_token from it, and the adaptive softmax's cutoffs at or
+        past its end dropped (with their clusters' tie_projs entries), so that one recipe fits any text."""
         if model.n_token == vocab_size:
             return model
         self.say(
             f"model.n_token = {vocab_size:,} (the vocabulary of {self.cfg.data.dataset}; "
             f"the config said {model.n_token:,})"
         )
+        changes: dict[str, Any] = {"n_token": vocab_size}
+        kept = [c for c in model.cutoffs if c < vocab_size]
+        if len(kept) < len(model.cutoffs):
+            changes.update(cutoffs=kept, tie_projs=model.tie_projs[: len(kept) + 1])
+            dropped = ", ".join(f"{c:,}" for c in model.cutoffs[len(kept) :])
+            self.say(
+                f"model.cutoffs = {kept} (the clusters from {dropped} on lie past the vocabulary's end; "
+                f"the config said {model.cutoffs})"
+            )
         try:
-            return TransformerXLConfig.from_dict({**model.to_dict(), "n_token": vocab_size})
+            return TransformerXLConfig.from_dict({**model.to_dict(), **changes})
         except ValueError as e:
             what = "adjust model.cutoffs, and model.tie_projs to one entry per cluster if the recipe sets it"
             raise ValueError(f"{e} (n_token is the vocabulary size, {vocab_size:,}: {what})") from None
