@@ -240,3 +240,12 @@ def test_txl_attention_cli(char_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["attention", "--model", str(char_run), "--layer", "5"])
     assert "--layer = 5: the model has 2 layers" in capsys.readouterr().err
+    text = tmp_path / "other.txt"  # another text: --data, as txl eval names it (or --text, its former name)
+    text.write_text("Mn op ab cd ef. Gh ij kl mn op ab cd.\n" * 4)
+    by_option = {}
+    for option in ("--data", "--text"):
+        main(["attention", "--model", str(char_run), "--tokens", "80", "--tgt_len", "16", "--mem_len", "32",
+              "--out", str(tmp_path / option[2:]), option, str(text)])  # fmt: skip
+        by_option[option] = json.loads((tmp_path / option[2:] / "attention.json").read_text())["by_distance"]
+    assert by_option["--data"] == by_option["--text"]
+    assert not np.allclose(by_option["--data"], record["by_distance"], atol=1e-4)

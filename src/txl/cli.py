@@ -588,6 +588,7 @@ def recl(
 
 def attention(
     model: Path | None = None,
+    data: Path | None = None,
     text: Path | None = None,
     out: Path = Path("attention"),
     tokens: int = 2000,
@@ -606,7 +607,8 @@ def attention(
 
     Args:
         model: A run folder, a checkpoint step-N folder, or a model folder with tokenizer.json.
-        text: The text file to read (default: the run's eval split).
+        data: A text file or folder, as for txl eval (default: the run's evaluation split).
+        text: The same as --data (its former name).
         out: Output folder.
         tokens: Read the first this many tokens of the text.
         tgt_len: Segment length (default: the run's evaluation settings).
@@ -628,6 +630,8 @@ def attention(
         raise ValueError("txl attention needs --model RUN_OR_DIR")
     if tokens < 2:
         raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    if data is not None and text is not None:
+        raise ValueError("txl attention: give the text once, with --data (--text is its former name)")
     _set_threads(threads)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
@@ -638,7 +642,7 @@ def attention(
     if not -cfg.n_head <= head < cfg.n_head:
         raise ValueError(f"--head = {head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
     s = eval_settings(run, cfg, tgt_len=tgt_len, mem_len=mem_len, same_length=same_length)
-    source = eval_text(folder, run, s.split, text, None, None)
+    source = eval_text(folder, run, s.split, data if data is not None else text, None, None)
     if isinstance(source.ids, list):
         raise ValueError("txl attention reads one token stream; sentence shards (lm1b) are not one")
     ids = np.asarray(source.ids[:tokens], dtype=np.int64)

@@ -9,7 +9,11 @@ segment and memory lengths are dynamic. The graph's metadata (``txl.*`` keys) sa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +91,22 @@ def _inputs(cfg, B: int, T: int, M: int, generator: torch.Generator, pad_rows: b
     return ids, mems, padding
 
 
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter's notes that concern torch itself, not this model (the torchvision operators it skips, its own
+    deprecated calls), kept off the user's terminal; its errors still reach them."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.")
+            yield
+    finally:
+        registration.setLevel(level)
+
+
 def export_onnx(
     model_dir: str | Path,
     out: str | Path,
@@ -122,7 +142,7 @@ def export_onnx(
     auto = torch.export.Dim.AUTO  # (the window is segment + memory: export infers how the sizes relate)
     dynamic = {"input_ids": {0: auto, 1: auto}, "mems": {1: auto, 2: auto}, "padding": {0: auto, 1: auto}}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_exporter():
             program = torch.onnx.export(
                 step,
                 example,
