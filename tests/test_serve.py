@@ -107,6 +107,8 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
     "body, message",
     [
         ("{bad json", "the request body is not valid JSON"),
+        ("[1, 2]", "the request body must be a JSON object, sent with Content-Type: application/json"),
+        (("text/plain", '{"prompt": "ab"}'), "the request body must be a JSON object, sent with Content-Type"),
         ({"prompt": "ab", "colour": 1}, "colour: unknown field"),
         ({"prompt": "ab", "temperature": "hot"}, "temperature: Input should be a valid number"),
         ({"prompt": "ab", "top_p": 0}, "top_p: Input should be greater than 0"),
@@ -122,7 +124,12 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
     ],
 )
 def test_bad_generate_requests_name_the_field(client, body, message):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    if isinstance(body, tuple):  # (content type, body)
+        kw = {"content": body[1], "headers": {"content-type": body[0]}}
+    elif isinstance(body, str):
+        kw = {"content": body, "headers": {"content-type": "application/json"}}
+    else:
+        kw = {"json": body}
     res = client.post("/v1/generate", **kw)
     assert res.status_code == 422 and message in res.json()["error"], res.json()
 

@@ -78,6 +78,9 @@ def _field_error(e: RequestValidationError) -> str:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             parts.append("the request body is not valid JSON")
+        elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+            why = "a JSON object, sent with Content-Type: application/json (curl: -H 'Content-Type: application/json')"
+            parts.append(f"the request body must be {why}")
         elif err.get("type") == "extra_forbidden":
             parts.append(f"{'.'.join(loc)}: unknown field")
         else:
