@@ -435,6 +435,17 @@ def test_generate_text_and_plot(tmp_path, capsys):
         assert capsys.readouterr().out == "Ab" + records[-1]["text"] + "\n"  # prompt + continuation
     assert all(len(r["new_ids"]) == 30 and len(r["text"]) == 30 for r in records)
     assert records[0] == records[1] != records[2]  # the seed decides the sample
+    from txl import Tokenizer, TransformerXLLM
+    from txl.checkpoint import resolve_model_dir
+    from txl.generation import generate
+
+    lm, tok = TransformerXLLM.from_pretrained(run), Tokenizer.from_pretrained(run)  # the library takes a run folder
+    prompt = torch.tensor([tok.encode("Ab")])
+    greedy = generate(lm, prompt, 12, temperature=0)
+    best = TransformerXLLM.from_pretrained(resolve_model_dir(run))  # (its best checkpoint, as txl generate)
+    assert torch.equal(greedy, generate(best, prompt, 12, temperature=0))
+    main(["generate", "--model", str(run), "--prompt", "Ab", "--max_new_tokens", "12", "--temperature", "0", "--json"])
+    assert json.loads(capsys.readouterr().out)["new_ids"] == greedy[0, 2:].tolist()
     main(["plot", str(run)])
     png = Path(capsys.readouterr().out.strip())
     assert png == run / "loss.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -242,6 +242,9 @@ class PretrainedMixin:
     ) -> Self:
         """Build the model from ``directory/config.json`` and load ``model.safetensors`` (strict).
 
+        ``directory`` is a model folder, a checkpoint ``step-N`` folder or a run folder (its best checkpoint, as
+        ``txl eval`` and ``txl generate`` take it).
+
         The model is built on the meta device (no initialisation) and the file is read straight into its
         parameters: the weights are in memory once. ``dtype`` (e.g. ``torch.bfloat16``) builds the model in that
         dtype and casts the weights as they are read (half the memory; not exact). ``config_overrides`` replace
@@ -252,6 +255,10 @@ class PretrainedMixin:
         products may take another path and differ in the last bits from the saved model's; the NaN/inf check is
         skipped (it would read every weight).
         """
+        if not (Path(directory) / CONFIG_NAME).is_file():
+            from txl.checkpoint import resolve_model_dir  # (a run folder, or a clear error naming what it expected)
+
+            directory = resolve_model_dir(directory)
         config = cls.load_config(directory)
         if config_overrides:
             config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
