@@ -126,7 +126,7 @@ def test_txl_recl_cli(tmp_path, capsys):
     a = run_inprocess(tmp_path / "a", train__max_steps=3, train__eval_interval=0)
     b = run_inprocess(tmp_path / "b", train__max_steps=1, train__eval_interval=0)
     out = tmp_path / "out"
-    main(["recl", "--models", f"[{a}, {b}]", "--sliding", f"[{b}]", "--contexts", "[4, 8, 12]"]
+    main(["recl", "--models", str(a), str(b), "--sliding", str(b), "--contexts", "[4, 8, 12]"]  # (as a shell glob)
          + ["--tokens", "120", "--r", "[0.5, 1.0]", "--out", str(out)])  # fmt: skip
     printed = capsys.readouterr().out
     record = json.loads((out / "recl.json").read_text())

@@ -508,7 +508,7 @@ def recl(
     threshold, against the group's best loss per token. Prints the table and writes recl.json and recl.png.
 
     Args:
-        models: Run folders or model folders (the same tokenizer), e.g. --models '[runs/a, runs/b]'.
+        models: Run folders or model folders (the same tokenizer), e.g. --models runs/a runs/b.
         contexts: Evenly spaced context lengths, e.g. '[32, 64, 96, 128]'.
         sliding: Those of --models scored with a sliding window (vanilla models) instead of a memory.
         r: Fractions of the hardest tokens to average over (default: the paper's 0.1, 0.5 and 1.0).
@@ -581,8 +581,10 @@ def recl(
     for name in losses:
         cells = [f"{x.recl[name]}{'' if x.reached[name] else '+'}" for x in results]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    unreached = any(not ok for x in results for ok in x.reached.values())
     print(
-        f"(+: the gain never fell below {threshold} up to the longest length)  {out / 'recl.json'}, {out / 'recl.png'}"
+        (f"(+: the gain never fell below {threshold} up to the longest length)  " if unreached else "")
+        + f"{out / 'recl.json'}, {out / 'recl.png'}"
     )
 
 
@@ -912,16 +914,36 @@ def _number_list(option: str, value: str) -> str:
     return value
 
 
+PATH_LISTS = {"--models", "--sliding"}  # also as --models runs/a runs/b (a shell glob: --models runs/*)
+
+
+def _path_list(values: list[str]) -> str:
+    """The values given after an option that takes a list of paths, as one list (a JSON list given as such)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        return values[0]
+    return _json.dumps(values)
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """Accept ``--some-option`` for ``--some_option``, ``--flag`` alone for ``--flag=true``, and ``0,64,128`` for
-    ``[0, 64, 128]`` after the options that take a list of numbers (also as ``--option=0,64,128``)."""
+    """Accept ``--some-option`` for ``--some_option``, ``--flag`` alone for ``--flag=true``, ``0,64,128`` for
+    ``[0, 64, 128]`` after the options that take a list of numbers (also as ``--option=0,64,128``), and the
+    paths after an option that takes a list of them (``--models runs/a runs/b``) as one list."""
     out: list[str] = []
-    for i, arg in enumerate(argv):
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
         prev = out[-1] if out else ""
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             name = "--" + name[2:].replace("-", "_")
-            nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            if name in PATH_LISTS:
+                values = [value] if eq else []
+                while not eq and i < len(argv) and not argv[i].startswith("--"):
+                    values.append(argv[i])
+                    i += 1
+                out += [name, _path_list(values)] if values else [name]
+                continue
+            nxt = argv[i].lower() if i < len(argv) else ""
             bare = name in FLAGS and not eq and nxt not in ("true", "false", "null")
             arg = f"{name}=true" if bare else name + eq + (_number_list(name, value) if eq else "")
         elif prev.startswith("--") and "=" not in prev:
