@@ -231,6 +231,13 @@ def test_generate_cli(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     expected = generate(model, torch.tensor([[5, 6, 7]]), 6, temperature=0.0)[0, 3:].tolist()
     assert printed == {"prompt_ids": [5, 6, 7], "new_ids": expected}
+    short = ["generate", "--model", str(tmp_path), "--max_new_tokens", "6", "--temperature", "0"]
+    main([*short, "--prompt_ids", "5,6,7"])  # as on a shell: commas, no brackets
+    assert json.loads(capsys.readouterr().out) == printed
+    main([*short, "--prompt_ids", "5"])  # one id: a prompt of one token
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == [5]
+    main([*short, "--prompt_ids", "5,6,7", "--stop_ids", f"{expected[2]},{expected[2]}"])
+    assert json.loads(capsys.readouterr().out)["new_ids"] == expected[: expected.index(expected[2]) + 1]
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(tmp_path / "missing"), "--prompt_ids", "[1]"])
     assert exit_info.value.code == 2 and "txl: error:" in capsys.readouterr().err

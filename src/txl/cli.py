@@ -399,7 +399,7 @@ def generate(
     Args:
         model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
         prompt: Prompt text (encoded with the model's tokenizer.json).
-        prompt_ids: Prompt token ids instead, e.g. [1,2,3] (prints ids as JSON when there is no tokenizer).
+        prompt_ids: Prompt token ids instead, e.g. 1,2,3 (prints ids as JSON when there is no tokenizer).
         max_new_tokens: Number of tokens to generate (>= 0).
         temperature: Sampling temperature (>= 0; 0 = greedy).
         top_k: Keep only the k most likely tokens (0 = all).
@@ -901,8 +901,8 @@ FLAGS = {
 }
 
 
-NUMBER_LISTS = {"--mem_len", "--contexts", "--r", "--model.cutoffs", "--train.betas"}  # also as 0,64,128
-LIST_ONLY = {"--model.cutoffs"}  # one number is a list of one (--mem_len 64 is one length, not a sweep)
+NUMBER_LISTS = {"--mem_len", "--contexts", "--r", "--model.cutoffs", "--train.betas", "--prompt_ids", "--stop_ids"}
+LIST_ONLY = {"--model.cutoffs", "--prompt_ids"}  # one number is a list of one (--mem_len 64 is one length, not a sweep)
 _NUMBERS = re.compile(r"^-?[0-9.]+(,-?[0-9.]+)*$")
 
 
