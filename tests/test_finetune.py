@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -82,6 +83,19 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
         assert (a["labels"], b["labels"]) == (["x"], ["y"])
     else:
         assert a["value"] > 0.3 and b["value"] < -0.3
+    valid = data / f"valid.{fmt}"  # a labelled file: its predictions, then the metrics of fine-tuning's validation
+    main(["predict", "--model", str(run), "--file", str(valid)])
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 40
+    scores = {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", captured.err.split(": ", 1)[1])[:-1]}
+    assert scores.keys() == (last.keys() & {"accuracy", "f1", "mse"}) and "on 40 labelled texts" in captured.err
+    assert all(scores[k] == pytest.approx(last[k], abs=1e-4) for k in scores)
+    if fmt == "csv":  # texts alone: predictions, no metrics
+        texts = tmp_path / "texts.csv"
+        texts.write_text('text\n"gh ij\naaaa."\nab cd pppp.\n')  # (a quoted text over two lines)
+        main(["predict", "--model", str(run), "--file", str(texts)])
+        captured = capsys.readouterr()
+        assert [len(json.loads(x)["labels"]) for x in captured.out.splitlines()] == [1, 1] and captured.err == ""
     main(["predict", "--model", str(run), "--text", "gh ij aaaa."])  # one text, as it is
     alone = json.loads(capsys.readouterr().out)  # (batched with another text, its scores round differently)
     assert alone.keys() == a.keys() and alone.get("label") == a.get("label") and alone.get("labels") == a.get("labels")

@@ -751,27 +751,28 @@ def predict(
         model: A fine-tuned run folder or checkpoint (txl finetune).
         text: A text, or a list of texts ('["a", "b"]').
         file: A file of texts: .jsonl (a "text" field per line), .csv (a text column) or plain text (one per line).
+            When every row also has a label, the accuracy and F1 (or MSE) follow on stderr.
         threads: torch CPU threads.
     """
-    from txl.finetune import FinetuneError
     from txl.finetune import predict as run_predict
+    from txl.finetune import predict_labelled
 
     if model is None or (text is None) == (file is None):
         raise ValueError("txl predict needs --model RUN and one of --text or --file")
     _set_threads(threads)
-    texts = [text] if isinstance(text, str) else list(text or [])
-    if file is not None:
-        if file.suffix in (".jsonl", ".csv"):
-            from txl.finetune import _rows
-
-            for n, row in _rows(file):
-                if not isinstance(row.get("text"), str):
-                    raise FinetuneError(f"{file}: line {n}: no text")
-                texts.append(row["text"])
-        else:
-            texts += [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for record in run_predict(model, texts):
+    summary = None
+    if file is not None and file.suffix in (".jsonl", ".csv"):
+        records, summary = predict_labelled(model, file)
+    elif file is not None:
+        lines = [(n, line) for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        records = run_predict(model, [line for _, line in lines], [f"{file}: line {n}" for n, _ in lines])
+    else:
+        records = run_predict(model, [text] if isinstance(text, str) else list(text))
+    for record in records:
         print(_json.dumps(record, ensure_ascii=False))
+    if summary is not None:  # every row had a label: how the predictions compare (as fine-tuning's validation)
+        scores = ", ".join(f"{k} {v:.4f}" for k, v in summary.items())
+        print(f"{file}: {scores} on {len(records):,} labelled texts", file=sys.stderr)
 
 
 def tokenize(

@@ -123,8 +123,8 @@ class Example:
     where: str  # "file: line N"
 
 
-def _rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) of a CSV (header text,label) or JSONL file."""
+def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a CSV (a header with ``columns``) or JSONL file."""
     rows = []
     try:
         if path.suffix == ".jsonl":
@@ -142,11 +142,11 @@ def _rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
         else:
             with path.open(encoding="utf-8", newline="") as f:
                 reader = csv.DictReader(f)
-                missing = {"text", "label"} - set(reader.fieldnames or [])
+                missing = set(columns) - set(reader.fieldnames or [])
                 if missing:
                     raise FinetuneError(
                         f"{path}: line 1: the header has no {' and no '.join(sorted(missing))} column "
-                        f"(it needs text and label, has {reader.fieldnames})"
+                        f"(it needs {' and '.join(columns)}, has {reader.fieldnames})"
                     )
                 for row in reader:
                     rows.append((reader.line_num, row))
@@ -486,20 +486,49 @@ def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassific
     return model, Tokenizer.load(folder / "tokenizer.json"), FinetuneConfig(**fields), record
 
 
-def predict(path: str | Path, texts: list[str]) -> list[dict[str, Any]]:
-    """Predictions of a fine-tuned classifier for raw texts: label (or labels, or value) and scores."""
+def predict(path: str | Path, texts: list[str], where: list[str] | None = None) -> list[dict[str, Any]]:
+    """Predictions of a fine-tuned classifier for raw texts: label (or labels, or value) and scores.
+
+    ``where`` names each text in errors (e.g. "file: line 3"; default "text N")."""
+    return _predictions(*_classify(path, texts, where))
+
+
+def predict_labelled(path: str | Path, file: str | Path) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    """Predictions for the texts of a CSV (a text column) or JSONL file ("text" fields), and, when every row has a
+    label too, the metrics of fine-tuning's validation on them (accuracy and F1, or MSE)."""
+    file = Path(file)
+    rows = _rows(file, columns=("text",))
+    where = [f"{file}: line {n}" for n, _ in rows]
+    for (_, row), at in zip(rows, where, strict=True):
+        if not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise FinetuneError(f"{at}: no text")
+    cfg, logits, names = _classify(path, [row["text"] for _, row in rows], where)
+    labelled = all(row.get("label") not in (None, "") for _, row in rows)
+    if not labelled:
+        return _predictions(cfg, logits, names), None
+    examples = [
+        Example([], _parse_label(row["label"], cfg.task, at, file.suffix == ".csv"), at)
+        for (_, row), at in zip(rows, where, strict=True)
+    ]
+    return _predictions(cfg, logits, names), metrics(logits, targets(examples, cfg.task, names), cfg.task)
+
+
+def _classify(path, texts: list[str], where: list[str] | None) -> tuple[FinetuneConfig, torch.Tensor, list[str]]:
     model, tok, cfg, record = load_classifier(path)
     docs = []
     for i, t in enumerate(texts):
+        at = where[i] if where else f"text {i + 1}"
         try:
             ids = tok.encode(t)[: cfg.max_tokens]
         except ValueError as e:
-            raise FinetuneError(f"text {i + 1}: {e}") from None
+            raise FinetuneError(f"{at}: {e}") from None
         if not ids:
-            raise FinetuneError(f"text {i + 1}: encodes to no tokens")
+            raise FinetuneError(f"{at}: encodes to no tokens")
         docs.append(ids)
-    logits = predict_logits(model, docs, cfg, record["mem_len_used"])
-    names = record["labels"]
+    return cfg, predict_logits(model, docs, cfg, record["mem_len_used"]), record["labels"]
+
+
+def _predictions(cfg: FinetuneConfig, logits: torch.Tensor, names: list[str]) -> list[dict[str, Any]]:
     out = []
     for row in logits:
         if cfg.task == "regression":
