@@ -79,6 +79,9 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
     if kind == "single":
         assert (a["label"], b["label"]) == ("yes", "nö") and abs(sum(a["scores"].values()) - 1) < 1e-5
         assert '"nö"' in out  # labels as written (UTF-8), not \u escapes
+        with pytest.raises(SystemExit):  # the classifier where a language model is needed: one error saying so
+            main(["generate", "--model", str(run), "--prompt", "ab"])
+        assert "without the language-model head (crit.*)" in capsys.readouterr().err
     elif kind == "multi":
         assert (a["labels"], b["labels"]) == (["x"], ["y"])
     else:

@@ -168,6 +168,44 @@ def test_base_model_and_classifier_round_trip(tmp_path):
         )
 
 
+@pytest.mark.parametrize("mmap", [False, True])
+def test_another_architecture_s_checkpoint_loads_its_body(tmp_path, mmap):
+    """As Hugging Face's from_pretrained: the base model from a language model's checkpoint (its body; the head is
+    left out), a classifier from a language model or base model (its body, the classification head initialised
+    anew with a warning); a language model from a checkpoint without its head is one error saying what to load."""
+    import warnings
+
+    from txl import CheckpointError
+
+    cfg = debug_config(n_token=120, cutoffs=[30, 80], div_val=2, init_std=0.3)  # (tied embedding and projections)
+    lm = TransformerXLLM(cfg).eval()
+    lm.save_pretrained(tmp_path / "lm")
+    TransformerXL(cfg).save_pretrained(tmp_path / "base")
+    ids = torch.randint(0, 120, (2, 7))
+    tol = {"atol": 1e-5, "rtol": 0} if mmap else {"atol": 0, "rtol": 0}  # (mmap: unaligned tensors, last bits)
+    with torch.no_grad():
+        body = lm.transformer(ids).last_hidden_state
+        base = TransformerXL.from_pretrained(tmp_path / "lm", mmap=mmap)
+        torch.testing.assert_close(base(ids).last_hidden_state, body, **tol)
+        for source in ("lm", "base"):
+            torch.manual_seed(0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                clf = TransformerXLForSequenceClassification.from_pretrained(tmp_path / source, num_labels=3, mmap=mmap)
+            assert any("classification head" in str(w.message) and "newly initialised" in str(w.message)
+                       for w in caught)  # fmt: skip
+            expected = TransformerXL.from_pretrained(tmp_path / source)(ids).last_hidden_state
+            torch.testing.assert_close(clf.transformer(ids).last_hidden_state, expected, **tol)
+            assert (
+                clf.score.weight.shape == (3, cfg.d_model) and 0.25 < float(clf.score.weight.std()) < 0.35
+            )  # init_std
+            assert bool(torch.isfinite(clf(ids).logits).all())
+    clf.save_pretrained(tmp_path / "clf")
+    for source, message in [("clf", "txl predict classifies with it"), ("base", "load it as TransformerXL$")]:
+        with pytest.raises(CheckpointError, match=f"without the language-model head \\(crit.\\*\\).*{message}"):
+            TransformerXLLM.from_pretrained(tmp_path / source, mmap=mmap)
+
+
 def test_classifier_pools_last_non_padding_token():
     cfg = debug_config(n_token=150, num_labels=3, pad_token_id=0, cutoffs=[30, 90], d_embed=32, div_val=2)
     model = TransformerXLForSequenceClassification(cfg).eval()

@@ -27,7 +27,7 @@ import contextlib
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
@@ -1307,8 +1307,9 @@ class TransformerXLModelOutput:
 class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
     config_class = TransformerXLConfig
 
-    def init_weights(self) -> None:
-        """The original initialisation (``weights_init`` of the reference ``train.py``)."""
+    def init_weights(self, modules: Iterable[nn.Module] | None = None) -> None:
+        """The original initialisation (``weights_init`` of the reference ``train.py``), of every module or of
+        ``modules``."""
         cfg = self.config
 
         def weight_(t: Tensor) -> None:
@@ -1317,7 +1318,8 @@ class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
             else:
                 nn.init.normal_(t, 0.0, cfg.init_std)
 
-        for module in self.modules():
+        modules = list(self.modules() if modules is None else modules)
+        for module in modules:
             if isinstance(module, nn.Linear):
                 weight_(module.weight)
                 if module.bias is not None:
@@ -1346,7 +1348,7 @@ class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
             elif isinstance(module, MultiHeadAttn) and module.r_emb is not None:
                 weight_(module.r_emb)
         # The embedding tables come last so that tied output layers carry the embedding initialisation.
-        for m in self.modules():
+        for m in modules:
             if isinstance(m, AdaptiveEmbedding):
                 for emb in m.emb_layers:
                     weight_(emb.weight)
@@ -1583,6 +1585,8 @@ class TransformerXLLMOutput:
 class TransformerXLLM(TransformerXLPreTrainedModel):
     """Transformer-XL with the (adaptive) softmax language-model head."""
 
+    base_model_prefix = "transformer"
+
     def __init__(self, config: TransformerXLConfig, *, init: bool = True):
         super().__init__()
         self.config = config
@@ -1661,6 +1665,9 @@ class SequenceClassifierOutput:
 
 class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
     """Scores the hidden state of the last token that is not ``pad_token_id`` (right padding)."""
+
+    base_model_prefix = "transformer"
+    new_head = "score"  # from_pretrained of a language model: the body's weights, this head initialised anew
 
     def __init__(self, config: TransformerXLConfig, *, init: bool = True):
         super().__init__()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Self
 
@@ -73,10 +74,11 @@ def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _check_weights(
-    module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, finite: bool = True
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, finite: bool = True, fresh: str = ""
 ) -> dict[str, torch.Tensor]:
-    """``tensors`` with tied aliases mapped to their canonical names; raises one error listing every problem."""
-    expected = unique_state_dict(module)
+    """``tensors`` with tied aliases mapped to their canonical names; raises one error listing every problem.
+    Keys under ``fresh`` (a module prefix, e.g. ``score.``) may be missing: they are initialised anew."""
+    expected = {k: v for k, v in unique_state_dict(module).items() if not (fresh and k.startswith(fresh))}
     aliases = tied_aliases(module)
     for alias, canonical in aliases.items():  # a file may keep a tied tensor under its other name
         if alias in tensors and canonical not in tensors:
@@ -146,14 +148,21 @@ def safetensors_index(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int
     return index, data
 
 
-def read_weights_into(module: torch.nn.Module, path: Path) -> None:
+def read_weights_into(
+    module: torch.nn.Module, path: Path, rename: dict[str, str] | None = None, fresh: str = ""
+) -> None:
     """Read a safetensors file straight into ``module``'s parameters (allocated, e.g. by ``to_empty``), tensor by
     tensor with ``readinto``: no memory map and no second copy of the weights in memory. Parameters of another
-    dtype (a model built in bf16) are cast one tensor at a time. The same checks as :func:`load_weights`."""
-    index, data = safetensors_index(path)
+    dtype (a model built in bf16) are cast one tensor at a time. The same checks as :func:`load_weights`.
+
+    ``rename`` (file key -> the module's key; a file key left out is not read) and ``fresh`` (a prefix of the
+    module's keys the file need not have) load a checkpoint of another architecture (:func:`architecture_plan`)."""
+    file_index, data = safetensors_index(path)
+    rename = rename if rename is not None else {k: k for k in file_index}
+    index = {rename[k]: entry for k, entry in file_index.items() if k in rename}
     specs = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape, _, _) in index.items()}
     aliases = tied_aliases(module)
-    canonical = {aliases.get(k, k): k for k in _check_weights(module, specs, str(path), finite=False)}
+    canonical = {aliases.get(k, k): k for k in _check_weights(module, specs, str(path), finite=False, fresh=fresh)}
     params = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
     read = {}
     with torch.no_grad(), open(path, "rb") as f:
@@ -168,7 +177,35 @@ def read_weights_into(module: torch.nn.Module, path: Path) -> None:
             if not direct:
                 target.copy_(buf)
             read[key] = target
-    _check_weights(module, read, str(path))  # now the values: NaN/inf
+    _check_weights(module, read, str(path), fresh=fresh)  # now the values: NaN/inf
+
+
+HEADS = {"crit": "the language-model head", "score": "the classification head"}
+
+
+def architecture_plan(model: torch.nn.Module, file_keys: list[str], saved: str | None, source: str):
+    """How a checkpoint saved by another model class loads into ``model``, as Hugging Face's ``from_pretrained``
+    does: ``(rename, fresh)`` for :func:`read_weights_into`, or ``(None, "")`` when the classes are the same.
+
+    The body (the base model, ``transformer.*`` inside a model with a head) always carries over; the saved head is
+    left out; the model's own head must be in the file, unless the class may initialise it anew (``new_head``:
+    the classification head, from a language model or the base model)."""
+    here = type(model).__name__
+    if saved is None or saved == here:
+        return None, ""
+    theirs = "transformer." if any(k.startswith("transformer.") for k in file_keys) else ""
+    mine = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    rename = {k: mine + k[len(theirs) :] for k in file_keys if k.startswith(theirs)}
+    heads = sorted({k.split(".")[0] for k in unique_state_dict(model) if mine and not k.startswith(mine)})
+    fresh = getattr(model, "new_head", None)
+    needed = [h for h in heads if h != fresh]
+    if needed:
+        what = " and ".join(f"{HEADS.get(h, h)} ({h}.*)" for h in needed)
+        hint = f"; load it as {saved}"
+        if any(k.startswith("score.") for k in file_keys):  # a fine-tuned classifier where a language model was meant
+            hint += " (txl predict classifies with it); generation and scoring need the language model it started from"
+        raise CheckpointError(f"{source}: a {saved} checkpoint, without {what} that {here} needs{hint}")
+    return rename, (f"{fresh}." if fresh in heads else "")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -264,21 +301,36 @@ class PretrainedMixin:
             config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
         with torch.device("meta"):
             model = cls(config, init=False)
+        path = Path(directory) / WEIGHTS_NAME
+        saved = read_json(Path(directory) / CONFIG_NAME).get("architecture")
+        rename, fresh = architecture_plan(model, list(safetensors_index(path)[0]), saved, str(directory))
         if mmap:
-            path = Path(directory) / WEIGHTS_NAME
             tensors = read_safetensors(path)
+            if rename is not None:
+                tensors = {rename[k]: t for k, t in tensors.items() if k in rename}
             if dtype is not None:
                 tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-            tensors = _check_weights(model, tensors, str(path), finite=False)
+            tensors = _check_weights(model, tensors, str(path), finite=False, fresh=fresh)
             aliases = tied_aliases(model)
-            model.load_state_dict({k: tensors[aliases.get(k, k)] for k in model.state_dict()}, assign=True)
+            state = {k: tensors[aliases.get(k, k)] for k in model.state_dict() if not (fresh and k.startswith(fresh))}
+            model.load_state_dict(state, assign=True, strict=not fresh)
+            if fresh:
+                model.get_submodule(fresh[:-1]).to_empty(device="cpu").to(dtype or torch.get_default_dtype())
             if hasattr(model, "tie_weights"):
                 model.tie_weights()
-            return model.eval()
-        if dtype is not None:
-            model = model.to(dtype)
-        model = model.to_empty(device="cpu")
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()  # to_empty gives every name its own tensor: the ties must be restored
-        read_weights_into(model, Path(directory) / WEIGHTS_NAME)
+        else:
+            if dtype is not None:
+                model = model.to(dtype)
+            model = model.to_empty(device="cpu")
+            if hasattr(model, "tie_weights"):
+                model.tie_weights()  # to_empty gives every name its own tensor: the ties must be restored
+            read_weights_into(model, path, rename, fresh)
+        if fresh:  # (as Hugging Face: a head the checkpoint does not have starts from the model's initialisation)
+            model.init_weights(model.get_submodule(fresh[:-1]).modules())
+            head = HEADS.get(fresh[:-1], "the head")
+            warnings.warn(
+                f"{directory}: a {saved} checkpoint: {head} of {type(model).__name__} ({fresh}*) is newly "
+                "initialised; train it (e.g. txl finetune) before use",
+                stacklevel=2,
+            )
         return model.eval()
