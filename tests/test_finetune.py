@@ -68,6 +68,10 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
     main(args(lm, data, run, task=kind, max_steps=steps, eval_interval=steps // 2, checkpoint_interval=steps))
     last = valid_rows(run)[-1]
     assert last["step"] == steps
+    from txl.plot import run_figure  # (txl plot RUN: the loss per document, and the task's metric)
+
+    metric = "mse" if kind == "regression" else "accuracy"
+    assert [ax.get_ylabel() for ax in run_figure(run).axes] == ["loss (nats/document)", metric]
     if kind == "regression":
         assert last["mse"] < 0.3  # the labels are +-1: predicting 0 gives 1.0
     else:

@@ -449,6 +449,9 @@ def test_generate_text_and_plot(tmp_path, capsys):
     main(["plot", str(run)])
     png = Path(capsys.readouterr().out.strip())
     assert png == run / "loss.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from txl.plot import run_figure
+
+    assert [ax.get_ylabel() for ax in run_figure(run).axes] == ["loss (nats/token)", "bpc"]
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path)])
     assert "no metrics" in capsys.readouterr().err
