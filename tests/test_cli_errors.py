@@ -320,6 +320,17 @@ def test_generate_stop_tokens_and_no_stream(char_run, capsys):
     assert "--stop_ids must be token ids" in fails(capsys, [*base, "--stop_ids", "[100000]"])
 
 
+def test_a_stop_word_outside_the_vocabulary_is_refused(word_run, capsys):
+    """A word model reads an unknown word as <unk>: as a stop it would end the text at any unknown word."""
+    tok = Tokenizer.load(best_checkpoint(word_run))
+    assert tok.unk_token is not None
+    base = ["generate", "--model", str(word_run), "--prompt", tok.symbols[5], "--max_new_tokens", "5"]
+    message = fails(capsys, [*base, "--stop", "zzqx"])
+    assert f"--stop 'zzqx' is not in the model's vocabulary (it reads as {tok.unk_token})" in message
+    main([*base, "--stop", tok.unk_token, "--json"])  # <unk> itself, asked for
+    assert len(json.loads(capsys.readouterr().out)["new_ids"]) >= 1
+
+
 def test_eval_and_generate_leave_the_onednn_route_off(char_run, capsys, monkeypatch):
     """The oneDNN fp32 route (txl.runtime) pays for training's products only: txl eval and txl generate must not
     turn it on (it made evaluation 0.84-0.91x and generation 3x slower on an AVX-512 EPYC)."""

@@ -450,6 +450,8 @@ def generate(
             raise ValueError(f"--stop {text!r}: {e}{hint}") from None
         if len(ids) != 1:
             raise ValueError(f"--stop {text!r} is {len(ids)} tokens for this tokenizer; a stop is one token{hint}")
+        if ids[0] == tok.unk_id and text.strip() != tok.unk_token:  # (it would stop at any unknown word)
+            raise ValueError(f"--stop {text!r} is not in the model's vocabulary (it reads as {tok.unk_token})")
         stops += ids
     if any(not 0 <= i < lm.config.n_token for i in stops):
         raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
