@@ -64,7 +64,8 @@ class TransformerXLConfig:
     div_val: int = 1
     """Adaptive input/softmax divisor: cluster i has width d_embed // div_val**i (1 = one table)."""
     cutoffs: list[int] = field(default_factory=list)
-    """Adaptive softmax cluster boundaries, increasing, each < n_token ([] = plain softmax)."""
+    """Adaptive softmax cluster boundaries, increasing, each < n_token ([] = plain softmax; txl train drops those at
+    or past the vocabulary's size)."""
     tie_weight: bool = True
     """Tie the softmax output weights to the input embedding tables."""
     tie_projs: list[bool] | None = None
