@@ -320,6 +320,18 @@ def test_generate_stop_tokens_and_no_stream(char_run, capsys):
     assert "--stop_ids must be token ids" in fails(capsys, [*base, "--stop_ids", "[100000]"])
 
 
+def test_a_file_of_a_model_folder_names_its_folder(char_run, capsys):
+    """--model PATH/model.safetensors (or its config.json) is the model folder that holds it; any other file is
+    one error saying what --model takes."""
+    step = best_checkpoint(char_run)
+    printed = []
+    for model in (step, step / "model.safetensors", step / "config.json"):
+        main(["eval", "--model", str(model), "--max_batches", "1", "--json"])
+        printed.append(json.loads(capsys.readouterr().out))
+    assert printed[0] == printed[1] == printed[2] and printed[0]["model"] == str(step)
+    assert "expected a run folder, step-N folder or model folder" in fails(capsys, ["eval", "--model", __file__])
+
+
 def test_a_stop_word_outside_the_vocabulary_is_refused(word_run, capsys):
     """A word model reads an unknown word as <unk>: as a stop it would end the text at any unknown word."""
     tok = Tokenizer.load(best_checkpoint(word_run))

@@ -122,6 +122,8 @@ def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder)")
+    if p.is_file() and (p.parent / CONFIG_NAME).is_file():  # a file of a model folder (its weights, its config)
+        p = p.parent
     if any((p / name).exists() for name in ("checkpoints", "config.yaml", "train.log")) or p.name == "checkpoints":
         run = p.parent if p.name == "checkpoints" else p
         found = best_checkpoint(run) if prefer == "best" else latest_checkpoint(run)
