@@ -72,13 +72,52 @@ def test_flat_folder_holds_out_last_documents(tmp_path):
     assert len(names["train"]) == 36
     for f in list(tmp_path.glob("*.txt"))[2:]:
         f.unlink()
-    with pytest.raises(DataError, match=rf"^{tmp_path}: 2 \.txt file\(s\).*at least 3 \.txt documents"):
+    with pytest.raises(DataError, match=rf"^{tmp_path}: 2 file\(s\) match '\*\.txt'.*at least 3 documents"):
         find_splits("custom", tmp_path)
     empty = tmp_path / "no_text"
     empty.mkdir()
     (empty / "notes.md").write_text("not a .txt file\n")
-    with pytest.raises(DataError, match=rf"^{empty}: 0 \.txt file\(s\)"):  # the folder is named, not "folder"
-        find_splits("custom", empty)
+    with pytest.raises(DataError, match=rf"^{empty}: 0 file\(s\) match '\*\.txt'.*--data\.files, e\.g\. '\*\*/\*\.md'"):
+        find_splits("custom", empty)  # (the folder is named, not "folder"; and how to read other files)
+
+
+def test_documents_of_another_kind(tmp_path, capsys):
+    """--data.files: Markdown documents at any depth (hidden folders left out), also in train/ valid/ test/
+    subfolders; through txl data prepare, and txl eval of a run trained so reads a folder the same way."""
+    from train_helpers import run_inprocess
+    from txl.cli import main
+
+    docs = tmp_path / "docs"
+    texts = {}
+    for i in range(30):
+        name = f"part{i // 10}/{'deep/' if i % 3 == 0 else ''}doc{i:02d}.md"
+        texts[name] = "".join(f"line {j} of document {i}: abc def.\n" for j in range(5 + i))
+        (docs / name).parent.mkdir(parents=True, exist_ok=True)
+        (docs / name).write_text(texts[name])
+    (docs / ".git").mkdir()
+    (docs / ".git" / "HEAD.md").write_text("ref: refs/heads/main\n")  # hidden: never a document
+    (docs / "readme.txt").write_text("not markdown\n")
+    layout = find_splits("custom", docs, files="**/*.md")
+    order = sorted(texts)  # part0/deep/doc00.md, part0/deep/doc03.md, ..., part2/doc29.md
+    assert [r.path.relative_to(docs).as_posix() for s in SPLITS for r in layout.splits[s]] == order
+    assert [r.path.relative_to(docs).as_posix() for r in layout.splits["test"]] == order[-2:]
+    args = ["--data.path", str(docs), "--data.dataset", "custom", "--data.tokenizer", "char"]
+    main(["data", "prepare", *args, "--data.files", "**/*.md", "--data.cache_dir", str(tmp_path / "cache")])
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"]["test"] == sum(len(texts[n]) for n in order[-2:])
+    with pytest.raises(DataError, match="not a glob pattern relative to"):
+        find_splits("custom", docs, files="/etc/*.md")
+    split_docs = tmp_path / "split_docs"  # train/ valid/ test/ subfolders of Markdown documents
+    for s in SPLITS:
+        for i in range(2):
+            (split_docs / s / "sub").mkdir(parents=True, exist_ok=True)
+            (split_docs / s / "sub" / f"{i}.md").write_text(f"abc def {i}.\n" * (3 if s == "test" else 1))
+    run = run_inprocess(tmp_path, data__path=docs, data__dataset="custom", data__tokenizer="char",
+                        data__files="**/*.md", train__max_steps=2, train__eval_interval=0)  # fmt: skip
+    capsys.readouterr()
+    main(["eval", "--model", str(run), "--data", str(split_docs), "--json", "--tgt_len", "8", "--batch_size", "1"])
+    record = json.loads(capsys.readouterr().out)
+    assert record["tokens"] == len("abc def 0.\n" * 3) * 2 - 1  # the two test/sub/*.md documents
 
 
 def test_single_text_file_holds_out_its_last_lines(tmp_path, capsys):

@@ -288,7 +288,8 @@ def eval_text(
             raise DataError(f"{data}: no tokens to score (the file is empty)")
         return EvalText(ids, tokenizer, str(data))
     if data is not None:
-        cfg = DataConfig(path=str(data), dataset=dataset or "custom", encoding_errors=encoding_errors)
+        files = run.data.files if run is not None else DataConfig.files  # (the run's documents, in a folder like it)
+        cfg = DataConfig(path=str(data), dataset=dataset or "custom", encoding_errors=encoding_errors, files=files)
     elif run is not None:
         cfg = replace(run.data, dataset=dataset or run.data.dataset, encoding_errors=encoding_errors)
         trained = cached_corpus(cfg)  # the training cache, if its tokenizer is the model's

@@ -24,7 +24,7 @@ import numpy as np
 from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
 from txl.data.rawtext import Moses, RawText, Text8
-from txl.data.readers import SPLITS, Layout, find_splits
+from txl.data.readers import DOCUMENTS, SPLITS, Layout, find_splits
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
@@ -41,7 +41,11 @@ class DataConfig:
     path: str = "data/shakespeare"
     """Dataset folder (or, for enwik8/text8, the raw file)."""
     dataset: str = "shakespeare"
-    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, or custom (a folder of .txt files)."""
+    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, or custom (a folder of .txt files, or one text file)."""
+    files: str = "*.txt"
+    """custom folders: which files are documents, a glob pattern relative to the folder (or to its train/ valid/
+    test/ subfolders), e.g. '**/*.md' for Markdown files at any depth, '*' for every file; hidden ones are left
+    out."""
     tokenizer: Kind | None = None
     """word, char or byte (default: the dataset's: word for WikiText/PTB/lm1b/custom, char for text8/Shakespeare,
     byte for enwik8)."""
@@ -157,6 +161,8 @@ def _settings(cfg: DataConfig) -> dict:
     }
     if cfg.raw_text is not None:  # (only then: caches of already-tokenized text keep their key)
         settings["raw_text"] = cfg.raw_text
+    if cfg.files != DOCUMENTS:  # (likewise)
+        settings["files"] = cfg.files
     if cfg.tokenizer_file:
         settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
     return settings
@@ -312,7 +318,7 @@ def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
 def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, Layout, Path]:
     cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
     settings = _settings(cfg)
-    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard)
+    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard, files=cfg.files)
     folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
     return cfg, settings, layout, folder
 

@@ -16,6 +16,7 @@ Layouts accepted, first match wins:
   shard), directly or under ``1-billion-word-language-modeling-benchmark-r13output/``, plus ``1b_word_vocab.txt``.
 * anything else: ``{split}.txt``, ``{train,valid,test}/*.txt``, a flat folder of ``*.txt`` documents (sorted;
   the last ones held out, see :func:`hold_out`), or a single text file (its last ~5% held out, cut at line starts).
+  ``files`` (``data.files``) names other documents than ``*.txt`` with a glob (see :func:`documents`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ LM1B_ROOT = "1-billion-word-language-modeling-benchmark-r13output"
 LM1B_TRAIN = "training-monolingual.tokenized.shuffled"
 LM1B_HELDOUT = "heldout-monolingual.tokenized.shuffled"
 LM1B_VOCAB = "1b_word_vocab.txt"
+DOCUMENTS = "*.txt"  # the files of a custom folder read as documents (data.files)
 HELDOUT_CHARS = 5_000_000  # enwik8 / text8: last 5M valid, last 5M test
 
 
@@ -151,12 +153,13 @@ def _lm1b(path: Path, valid_shard: int) -> Layout:
     return Layout(splits, what, vocab)
 
 
-def hold_out(files: list[Path], folder: Path) -> dict[str, list[FileRange]]:
+def hold_out(files: list[Path], folder: Path, pattern: str = DOCUMENTS) -> dict[str, list[FileRange]]:
     """A flat folder of documents: sorted, the last ~5% (at least one) test, the ~5% before them valid."""
     if len(files) < 3:
+        other = "" if pattern != DOCUMENTS else "; documents of another kind: --data.files, e.g. '**/*.md'"
         raise DataError(
-            f"{folder}: {len(files)} .txt file(s); a folder dataset needs train.txt, valid.txt and test.txt, "
-            "train/ valid/ test/ subfolders, or at least 3 .txt documents"
+            f"{folder}: {len(files)} file(s) match {pattern!r}; a folder dataset needs train.txt, valid.txt and "
+            f"test.txt, train/ valid/ test/ subfolders, or at least 3 documents{other}"
         )
     k = max(1, round(0.05 * len(files)))
     return {
@@ -194,22 +197,34 @@ def _single_file(path: Path) -> Layout:
     return Layout({s: [FileRange(path, a, b)] for s, a, b in ranges}, f"text file {path} (last ~5% test, ~5% valid)")
 
 
-def _folder(path: Path) -> Layout:
+def documents(folder: Path, pattern: str = DOCUMENTS) -> list[Path]:
+    """The files of ``folder`` that ``pattern`` (a glob, ``**`` for any depth) names, sorted; hidden files and
+    folders (``.git``, ``.DS_Store``) left out."""
+    glob = f"{pattern}/*" if pattern.endswith("**") else pattern  # ('a/**': every file below a, not its folders)
+    try:
+        found = [f for f in folder.glob(glob) if f.is_file()]
+        return sorted(f for f in found if not any(x.startswith(".") for x in f.relative_to(folder).parts))
+    except (ValueError, NotImplementedError) as e:  # (an invalid pattern: '', an absolute path, '**' in a name)
+        raise DataError(f"--data.files = {pattern!r}: not a glob pattern relative to {folder} ({e})") from None
+
+
+def _folder(path: Path, pattern: str = DOCUMENTS) -> Layout:
     txt = _triple(path, ["{split}.txt"])
     if txt:
         return Layout(txt, f"text splits {path}/{{train,valid,test}}.txt")
     if all((path / s).is_dir() for s in SPLITS):
-        splits = {s: [FileRange(f) for f in sorted((path / s).glob("*.txt"))] for s in SPLITS}
+        splits = {s: [FileRange(f) for f in documents(path / s, pattern)] for s in SPLITS}
         for s, rs in splits.items():
             if not rs:
-                raise DataError(f"{path / s}: no .txt files")
-        return Layout(splits, f"text folders {path}/{{train,valid,test}}/*.txt")
-    files = sorted(f for f in path.glob("*.txt") if f.is_file())
-    return Layout(hold_out(files, path), f"folder of {len(files)} documents {path}/*.txt")
+                raise DataError(f"{path / s}: no files match {pattern!r}")
+        return Layout(splits, f"text folders {path}/{{train,valid,test}}/{pattern}")
+    files = documents(path, pattern)
+    return Layout(hold_out(files, path, pattern), f"folder of {len(files)} documents {path}/{pattern}")
 
 
-def find_splits(dataset: str, path: Path, *, valid_shard: int = 1) -> Layout:
-    """Locate the train/valid/test text of ``dataset`` under ``path`` (see the module docstring)."""
+def find_splits(dataset: str, path: Path, *, valid_shard: int = 1, files: str = DOCUMENTS) -> Layout:
+    """Locate the train/valid/test text of ``dataset`` under ``path`` (see the module docstring); ``files``: which
+    files of a custom folder are documents."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder. Get a dataset with: txl data get NAME --out {path}")
@@ -229,7 +244,7 @@ def find_splits(dataset: str, path: Path, *, valid_shard: int = 1) -> Layout:
             )
         layout = Layout(splits, f"{dataset} splits {splits['train'][0].path.parent}")
     else:
-        layout = _folder(path) if path.is_dir() else _single_file(path)
+        layout = _folder(path, files) if path.is_dir() else _single_file(path)
     for split, ranges in layout.splits.items():
         if sum(r.stop() - r.start for r in ranges) == 0:
             raise DataError(f"{ranges[0].describe()}: the {split} split is empty")
