@@ -3,6 +3,7 @@ gradient accumulation, checkpoints and retention, precision, the train/eval/gene
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -90,9 +91,23 @@ def test_a_run_alone_resumes_with_its_recorded_settings(tmp_path, capsys, monkey
             main(["train", *args, "--train.max_tokens", "null"])  # the recorded max_tokens would stop it again
             out = capsys.readouterr().out
             assert f"continuing from {part / 'checkpoints' / 'step-5'} with the settings recorded" in out
+            assert "learning-rate schedule changed" not in out  # (max_tokens is not part of it)
             assert losses(part) == losses(ref), run
             assert_same_weights(final_weights(part), final_weights(ref))
         assert not (tmp_path / "runs").exists()
+        steps, last = list_checkpoints(tmp_path / "a")[-1]
+        recorded = TrainConfig(**json.loads((last / "run.json").read_text())["train"])
+        longer = dataclasses.replace(recorded, max_steps=2 * steps)  # more steps: the cosine is planned anew
+        main(["train", "--resume", str(tmp_path / "a"), "--train.max_steps", str(2 * steps)])
+        now, then = lr_at(steps + 1, longer), lr_at(steps + 1, recorded)
+        assert (
+            now != then
+            and (
+                f"note: the learning-rate schedule changed (max_steps {steps} -> {2 * steps}): step {steps + 1} gets lr "
+                f"{now:.3g} where the checkpoint's run would have used {then:.3g}"
+            )
+            in capsys.readouterr().out
+        )
         main(["train", "--resume", str(tmp_path / "a"), "--print_config"])  # the recorded settings, as YAML alone
         printed = yaml.safe_load(capsys.readouterr().out)
         assert printed["run_dir"] == str(tmp_path / "a") and printed["data"]["path"] == str(tmp_path / "corpus")

@@ -14,6 +14,7 @@ same losses and weights, bit for bit, as one that never stopped (same device, pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from txl import native
 from txl.checkpoint import (
+    RUN_CONFIG,
     RunLock,
     latest_checkpoint,
     load_states,
@@ -47,11 +49,12 @@ from txl.fileio import write_bytes
 from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
-from txl.pretrained import CheckpointError, load_weights, read_safetensors
+from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors
 from txl.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, effective_precision
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
+SCHEDULE = ("lr", "scheduler", "warmup_steps", "eta_min", "decay_steps", "max_steps")  # what lr_at reads
 
 
 def scored_positions(seg_len: int, loss_fraction: float) -> int:
@@ -317,6 +320,23 @@ class Trainer:
         if len(states) == w.size:
             _set_rng_state(mine["rng"], w.device)
         self.say(f"resumed from {folder} at step {self.step:,} ({self.tokens:,} tokens)")
+        self._schedule_note(folder)
+
+    def _schedule_note(self, folder: Path) -> None:
+        """Say so when the learning rate from here on is not the one the checkpoint's run would have used (a longer
+        --train.max_steps re-plans a cosine schedule: the rate goes back up to where the longer one has it)."""
+        saved = read_json(folder / RUN_CONFIG).get("train", {})
+        fields = [f for f in SCHEDULE if f in saved and saved[f] != getattr(self.tc, f)]
+        if not fields:
+            return
+        before = dataclasses.replace(self.tc, **{f: saved[f] for f in fields})
+        now, then = lr_at(self.step + 1, self.tc), lr_at(self.step + 1, before)
+        if not math.isclose(now, then, rel_tol=1e-9, abs_tol=1e-12):
+            changed = ", ".join(f"{f} {saved[f]} -> {getattr(self.tc, f)}" for f in fields)
+            self.say(
+                f"note: the learning-rate schedule changed ({changed}): step {self.step + 1:,} gets lr {now:.3g} "
+                f"where the checkpoint's run would have used {then:.3g}"
+            )
 
     def _state(self) -> dict[str, Any]:
         return {
