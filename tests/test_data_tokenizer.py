@@ -151,6 +151,7 @@ def test_lm1b_vocab_file_and_double_eos(tmp_path):
     assert [n for ls in lengths for n in ls] == [len(s) for s in sents]
     hf = HFTokenizer.from_file(str(tok.save(tmp_path / "tok")))
     assert hf.encode("the cat sat").ids == sents[0]
+    assert hf.encode("the cat sat\nthe dog\n").ids == sents[0] + sents[1]  # each line a sentence, as in the shards
 
 
 @pytest.mark.parametrize(
@@ -175,6 +176,13 @@ def test_tokenizer_json_roundtrip_and_hf_parity(tmp_path, build):
     assert again == tok and again.symbols == tok.symbols
     hf = HFTokenizer.from_file(str(path))
     assert hf.get_vocab() == {s: i for i, s in enumerate(tok.symbols)}
+    # a text of several lines (blank ones, CRLF, with and without a final line end): the ids of the text as a file
+    first = text.replace("\r\n", "\n").split("\n")[0]
+    crlf = text.replace("\n", "\r\n", 3) if tok.kind != "byte" else text  # (bytes are read as they are)
+    for whole in (text, text + "\n\n" + first, "\n" + crlf + "\n\n"):
+        f.write_bytes(whole.encode())
+        as_file = [int(i) for chunk in tok.encode_file(FileRange(f)) for i in chunk]
+        assert hf.encode(whole).ids == as_file
     for line in text.replace("\r\n", "\n").split("\n")[:-1]:
         ids = hf.encode(line).ids
         ours = tok.encode(line)

@@ -18,9 +18,9 @@ Kinds:
   vocabulary is the 204 bytes that occur, ordered by count. bpc in the two modes differs slightly.
 
 Encoding of files is done here with Python's own ``str.split`` and numpy lookups (exact by construction); the
-``tokenizers`` object from :meth:`Tokenizer.to_hf` gives the same ids for one line of text (tested), so Hugging
-Face users can load the saved ``tokenizer.json`` with ``tokenizers.Tokenizer.from_file`` or
-``PreTrainedTokenizerFast(tokenizer_file=...)``.
+``tokenizers`` object from :meth:`Tokenizer.to_hf` gives the same ids for a text as :meth:`encode_file` gives for
+it as a file (each line framed as in training; tested on multi-line text), so Hugging Face users can load the saved
+``tokenizer.json`` with ``tokenizers.Tokenizer.from_file`` or ``PreTrainedTokenizerFast(tokenizer_file=...)``.
 """
 
 from __future__ import annotations
@@ -478,19 +478,23 @@ class Tokenizer:
 
     # --------------------------------------------------------------------------------- tokenizer.json
     def to_hf(self):
-        """The equivalent ``tokenizers.Tokenizer`` (encode one line at a time for the same ids)."""
+        """The equivalent ``tokenizers.Tokenizer``: its ``encode(text)`` gives the ids :meth:`encode_file` gives for
+        the text as a file (each line framed as in training: ``line <eos>``, or ``<S> line <S>``)."""
         from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers.models import WordLevel
 
         tok = HFTokenizer(WordLevel(dict(self._index), unk_token=self.unk_token))
         norms = []
-        if self.kind == "word":
-            norms += [normalizers.Replace(ch, " ") for ch in PY_ONLY_WHITESPACE]
-        elif self.kind == "char":
+        if self.kind in ("word", "char"):
             norms += [normalizers.Replace("\r\n", "\n"), normalizers.Replace("\r", "\n")]
         if self.lower_case:
             norms.append(normalizers.Lowercase())
+        if self.kind == "word":
+            norms += [normalizers.Replace(ch, " ") for ch in PY_ONLY_WHITESPACE]
+            if self.eos_token is not None:  # a text of several lines: each line as the template frames one
+                between = f" {self.eos_token} " if self.line_end == "eos" else f" {self.eos_token} {self.eos_token} "
+                norms += [normalizers.Replace(Regex(r"\n\z"), ""), normalizers.Replace("\n", between)]
         if self.drop_newlines:
             norms.append(normalizers.Replace("\n", ""))
         if norms:
@@ -576,7 +580,10 @@ class Tokenizer:
             kind = {"WhitespaceSplit": "word", "Split": "char", "Sequence": "byte"}[pre.get("type")]
             norms = (obj.get("normalizer") or {}).get("normalizers", [obj.get("normalizer")])
             types = [(n or {}).get("type") for n in norms]
-            drop_nl = any(n and n.get("type") == "Replace" and n.get("content") == "" for n in norms)
+            drop_nl = any(  # (the byte-paper mode's; not the final line end a word tokenizer drops)
+                n and n.get("type") == "Replace" and n.get("content") == "" and n.get("pattern") == {"String": "\n"}
+                for n in norms
+            )
             line_end = "none"
             post = obj.get("post_processor")
             if post:
