@@ -332,6 +332,25 @@ def test_a_file_of_a_model_folder_names_its_folder(char_run, capsys):
     assert "expected a run folder, step-N folder or model folder" in fails(capsys, ["eval", "--model", __file__])
 
 
+def test_the_run_s_data_gone_says_to_give_the_text(char_run, tmp_path, capsys, monkeypatch):
+    """A run evaluated from another folder (its data.path relative) or after its data moved: one line saying so and
+    what to give, not a hint to download a dataset."""
+    import shutil
+
+    step = tmp_path / "step"
+    shutil.copytree(best_checkpoint(char_run), step)
+    record = json.loads((step / "run.json").read_text())
+    record["data"] |= {"path": "corpus", "dataset": "custom"}  # as given to txl train in another folder
+    (step / "run.json").write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)
+    message = fails(capsys, ["eval", "--model", str(step)])
+    assert message == (
+        "txl: error: corpus: the run's data (data.path, relative to the folder txl train ran in) is not here: "
+        "give the text with --data"
+    )
+    assert "txl data get" not in fails(capsys, ["data", "prepare", "--data.path", "corpus", "--data.dataset", "custom"])
+
+
 def test_a_stop_word_outside_the_vocabulary_is_refused(word_run, capsys):
     """A word model reads an unknown word as <unk>: as a stop it would end the text at any unknown word."""
     tok = Tokenizer.load(best_checkpoint(word_run))

@@ -292,6 +292,9 @@ def eval_text(
         cfg = DataConfig(path=str(data), dataset=dataset or "custom", encoding_errors=encoding_errors, files=files)
     elif run is not None:
         cfg = replace(run.data, dataset=dataset or run.data.dataset, encoding_errors=encoding_errors)
+        if not Path(cfg.path).exists():
+            where = "" if Path(cfg.path).is_absolute() else ", relative to the folder txl train ran in"
+            raise DataError(f"{cfg.path}: the run's data (data.path{where}) is not here: give the text with --data")
         trained = cached_corpus(cfg)  # the training cache, if its tokenizer is the model's
         if trained is not None and trained.meta["tokenizer_sha256"] == sha256_file(tok_file):
             return EvalText(trained.splits[split], trained.tokenizer, f"{split} split of {cfg.path}")

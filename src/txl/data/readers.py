@@ -227,7 +227,10 @@ def find_splits(dataset: str, path: Path, *, valid_shard: int = 1, files: str = 
     files of a custom folder are documents."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder. Get a dataset with: txl data get NAME --out {path}")
+        from txl.data.sources import DATASETS
+
+        get = f". Get it with: txl data get {dataset} --out {path}" if dataset in DATASETS else ""
+        raise DataError(f"{path}: no such file or folder{get}")
     if dataset in ("enwik8", "text8"):
         layout = _char_dataset(dataset, path, strip=dataset == "text8")
     elif dataset == "lm1b":
