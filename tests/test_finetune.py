@@ -126,6 +126,25 @@ def test_resume_is_exact(lm, tmp_path):
     assert [json.loads(x)["loss"] for x in rows[0]] == [json.loads(x)["loss"] for x in rows[1]]
 
 
+def test_a_fine_tuned_classifier_is_a_starting_point_too(lm, tmp_path):
+    """txl finetune --model <a classifier's run>: its body (not a language model's head, which it has not) starts
+    the new classifier; with learning rates far below fp32's resolution the new run's body is the old one's, bit
+    for bit."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    main(args(lm, make_data(tmp_path / "data", "single"), first, max_steps=4, checkpoint_interval=4, eval_interval=4))
+    again = tmp_path / "again"
+    data = make_data(tmp_path / "regression", "regression", seed=1)
+    main(args(first, data, again, task="regression", max_steps=2, checkpoint_interval=2, eval_interval=2,
+              lr=1e-30, head_lr=1e-30))  # fmt: skip
+    a = load_file(str(first / "checkpoints" / "step-4" / "model.safetensors"))
+    b = load_file(str(again / "checkpoints" / "step-2" / "model.safetensors"))
+    body = [k for k in a if k.startswith("transformer.")]
+    assert body and all(torch.equal(a[k], b[k]) for k in body)
+    assert a["score.weight"].shape[0] == 2 and b["score.weight"].shape[0] == 1  # a new head for the new task
+
+
 @pytest.mark.parametrize(
     "files, message",
     [

@@ -42,7 +42,8 @@ class FinetuneConfig:
     """How to fine-tune (the options of ``txl finetune``)."""
 
     model: str
-    """The pretrained language model: a run folder, a checkpoint or a model folder (its tokenizer reads the text)."""
+    """The pretrained language model (or a fine-tuned classifier, whose body starts a new one): a run folder, a
+    checkpoint or a model folder (its tokenizer reads the text)."""
     data: str
     """Folder with train.csv/.jsonl and valid.csv/.jsonl (rows: text, label)."""
     run_dir: str = "runs/finetune"
@@ -334,7 +335,7 @@ def finetune(cfg: FinetuneConfig) -> Path:
     from txl.distributed import World
     from txl.fileio import write_bytes
     from txl.metrics import Reporter, truncate_metrics
-    from txl.modeling import TransformerXLConfig, TransformerXLLM
+    from txl.modeling import TransformerXL, TransformerXLConfig
 
     cfg.validate()
     if cfg.threads:
@@ -387,9 +388,8 @@ def finetune(cfg: FinetuneConfig) -> Path:
         if cfg.clamp_len is not None:
             lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
         model = TransformerXLForSequenceClassification(lm_cfg)
-        if not cfg.from_scratch:
-            lm = TransformerXLLM.from_pretrained(source)
-            model.transformer.load_state_dict(lm.transformer.state_dict())
+        if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
+            model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
     mem_len = model.config.mem_len if cfg.mem_len is None else cfg.mem_len
     head = list(model.score.parameters())
     body = [p for n, p in model.named_parameters() if not n.startswith("score.")]
