@@ -102,6 +102,11 @@ def test_download_rejects_a_wrong_checksum_and_falls_back_to_mirrors(tmp_path, s
     assert download(urls, tmp_path / "c.bin", sha256=_sha(b"good"), log=[].append).read_bytes() == b"good"
     with pytest.raises(DataError, match="could not download d.bin"):
         download([f"{server.url}/nothing"], tmp_path / "d.bin", log=[].append, attempts=1)
+    with pytest.raises(DataError) as e:  # every URL's error once, with its count of attempts
+        download([f"{server.url}/nothing", f"{server.url}/gone"], tmp_path / "d.bin", log=[].append, attempts=3)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 2 and all(line.endswith("(3 attempts)") for line in lines), lines
+    assert "/nothing" in lines[0] and "/gone" in lines[1]
 
 
 def test_unpinned_download_is_recorded_and_checked_later(tmp_path, server):

@@ -111,7 +111,11 @@ def download(
     url = next((u for u in urls for _ in range(attempts) if _attempt(u, part, size, log, timeout, failures)), None)
     if url is None:
         kept = f"; the partial file {part} is kept and the next run resumes it" if part.exists() else ""
-        raise DataError(f"could not download {dest.name}{kept}:\n  " + "\n  ".join(failures))
+        counts: dict[str, int] = {}  # (each URL's error once, with how many attempts gave it)
+        for failure in failures:
+            counts[failure] = counts.get(failure, 0) + 1
+        lines = [f if n == 1 else f"{f} ({n} attempts)" for f, n in counts.items()]
+        raise DataError(f"could not download {dest.name}{kept}:\n  " + "\n  ".join(lines))
     digest = sha256_file(part)
     problem = f"sha256 {digest}, expected {expected}" if expected is not None and digest != expected else None
     if problem is None and expected is None and check is not None:
