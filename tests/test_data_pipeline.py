@@ -81,6 +81,17 @@ def test_flat_folder_holds_out_last_documents(tmp_path):
         find_splits("custom", empty)  # (the folder is named, not "folder"; and how to read other files)
 
 
+def test_min_freq_without_unk_says_why_a_symbol_is_missing(tmp_path):
+    """data.min_freq on a char vocabulary (no <unk>): the symbol it left out is an error that names the setting;
+    on a custom word vocabulary the rare words read as <unk>."""
+    f = tmp_path / "book.txt"
+    f.write_text("".join(f"abc abd line {i % 7} ab!\n" if i == 3 else f"abc abd line {i % 7}\n" for i in range(60)))
+    with pytest.raises(DataError, match=r"book\.txt:4: character '!' .*here data\.min_freq / data\.max_size left it"):
+        _prep(tmp_path, f, "custom", tokenizer="char", min_freq=2)
+    corpus = _prep(tmp_path, f, "custom", tokenizer="word", min_freq=2)
+    assert "ab!" not in corpus.tokenizer.symbols and corpus.tokenizer.unk_id is not None
+
+
 def test_documents_of_another_kind(tmp_path, capsys):
     """--data.files: Markdown documents at any depth (hidden folders left out), also in train/ valid/ test/
     subfolders; through txl data prepare, and txl eval of a run trained so reads a folder the same way."""

@@ -360,7 +360,16 @@ def prepare_corpus(
     tok = _build_tokenizer(cfg, settings, layout)
     arrays = {}
     for split in SPLITS:
-        arrays[split] = _encode_split(tok, folder, split, layout.splits[split], settings["encoding_errors"])
+        try:
+            arrays[split] = _encode_split(tok, folder, split, layout.splits[split], settings["encoding_errors"])
+        except DataError as e:  # a symbol that min_freq / max_size left out, and no <unk> to read it as
+            limited = not cfg.tokenizer_file and (cfg.min_freq > 1 or cfg.max_size is not None)
+            if not limited or tok.unk_id is not None:
+                raise
+            raise DataError(
+                f"{e} (here data.min_freq / data.max_size left it out, and a {tok.kind} vocabulary of {cfg.dataset} "
+                "has no <unk>: keep every symbol, the defaults; word vocabularies of custom text have <unk>)"
+            ) from None
         if sum(e["n_tokens"] for e in arrays[split]) == 0:
             raise DataError(f"{layout.splits[split][0].describe()}: the {split} split has no tokens")
     tok.save(folder / "tokenizer.json")
