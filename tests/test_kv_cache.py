@@ -155,6 +155,45 @@ def test_stop_tokens_end_rows_and_sampling_is_seeded():
     assert a.equal(generate(model, prompt, 20, temperature=0.7, top_k=20, top_p=0.9, generator=g2))
 
 
+def test_model_generate_takes_hugging_face_arguments():
+    """``model.generate`` as HF users call it: greedy by default, ``max_length`` counting the prompt,
+    ``attention_mask`` for left padding, ``eos_token_id`` / ``pad_token_id``, ``do_sample`` with HF's top_k 50."""
+    model = lm(**VARIANTS["same_length_clamp"])
+    prompt = torch.randint(0, 97, (1, 9))
+    out = model.generate(prompt, max_new_tokens=30)  # greedy, the config's mem_len (16): it slides
+    assert out.shape == (1, 39) and out[0, :9].equal(prompt[0])
+    assert out[0, 9:].tolist() == greedy_uncached(model, prompt, 30, model.config.mem_len)
+    assert model.generate(prompt, max_length=25).equal(out[:, :25])  # max_length counts the prompt
+    assert model.generate(prompt).shape == (1, 20)  # HF's default: max_length 20
+    assert model.generate(prompt[0], max_new_tokens=3).equal(out[:, :12])  # a 1-D prompt is one row
+    with pytest.raises(ValueError, match="max_length = 9 counts the prompt of 9 tokens"):
+        model.generate(prompt, max_length=9)
+    with pytest.raises(ValueError, match="not both"):
+        model.generate(prompt, max_new_tokens=3, max_length=30)
+    # eos ends a row, then pad_token_id fills it (HF's output layout)
+    eos = int(out[0, 9 + 4])
+    first = (out[0, 9:] == eos).nonzero()[0].item()
+    stopped = model.generate(prompt, max_new_tokens=30, eos_token_id=[eos, 96], pad_token_id=0)
+    assert stopped[0, : 9 + first + 1].equal(out[0, : 9 + first + 1]) and (stopped[0, 9 + first + 1 :] == 0).all()
+    # attention_mask: 0 on the left padding; every row as if alone
+    short = torch.randint(0, 97, (1, 4))
+    batch = torch.cat([prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    both = model.generate(batch, max_new_tokens=12, attention_mask=mask)
+    assert both[0].equal(out[0, :21]) and both[1, 9:].equal(model.generate(short, max_new_tokens=12)[0, 4:])
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        model.generate(batch, max_new_tokens=2, attention_mask=mask.flip(1))
+    # do_sample: seeded, and HF's defaults (temperature 1, top_k 50, top_p 1) as the txl options
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    sampled = model.generate(prompt, max_new_tokens=25, do_sample=True, generator=g1)
+    assert sampled.equal(generate(model, prompt, 25, temperature=1.0, top_k=50, generator=g2))
+    assert not sampled.equal(out[:, :34])
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    hot = model.generate(prompt, max_new_tokens=25, do_sample=True, temperature=0.6, top_k=0, top_p=0.8, generator=g1)
+    assert hot.equal(generate(model, prompt, 25, temperature=0.6, top_p=0.8, generator=g2))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 def test_one_row_products_equal_f_linear(rows):
     weight, bias = torch.randn(96, 32), torch.randn(96)

@@ -347,3 +347,20 @@ def test_from_pretrained_mmap_is_close_and_private(tmp_path):
     mapped(ids, ids).loss.backward()
     torch.optim.SGD(mapped.parameters(), lr=0.1).step()
     assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_the_readme_library_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's "Using the library" block, executed as a user pastes it: its names mean what it says."""
+    from tests.conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Using the library", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    model, x, ids = scope["model"], scope["x"], scope["ids"]
+    assert ids.shape == (1, 60) and ids[0, :10].equal(x[0, :10])  # the prompt, then 50 new tokens
+    assert scope["out"].log_probs.shape == (8, 64, 256) and len(scope["mems"]) == 6
+    saved = TransformerXLLM.from_pretrained(tmp_path / "my-model")
+    theirs = model.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in saved.state_dict().items())

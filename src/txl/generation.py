@@ -134,3 +134,65 @@ def stream(
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
     """``input_ids`` [B, T] followed by the new tokens (see :func:`stream` for the options)."""
     return torch.cat([input_ids, *stream(model, input_ids, max_new_tokens, **kwargs)], dim=1)
+
+
+def generate_like_hf(
+    model: TransformerXLLM,
+    input_ids: Tensor,
+    max_new_tokens: int | None = None,
+    *,
+    max_length: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    attention_mask: Tensor | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    mem_len: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
+
+    Greedy unless ``do_sample`` (then ``temperature``, ``top_k`` = 50 and ``top_p`` as HF's defaults);
+    ``max_new_tokens``, or ``max_length`` counting the prompt (20 when neither is given, as HF);
+    ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
+    which is then filled with ``pad_token_id`` (default: the first eos id). Returns [B, T + new tokens].
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if max_new_tokens is None:
+        max_length = 20 if max_length is None else max_length
+        if max_length <= input_ids.shape[-1]:
+            raise ValueError(
+                f"max_length = {max_length} counts the prompt of {input_ids.shape[-1]} tokens: nothing to generate; "
+                "give max_new_tokens (new tokens only) or a larger max_length"
+            )
+        max_new_tokens = max_length - input_ids.shape[-1]
+    elif max_length is not None:
+        raise ValueError("give max_new_tokens or max_length (which counts the prompt), not both")
+    padding = None
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}"
+            )
+        padding = attention_mask.to(input_ids.device) == 0
+        if not bool(padding.any()):
+            padding = None
+        elif bool(padding[:, -1].any()):
+            raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
+    stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return generate(
+        model,
+        input_ids,
+        max_new_tokens,
+        temperature=temperature if do_sample else 0.0,
+        top_k=top_k if do_sample else 0,
+        top_p=top_p if do_sample else 1.0,
+        mem_len=mem_len,
+        generator=generator,
+        padding=padding,
+        stop_tokens=stops,
+        pad_id=pad_token_id,
+    )

@@ -1653,6 +1653,14 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
             attentions=out.attentions,
         )
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int | None = None, **kwargs: Any) -> Tensor:
+        """Continue ``input_ids`` [B, T] as Hugging Face's ``model.generate`` does (greedy unless ``do_sample``;
+        ``max_length``, ``attention_mask``, ``eos_token_id``, ``top_k``, ``top_p``, ``temperature``), with the
+        memory kept as cached keys and values: :func:`txl.generation.generate_like_hf`."""
+        from txl.generation import generate_like_hf  # (generation is built on this module)
+
+        return generate_like_hf(self, input_ids, max_new_tokens, **kwargs)
+
 
 @dataclass
 class SequenceClassifierOutput:
