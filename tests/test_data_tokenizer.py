@@ -208,6 +208,22 @@ def test_file_encoding_equals_prompt_encoding_and_decode_roundtrip(tmp_path):
     assert byte.decode(byte.encode("héllo\n")) == "héllo\n" and byte.encode("é") == [0xC3, 0xA9]
 
 
+def test_decode_takes_tensors_and_refuses_ids_outside_the_vocabulary():
+    import torch
+
+    byte = Tokenizer.bytes256()
+    rows = torch.tensor([byte.encode("hi there"), byte.encode("ho there")])
+    assert byte.decode(rows[0]) == "hi there" and byte.decode(np.array(byte.encode("é"))) == "é"
+    assert byte.batch_decode(rows) == ["hi there", "ho there"]
+    with pytest.raises(ValueError, match=r"one sequence of ids, got shape \(2, 8\): batch_decode"):
+        byte.decode(rows)
+    for bad in (-1, 256):  # (a negative id read the vocabulary from its end)
+        with pytest.raises(ValueError, match=f"token id {bad} is outside this vocabulary of 256 symbols"):
+            byte.decode([104, bad])
+        with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+            byte.stream_decoder().push(bad)
+
+
 def test_smallest_dtype():
     assert [smallest_uint(n).name for n in (27, 256, 257, 65536, 65537, 267_735)] == [
         "uint8",

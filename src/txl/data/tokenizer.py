@@ -453,9 +453,19 @@ class Tokenizer:
         """A copy that treats characters/bytes outside the vocabulary by ``policy`` (error or replace)."""
         return replace(self, unknown=policy, replacement=replacement)
 
+    def symbol(self, token_id: int) -> str:
+        """The symbol of one id; ``ValueError`` for an id outside the vocabulary (a negative one too)."""
+        i = int(token_id)
+        n = len(self.symbols)
+        if not 0 <= i < n:
+            raise ValueError(f"token id {i} is outside this vocabulary of {n} symbols (ids 0..{n - 1})")
+        return self.symbols[i]
+
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of ids: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
-        syms = [self.symbols[int(i)] for i in ids]
+        """Text of ids [T]: words joined by spaces with the line end as a newline; chars and bytes concatenated."""
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"decode takes one sequence of ids, got shape {tuple(ids.shape)}: batch_decode takes rows")
+        syms = [self.symbol(i) for i in ids]
         if self.kind == "byte":
             return bytes(BYTE_OF_CHAR[s] for s in syms).decode("utf-8", errors="replace")
         if self.kind == "char":
@@ -471,6 +481,10 @@ class Tokenizer:
             else:
                 line.append(s)
         return "\n".join([*lines, join(line)])
+
+    def batch_decode(self, rows: Iterable[Iterable[int]]) -> list[str]:
+        """The text of each row of ids (e.g. of ``model.generate``'s [B, T] output)."""
+        return [self.decode(row) for row in rows]
 
     def stream_decoder(self) -> StreamDecoder:
         """An incremental decoder for text that appears token by token (``txl generate``)."""
@@ -633,7 +647,7 @@ class StreamDecoder:
         self._given = 0  # Moses: characters of the current line's text already given
 
     def push(self, token_id: int) -> str:
-        sym = self.tok.symbols[int(token_id)]
+        sym = self.tok.symbol(token_id)
         if self._bytes is not None:
             return self._bytes.decode(bytes([BYTE_OF_CHAR[sym]]))
         if self.tok.kind == "char":
