@@ -375,3 +375,18 @@ def test_eval_and_generate_leave_the_onednn_route_off(char_run, capsys, monkeypa
     main(["eval", "--model", str(char_run), "--max_batches", "1"])
     main(["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "2"])
     assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_a_hugging_face_hub_name_says_how_to_get_the_model(tmp_path, capsys, monkeypatch):
+    """txl never downloads: a Hub name given as --model (or to convert hf) says how to download and import it; a
+    missing folder under an existing one (a typo) does not get that advice."""
+    monkeypatch.chdir(tmp_path)
+    line = fails(capsys, ["generate", "--model", "transfo-xl/transfo-xl-wt103", "--prompt", "hi"])
+    assert "transfo-xl/transfo-xl-wt103: not found" in line
+    assert "`hf download transfo-xl/transfo-xl-wt103 --local-dir transfo-xl-wt103`" in line
+    assert "`txl convert hf transfo-xl-wt103 transfo-xl-wt103-txl`" in line
+    line = fails(capsys, ["convert", "hf", "transfo-xl/transfo-xl-wt103", "out"])
+    assert "not a directory" in line and "hf download transfo-xl/transfo-xl-wt103" in line
+    (tmp_path / "runs").mkdir()
+    line = fails(capsys, ["eval", "--model", "runs/my-bok", "--data", "x.txt"])
+    assert "runs/my-bok: not found" in line and "hf download" not in line

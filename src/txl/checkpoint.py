@@ -40,7 +40,7 @@ import torch
 from txl.config import RunConfig
 from txl.distributed import World, barrier
 from txl.fileio import fsync_dir, save_torch, write_bytes
-from txl.pretrained import CONFIG_NAME, CheckpointError, read_json
+from txl.pretrained import CONFIG_NAME, CheckpointError, hub_hint, read_json
 
 MARKER = "COMPLETE"
 RUN_CONFIG = "run.json"
@@ -121,7 +121,9 @@ def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
     """A run folder (its best or latest checkpoint), a ``step-N`` folder, or a plain model folder."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder)")
+        raise CheckpointError(
+            f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder){hub_hint(p)}"
+        )
     if p.is_file() and (p.parent / CONFIG_NAME).is_file():  # a file of a model folder (its weights, its config)
         p = p.parent
     if any((p / name).exists() for name in ("checkpoints", "config.yaml", "train.log")) or p.name == "checkpoints":

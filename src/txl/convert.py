@@ -29,7 +29,7 @@ import torch
 
 from txl.hf_vocab import TEXT_VOCAB, convert_hf_tokenizer
 from txl.modeling import TransformerXL, TransformerXLConfig, TransformerXLLM
-from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors, tied_aliases
+from txl.pretrained import CheckpointError, hub_hint, load_weights, read_json, read_safetensors, tied_aliases
 
 # HF config field -> txl config field (fields not listed are ignored: the hub's files carry many).
 _CONFIG_MAP = {
@@ -233,7 +233,9 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
     """
     src = Path(src)
     if not src.is_dir():
-        raise CheckpointError(f"{src}: not a directory (expected an HF folder with config.json and weights)")
+        raise CheckpointError(
+            f"{src}: not a directory (expected an HF folder with config.json and weights){hub_hint(src)}"
+        )
     config = hf_config_to_txl(read_json(src / "config.json"), str(src / "config.json"))
     tokenizer = convert_hf_tokenizer(src, trust_pickle) if trust_pickle or (src / TEXT_VOCAB).is_file() else None
     if tokenizer is not None and tokenizer.vocab_size != config.n_token:

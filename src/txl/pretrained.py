@@ -234,6 +234,18 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def hub_hint(path: str | os.PathLike) -> str:
+    """For a missing local path that reads as a Hugging Face Hub name (``owner/name``): how to get it."""
+    p = Path(path)
+    if p.is_absolute() or len(p.parts) != 2 or Path(p.parts[0]).exists():
+        return ""
+    return (
+        f". txl reads local folders only: for a Hugging Face Hub model, download its folder (e.g. `hf download "
+        f"{p.as_posix()} --local-dir {p.name}`) and import it with `txl convert hf {p.name} {p.name}-txl` "
+        "(--trust-pickle for a vocab.pkl or pytorch_model.bin)"
+    )
+
+
 class PretrainedMixin:
     """``save_pretrained`` / ``from_pretrained`` for the model classes (``config_class`` + ``config``)."""
 
