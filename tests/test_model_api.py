@@ -364,3 +364,36 @@ def test_the_readme_library_example_runs_as_written(tmp_path, monkeypatch):
     saved = TransformerXLLM.from_pretrained(tmp_path / "my-model")
     theirs = model.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in saved.state_dict().items())
+
+
+def test_tokenizer_call_feeds_model_generate_as_in_hugging_face(tmp_path):
+    """``model.generate(**tok(texts, padding=True, return_tensors="pt"))``: left padding masked, every row as if
+    it were alone."""
+    import numpy as np
+
+    from txl import Tokenizer
+    from txl.data import FileRange
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n")
+    tok = Tokenizer.build("char", [FileRange(corpus)])
+    model = TransformerXLLM(debug_config(n_token=tok.vocab_size, mem_len=12)).eval()
+    texts = ["the fox", "a lazy brown dog jumps"]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    n = len(texts[1])
+    assert enc.input_ids.shape == enc["attention_mask"].shape == (2, n)
+    assert enc.attention_mask[0].tolist() == [0] * (n - 7) + [1] * 7 and enc.input_ids[1].tolist() == tok.encode(
+        texts[1]
+    )
+    out = model.generate(**enc, max_new_tokens=15)
+    for row, text in enumerate(texts):
+        alone = model.generate(**tok(text, return_tensors="pt"), max_new_tokens=15)
+        assert out[row, n:].equal(alone[0, len(text) :]), text
+    assert tok.batch_decode(out[:, n:]) == [tok.decode(r) for r in out[:, n:]]
+    single = tok("the fox")  # lists, as HF gives them for one text
+    assert single == {"input_ids": tok.encode("the fox"), "attention_mask": [1] * 7}
+    assert tok(texts, padding=True, return_tensors="np")["input_ids"].dtype == np.int64
+    with pytest.raises(ValueError, match="pass padding=True"):
+        tok(texts, return_tensors="pt")
+    with pytest.raises(ValueError, match="return_tensors = 'tf'"):
+        tok("the", return_tensors="tf")

@@ -82,6 +82,16 @@ def smallest_uint(n: int) -> np.dtype:
     return np.dtype(np.uint64)
 
 
+class Encoding(dict):
+    """What calling a :class:`Tokenizer` gives: ``input_ids`` and ``attention_mask``, as keys or attributes."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 @dataclass
 class Tokenizer:
     """A vocabulary (``symbols[id]``) plus the rule that turns text into symbols."""
@@ -438,6 +448,31 @@ class Tokenizer:
                 _not_in_vocab(tokens[ids.index(-1)])
             return ids
         return self._lookup(units, lambda sym: self._unknown_in_text(units, sym)).tolist()
+
+    def __call__(
+        self, text: str | Sequence[str], *, padding: bool = False, return_tensors: str | None = None, pad_id: int = 0
+    ) -> Encoding:
+        """Hugging Face's tokenizer call: ``input_ids`` and ``attention_mask`` of a text, or of a list of texts.
+
+        ``return_tensors="pt"`` (torch) or ``"np"`` gives [B, T] arrays (one row for one text); texts of different
+        lengths need ``padding=True``, which pads on the left (``pad_id``, mask 0), the side txl's relative positions,
+        generation and classification read. ``model.generate(**tok(texts, padding=True, return_tensors="pt"))``."""
+        single = isinstance(text, str)
+        rows = [self.encode(t) for t in ([text] if single else text)]
+        longest = max((len(r) for r in rows), default=0)
+        if len({len(r) for r in rows}) > 1 and not padding:
+            raise ValueError("the texts have different numbers of tokens: pass padding=True (left padding)")
+        ids = [[pad_id] * (longest - len(r)) + r for r in rows]
+        mask = [[0] * (longest - len(r)) + [1] * len(r) for r in rows]
+        if return_tensors is None:
+            return Encoding(input_ids=ids[0] if single else ids, attention_mask=mask[0] if single else mask)
+        if return_tensors == "np":
+            return Encoding(input_ids=np.array(ids, dtype=np.int64), attention_mask=np.array(mask, dtype=np.int64))
+        if return_tensors == "pt":
+            import torch
+
+            return Encoding(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask))
+        raise ValueError(f"return_tensors = {return_tensors!r}: expected 'pt', 'np' or None (lists)")
 
     def _unknown_in_text(self, units: np.ndarray, symbol: str) -> None:
         unit = BYTE_OF_CHAR[symbol] if self.kind == "byte" else ord(symbol)
