@@ -397,3 +397,36 @@ def test_tokenizer_call_feeds_model_generate_as_in_hugging_face(tmp_path):
         tok(texts, return_tensors="pt")
     with pytest.raises(ValueError, match="return_tensors = 'tf'"):
         tok("the", return_tensors="tf")
+
+
+def test_attention_mask_reads_padded_rows_as_if_alone():
+    """Hugging Face's ``attention_mask`` (1 = token, 0 = padding) in every model class: the same as ``padding``;
+    the language model's real positions and the classifier's logits equal each text read alone, with left padding
+    and (classifier) right padding."""
+    torch.manual_seed(0)
+    cfg = debug_config(num_labels=3, init_std=0.3)
+    short, long = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 11))
+    left = torch.cat([torch.cat([torch.full((1, 6), 7), short], 1), long])  # [2, 11]
+    mask = torch.ones_like(left)
+    mask[0, :6] = 0
+    lm = TransformerXLLM(cfg).eval()
+    with torch.no_grad():
+        got = lm(left, attention_mask=mask, return_log_probs=True).log_probs
+        torch.testing.assert_close(got[0, 6:], lm(short, return_log_probs=True).log_probs[0])
+        torch.testing.assert_close(got[1], lm(long, return_log_probs=True).log_probs[0])
+        assert got.equal(lm(left, padding=mask == 0, return_log_probs=True).log_probs)
+        assert not torch.allclose(lm(left, return_log_probs=True).log_probs[0, 6:], got[0, 6:])  # (it matters)
+        # with a memory, a [B, T] mask takes the memory's positions as tokens
+        mems = lm(long.expand(2, -1)).mems
+        with_mem = lm(left, mems=mems, attention_mask=mask, return_log_probs=True).log_probs
+        padding = torch.cat([torch.zeros(2, mems[0].shape[1], dtype=torch.bool), mask == 0], 1)
+        assert with_mem.equal(lm(left, mems=mems, padding=padding, return_log_probs=True).log_probs)
+    with pytest.raises(ValueError, match="not both"):
+        lm(left, attention_mask=mask, padding=mask == 0)
+    clf = TransformerXLForSequenceClassification(cfg).eval()
+    right = torch.cat([torch.cat([short, torch.full((1, 6), 7)], 1), long])
+    with torch.no_grad():
+        alone = torch.cat([clf(short).logits, clf(long).logits])
+        torch.testing.assert_close(clf(left, attention_mask=mask).logits, alone)
+        torch.testing.assert_close(clf(right, attention_mask=mask.flip(1)).logits, alone)
+        assert not torch.allclose(clf(right).logits, alone)  # without the mask, row 0 is read up to its padding

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from train_helpers import losses, run_inprocess
 from txl import modeling, native
 from txl.cli import main
-from txl.modeling import attention_mask, rel_shift
+from txl.modeling import causal_mask, rel_shift
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 
@@ -37,13 +37,13 @@ def reference(q, qv, k, v, r, mask, dtype):
     B, H, T, _ = q.shape
     K = k.shape[2]
     bd = rel_shift(torch.einsum("bhtd,hdc->bhtc", qv.to(dtype), r[..., :K].to(dtype)).contiguous(), K)
-    bias = bd.masked_fill(attention_mask(T, K - T, False, 0) if mask is None else mask, float("-inf"))
+    bias = bd.masked_fill(causal_mask(T, K - T, False, 0) if mask is None else mask, float("-inf"))
     out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias, scale=1.0)
     return out.transpose(1, 2).reshape(B, T, -1)
 
 
 def padding_mask(B, T, M):
-    causal = attention_mask(T, M, False, 0)
+    causal = causal_mask(T, M, False, 0)
     padded = torch.zeros(B, M + T, dtype=torch.bool)
     padded[0, :3] = True  # row 0 left-padded
     return (causal | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
@@ -65,7 +65,7 @@ def padding_mask(B, T, M):
 )
 def test_native_attention_is_as_exact_as_the_pytorch_path(B, H, T, M, Dh, extra, pad):
     q, qv, k, v, r = inputs(B, H, T, M, Dh, extra)
-    mask = padding_mask(B, T, M) if pad else attention_mask(T, M, False, 0)
+    mask = padding_mask(B, T, M) if pad else causal_mask(T, M, False, 0)
     out = native.attention(q, k, v, qv=qv, r=r, mask=mask)
     exact = reference(q, qv, k, v, r, mask, torch.float64)
     fp32 = reference(q, qv, k, v, r, mask, torch.float32)
@@ -86,7 +86,7 @@ def test_native_attention_masks_keys_anywhere_in_a_row(density):
     q, qv, k, v, r = inputs(B, H, T, M, Dh)
     scattered = torch.rand(B, 1, T, M + T, generator=torch.Generator().manual_seed(2)) < density
     scattered[..., torch.arange(T), M + torch.arange(T)] = False  # (each query keeps its own key)
-    mask = attention_mask(T, M, False, 0) | scattered  # [B, 1, T, K]
+    mask = causal_mask(T, M, False, 0) | scattered  # [B, 1, T, K]
     exact = reference(q, qv, k, v, r, mask, torch.float64)
     fp32 = reference(q, qv, k, v, r, mask, torch.float32)
     for out in (native.attention(q, k, v, qv=qv, r=r, mask=mask), native.attention_train(q, k, v, qv, r, mask)[0]):
@@ -99,15 +99,15 @@ def test_native_attention_does_not_depend_on_the_number_of_threads_and_keeps_nan
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.attention(q, k, v, qv=qv, r=r, mask=attention_mask(19, 30, False, 0))
+        one = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0))
         torch.set_num_threads(2)
-        two = native.attention(q, k, v, qv=qv, r=r, mask=attention_mask(19, 30, False, 0))
+        two = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0))
     finally:
         torch.set_num_threads(threads)
     assert one.equal(two)
     q = q.clone()
     q[1, 2, 5, 0] = float("nan")
-    out = native.attention(q, k, v, qv=qv, r=r, mask=attention_mask(19, 30, False, 0)).view(4, 19, 3, 32)
+    out = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0)).view(4, 19, 3, 32)
     assert out[1, 5, 2].isnan().all() and not out[1, 5, [0, 1]].isnan().any() and not out[0].isnan().any()
 
 
@@ -155,7 +155,7 @@ def train_inputs(B, H, T, M, Dh, extra=0, seed=0):
 def train_mask(kind, B, T, M, mem_len=7):
     if kind == "padding":
         return padding_mask(B, T, M)
-    return attention_mask(T, M, kind == "same_length", mem_len)
+    return causal_mask(T, M, kind == "same_length", mem_len)
 
 
 @needs_lib
@@ -202,7 +202,7 @@ def test_training_attention_and_its_gradients_are_as_exact_as_the_pytorch_path(B
 @needs_lib
 def test_training_attention_does_not_depend_on_the_number_of_threads():
     q, qv, kv, r = train_inputs(4, 3, 19, 30, 32)
-    mask = attention_mask(19, 30, False, 0)
+    mask = causal_mask(19, 30, False, 0)
     grad = torch.randn(4, 19, 96, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     results = []
@@ -229,7 +229,7 @@ def test_the_kernels_form_the_query_terms_as_the_pytorch_path_does():
     u, vb, scale = torch.randn(H, Dh, generator=g), torch.randn(H, Dh, generator=g), 1.0 / math.sqrt(Dh)
     rows = q.transpose(1, 2)  # [B, T, H, Dh], the model's layout of the raw queries
     qu, qv = ((rows + u) * scale).transpose(1, 2), ((rows + vb) * scale).transpose(1, 2)
-    mask, drop, biases = attention_mask(T, M, False, 0), (0.2, 7), (u, vb, scale)
+    mask, drop, biases = causal_mask(T, M, False, 0), (0.2, 7), (u, vb, scale)
     formed = native.attention(qu, k, v, qv=qv, r=r, mask=mask)
     assert native.attention(q, k, v, qv=q, r=r, mask=mask, query_bias=biases).equal(formed)
     out, prob = native.attention_train(q, k, v, q, r, mask, drop, biases)

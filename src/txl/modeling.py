@@ -5,7 +5,7 @@ Reads top to bottom like the paper:
 1. ``TransformerXLConfig``            - every hyper-parameter, validated (names the bad field).
 2. ``sinusoid_embedding``             - the relative position table R (Sec. 3.3).
 3. ``rel_shift``                      - Appendix B's shift, as a zero-copy strided view.
-4. ``attention_mask``                 - causal mask over [memory; segment], with ``same_length``.
+4. ``causal_mask``                    - causal mask over [memory; segment], with ``same_length``.
 5. ``RelPartialLearnableMultiHeadAttn`` - the relative attention with the four terms (a)-(d) (attn_type 0).
 6. ``PositionwiseFF`` / ``TransformerXLLayer`` - post-LN (default) or pre-LN layers.
 7. ``AdaptiveEmbedding`` / ``ProjectedAdaptiveLogSoftmax`` - adaptive input and softmax (fp32).
@@ -294,12 +294,12 @@ def rel_shift_gather(bd_raw: Tensor) -> Tensor:
 
 
 def _masks_any(qlen: int, mlen: int, same_length: bool, mem_len: int) -> bool:
-    """Whether ``attention_mask`` masks anything: causality does for T > 1, the same_length window once the span
+    """Whether ``causal_mask`` masks anything: causality does for T > 1, the same_length window once the span
     exceeds mem_len. (A single newest query with an unwindowed memory sees every key.)"""
     return qlen > 1 or (same_length and mlen + qlen > mem_len)
 
 
-def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device=None) -> Tensor:
+def causal_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device=None) -> Tensor:
     """Boolean ``[T, K]`` mask, True = masked."""
     i = torch.arange(qlen, device=device)[:, None] + mlen  # absolute query positions
     j = torch.arange(mlen + qlen, device=device)[None, :]
@@ -312,7 +312,7 @@ def attention_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device
 def _padding_mask(mask: Tensor | None, padded: Tensor, T: int, mlen: int) -> Tensor:
     """The causal ``mask`` ([T, K] or None) with padding keys (``padded`` [B, K]) masked too: [B, 1, T, K]. A padding
     query still sees the keys before it, so that no softmax row is empty (its output is never used)."""
-    causal = mask if mask is not None else attention_mask(T, mlen, False, 0, device=padded.device)
+    causal = mask if mask is not None else causal_mask(T, mlen, False, 0, device=padded.device)
     return (causal | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
 
 
@@ -1402,6 +1402,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         ext_len: int = 0,
         cache: KVCache | None = None,
         padding: Tensor | None = None,
+        attention_mask: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         detach_mems: bool = True,
@@ -1419,6 +1420,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         ``padding`` marks positions that are never attended to (True = padding), e.g. the left padding of texts of
         different lengths; relative distances count them, so pad on the left. With a cache it is [B, T] (the cache
         remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
+        ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
+        tokens), as a tokenizer call gives it.
         ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
         e.g. fine-tuning a classifier on long documents); the paper's stop-gradient is the default.
         """
@@ -1435,11 +1438,17 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if lo < 0 or hi >= cfg.n_token:
             raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
         dev = input_ids.device
+        if attention_mask is not None:
+            if padding is not None:
+                raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
+            padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
         word_emb = self.word_emb(input_ids)  # [B, T, D]
         if cache is None:
             mlen = self._check_mems(mems, B) if mems else 0
+            if attention_mask is not None and mlen and padding.shape[-1] == T:
+                padding = F.pad(padding, (mlen, 0), value=False)  # [B, M + T]: the memory's positions are tokens
             mask = (
-                attention_mask(T, mlen, same_length, mem_len, device=dev)
+                causal_mask(T, mlen, same_length, mem_len, device=dev)
                 if _masks_any(T, mlen, same_length, mem_len)
                 else None
             )
@@ -1538,7 +1547,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         padded = cache.begin(T, padding)  # [B, M + T] or None
         mask = None  # [T, K]
         if _masks_any(T, mlen, same_length, mem_len):
-            mask = attention_mask(T, mlen, same_length, mem_len, device=cache.k.device)
+            mask = causal_mask(T, mlen, same_length, mem_len, device=cache.k.device)
         if padded is not None:
             mask = _padding_mask(mask, padded, T, mlen)
         return mlen, mask
@@ -1673,7 +1682,9 @@ class SequenceClassifierOutput:
 
 
 class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
-    """Scores the hidden state of the last token that is not ``pad_token_id`` (right padding)."""
+    """Scores the hidden state of the last token that is not padding: by ``attention_mask`` / ``padding`` where
+    given (left padding, as txl's tokenizer call gives it, reads each text exactly as alone), else the last that is
+    not ``pad_token_id`` (Hugging Face's right padding)."""
 
     base_model_prefix = "transformer"
     new_head = "score"  # from_pretrained of a language model: the body's weights, this head initialised anew
@@ -1694,8 +1705,13 @@ class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
         out = self.transformer(input_ids, mems, **kwargs)
         B, T = input_ids.shape
         last = torch.full((B,), T - 1, device=input_ids.device)
-        if self.config.pad_token_id is not None:
+        mask, padding = kwargs.get("attention_mask"), kwargs.get("padding")
+        real = None
+        if mask is not None or padding is not None:
+            real = (mask != 0 if mask is not None else ~padding)[:, -T:].to(input_ids.device)  # [B, T]
+        elif self.config.pad_token_id is not None:
             real = input_ids != self.config.pad_token_id  # [B, T]
+        if real is not None:
             # index of the last non-padding token (T-1 - position of the first real token from the right)
             last = torch.where(real.any(1), T - 1 - real.flip(1).int().argmax(1), last)
         pooled = out.last_hidden_state[torch.arange(B, device=input_ids.device), last]  # [B, D]
