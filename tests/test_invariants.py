@@ -12,7 +12,7 @@ from txl import TransformerXLLM, modeling
 from txl.modeling import (
     SHIFT_ALIGN,
     Dropout,
-    attention_mask,
+    causal_mask,
     mask_scores,
     mask_scores_,
     rel_shift,
@@ -118,7 +118,7 @@ def test_rel_shift_gradient_equals_the_gathers_in_the_products_layout(qlen, mlen
     """The shift's backward gives the gradient of the gather (zero on the raw columns no query reads), in a layout
     the (b)+(d) product's backward reads without a copy: the raw term's [H, B] order, rows of stride K+T."""
     klen, H, B = qlen + mlen, 3, 2
-    mask = attention_mask(qlen, mlen, False, 0)
+    mask = causal_mask(qlen, mlen, False, 0)
     grad = torch.randn(B, H, qlen, klen).masked_fill(mask, 0).to(dtype)  # (masked scores get no gradient)
     raws = []
     for shift in (rel_shift, rel_shift_gather):
@@ -183,7 +183,7 @@ def test_padded_rel_shift_is_a_view_without_overlap(qlen, mlen):
 def test_in_place_mask_equals_the_added_bias(kind):
     """The in-place mask (only the columns from the first masked one on) equals the added bias."""
     qlen, mlen = 5, 7
-    mask = attention_mask(qlen, mlen, kind == "same_length", 6)
+    mask = causal_mask(qlen, mlen, kind == "same_length", 6)
     if kind == "scattered":
         mask = torch.zeros_like(mask)
         mask[1, 2] = mask[3, 5] = mask[0, 9] = mask[4, 11] = True
@@ -264,9 +264,9 @@ def reference_mask(qlen, mlen, mem_len, same_length):
 @pytest.mark.parametrize("same_length", [False, True])
 def test_mask_equals_reference_construction(qlen, mlen, mem_len, same_length):
     """Includes klen == mem_len + qlen (e.g. 4/6/6, 8/8/8: huggingface/transformers#14832)."""
-    assert attention_mask(qlen, mlen, same_length, mem_len).equal(reference_mask(qlen, mlen, mem_len, same_length))
+    assert causal_mask(qlen, mlen, same_length, mem_len).equal(reference_mask(qlen, mlen, mem_len, same_length))
     if same_length and mlen + qlen > mem_len:
-        visible = (~attention_mask(qlen, mlen, True, mem_len)).sum(1)
+        visible = (~causal_mask(qlen, mlen, True, mem_len)).sum(1)
         assert visible.tolist() == [min(mem_len, mlen + i + 1) for i in range(qlen)]
 
 
@@ -372,7 +372,7 @@ def test_attention_probabilities():
     with torch.no_grad():
         first = model(ids[:, :5])
         out = model(ids[:, 5:], mems=first.mems, output_attentions=True)
-    mask = attention_mask(7, 5, False, 8)
+    mask = causal_mask(7, 5, False, 8)
     for prob in out.attentions:
         assert prob.shape == (2, 2, 7, 12)
         torch.testing.assert_close(prob.sum(-1), torch.ones(2, 2, 7, dtype=prob.dtype))
