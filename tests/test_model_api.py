@@ -430,3 +430,14 @@ def test_attention_mask_reads_padded_rows_as_if_alone():
         torch.testing.assert_close(clf(left, attention_mask=mask).logits, alone)
         torch.testing.assert_close(clf(right, attention_mask=mask.flip(1)).logits, alone)
         assert not torch.allclose(clf(right).logits, alone)  # without the mask, row 0 is read up to its padding
+
+
+def test_lm_output_has_hugging_faces_logits_names():
+    model = TransformerXLLM(debug_config()).eval()
+    x = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        out = model(x, return_log_probs=True)
+        assert out.logits is out.log_probs and out.prediction_scores is out.log_probs
+        assert torch.allclose(out.logits.exp().sum(-1), torch.ones(2, 6))
+        with pytest.raises(AttributeError, match="return_log_probs=True"):
+            _ = model(x).logits

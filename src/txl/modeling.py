@@ -1591,6 +1591,18 @@ class TransformerXLLMOutput:
     hidden_states: list[Tensor] | None = None
     attentions: list[Tensor] | None = None
 
+    @property
+    def logits(self) -> Tensor:
+        """Hugging Face's name (also ``prediction_scores``) for what its TransfoXL returned there: ``log_probs``."""
+        if self.log_probs is None:
+            raise AttributeError(
+                "logits: the (adaptive) softmax's log-probabilities are computed on request: call the model with "
+                "return_log_probs=True (Hugging Face's logits of TransfoXL were these log-probabilities)"
+            )
+        return self.log_probs
+
+    prediction_scores = logits
+
 
 class TransformerXLLM(TransformerXLPreTrainedModel):
     """Transformer-XL with the (adaptive) softmax language-model head."""
