@@ -290,6 +290,9 @@ def test_a_recipe_fits_a_smaller_vocabulary(tmp_path, capsys):
     assert 20 < cfg["n_token"] < 60  # the tiny corpus's characters
     assert cfg["cutoffs"] == [20] and cfg["tie_projs"] == [False, True] and cfg["div_val"] == 2
     assert "model.cutoffs = [20] (the clusters from 60, 100 on lie past the vocabulary's end" in out
+    # one's own text (here the folder "corpus", read with the debug preset's Shakespeare rules) is named as such
+    assert "preparing corpus from" in out and "corpus: vocabulary" in out and "(the vocabulary of corpus;" in out
+    assert "shakespeare" not in out
     run_inprocess(tmp_path, model__cutoffs="20,60,100", model__div_val=2, train__max_steps=5)
     assert "resumed from" in capsys.readouterr().out and list_checkpoints(run)[-1][0] == 5
 

@@ -273,7 +273,7 @@ class Trainer:
         if model.n_token == vocab_size:
             return model
         self.say(
-            f"model.n_token = {vocab_size:,} (the vocabulary of {self.cfg.data.dataset}; "
+            f"model.n_token = {vocab_size:,} (the vocabulary of {self.cfg.data.label}; "
             f"the config said {model.n_token:,})"
         )
         changes: dict[str, Any] = {"n_token": vocab_size}

@@ -76,6 +76,15 @@ class DataConfig:
     on_stale: Literal["rebuild", "error"] = "rebuild"
     """What to do with a cache whose sources, tokenizer or settings changed, or that is corrupt."""
 
+    @property
+    def label(self) -> str:
+        """What messages call the text: the dataset's name, or the file or folder name of one's own text (a custom
+        one, or any text read with the Shakespeare recipes' rules)."""
+        name = Path(self.path).name
+        if self.dataset == "custom" or self.dataset == "shakespeare" and name != "shakespeare":
+            return name
+        return self.dataset
+
 
 @dataclass(frozen=True)
 class _Recipe:
@@ -355,7 +364,7 @@ def prepare_corpus(
         meta_path.unlink()
     elif folder.exists() and any(folder.iterdir()):
         reason = "an earlier build did not finish"
-    log(f"preparing {cfg.dataset} from {layout.description} into {folder} ({reason})")
+    log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")
     folder.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(cfg, settings, layout)
     arrays = {}
@@ -384,7 +393,7 @@ def prepare_corpus(
     }
     write_bytes(meta_path, json.dumps(meta, indent=1).encode())
     sizes = ", ".join(f"{s} {sum(e['n_tokens'] for e in arrays[s]):,}" for s in SPLITS)
-    log(f"{cfg.dataset}: vocabulary {tok.vocab_size:,} ({tok.kind}), tokens: {sizes}")
+    log(f"{cfg.label}: vocabulary {tok.vocab_size:,} ({tok.kind}), tokens: {sizes}")
     return _load(folder, meta, tok)
 
 
