@@ -5,13 +5,14 @@ slides; batched prompts of different lengths give what each prompt gives alone; 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import debug_config
+from tests.conftest import ADAPTIVE_FIXTURE, debug_config
 from txl import TransformerXLLM, modeling
 from txl.evaluate import evaluate
 from txl.generation import generate, stream
@@ -72,10 +73,10 @@ def uncached_steps(model, prompt, forced: list[int], mem_len: int) -> torch.Tens
     return torch.cat(all_log_probs)
 
 
-def greedy_uncached(model, prompt, steps: int, mem_len: int) -> list[int]:
+def greedy_uncached(model, prompt, steps: int, mem_len: int, mems=None) -> list[int]:
     tokens = []
     with torch.no_grad():
-        out = model.transformer(prompt, None, mem_len=mem_len)
+        out = model.transformer(prompt, mems, mem_len=mem_len)
         for _ in range(steps):
             nxt = model.crit(out.last_hidden_state[:, -1], return_log_probs=True)[1].argmax(-1, keepdim=True)
             tokens.append(int(nxt))
@@ -192,6 +193,56 @@ def test_model_generate_takes_hugging_face_arguments():
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     hot = model.generate(prompt, max_new_tokens=25, do_sample=True, temperature=0.6, top_k=0, top_p=0.8, generator=g1)
     assert hot.equal(generate(model, prompt, 25, temperature=0.6, top_p=0.8, generator=g2))
+
+
+@pytest.mark.parametrize("variant", ["plain", "pre_lnorm_untie_r", "adaptive"])
+def test_generation_from_a_given_memory_equals_the_uncached_loop(variant):
+    """``mems`` (layer inputs, e.g. HF's zero memory) start the cached generation: its keys and values are computed
+    once (pre-LN: from the normed memory) and slide out as the uncached loop's memory does."""
+    model = lm(**VARIANTS[variant], init_std=0.3)
+    cfg = model.config
+    prompt = torch.randint(0, cfg.n_token, (1, 6))
+    for mems in ([torch.randn(1, 10, cfg.d_model) for _ in range(cfg.n_layer)], [torch.zeros(1, 16, cfg.d_model)] * 2):
+        got = generate(model, prompt, 40, temperature=0.0, mem_len=16, mems=mems)[0, 6:].tolist()
+        assert got == greedy_uncached(model, prompt, 40, 16, mems)
+        assert got != greedy_uncached(model, prompt, 40, 16)  # (the memory matters)
+    cache = KVCache(cfg, 1, 16)
+    model.transformer.fill_cache(cache, mems, 16)
+    with pytest.raises(ValueError, match="already holds a memory"):
+        model.transformer.fill_cache(cache, mems, 16)
+    with pytest.raises(ValueError, match=r"mems must be 2 tensors of shape \[batch=1"):
+        generate(model, prompt, 3, mems=[torch.zeros(1, 4, cfg.d_model + 1)] * 2)
+
+
+def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, capsys, monkeypatch):
+    """HF 4.46's greedy ``generate()`` of a converted checkpoint (the sharp fixtures, through `txl convert hf`),
+    token for token: HF starts from mem_len zero vectors, which ``mems`` gives txl; from the empty memory (txl's
+    default) the tokens differ."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.conftest import CHAR_FIXTURE, ROOT
+    from txl.cli import main
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from model_speed import patched_hf  # the benchmarks' HF, with the one-expression #29650 fix
+
+    transformers.logging.set_verbosity_error()
+    for fixture in (CHAR_FIXTURE, ADAPTIVE_FIXTURE):
+        with warnings.catch_warnings():  # (HF's notes on its deprecated model)
+            warnings.simplefilter("ignore")
+            hf = patched_hf().TransfoXLLMHeadModel(transformers.TransfoXLConfig.from_pretrained(fixture))
+        hf.load_state_dict(load_file(fixture / "model.safetensors"), strict=False)
+        main(["convert", "hf", str(fixture), str(tmp_path / fixture.name)])
+        ours = TransformerXLLM.from_pretrained(tmp_path / fixture.name)
+        cfg = ours.config
+        prompt = torch.randint(0, cfg.n_token, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = hf.eval().generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        assert ours.generate(prompt, max_new_tokens=60, mems=zeros).equal(theirs), fixture.name
+        assert not ours.generate(prompt, max_new_tokens=60).equal(theirs)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])

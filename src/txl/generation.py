@@ -73,12 +73,15 @@ def stream(
     padding: Tensor | None = None,
     stop_tokens: Sequence[int] = (),
     pad_id: int | None = None,
+    mems: list[Tensor] | None = None,
 ) -> Iterator[Tensor]:
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
     ``temperature == 0`` is greedy. ``padding`` [B, T] (True = padding) lets prompts of different lengths share
     the batch: pad them on the left. A row that produced one of ``stop_tokens`` is finished: from then on it yields
-    ``pad_id`` (default: the first stop token), and the iteration ends when every row is finished.
+    ``pad_id`` (default: the first stop token), and the iteration ends when every row is finished. ``mems``: the
+    memory the prompt starts from (``n_layer`` tensors [B, M, d_model]; default: empty, as the model's forward),
+    e.g. ``[torch.zeros(B, mem_len, d_model)] * n_layer`` for Hugging Face's and the TF code's zero memory.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -93,6 +96,8 @@ def stream(
     dtype = next(model.parameters()).dtype
     if supports_kv_cache(model.config):
         cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
+        if mems:
+            model.transformer.fill_cache(cache, mems, mem_len)
 
         def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
             with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
@@ -104,7 +109,6 @@ def stream(
                 f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
                 "give prompts of one length"
             )
-        mems: list[Tensor] | None = None
 
         def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
             nonlocal mems
@@ -151,13 +155,15 @@ def generate_like_hf(
     pad_token_id: int | None = None,
     mem_len: int | None = None,
     generator: torch.Generator | None = None,
+    mems: list[Tensor] | None = None,
 ) -> Tensor:
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
 
     Greedy unless ``do_sample`` (then ``temperature``, ``top_k`` = 50 and ``top_p`` as HF's defaults);
     ``max_new_tokens``, or ``max_length`` counting the prompt (20 when neither is given, as HF);
     ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
-    which is then filled with ``pad_token_id`` (default: the first eos id). Returns [B, T + new tokens].
+    which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
+    :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors). Returns [B, T + new tokens].
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -195,4 +201,5 @@ def generate_like_hf(
         padding=padding,
         stop_tokens=stops,
         pad_id=pad_token_id,
+        mems=mems,
     )

@@ -644,6 +644,15 @@ class _Attention(nn.Module):
             kv = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
         return h, q, kv
 
+    def memory_keys_values(self, mem: Tensor) -> Tensor:
+        """The keys and values [2, B, H, M, Dh] of a memory of layer inputs ``mem`` [B, M, D] (to fill a cache):
+        what :meth:`project` computes for the memory's positions."""
+        B, M, _ = mem.shape
+        H, Dh = self.n_head, self.d_head
+        x = self.layer_norm(mem) if self.pre_lnorm else mem
+        kv = linear(x, self.qkv_net.weight, out=slice(H * Dh, None))  # [B, M, 2HD]
+        return kv.view(B, M, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, M, Dh]
+
     def forward(
         self,
         h: Tensor,
@@ -1496,6 +1505,17 @@ class TransformerXL(TransformerXLPreTrainedModel):
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
         )
+
+    def fill_cache(self, cache: KVCache, mems: list[Tensor], mem_len: int | None = None) -> None:
+        """Start an empty ``cache`` from a memory of layer inputs ``mems`` (``n_layer`` tensors [B, M, d_model], e.g.
+        Hugging Face's zero memory): its keys and values, as a segment of M positions would have left them."""
+        if cache.length:
+            raise ValueError("fill_cache starts a cache: this one already holds a memory")
+        M = self._check_mems(mems, cache.k.shape[1])
+        cache.begin(M)
+        for i, (layer, mem) in enumerate(zip(self.layers, mems, strict=True)):
+            cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
+        cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
 
     def _decode(self, h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache) -> Tensor:
         """Every layer for one new position per row, ``h`` [B, 1, D], with a ``cache`` (inference, attn_type 0):
