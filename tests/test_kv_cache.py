@@ -5,6 +5,7 @@ slides; batched prompts of different lengths give what each prompt gives alone; 
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 
 import numpy as np
@@ -243,6 +244,17 @@ def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, 
         zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
         assert ours.generate(prompt, max_new_tokens=60, mems=zeros).equal(theirs), fixture.name
         assert not ours.generate(prompt, max_new_tokens=60).equal(theirs)
+        # the CLI: txl generate --zero_memory true
+        args = [
+            "generate",
+            "--model",
+            str(tmp_path / fixture.name),
+            "--prompt_ids",
+            ",".join(map(str, prompt[0].tolist())),
+        ]
+        capsys.readouterr()
+        main([*args, "--max_new_tokens", "60", "--temperature", "0", "--zero_memory", "true", "--json"])
+        assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])

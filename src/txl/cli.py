@@ -393,6 +393,7 @@ def generate(
     stream: bool = True,
     threads: int | None = None,
     json: bool = False,
+    zero_memory: bool = False,
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -412,6 +413,8 @@ def generate(
         stream: Print each token as it is made (false: print the text at the end).
         threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
         json: Print a JSON object with the prompt and the new ids (and text) at the end instead of streaming.
+        zero_memory: Start from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code) did: a converted
+            HF model then continues as HF's generate() did (default: an empty memory, as the original PyTorch code).
     """
     import torch
 
@@ -468,6 +471,9 @@ def generate(
         mem_len=mem_len,
         generator=g,
         stop_tokens=stops,
+        mems=[torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer
+        if zero_memory
+        else None,
     )
     if json or tok is None or not stream:
         new = [int(t) for t in tokens]
