@@ -390,3 +390,23 @@ def test_a_hugging_face_hub_name_says_how_to_get_the_model(tmp_path, capsys, mon
     (tmp_path / "runs").mkdir()
     line = fails(capsys, ["eval", "--model", "runs/my-bok", "--data", "x.txt"])
     assert "runs/my-bok: not found" in line and "hf download" not in line
+
+
+def test_an_unknown_option_gets_the_nearest_one(tmp_path, capsys):
+    """A typo, or Hugging Face's name for a field (on the command line or in a recipe), names the option meant."""
+    from tests.conftest import ROOT
+
+    debug = str(ROOT / "configs" / "debug.yaml")
+    line = fails(capsys, ["eval", "--modle", "runs/x"])
+    assert "unrecognized arguments: --modle runs/x; did you mean --model?" in line
+    line = fails(capsys, ["train", "--config", debug, "--trian.max_steps", "5"])
+    assert "did you mean --train.max_steps?" in line
+    line = fails(capsys, ["generate", "--model", "x", "--temprature=0.5"])
+    assert "did you mean --temperature?" in line
+    line = fails(capsys, ["train", "--config", debug, "--model.vocab_size", "5"])
+    assert "did you mean --model.n_token (Hugging Face's vocab_size)?" in line
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text("model:\n  vocab_size: 100\n  tie_word_embeddings: true\n")
+    line = fails(capsys, ["train", "--config", str(recipe)])
+    assert "does not accept option 'model.vocab_size'; did you mean --model.n_token (Hugging Face's vocab_size)" in line
+    assert "did you mean" not in fails(capsys, ["eval", "--model", "x", "--bogus", "1"])

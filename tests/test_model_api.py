@@ -441,3 +441,10 @@ def test_lm_output_has_hugging_faces_logits_names():
         assert torch.allclose(out.logits.exp().sum(-1), torch.ones(2, 6))
         with pytest.raises(AttributeError, match="return_log_probs=True"):
             _ = model(x).logits
+
+
+def test_config_from_dict_names_hugging_faces_fields():
+    with pytest.raises(ValueError, match=r"vocab_size \(Hugging Face's vocab_size is n_token here; txl convert hf"):
+        TransformerXLConfig.from_dict({"vocab_size": 100, "n_layer": 2})
+    with pytest.raises(ValueError, match=r"unknown TransformerXLConfig field\(s\): n_layers$"):
+        TransformerXLConfig.from_dict({"n_layers": 2})

@@ -8,6 +8,7 @@ folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that can
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json as _json
 import os
@@ -1035,7 +1036,13 @@ def build_parser():
 def run(argv: list[str]) -> None:
     """Parse ``argv`` (already normalized) and run the command."""
     top, parsers = build_parser()
-    namespace = top.parse_args(argv)
+    try:
+        namespace = top.parse_args(argv)
+    except ArgumentError as e:
+        hint = _did_you_mean(str(e), argv, parsers)
+        if not hint:
+            raise
+        raise ArgumentError(None, f"{e}{hint}") from None
     path, node, commands = (), namespace, COMMANDS
     while True:
         name = node["subcommand"]
@@ -1058,6 +1065,31 @@ def run(argv: list[str]) -> None:
         return
     init = parser.instantiate(node)
     target(**{k: init[k] for k in inspect.signature(target).parameters})
+
+
+def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
+    """For an option the command does not have: the nearest one it has (a typo, or Hugging Face's name)."""
+    unknown = re.findall(r"does not accept option '([^']+)'", message)
+    given = re.search(r"unrecognized arguments: (.*)", message)
+    if given:
+        unknown += [a.split("=", 1)[0].lstrip("-") for a in given.group(1).split() if a.startswith("--")]
+    words = [a for a in argv if not a.startswith("-")]
+    path = max((p for p in parsers if tuple(words[: len(p)]) == p), key=len, default=None)
+    if not unknown or path is None:
+        return ""
+    from txl.modeling import HF_CONFIG_NAMES
+
+    options = [o[2:] for a in parsers[path]._actions for o in a.option_strings if o.startswith("--")]
+    options = [o for o in options if not o.endswith("+") and o != "help"]
+    hints = []
+    for name in unknown:
+        head, _, last = name.rpartition(".")
+        renamed = f"{head}.{HF_CONFIG_NAMES[last]}" if head and last in HF_CONFIG_NAMES else HF_CONFIG_NAMES.get(last)
+        if renamed in options:
+            hints.append(f"--{renamed} (Hugging Face's {last})")
+        else:
+            hints += [f"--{m}" for m in difflib.get_close_matches(name, options, n=1, cutoff=0.75)]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
 def _n_token_past_the_cutoffs(model) -> None:

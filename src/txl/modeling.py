@@ -43,6 +43,10 @@ from txl.pretrained import PretrainedMixin
 # ---------------------------------------------------------------------------------------------------------
 
 
+HF_CONFIG_NAMES = {"vocab_size": "n_token", "tie_word_embeddings": "tie_weight"}
+"""Hugging Face's TransfoXLConfig names of fields that txl calls by the paper's names."""
+
+
 @dataclass
 class TransformerXLConfig:
     """Hyper-parameters of a Transformer-XL model (names as in the paper's code)."""
@@ -187,7 +191,9 @@ class TransformerXLConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown TransformerXLConfig field(s): {', '.join(unknown)}")
+            hints = [f"{k} is {HF_CONFIG_NAMES[k]} here" for k in unknown if k in HF_CONFIG_NAMES]
+            hint = f" (Hugging Face's {', '.join(hints)}; txl convert hf reads a whole HF config)" if hints else ""
+            raise ValueError(f"unknown TransformerXLConfig field(s): {', '.join(unknown)}{hint}")
         return cls(**data)
 
 
