@@ -86,6 +86,55 @@ def test_stop_strings_end_the_text_before_them(client):
     assert stream[-1]["finish_reason"] == "stop"
 
 
+def test_openai_completions_equal_txl_generate(client, run):
+    """OpenAI's completions API as its clients send it: the same tokens as /v1/generate, its response layout and
+    usage, the stream's chunks ending with [DONE], stop as a string, echo, token-id prompts; fields txl cannot honour
+    are refused by name, fields of the client's own ignored."""
+    base = {"prompt": "ab cd", "max_new_tokens": 30, "temperature": 0}
+    ours = client.post("/v1/generate", json=base).json()
+    body = {"model": "whatever", "prompt": "ab cd", "max_tokens": 30, "temperature": 0, "user": "u1", "n": 1}
+    res = client.post("/v1/completions", json=body | {"logit_bias": {}, "some_client_field": 3})
+    assert res.status_code == 200, res.text
+    out = res.json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == "whatever"
+    assert out["choices"] == [{"text": ours["text"], "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert out["usage"] == {"prompt_tokens": ours["prompt_tokens"], "completion_tokens": 30, "total_tokens": 30 + 5}
+    assert (
+        client.post("/v1/completions", json={"prompt": "ab cd", "temperature": 0}).json()["usage"]["completion_tokens"]
+        == 16
+    )  # OpenAI's default max_tokens
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+        lines = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ours["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 30
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1]) and len({c["id"] for c in chunks}) == 1
+    stop = ours["text"][10:13]
+    cut = client.post("/v1/completions", json=body | {"stop": stop}).json()["choices"][0]
+    assert cut["text"] == ours["text"][: ours["text"].index(stop)] and cut["finish_reason"] == "stop"
+    echoed = client.post("/v1/completions", json=body | {"echo": True}).json()["choices"][0]["text"]
+    assert echoed == "ab cd" + ours["text"]
+    ids = client.app.state.server.tokenizer.encode("ab cd")
+    for prompt in (ids, [ids], ["ab cd"]):
+        assert (
+            client.post("/v1/completions", json=body | {"prompt": prompt}).json()["choices"][0]["text"] == ours["text"]
+        )
+    assert client.get("/v1/models").json()["data"] == [
+        {"id": run.name, "object": "model", "created": 0, "owned_by": "txl"}
+    ]
+    for field, value, message in [
+        ("n", 2, "n: one completion per request"),
+        ("logprobs", 1, "logprobs: not given here; POST /v1/score"),
+        ("presence_penalty", 0.5, "presence_penalty: not supported"),
+        ("prompt", ["a", "b"], "prompt: one prompt per request"),
+        ("prompt", [1, 10_000], "prompt: ids must be in [0,"),
+        ("max_tokens", 10_000, "max_tokens: 10000 is more than the limit 200"),
+    ]:
+        res = client.post("/v1/completions", json=body | {field: value})
+        assert res.status_code == 422 and message in res.json()["error"], (field, res.text)
+
+
 def test_score_equals_txl_eval(client, run, tmp_path, capsys):
     from txl.cli import main
 

@@ -2,8 +2,9 @@
 long-text scoring.
 
 Endpoints: ``POST /v1/generate`` (JSON, or server-sent events with ``"stream": true``), ``POST /v1/score``,
-``GET /v1/model``, ``GET /health``, ``GET /`` (the page; OpenAPI docs at ``/docs``). Every model call runs on the
-:class:`~txl.engine.Engine`'s thread, which batches concurrent generations step by step; the event loop only
+``GET /v1/model``, ``GET /health``, ``GET /`` (the page; OpenAPI docs at ``/docs``), and OpenAI's
+``POST /v1/completions`` and ``GET /v1/models``, so that clients of that API work unchanged. Every model call runs
+on the :class:`~txl.engine.Engine`'s thread, which batches concurrent generations step by step; the event loop only
 decodes text and talks HTTP. Bad input is a 4xx with a one-line message naming the field.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -52,6 +54,31 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop before the first of these strings.")
     mem_len: int | None = Field(None, ge=1, description="Memory length (default: the model's).")
     stream: bool = Field(False, description="Stream the tokens as server-sent events.")
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completions request. Fields of OpenAI's that txl does not have are refused when set to anything
+    but their neutral value; fields unknown to OpenAI too are ignored, as clients send some of their own."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Any name: the server has one model.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids: one prompt.")
+    max_tokens: int | None = Field(16, ge=0, description="Tokens to generate (OpenAI's default: 16).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold (1: off).")
+    stop: str | list[str] | None = Field(None, description="Stop before the first of these strings.")
+    seed: int | None = Field(None, description="Random seed: the same seed gives the same text.")
+    echo: bool = Field(False, description="Give the prompt's text before the completion.")
+    stream: bool = Field(False, description="Stream the text as server-sent events, ending with data: [DONE].")
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
 
 
 class ScoreRequest(BaseModel):
@@ -109,6 +136,7 @@ class Server:
         self.limits = limits
         self.api_key = api_key
         self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.name = self.source.resolve().name  # (what OpenAI's API calls the model)
         self.engine: Engine | None = None
         self._torch = torch
 
@@ -150,6 +178,37 @@ class Server:
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
         )  # fmt: skip
         return gen, ids
+
+    def completion_request(self, req: CompletionRequest) -> tuple[GenerateRequest, str]:
+        """The generation an OpenAI completions request asks for, and its prompt's text (for ``echo``)."""
+        refused = {
+            "n": (req.n != 1, "one completion per request (send several: they are batched)"),
+            "best_of": (req.best_of not in (None, 1), "one completion per request"),
+            "logprobs": (req.logprobs is not None, "not given here; POST /v1/score gives each token's log-probability"),
+            "suffix": (req.suffix is not None, "insertion is not something a left-to-right model does"),
+            "presence_penalty": (req.presence_penalty != 0, "not supported (0 only)"),
+            "frequency_penalty": (req.frequency_penalty != 0, "not supported (0 only)"),
+            "logit_bias": (bool(req.logit_bias), "not supported"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise BadRequest(422, f"{name}: {why}")
+        if (req.max_tokens or 0) > self.limits.max_new_tokens:
+            raise BadRequest(422, f"max_tokens: {req.max_tokens} is more than the limit {self.limits.max_new_tokens}")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise BadRequest(422, "prompt: one prompt per request (send several requests: they are batched)")
+            prompt = prompt[0]
+        ids = self._encode(None, list(prompt), "prompt", "prompt") if isinstance(prompt, list) else None
+        text = prompt if ids is None else (self.tokenizer.decode(ids) if self.tokenizer else "")
+        gen = GenerateRequest(
+            prompt=None if ids is not None else prompt, prompt_ids=ids,
+            max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
+            top_p=req.top_p, seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stream=req.stream,
+        )  # fmt: skip
+        return gen, text
 
     def score(self, req: ScoreRequest) -> dict[str, Any]:
         import numpy as np
@@ -292,8 +351,10 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
             ]
         return out
 
-    @app.post("/v1/generate")
-    async def generate(req: GenerateRequest, request: Request):
+    def start(req: GenerateRequest) -> tuple[Any, Any, Generation]:
+        """Submit a generation (a bad or refused request raises here, before any response starts); return the
+        iterator of (token id, text so far, new ids) as they come, ending with (None, text, new ids), and the
+        function that sums a generation up."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         gen, ids = server.generation(req, lambda tok: loop.call_soon_threadsafe(queue.put_nowait, tok))
@@ -307,10 +368,10 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
         for i in ids:  # (a word tokenizer's separators depend on what came before)
             if decoder:
                 decoder.push(i)
-        start = time.monotonic()
+        begun = time.monotonic()
 
         async def tokens():
-            """(token id, text so far, finished) as they come; the request is cancelled if the client leaves."""
+            """(token id, text so far, new ids) as they come; the request is cancelled if the client leaves."""
             text, new = "", []
             try:
                 while True:
@@ -328,44 +389,100 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
                 gen.cancel()
 
         def summary(text: str, new: list[int], reason: str) -> dict[str, Any]:
-            elapsed = max(time.monotonic() - start, 1e-9)
+            elapsed = max(time.monotonic() - begun, 1e-9)
             return {
                 "text": text, "token_ids": new, "prompt_tokens": len(ids), "new_tokens": len(new),
                 "finish_reason": reason, "error": gen.error, "seconds": elapsed, "tokens_per_s": len(new) / elapsed,
             }  # fmt: skip
 
+        return tokens, summary, gen
+
+    async def finished(started, stop: list[str]) -> dict[str, Any]:
+        """The whole generation's summary (text cut before the first stop string)."""
+        tokens, summary, gen = started
+        try:
+            async for tok, text, new in tokens():
+                cut, _ = _stop_cut(text, stop)
+                if cut is not None:
+                    return summary(text[:cut], new, "stop")
+                if tok is None:
+                    if gen.finish_reason == "error":
+                        raise BadRequest(500, f"generation failed: {gen.error}")
+                    return summary(text, new, gen.finish_reason or "length")
+        finally:
+            gen.cancel()
+        raise AssertionError("the token stream ended without its end")  # (tokens() always ends with None)
+
+    async def pieces(started, stop: list[str]):
+        """({"token_id", "text"}, None) for each piece of text that is safe to send (no stop string can begin in
+        it), then (None, the summary)."""
+        tokens, summary, gen = started
+        sent = 0
+        try:
+            async for tok, text, new in tokens():
+                cut, safe = _stop_cut(text, stop)
+                end = cut if cut is not None else (len(text) if tok is None else safe)
+                if tok is not None and cut is None or end > sent:
+                    yield {"token_id": tok, "text": text[sent:end]}, None
+                    sent = end
+                if cut is not None or tok is None:
+                    yield None, summary(text[:end], new, "stop" if cut is not None else (gen.finish_reason or "length"))
+                    return
+        finally:
+            gen.cancel()
+
+    def sse(events) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/generate")
+    async def generate(req: GenerateRequest):
+        started = start(req)
         if not req.stream:
-            try:
-                async for tok, text, new in tokens():
-                    cut, _ = _stop_cut(text, req.stop)
-                    if cut is not None:
-                        return summary(text[:cut], new, "stop")
-                    if tok is None:
-                        if gen.finish_reason == "error":
-                            raise BadRequest(500, f"generation failed: {gen.error}")
-                        return summary(text, new, gen.finish_reason or "length")
-            finally:
-                gen.cancel()
+            return await finished(started, req.stop)
 
         async def events():
-            sent = 0
-            try:
-                async for tok, text, new in tokens():
-                    cut, safe = _stop_cut(text, req.stop)
-                    end = cut if cut is not None else (len(text) if tok is None else safe)
-                    if tok is not None and cut is None or end > sent:
-                        piece = {"token_id": tok, "text": text[sent:end]}
-                        yield f"data: {json.dumps(piece)}\n\n"
-                        sent = end
-                    if cut is not None or tok is None:
-                        reason = "stop" if cut is not None else (gen.finish_reason or "length")
-                        final = summary(text[:end], new, reason) | {"done": True}
-                        yield f"data: {json.dumps(final)}\n\n"
-                        return
-            finally:
-                gen.cancel()
+            async for piece, final in pieces(started, req.stop):
+                yield f"data: {json.dumps(piece if final is None else final | {'done': True})}\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return sse(events())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """OpenAI's model list: this server's one model."""
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "txl"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        """OpenAI's completions API (a client library or tool that speaks it works unchanged): ``prompt`` (text or
+        token ids), ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``echo``, ``stream``."""
+        gen_req, prompt_text = server.completion_request(req)
+        started = start(gen_req)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": req.model or server.name}  # fmt: skip
+
+        def choice(text: str, reason: str | None) -> dict[str, Any]:
+            return {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+
+        def usage(final: dict[str, Any]) -> dict[str, int]:
+            n, m = final["prompt_tokens"], final["new_tokens"]
+            return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+        echo = prompt_text if req.echo else ""
+        if not req.stream:
+            final = await finished(started, gen_req.stop)
+            return head | {"choices": [choice(echo + final["text"], final["finish_reason"])], "usage": usage(final)}
+
+        async def events():
+            if echo:
+                yield f"data: {json.dumps(head | {'choices': [choice(echo, None)]})}\n\n"
+            async for piece, final in pieces(started, gen_req.stop):
+                if final is None:
+                    yield f"data: {json.dumps(head | {'choices': [choice(piece['text'], None)]})}\n\n"
+                else:
+                    last = head | {"choices": [choice("", final["finish_reason"])], "usage": usage(final)}
+                    yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+
+        return sse(events())
 
     return app
 
