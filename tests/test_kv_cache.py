@@ -392,3 +392,23 @@ def test_one_token_steps_read_the_weights_of_the_model_that_runs_them(monkeypatc
             a(tok, cache=cache)
             out[fast] = b(tok, cache=cache, return_log_probs=True).log_probs
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_during_training_leaves_the_model_training():
+    """A model sampled from (or mapped) in the middle of training goes on training with its dropout: generation and
+    attention maps run in eval mode and give the mode back, also when the stream is left early."""
+    from txl.attention_maps import attention_maps
+
+    model = TransformerXLLM(debug_config(dropout=0.5, dropatt=0.5))  # training mode, heavy dropout
+    prompt = torch.randint(0, 97, (1, 6))
+    evaluated = generate(model.eval(), prompt, 20, temperature=0.0)
+    model.train()
+    assert generate(model, prompt, 20, temperature=0.0).equal(evaluated) and model.training  # (no dropout inside)
+    assert model.generate(prompt, max_new_tokens=5).shape == (1, 11) and model.training
+    steps = stream(model, prompt, 20, temperature=0.0)
+    next(steps)
+    assert not model.training  # while the stream runs
+    steps.close()
+    assert model.training
+    attention_maps(model, np.arange(30) % 97, tgt_len=10, mem_len=10)
+    assert model.training

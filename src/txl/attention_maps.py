@@ -42,28 +42,32 @@ def attention_maps(
     ``mem_len``), averaged over queries per relative distance, and the last segment's full maps."""
     if len(ids) < 1:
         raise ValueError("the text has no tokens")
+    was_training = model.training
     model.eval()
-    cfg = model.config
-    span = mem_len + tgt_len
-    total = np.zeros((cfg.n_layer, cfg.n_head, span), dtype=np.float64)
-    counts = np.zeros(span, dtype=np.int64)
-    t = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]  # [1, N]
-    mems, last, last_m = None, None, 0
-    for start in range(0, t.shape[1], tgt_len):
-        seg = t[:, start : start + tgt_len]  # [1, T]
-        out = model.transformer(
-            seg, mems, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, output_attentions=True
-        )
-        M = mems[0].shape[1] if mems else 0
-        T = seg.shape[1]
-        probs = torch.stack(out.attentions)[:, 0].double().numpy()  # [L, H, T, K]
-        dist = M + np.arange(T)[:, None] - np.arange(M + T)[None, :]  # [T, K]: i - j
-        seen = (dist >= 0) & (dist < mem_len if same_length else True)  # the keys a query may attend to
-        for d in np.unique(dist[seen]):
-            where = dist == d
-            total[..., d] += probs[..., where].sum(-1)
-            counts[d] += int(where.sum())
-        mems, last, last_m = out.mems, probs, M
+    try:
+        cfg = model.config
+        span = mem_len + tgt_len
+        total = np.zeros((cfg.n_layer, cfg.n_head, span), dtype=np.float64)
+        counts = np.zeros(span, dtype=np.int64)
+        t = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]  # [1, N]
+        mems, last, last_m = None, None, 0
+        for start in range(0, t.shape[1], tgt_len):
+            seg = t[:, start : start + tgt_len]  # [1, T]
+            out = model.transformer(
+                seg, mems, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, output_attentions=True
+            )
+            M = mems[0].shape[1] if mems else 0
+            T = seg.shape[1]
+            probs = torch.stack(out.attentions)[:, 0].double().numpy()  # [L, H, T, K]
+            dist = M + np.arange(T)[:, None] - np.arange(M + T)[None, :]  # [T, K]: i - j
+            seen = (dist >= 0) & (dist < mem_len if same_length else True)  # the keys a query may attend to
+            for d in np.unique(dist[seen]):
+                where = dist == d
+                total[..., d] += probs[..., where].sum(-1)
+                counts[d] += int(where.sum())
+            mems, last, last_m = out.mems, probs, M
+    finally:
+        model.train(was_training)
     by_distance = total / np.maximum(counts, 1)
     return AttentionMaps(by_distance=by_distance.astype(np.float32), counts=counts, last=last, mem_len=last_m)
 

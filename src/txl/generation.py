@@ -91,48 +91,52 @@ def stream(
         raise ValueError("generation carries memory between steps: set mem_len > 0")
     if padding is not None and (padding.shape != input_ids.shape or bool(padding[:, -1].any())):
         raise ValueError("padding must be [batch, seq_len], True on the left of each prompt (its last token is real)")
+    was_training = model.training
     model.eval()
-    B, T = input_ids.shape
-    dtype = next(model.parameters()).dtype
-    if supports_kv_cache(model.config):
-        cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
-        if mems:
-            model.transformer.fill_cache(cache, mems, mem_len)
+    try:
+        B, T = input_ids.shape
+        dtype = next(model.parameters()).dtype
+        if supports_kv_cache(model.config):
+            cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
+            if mems:
+                model.transformer.fill_cache(cache, mems, mem_len)
 
-        def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
-            with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
-                return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+                with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
+                    return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
 
-    else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
-        if padding is not None:
-            raise ValueError(
-                f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
-                "give prompts of one length"
-            )
+        else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
+            if padding is not None:
+                raise ValueError(
+                    f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
+                    "give prompts of one length"
+                )
 
-        def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
-            nonlocal mems
-            out = model.transformer(ids, mems, mem_len=mem_len)
-            mems = out.mems
-            return out.last_hidden_state[:, -1]
+            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+                nonlocal mems
+                out = model.transformer(ids, mems, mem_len=mem_len)
+                mems = out.mems
+                return out.last_hidden_state[:, -1]
 
-    with transposed_weights():  # (the weights are fixed while generating)
-        h = step(input_ids, padding)
-        stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
-        pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
-        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        for i in range(max_new_tokens):
-            _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
-            if not bool(torch.isfinite(log_probs).all()):
-                raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
-            nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
-            if len(stops):
-                nxt = nxt.masked_fill(done, pad_id)
-                done |= torch.isin(nxt, stops)
-            yield nxt[:, None]
-            if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
-                return
-            h = step(nxt[:, None])
+        with transposed_weights():  # (the weights are fixed while generating)
+            h = step(input_ids, padding)
+            stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+            pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
+            done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+            for i in range(max_new_tokens):
+                _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
+                if not bool(torch.isfinite(log_probs).all()):
+                    raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
+                nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
+                if len(stops):
+                    nxt = nxt.masked_fill(done, pad_id)
+                    done |= torch.isin(nxt, stops)
+                yield nxt[:, None]
+                if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
+                    return
+                h = step(nxt[:, None])
+    finally:
+        model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
 
 
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
