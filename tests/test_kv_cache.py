@@ -196,6 +196,18 @@ def test_model_generate_takes_hugging_face_arguments():
     assert hot.equal(generate(model, prompt, 25, temperature=0.6, top_p=0.8, generator=g2))
 
 
+def test_model_generate_returns_several_samples_per_prompt():
+    model = lm()
+    prompts = torch.randint(0, 97, (2, 5))
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    out = model.generate(prompts, max_new_tokens=12, do_sample=True, num_return_sequences=3, generator=g1)
+    assert out.shape == (6, 17) and out[:3, :5].eq(prompts[0]).all() and out[3:, :5].eq(prompts[1]).all()
+    assert out.equal(generate(model, prompts.repeat_interleave(3, 0), 12, top_k=50, generator=g2))
+    assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1  # different samples of one prompt
+    with pytest.raises(ValueError, match="must be 1 for greedy decoding"):
+        model.generate(prompts, max_new_tokens=2, num_return_sequences=2)
+
+
 @pytest.mark.parametrize("variant", ["plain", "pre_lnorm_untie_r", "adaptive"])
 def test_generation_from_a_given_memory_equals_the_uncached_loop(variant):
     """``mems`` (layer inputs, e.g. HF's zero memory) start the cached generation: its keys and values are computed

@@ -160,6 +160,7 @@ def generate_like_hf(
     mem_len: int | None = None,
     generator: torch.Generator | None = None,
     mems: list[Tensor] | None = None,
+    num_return_sequences: int = 1,
 ) -> Tensor:
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
 
@@ -167,8 +168,14 @@ def generate_like_hf(
     ``max_new_tokens``, or ``max_length`` counting the prompt (20 when neither is given, as HF);
     ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
     which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
-    :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors). Returns [B, T + new tokens].
+    :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors); ``num_return_sequences`` samples per prompt
+    (with ``do_sample``; rows grouped by prompt). Returns [B * num_return_sequences, T + new tokens].
     """
+    if num_return_sequences < 1 or num_return_sequences > 1 and not do_sample:
+        raise ValueError(
+            f"num_return_sequences = {num_return_sequences}: must be 1 for greedy decoding (its sequences would be "
+            "the same), or >= 1 with do_sample=True"
+        )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if max_new_tokens is None:
@@ -193,6 +200,10 @@ def generate_like_hf(
         elif bool(padding[:, -1].any()):
             raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
     stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if num_return_sequences > 1:  # each prompt's row repeated, as HF does
+        input_ids = input_ids.repeat_interleave(num_return_sequences, 0)
+        padding = None if padding is None else padding.repeat_interleave(num_return_sequences, 0)
+        mems = None if mems is None else [m.repeat_interleave(num_return_sequences, 0) for m in mems]
     return generate(
         model,
         input_ids,
