@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -398,20 +398,14 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
         return tokens, summary, gen
 
     async def finished(started, stop: list[str]) -> dict[str, Any]:
-        """The whole generation's summary (text cut before the first stop string)."""
-        tokens, summary, gen = started
-        try:
-            async for tok, text, new in tokens():
-                cut, _ = _stop_cut(text, stop)
-                if cut is not None:
-                    return summary(text[:cut], new, "stop")
-                if tok is None:
-                    if gen.finish_reason == "error":
-                        raise BadRequest(500, f"generation failed: {gen.error}")
-                    return summary(text, new, gen.finish_reason or "length")
-        finally:
-            gen.cancel()
-        raise AssertionError("the token stream ended without its end")  # (tokens() always ends with None)
+        """The whole generation's summary (text cut before the first stop string): the end of :func:`pieces`."""
+        async with aclosing(pieces(started, stop)) as events:  # (closing it cancels the generation)
+            async for _, final in events:
+                if final is not None:
+                    if final["finish_reason"] == "error":
+                        raise BadRequest(500, f"generation failed: {final['error']}")
+                    return final
+        raise AssertionError("pieces() always ends with the summary")
 
     async def pieces(started, stop: list[str]):
         """({"token_id", "text"}, None) for each piece of text that is safe to send (no stop string can begin in

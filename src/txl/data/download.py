@@ -7,6 +7,7 @@ import http.client
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.error import HTTPError, URLError
@@ -111,9 +112,7 @@ def download(
     url = next((u for u in urls for _ in range(attempts) if _attempt(u, part, size, log, timeout, failures)), None)
     if url is None:
         kept = f"; the partial file {part} is kept and the next run resumes it" if part.exists() else ""
-        counts: dict[str, int] = {}  # (each URL's error once, with how many attempts gave it)
-        for failure in failures:
-            counts[failure] = counts.get(failure, 0) + 1
+        counts = Counter(failures)  # (each URL's error once, with how many attempts gave it; in order)
         lines = [f if n == 1 else f"{f} ({n} attempts)" for f, n in counts.items()]
         raise DataError(f"could not download {dest.name}{kept}:\n  " + "\n  ".join(lines))
     digest = sha256_file(part)
