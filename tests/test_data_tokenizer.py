@@ -280,3 +280,22 @@ def test_unknown_word_without_unk_names_word_and_line(tmp_path):
     with_unk = Tokenizer.build("word", [FileRange(train)], line_end="eos", specials=["<eos>", "<unk>"])
     ids = np.concatenate(list(with_unk.encode_file(FileRange(other))))
     assert with_unk.symbols[ids[-2]] == "<unk>"
+
+
+def test_stream_decoder_peek_takes_nothing(tmp_path):
+    """peek gives what push would give, and the decoder goes on as if it had not been asked (a UTF-8 sequence
+    split over byte tokens, a word's separator and line end)."""
+    f = tmp_path / "t.txt"
+    f.write_text("aé b\nab cd\nef gh\n", encoding="utf-8")
+    for tok in (Tokenizer.bytes256(), Tokenizer.build("word", [FileRange(f)], line_end="eos")):
+        text = "aé b" if tok.kind == "byte" else "ab cd\nef gh"
+        ids = tok.encode(text)
+        dec, pieces = tok.stream_decoder(), []
+        for i in ids:
+            for other in ids:
+                dec.peek(other)
+            want = dec.peek(i)
+            pieces.append(dec.push(i))
+            assert pieces[-1] == want
+        assert "".join(pieces) + dec.flush() == tok.decode(ids) == text
+        assert "" in pieces or tok.kind == "word"  # (the first byte of é alone is no text yet)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -136,3 +139,59 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
         got = sample["resps"][0][0]
         assert got == full[:cut] and "." not in got and " " not in got
     assert stopped >= 2  # a stop sequence was met (and the text cut before it)
+
+
+def test_local_completions_through_txl_serve(harness_run, tmp_path):
+    """lm-evaluation-harness's own OpenAI-API model (`local-completions`) against `txl serve`, as a user runs it:
+    it finds the server's tokenizer endpoints, scores continuations with echoed prompt log-probabilities, and
+    generates through /v1/completions. Its log-likelihoods are the model's own log-probs by hand (the context read
+    as the tokenizer reads it, an empty one as the line end), its generations greedy generation cut at the stops."""
+    import uvicorn
+
+    from txl.serve import create_app
+
+    tmp, run, _ = harness_run
+    lm, tok, s = loaded(run)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(run), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        out = tmp_path / "out"
+        args = f"base_url=http://127.0.0.1:{port}/v1/completions,model=txl,tokenizer_backend=remote,max_retries=1"
+        main(["lm-eval", "--model", "local-completions", "--model_args", args, "--tasks", "txl_choice,txl_gen",
+              "--include_path", str(tmp / "tasks"), "--output_path", str(out), "--log_samples"])  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    samples = {}
+    for f in out.rglob("samples_*.jsonl"):
+        task = f.name.split("_", 1)[1].rsplit("_", 1)[0]
+        samples[task] = sorted((json.loads(x) for x in f.read_text().splitlines()), key=lambda r: r["doc_id"])
+    checked = 0
+    for row, sample in zip(CHOICES, samples["txl_choice"], strict=True):
+        for choice, resp in zip(row["choices"], sample["resps"], strict=True):
+            ctx = tok.encode(row["context"]) or tok.encode("\n")
+            cont = tok.encode(" " + choice)
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                lp = lm(ids[:, :-1], clamp_len=s.clamp_len, same_length=False, return_log_probs=True).log_probs[0]
+            picked = lp[len(ctx) - 1 :].gather(-1, ids[0, len(ctx) :, None])[:, 0]
+            greedy = bool((lp[len(ctx) - 1 :].argmax(-1) == ids[0, len(ctx) :]).all())
+            ll, is_greedy = resp[0]
+            assert float(ll) == pytest.approx(float(picked.double().sum()), abs=1e-4)
+            assert is_greedy in (greedy, str(greedy))
+            checked += 1
+    assert checked == 7
+    for prompt, sample in zip(PROMPTS, samples["txl_gen"], strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            full = tok.decode(generate(lm, ids, 40, temperature=0.0)[0, ids.shape[1] :].tolist())
+        cut = min((full.find(u) for u in (".", " ", "\n") if u in full), default=len(full))  # (+ the line end)
+        assert sample["resps"][0][0] == full[:cut]

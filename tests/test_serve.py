@@ -124,15 +124,124 @@ def test_openai_completions_equal_txl_generate(client, run):
         {"id": run.name, "object": "model", "created": 0, "owned_by": "txl"}
     ]
     for field, value, message in [
-        ("n", 2, "n: one completion per request"),
-        ("logprobs", 1, "logprobs: not given here; POST /v1/score"),
+        ("best_of", 3, "best_of: not supported (give n"),
+        ("logprobs", 21, "logprobs: Input should be less than or equal to 20"),
+        ("n", 0, "n: Input should be greater than or equal to 1"),
+        ("n", 65, "65 completions, more than the server's queue of 64"),
         ("presence_penalty", 0.5, "presence_penalty: not supported"),
-        ("prompt", ["a", "b"], "prompt: one prompt per request"),
         ("prompt", [1, 10_000], "prompt: ids must be in [0,"),
+        ("prompt", [[1], [1, 10_000]], "prompt[1]: ids must be in [0,"),
         ("max_tokens", 10_000, "max_tokens: 10000 is more than the limit 200"),
     ]:
         res = client.post("/v1/completions", json=body | {field: value})
         assert res.status_code == 422 and message in res.json()["error"], (field, res.text)
+
+
+def completion(client, body: dict) -> dict:
+    res = client.post("/v1/completions", json=body)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def streamed_choices(client, body: dict) -> tuple[dict[int, list[dict]], dict]:
+    """The chunks of a streamed completion by choice index, and the last chunk (with the usage)."""
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as res:
+        lines = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    by_index: dict[int, list[dict]] = {}
+    for c in chunks:
+        (ch,) = c["choices"]
+        by_index.setdefault(ch["index"], []).append(ch)
+    return by_index, chunks[-1]
+
+
+def test_openai_logprobs_are_the_models(client):
+    """logprobs: each token's log-probability and its most likely alternatives (the token itself among them), the
+    model's own (one forward pass over prompt and completion); with echo the prompt's tokens' too (the first has
+    none); tokens that join into the text with offsets into it; only the text's tokens when a stop string cuts it;
+    echo with max_tokens 0 scores the prompt alone; streamed chunks carry the same entries."""
+    server = client.app.state.server
+    tok, model = server.tokenizer, server.model
+    prompt = "ab cd"
+    new = client.post("/v1/generate", json={"prompt": prompt, "max_new_tokens": 8, "temperature": 0}).json()
+    ids = tok.encode(prompt) + new["token_ids"]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), return_log_probs=True).log_probs[0, :-1]  # [T - 1, V]: t predicts t + 1
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3, "echo": True}
+    (choice,) = completion(client, body)["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt + new["text"] and "".join(lp["tokens"]) == choice["text"]
+    assert lp["tokens"] == [tok.decode([i]) for i in ids]
+    assert lp["text_offset"] == [len(tok.decode(ids[:k])) for k in range(len(ids))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = expected.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-4)
+    for t, top in enumerate(lp["top_logprobs"][1:]):
+        best = expected[t].topk(3)
+        keys = [tok.decode([i]) for i in best.indices.tolist()]
+        assert list(top)[:3] == keys and torch.allclose(torch.tensor(list(top.values())[:3]), best.values, atol=1e-4)
+        assert top[lp["tokens"][t + 1]] == pytest.approx(lp["token_logprobs"][t + 1], abs=1e-6)
+    n_prompt = len(tok.encode(prompt))
+    for t in range(n_prompt, len(ids)):  # greedy: each new token is its place's most likely one
+        assert lp["token_logprobs"][t] == pytest.approx(max(lp["top_logprobs"][t].values()), abs=1e-6)
+    plain = completion(client, body | {"echo": False})["choices"][0]["logprobs"]
+    assert plain["tokens"] == lp["tokens"][n_prompt:] and plain["text_offset"] == list(range(8))
+    assert plain["token_logprobs"] == pytest.approx(lp["token_logprobs"][n_prompt:], abs=1e-5)
+    only = completion(client, body | {"max_tokens": 0})
+    assert only["choices"][0]["text"] == prompt and only["choices"][0]["finish_reason"] == "length"
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:n_prompt])
+    assert only["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+    sampled = body | {"echo": False, "temperature": 1.0, "seed": 3}
+    text = completion(client, sampled)["choices"][0]["text"]
+    stop = text[3:5]
+    cut = completion(client, sampled | {"stop": stop})["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    assert "".join(cut["logprobs"]["tokens"]) == cut["text"]
+    assert len(cut["logprobs"]["token_logprobs"]) == len(cut["text"])
+    by_index, last = streamed_choices(client, body)
+    chunks = by_index[0]
+    assert chunks[0]["text"] == prompt and chunks[0]["logprobs"]["tokens"] == lp["tokens"][:n_prompt]
+    entries = [c["logprobs"] for c in chunks[1:] if c["logprobs"]]
+    assert [e["tokens"][0] for e in entries] == lp["tokens"][n_prompt:]
+    assert [e["text_offset"][0] for e in entries] == lp["text_offset"][n_prompt:]
+    assert [e["token_logprobs"][0] for e in entries] == pytest.approx(lp["token_logprobs"][n_prompt:], abs=1e-5)
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 8
+
+
+def test_openai_several_prompts_and_n(client):
+    """A list of prompts and n > 1: one choice per prompt and sample, in order (prompt-major), each the completion
+    its own request gives (sample k of a prompt seeded with seed + k); usage counts each prompt once; streamed, the
+    chunks of every choice carry its index and join into its text, the last one with the usage of all."""
+    body = {"prompt": ["ab", "cd e"], "n": 2, "max_tokens": 12, "seed": 5, "temperature": 1.0}
+    out = completion(client, body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    alone = [
+        completion(client, body | {"prompt": p, "n": 1, "seed": 5 + k})["choices"][0]["text"]
+        for p in body["prompt"]
+        for k in range(2)
+    ]
+    assert [c["text"] for c in out["choices"]] == alone and alone[0] != alone[1]
+    assert out["usage"] == {"prompt_tokens": 2 + 4, "completion_tokens": 4 * 12, "total_tokens": 6 + 48}
+    by_index, last = streamed_choices(client, body)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert ["".join(c["text"] for c in by_index[k]) for k in range(4)] == alone
+    assert all(chunks[-1]["finish_reason"] == "length" for chunks in by_index.values())
+    assert last["usage"] == out["usage"]
+    ids = client.app.state.server.tokenizer.encode("ab")
+    by_ids = completion(client, body | {"prompt": [ids, ids], "n": 1})
+    assert [c["text"] for c in by_ids["choices"]] == [alone[0], alone[0]]
+
+
+def test_vllm_tokenizer_endpoints(client):
+    tok = client.app.state.server.tokenizer
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "\n" and info["bos_token"] is None and info["vocab_size"] == tok.vocab_size
+    res = client.post("/tokenize", json={"prompt": "ab cd\n", "add_special_tokens": False}).json()
+    assert res["tokens"] == tok.encode("ab cd\n") and res["count"] == 6
+    assert client.post("/detokenize", json={"tokens": res["tokens"]}).json() == {"prompt": "ab cd\n"}
+    bad = client.post("/detokenize", json={"tokens": [1, 10_000]})
+    assert bad.status_code == 422 and "tokens: token id 10000 is outside this vocabulary" in bad.json()["error"]
 
 
 def test_score_equals_txl_eval(client, run, tmp_path, capsys):
@@ -450,3 +559,35 @@ def test_engine_serves_absolute_position_models_one_at_a_time():
         assert (
             got[i] == generate(model, torch.tensor([prompt]), 12, temperature=0.0, mem_len=8)[0, len(prompt) :].tolist()
         )
+
+
+@pytest.mark.parametrize("attn_type", [0, 2])
+def test_engine_log_probs_are_the_models(attn_type):
+    """A request's prompt and token log-probabilities (with the k most likely tokens) are those of one forward pass
+    over prompt and new tokens, with a K/V cache (attn_type 0) and without one (2, generated alone)."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(attn_type=attn_type)).eval()
+    engine = Engine(model, max_batch=4)
+    assert engine.batched == (attn_type == 0)
+    got, done = [], threading.Event()
+    prompt = [1, 2, 3, 4]
+    gen = Generation(prompt, 5, lambda t: done.set() if t is None else got.append(t), mem_len=32, temperature=1.0,
+                     seed=1, logprobs=3, prompt_logprobs=True)  # fmt: skip
+    engine.submit(gen)
+    assert done.wait(60)
+    engine.shutdown()
+    ids = prompt + got
+    with torch.no_grad():
+        lp = model(torch.tensor([ids[:-1]]), mem_len=32, return_log_probs=True).log_probs[0]  # [T - 1, V]
+    scores = gen.prompt_scores + gen.scores
+    assert len(gen.prompt_scores) == len(prompt) - 1 and len(gen.scores) == len(got) == 5
+    for t, (value, top) in enumerate(scores):
+        assert value == pytest.approx(float(lp[t, ids[t + 1]]), abs=1e-5)
+        best = lp[t].topk(3)
+        assert [i for i, _ in top] == best.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="logprobs = 21: must be in"):
+        Generation(prompt, 5, print, mem_len=32, logprobs=21)

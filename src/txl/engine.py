@@ -7,6 +7,9 @@ once; a finished or cancelled request leaves between two steps (:meth:`KVCache.s
 memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
 seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
 Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
+A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
+new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
+(``prompt_logprobs``, from the prompt's own forward pass).
 
 The engine knows nothing about HTTP: tokens go to a callback, from the engine's thread.
 """
@@ -26,6 +29,12 @@ import torch
 from txl.generation import check_sampling, choose, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
+
+TokenScore = tuple[float, list[tuple[int, float]]]
+"""A token's log-probability and the most likely tokens at its place, as (id, log-probability), best first."""
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request can ask for per token."""
 
 
 class QueueFull(RuntimeError):
@@ -49,15 +58,25 @@ class Generation:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
+    """Record each new token's log-probability and its ``logprobs`` most likely alternatives in ``scores``."""
+    prompt_logprobs: bool = False
+    """Record the log-probability of each prompt token after the first in ``prompt_scores``."""
     finish_reason: str | None = None
     """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
     error: str | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator = field(init=False)
     produced: int = 0
+    scores: list[TokenScore] = field(default_factory=list)
+    """One per new token, written before the token is emitted (with ``logprobs``)."""
+    prompt_scores: list[TokenScore] = field(default_factory=list)
+    """One per prompt token after the first, written before the first token is emitted (``prompt_logprobs``)."""
 
     def __post_init__(self) -> None:
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs = {self.logprobs}: must be in [0, {MAX_LOGPROBS}]")
         self.generator = torch.Generator()
         if self.seed is None:
             self.generator.seed()
@@ -70,6 +89,16 @@ class Generation:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+def token_scores(log_probs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenScore]:
+    """The log-probability of each token [N] under ``log_probs`` [N, V], with the ``top_n`` most likely tokens."""
+    log_probs = log_probs.float()
+    chosen = log_probs.gather(-1, tokens[:, None].to(log_probs.device))[:, 0].tolist()  # [N]
+    if top_n == 0:
+        return [(c, []) for c in chosen]
+    values, ids = log_probs.topk(min(top_n, log_probs.shape[-1]), dim=-1)  # [N, top_n]
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
 @dataclass
@@ -206,24 +235,44 @@ class Engine:
             return False
         return True
 
-    def _sample(self, request: Generation, hidden: torch.Tensor) -> int:
-        _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [1, V]
-        return int(choose(log_probs, request.temperature, request.top_k, request.top_p, request.generator)[0])
+    def _sample(self, request: Generation, log_probs: torch.Tensor) -> int:
+        """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them)."""
+        token = choose(log_probs, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
+        if request.logprobs is not None:
+            request.scores += token_scores(log_probs, token, request.logprobs)
+        return int(token[0])
+
+    def _score_prompt(self, request: Generation, hidden: torch.Tensor) -> None:
+        """``prompt_scores`` from the prompt's hidden states [T, D]: position t predicts token t + 1."""
+        targets = torch.tensor(request.prompt_ids[1:], dtype=torch.long)
+        rows = max(1, (1 << 24) // self.model.config.n_token)  # (at most 64 MB of log-probabilities at once)
+        for start in range(0, len(targets), rows):
+            _, log_probs = self.model.crit(hidden[start : start + rows], return_log_probs=True)  # [rows, V]
+            request.prompt_scores += token_scores(log_probs, targets[start : start + rows], request.logprobs or 0)
 
     def _start(self, request: Generation) -> None:
         """Run the prompt, emit the first token, and join the batch of its memory length."""
-        if request.max_new_tokens == 0 or request.cancelled:
-            self._finish(request, "length" if request.max_new_tokens == 0 else "stop")
+        if request.cancelled or request.max_new_tokens == 0 and not request.prompt_logprobs:
+            self._finish(request, "stop" if request.cancelled else "length")
             return
         ids = torch.tensor([request.prompt_ids], dtype=torch.long)
         try:
             if not self.batched:
+                if request.prompt_logprobs:
+                    out = self.model.transformer(ids, mem_len=request.mem_len)
+                    self._score_prompt(request, out.last_hidden_state[0, :-1])
                 self._alone(request, ids)
                 return
             dtype = next(self.model.parameters()).dtype
             cache = KVCache(self.model.config, 1, request.mem_len, max_segment=ids.shape[1], dtype=dtype)
-            hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[:, -1]
-            token = self._sample(request, hidden)
+            hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[0]  # [T, D]
+            if request.prompt_logprobs:
+                self._score_prompt(request, hidden[:-1])
+            if request.max_new_tokens == 0:
+                self._finish(request, "length")
+                return
+            _, log_probs = self.model.crit(hidden[-1:], return_log_probs=True)  # [1, V]
+            token = self._sample(request, log_probs)
         except Exception as e:  # a bad request must not stop the engine
             self._finish(request, "error", str(e))
             return
@@ -240,6 +289,14 @@ class Engine:
 
     def _alone(self, request: Generation, ids: torch.Tensor) -> None:
         """Generation without a K/V cache (absolute positions): the whole request, one token at a time."""
+        if request.max_new_tokens == 0:
+            self._finish(request, "length")
+            return
+
+        def record(log_probs: torch.Tensor, token: torch.Tensor) -> None:
+            if request.logprobs is not None:
+                request.scores += token_scores(log_probs, token, request.logprobs)
+
         tokens = stream(
             self.model,
             ids,
@@ -249,6 +306,7 @@ class Engine:
             top_p=request.top_p,
             mem_len=request.mem_len,
             generator=request.generator,
+            observe=record,
         )
         for token in tokens:
             if not self._emit(request, int(token)):
@@ -272,7 +330,7 @@ class Engine:
             if row.cancelled:
                 self._finish(row, "shutdown" if self._stopping else "stop")
                 continue
-            token = int(choose(log_probs[i : i + 1], row.temperature, row.top_k, row.top_p, row.generator)[0])
+            token = self._sample(row, log_probs[i : i + 1])
             if self._emit(row, token):
                 keep.append(i)
                 last.append(token)

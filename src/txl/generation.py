@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -74,6 +74,7 @@ def stream(
     stop_tokens: Sequence[int] = (),
     pad_id: int | None = None,
     mems: list[Tensor] | None = None,
+    observe: Callable[[Tensor, Tensor], None] | None = None,
 ) -> Iterator[Tensor]:
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
@@ -82,6 +83,8 @@ def stream(
     ``pad_id`` (default: the first stop token), and the iteration ends when every row is finished. ``mems``: the
     memory the prompt starts from (``n_layer`` tensors [B, M, d_model]; default: empty, as the model's forward),
     e.g. ``[torch.zeros(B, mem_len, d_model)] * n_layer`` for Hugging Face's and the TF code's zero memory.
+    ``observe(log_probs [B, V], tokens [B])`` is called with each step's log-probabilities (the model's, before
+    temperature and filtering) and chosen tokens, before they are yielded.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -131,6 +134,8 @@ def stream(
                 if len(stops):
                     nxt = nxt.masked_fill(done, pad_id)
                     done |= torch.isin(nxt, stops)
+                if observe is not None:
+                    observe(log_probs, nxt)
                 yield nxt[:, None]
                 if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
                     return

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 try:
+    import lm_eval.models  # noqa: F401 - the harness's own models (its registry loads them only while empty)
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover - the extra is missing
@@ -90,18 +91,7 @@ class TransformerXLHarnessLM(LM):
         self.settings = eval_settings(read_run_config(folder), self.model.config, **given)
         self.batch_size = _int(batch_size, "batch_size", 8)
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
-        self.prefix = self._prefix()
-
-    def _prefix(self) -> list[int]:
-        """What every text is read after: the line end (``\\n`` as the tokenizer encodes it), else a space."""
-        for text in ("\n", " "):
-            try:
-                ids = self.tokenizer.encode(text)
-            except ValueError:
-                continue
-            if ids:
-                return ids
-        return [0]
+        self.prefix = self.tokenizer.document_start()[1]  # (the line end)
 
     def _encode(self, text: str, where: str) -> list[int]:
         try:

@@ -2,10 +2,12 @@
 long-text scoring.
 
 Endpoints: ``POST /v1/generate`` (JSON, or server-sent events with ``"stream": true``), ``POST /v1/score``,
-``GET /v1/model``, ``GET /health``, ``GET /`` (the page; OpenAPI docs at ``/docs``), and OpenAI's
-``POST /v1/completions`` and ``GET /v1/models``, so that clients of that API work unchanged. Every model call runs
-on the :class:`~txl.engine.Engine`'s thread, which batches concurrent generations step by step; the event loop only
-decodes text and talks HTTP. Bad input is a 4xx with a one-line message naming the field.
+``GET /v1/model``, ``GET /health``, ``GET /`` (the page; OpenAPI docs at ``/docs``), OpenAI's
+``POST /v1/completions`` and ``GET /v1/models``, so that clients of that API work unchanged, and vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, so that lm-evaluation-harness's
+``local-completions`` model scores and generates through the server with the model's own tokenizer. Every model
+call runs on the :class:`~txl.engine.Engine`'s thread, which batches concurrent generations step by step; the event
+loop only decodes text and talks HTTP. Bad input is a 4xx with a one-line message naming the field.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from txl.engine import Engine, EngineStopped, Generation, QueueFull
+from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
 
 
 @dataclass
@@ -63,22 +65,44 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="Any name: the server has one model.")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="Text or token ids: one prompt.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text or token ids; a list of them for several prompts (a choice each, in order)."
+    )
     max_tokens: int | None = Field(16, ge=0, description="Tokens to generate (OpenAI's default: 16).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold (1: off).")
     stop: str | list[str] | None = Field(None, description="Stop before the first of these strings.")
-    seed: int | None = Field(None, description="Random seed: the same seed gives the same text.")
-    echo: bool = Field(False, description="Give the prompt's text before the completion.")
+    seed: int | None = Field(None, description="Random seed: choice k of a prompt samples with seed + k.")
+    echo: bool = Field(False, description="Give the prompt's text (and with logprobs, its tokens') first.")
     stream: bool = Field(False, description="Stream the text as server-sent events, ending with data: [DONE].")
-    n: int = 1
+    n: int = Field(1, ge=1, description="Completions per prompt.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="Give each token's log-probability and this many most likely tokens at its place.",
+    )  # fmt: skip
     best_of: int | None = None
-    logprobs: int | None = None
     suffix: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` request (lm-evaluation-harness's remote tokenizer)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(..., description="The text to encode with the model's tokenizer.")
+    add_special_tokens: bool = Field(False, description="Accepted for vLLM's clients: txl adds no special tokens.")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize`` request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: list[int] = Field(..., description="Token ids to decode.")
 
 
 class ScoreRequest(BaseModel):
@@ -157,7 +181,14 @@ class Server:
         except ValueError as e:
             raise BadRequest(422, f"{field}: {e}") from None
 
-    def generation(self, req: GenerateRequest, emit) -> tuple[Generation, list[int]]:
+    def tokenizer_or_422(self, what: str):
+        if self.tokenizer is None:
+            raise BadRequest(422, f"{what}: the model has no tokenizer.json")
+        return self.tokenizer
+
+    def generation(
+        self, req: GenerateRequest, emit, logprobs: int | None = None, prompt_logprobs: bool = False
+    ) -> tuple[Generation, list[int]]:
         ids = self._encode(req.prompt, req.prompt_ids, "prompt", "prompt_ids")
         lim = self.limits
         if not ids:
@@ -175,16 +206,16 @@ class Server:
             raise BadRequest(422, "mem_len: the model has no memory length; give mem_len >= 1")
         gen = Generation(
             prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len,
-            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
         return gen, ids
 
-    def completion_request(self, req: CompletionRequest) -> tuple[GenerateRequest, str]:
-        """The generation an OpenAI completions request asks for, and its prompt's text (for ``echo``)."""
+    def completion_requests(self, req: CompletionRequest) -> list[tuple[GenerateRequest, str]]:
+        """The generations an OpenAI completions request asks for (``n`` per prompt, in the order of the response's
+        choices), each with its prompt's text (for ``echo``)."""
         refused = {
-            "n": (req.n != 1, "one completion per request (send several: they are batched)"),
-            "best_of": (req.best_of not in (None, 1), "one completion per request"),
-            "logprobs": (req.logprobs is not None, "not given here; POST /v1/score gives each token's log-probability"),
+            "best_of": (req.best_of not in (None, req.n), "not supported (give n: every completion is returned)"),
             "suffix": (req.suffix is not None, "insertion is not something a left-to-right model does"),
             "presence_penalty": (req.presence_penalty != 0, "not supported (0 only)"),
             "frequency_penalty": (req.frequency_penalty != 0, "not supported (0 only)"),
@@ -195,20 +226,29 @@ class Server:
                 raise BadRequest(422, f"{name}: {why}")
         if (req.max_tokens or 0) > self.limits.max_new_tokens:
             raise BadRequest(422, f"max_tokens: {req.max_tokens} is more than the limit {self.limits.max_new_tokens}")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise BadRequest(422, "prompt: one prompt per request (send several requests: they are batched)")
-            prompt = prompt[0]
-        ids = self._encode(None, list(prompt), "prompt", "prompt") if isinstance(prompt, list) else None
-        text = prompt if ids is None else (self.tokenizer.decode(ids) if self.tokenizer else "")
-        gen = GenerateRequest(
-            prompt=None if ids is not None else prompt, prompt_ids=ids,
-            max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stream=req.stream,
-        )  # fmt: skip
-        return gen, text
+        prompts = req.prompt
+        if not isinstance(prompts, list) or not prompts or not isinstance(prompts[0], (str, list)):
+            prompts = [prompts]  # (one text, or one list of ids)
+        total = len(prompts) * req.n
+        if total > self.limits.max_queue:
+            raise BadRequest(
+                422, f"prompt: {len(prompts)} prompt(s) x n = {req.n} is {total} completions, more than the "
+                f"server's queue of {self.limits.max_queue}: send fewer at once"
+            )  # fmt: skip
+        out = []
+        for k, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            ids = self._encode(None, list(prompt), where, where) if isinstance(prompt, list) else None
+            text = prompt if ids is None else (self.tokenizer.decode(ids) if self.tokenizer else "")
+            for j in range(req.n):
+                gen = GenerateRequest(
+                    prompt=None if ids is not None else prompt, prompt_ids=ids,
+                    max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, seed=None if req.seed is None else req.seed + j,
+                    stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), stream=req.stream,
+                )  # fmt: skip
+                out.append((gen, text))
+        return out
 
     def score(self, req: ScoreRequest) -> dict[str, Any]:
         import numpy as np
@@ -326,6 +366,30 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
     async def page() -> str:
         return resources.files("txl").joinpath("static/index.html").read_text(encoding="utf-8")
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's tokenizer description (with ``/tokenize`` and ``/detokenize``, lm-evaluation-harness's
+        ``tokenizer_backend=remote``): the end-of-text token is the text a document is read after (the line end)."""
+        tok = server.tokenizer_or_422("tokenizer_info")
+        return {
+            "tokenizer_class": f"txl.Tokenizer ({tok.kind})", "eos_token": tok.document_start()[0],
+            "bos_token": None, "pad_token": None, "model_max_length": server.limits.max_prompt_tokens,
+            "vocab_size": tok.vocab_size,
+        }  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        ids = server._encode(req.prompt, None, "prompt", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.limits.max_prompt_tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        tok = server.tokenizer_or_422("detokenize")
+        try:
+            return {"prompt": tok.decode(req.tokens)}
+        except ValueError as e:
+            raise BadRequest(422, f"tokens: {e}") from None
+
     @app.post("/v1/score")
     async def score(req: ScoreRequest) -> dict[str, Any]:
         job = server.score(req)
@@ -351,13 +415,14 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
             ]
         return out
 
-    def start(req: GenerateRequest) -> tuple[Any, Any, Generation]:
+    def start(req: GenerateRequest, logprobs: int | None = None, prompt_logprobs: bool = False):
         """Submit a generation (a bad or refused request raises here, before any response starts); return the
-        iterator of (token id, text so far, new ids) as they come, ending with (None, text, new ids), and the
-        function that sums a generation up."""
+        iterator of (token id, text so far, new ids) as they come, ending with (None, text, new ids), the
+        function that sums a generation up, and the generation."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        gen, ids = server.generation(req, lambda tok: loop.call_soon_threadsafe(queue.put_nowait, tok))
+        emit = lambda tok: loop.call_soon_threadsafe(queue.put_nowait, tok)  # noqa: E731
+        gen, ids = server.generation(req, emit, logprobs, prompt_logprobs)
         try:
             server.engine.submit(gen)
         except QueueFull as e:
@@ -448,37 +513,170 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         """OpenAI's completions API (a client library or tool that speaks it works unchanged): ``prompt`` (text or
-        token ids), ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``echo``, ``stream``."""
-        gen_req, prompt_text = server.completion_request(req)
-        started = start(gen_req)
+        token ids, one or a list), ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``echo``, ``n``,
+        ``logprobs`` (with ``echo``, the prompt's tokens' too: lm-evaluation-harness's loglikelihood), ``stream``."""
+        wanted = server.completion_requests(req)
+        started = []
+        try:
+            for gen_req, _ in wanted:
+                started.append(start(gen_req, req.logprobs, req.echo and req.logprobs is not None))
+        except BadRequest:
+            for _, _, gen in started:
+                gen.cancel()
+            raise
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": req.model or server.name}  # fmt: skip
 
-        def choice(text: str, reason: str | None) -> dict[str, Any]:
-            return {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+        def choice(k: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+            return {"text": text, "index": k, "logprobs": logprobs, "finish_reason": reason}
 
-        def usage(final: dict[str, Any]) -> dict[str, int]:
-            n, m = final["prompt_tokens"], final["new_tokens"]
+        def usage(finals: list[dict[str, Any]]) -> dict[str, int]:
+            n = sum(f["prompt_tokens"] for f in finals[:: req.n])  # (each prompt once)
+            m = sum(f["new_tokens"] for f in finals)
             return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-        echo = prompt_text if req.echo else ""
+        def writer(k: int) -> tuple[_Logprobs, dict[str, list]] | None:
+            """Choice k's log-probability writer, past its prompt, and the prompt's log-probabilities (with echo)."""
+            if req.logprobs is None:
+                return None
+            gen, text = started[k][2], wanted[k][1]
+            w = _Logprobs(server.tokenizer)
+            prompt = w.add(gen.prompt_ids, [None, *gen.prompt_scores]) if req.echo else w.skip(gen.prompt_ids)
+            w.offset = len(text) if req.echo else 0  # (the completion's text follows the prompt's as given)
+            return w, prompt
+
         if not req.stream:
-            final = await finished(started, gen_req.stop)
-            return head | {"choices": [choice(echo + final["text"], final["finish_reason"])], "usage": usage(final)}
+            finals = await asyncio.gather(*(finished(s, g.stop) for s, (g, _) in zip(started, wanted, strict=True)))
+            choices = []
+            for k, final in enumerate(finals):
+                echo = wanted[k][1] if req.echo else ""
+                lp = None
+                if (written := writer(k)) is not None:
+                    w, lp = written
+                    end = len(echo) + len(final["text"]) if final["finish_reason"] == "stop" else None
+                    new = w.add(final["token_ids"], started[k][2].scores, end=end, last=True)
+                    lp = {key: lp[key] + new[key] for key in lp}
+                choices.append(choice(k, echo + final["text"], final["finish_reason"], lp))
+            return head | {"choices": choices, "usage": usage(finals)}
+
+        async def one(k: int):
+            """Choice k's chunks, each with None, then its last chunk with its summary. The first comes once the
+            engine has read the prompt (the echo's log-probabilities are known then)."""
+            gen_req, prompt_text = wanted[k]
+            scores, written, begun, count = started[k][2].scores, None, False, 0
+            async with aclosing(pieces(started[k], gen_req.stop)) as events:
+                async for piece, final in events:
+                    if not begun:
+                        begun, written = True, writer(k)
+                        if req.echo:
+                            yield choice(k, prompt_text, None, written and written[1]), None
+                    if final is not None:
+                        yield choice(k, "", final["finish_reason"]), final
+                        return
+                    lp = None
+                    if piece["token_id"] is not None:
+                        if written is not None:
+                            lp = written[0].add([piece["token_id"]], scores[count : count + 1])
+                        count += 1
+                    yield choice(k, piece["text"], None, lp), None
 
         async def events():
-            if echo:
-                yield f"data: {json.dumps(head | {'choices': [choice(echo, None)]})}\n\n"
-            async for piece, final in pieces(started, gen_req.stop):
-                if final is None:
-                    yield f"data: {json.dumps(head | {'choices': [choice(piece['text'], None)]})}\n\n"
-                else:
-                    last = head | {"choices": [choice("", final["finish_reason"])], "usage": usage(final)}
-                    yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+            finals: list[dict[str, Any] | None] = [None] * len(started)
+            async for chunk, final in _merged([one(k) for k in range(len(started))]):
+                k = chunk["index"]
+                if final is not None:
+                    finals[k] = final
+                    if all(f is not None for f in finals):
+                        yield f"data: {json.dumps(head | {'choices': [chunk], 'usage': usage(finals)})}\n\n"
+                        continue
+                yield f"data: {json.dumps(head | {'choices': [chunk]})}\n\n"
+            yield "data: [DONE]\n\n"
 
         return sse(events())
 
     return app
+
+
+class _Logprobs:
+    """OpenAI's ``logprobs`` of one choice, written token by token: ``tokens`` (the text each token adds to the
+    decoded text after the tokens before it), ``token_logprobs``, ``top_logprobs`` (the most likely tokens at each
+    place and the token itself, keyed by the text each would have added there; where two would add the same text,
+    the likelier is kept) and ``text_offset`` (where each token's text begins in the choice's text). A word-level
+    model with Moses detokenization gives a word once the next word shows it is whole: its text can come with a
+    later token."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.offset = 0
+
+    @staticmethod
+    def _empty() -> dict[str, list]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _text(self, token: int, peek: bool = False) -> str:
+        if self.decoder is None:
+            return str(token)
+        return self.decoder.peek(token) if peek else self.decoder.push(token)
+
+    def skip(self, ids: list[int]) -> dict[str, list]:
+        """Read tokens that are not written (a prompt without echo)."""
+        for i in ids:
+            self._text(i)
+        return self._empty()
+
+    def add(
+        self, ids: list[int], scores: list[TokenScore | None], end: int | None = None, last: bool = False
+    ) -> dict[str, list]:
+        """The entries of ``ids`` (a missing score is None: a prompt's first token has none); with ``end``, only the
+        tokens whose text begins before it (a completion cut at a stop string); ``last``: the text's end follows."""
+        out = self._empty()
+        for i, score in zip(ids, [*scores, *[None] * (len(ids) - len(scores))], strict=False):
+            top = None
+            if score is not None:
+                top = {}
+                for alt, lp in score[1]:
+                    top.setdefault(self._text(alt, peek=True), lp)
+            text = self._text(i)
+            if end is not None and self.offset >= end:
+                return out
+            if top is not None:  # (the token itself is always there, as vLLM gives it)
+                top.setdefault(text, score[0])
+            for key, value in zip(out, (text, None if score is None else score[0], top, self.offset), strict=True):
+                out[key].append(value)
+            self.offset += len(text)
+        if last and self.decoder is not None and out["tokens"]:
+            out["tokens"][-1] += self.decoder.flush()
+        return out
+
+
+async def _merged(streams: list):
+    """The items of several async iterators as they come (each closed at the end, or when this one is)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(it) -> None:
+        try:
+            async with aclosing(it):
+                async for item in it:
+                    await queue.put(item)
+            await queue.put(done)
+        except Exception as e:  # (handed to the consumer)
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(it)) for it in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _pieces(server: Server, ids: list[int]) -> list[str]:

@@ -418,6 +418,19 @@ class Tokenizer:
             pos += len(line) + 1
         return None
 
+    def document_start(self) -> tuple[str, list[int]]:
+        """What a text is read after when it has no context of its own (lm-evaluation-harness's prefix, ``txl
+        serve``'s end-of-text token): the line end (a text starts after one, as a line of a file does) if this
+        tokenizer can encode it, else a space, else the id 0; as (text, ids)."""
+        for text in ("\n", " "):
+            try:
+                ids = self.encode(text)
+            except ValueError:
+                continue
+            if ids:
+                return text, ids
+        return self.symbol(0), [0]
+
     def encode(self, text: str, *, normalized: bool = False) -> list[int]:
         """Ids of raw text (a prompt, a document). It goes through the tokenizer's ``raw_text`` pipeline (Moses,
         text8) unless ``normalized``; in word mode each line ends with the line-end symbol, as in the files."""
@@ -695,6 +708,17 @@ class StreamDecoder:
         piece = sym if self._line_start else " " + sym
         self._line_start = False
         return piece
+
+    def peek(self, token_id: int) -> str:
+        """What :meth:`push` would return for this token now, without taking it."""
+        state = (self._bytes.getstate() if self._bytes is not None else None, self._line_start, list(self._line),
+                 self._given)  # fmt: skip
+        try:
+            return self.push(token_id)
+        finally:
+            if self._bytes is not None:
+                self._bytes.setstate(state[0])
+            self._line_start, self._line, self._given = state[1:]
 
     def _push_moses(self, sym: str) -> str:
         if self.tok.line_end == "eos" and sym == EOS:
