@@ -448,3 +448,28 @@ def test_config_from_dict_names_hugging_faces_fields():
         TransformerXLConfig.from_dict({"vocab_size": 100, "n_layer": 2})
     with pytest.raises(ValueError, match=r"unknown TransformerXLConfig field\(s\): n_layers$"):
         TransformerXLConfig.from_dict({"n_layers": 2})
+
+
+def test_config_takes_hugging_faces_names_and_saves_alone(tmp_path):
+    """TransformerXLConfig(vocab_size=..., tie_word_embeddings=...) as HF's TransfoXLConfig takes them; both names
+    read and set the same field; a config saves and loads alone (config.json), also from a model's folder."""
+    from dataclasses import replace
+
+    cfg = TransformerXLConfig(vocab_size=120, cutoffs=[20, 60], div_val=2, tie_word_embeddings=False, mem_len=9)
+    assert (cfg.n_token, cfg.vocab_size, cfg.tie_weight, cfg.tie_word_embeddings) == (120, 120, False, False)
+    assert "vocab_size" not in cfg.to_dict() and replace(cfg, d_model=32).n_token == 120
+    cfg.vocab_size = 130
+    assert cfg.n_token == 130 and TransformerXLLM(cfg).crit.n_token == 130
+    with pytest.raises(TypeError, match="give n_token or Hugging Face's name vocab_size, not both"):
+        TransformerXLConfig(vocab_size=100, n_token=100)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n_layers'"):
+        TransformerXLConfig(n_layers=3)
+    path = cfg.save_pretrained(tmp_path / "cfg")
+    assert path.name == "config.json" and TransformerXLConfig.from_pretrained(tmp_path / "cfg") == cfg
+    model = TransformerXLLM(debug_config(mem_len=5))
+    model.save_pretrained(tmp_path / "model")
+    assert TransformerXLConfig.from_pretrained(tmp_path / "model") == model.config
+    with pytest.raises(ValueError, match="not a txl checkpoint config"):
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "config.json").write_text('{"vocab_size": 10}')
+        TransformerXLConfig.from_pretrained(tmp_path / "hf")

@@ -24,11 +24,14 @@ comments use B batch, T query (segment) length, M memory length, K = M + T key l
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl import native
-from txl.pretrained import PretrainedMixin
+from txl.pretrained import PretrainedMixin, model_folder, read_config, write_config
 
 # ---------------------------------------------------------------------------------------------------------
 # 1. Configuration
@@ -182,8 +185,35 @@ class TransformerXLConfig:
         """Number of tail clusters of the adaptive softmax."""
         return len(self.cutoffs)
 
+    @property
+    def vocab_size(self) -> int:
+        """Hugging Face's name of ``n_token`` (it can be set, as there)."""
+        return self.n_token
+
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:
+        self.n_token = value
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Hugging Face's name of ``tie_weight``."""
+        return self.tie_weight
+
+    @tie_word_embeddings.setter
+    def tie_word_embeddings(self, value: bool) -> None:
+        self.tie_weight = value
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``directory/config.json`` (as a model's ``save_pretrained`` does, without the weights)."""
+        return write_config(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> TransformerXLConfig:
+        """The config of a saved model: a model folder, a checkpoint ``step-N`` folder or a run folder."""
+        return read_config(cls, model_folder(directory))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransformerXLConfig:
@@ -195,6 +225,24 @@ class TransformerXLConfig:
             hint = f" (Hugging Face's {', '.join(hints)}; txl convert hf reads a whole HF config)" if hints else ""
             raise ValueError(f"unknown TransformerXLConfig field(s): {', '.join(unknown)}{hint}")
         return cls(**data)
+
+
+def _with_hf_names(init: Callable[..., None]) -> Callable[..., None]:
+    """The config's constructor, also taking Hugging Face's names of its fields (``vocab_size=``)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        for hf, ours in HF_CONFIG_NAMES.items():
+            if hf in kwargs:
+                if ours in kwargs:
+                    raise TypeError(f"TransformerXLConfig: give {ours} or Hugging Face's name {hf}, not both")
+                kwargs[ours] = kwargs.pop(hf)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TransformerXLConfig.__init__ = _with_hf_names(TransformerXLConfig.__init__)  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------------------------------------

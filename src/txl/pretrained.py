@@ -246,6 +246,47 @@ def hub_hint(path: str | os.PathLike) -> str:
     )
 
 
+def write_config(config: Any, directory: str | os.PathLike, architecture: str | None = None) -> Path:
+    """Write ``directory/config.json``: the txl format header, the model class (if given) and the config's fields."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
+    if architecture is not None:
+        data["architecture"] = architecture
+    data.update(config.to_dict())
+    write_bytes(out / CONFIG_NAME, (json.dumps(data, indent=2) + "\n").encode())
+    return out / CONFIG_NAME
+
+
+def model_folder(directory: str | os.PathLike) -> Path:
+    """The folder holding config.json: ``directory`` itself, or a run's or checkpoint's model (a clear error if
+    neither)."""
+    if (Path(directory) / CONFIG_NAME).is_file():
+        return Path(directory)
+    from txl.checkpoint import resolve_model_dir  # (a run folder, or a clear error naming what it expected)
+
+    return resolve_model_dir(directory)
+
+
+def read_config(config_class: type, directory: str | os.PathLike):
+    """The config in ``directory/config.json`` (written by :func:`write_config`), as ``config_class``."""
+    path = Path(directory) / CONFIG_NAME
+    data = read_json(path)
+    if data.pop("format", None) != FORMAT:
+        raise CheckpointError(
+            f'{path}: not a txl checkpoint config (no "format": "txl"); '
+            "to import a Hugging Face TransfoXL checkpoint run `txl convert hf SRC OUT`"
+        )
+    version = data.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
+    data.pop("architecture", None)
+    try:
+        return config_class.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
 class PretrainedMixin:
     """``save_pretrained`` / ``from_pretrained`` for the model classes (``config_class`` + ``config``)."""
 
@@ -255,30 +296,14 @@ class PretrainedMixin:
         """Write ``config.json`` and ``model.safetensors`` (tied tensors once) into ``directory``."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        config = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": type(self).__name__}
-        config.update(self.config.to_dict())
         tensors = unique_state_dict(self)
         save_safetensors(tensors, out / WEIGHTS_NAME, {"format": "pt", "txl_format_version": str(FORMAT_VERSION)})
-        write_bytes(out / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+        write_config(self.config, out, type(self).__name__)
         return out
 
     @classmethod
     def load_config(cls, directory: str | os.PathLike):
-        path = Path(directory) / CONFIG_NAME
-        data = read_json(path)
-        if data.pop("format", None) != FORMAT:
-            raise CheckpointError(
-                f'{path}: not a txl checkpoint config (no "format": "txl"); '
-                "to import a Hugging Face TransfoXL checkpoint run `txl convert hf SRC OUT`"
-            )
-        version = data.pop("format_version", None)
-        if version != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
-        data.pop("architecture", None)
-        try:
-            return cls.config_class.from_dict(data)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: {e}") from None
+        return read_config(cls.config_class, directory)
 
     @classmethod
     def from_pretrained(
@@ -304,10 +329,7 @@ class PretrainedMixin:
         products may take another path and differ in the last bits from the saved model's; the NaN/inf check is
         skipped (it would read every weight).
         """
-        if not (Path(directory) / CONFIG_NAME).is_file():
-            from txl.checkpoint import resolve_model_dir  # (a run folder, or a clear error naming what it expected)
-
-            directory = resolve_model_dir(directory)
+        directory = model_folder(directory)
         config = cls.load_config(directory)
         if config_overrides:
             config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
