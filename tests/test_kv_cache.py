@@ -269,6 +269,58 @@ def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, 
         assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
 
 
+def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):
+    """`txl eval --zero_memory true` of a converted checkpoint (the sharp fixtures) gives the loss of HF 4.46's own
+    evaluation loop (its memory starting as mem_len zero vectors, carried segment by segment); the K/V-cached and
+    the uncached evaluation agree on it; from txl's default empty memory the loss differs."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.conftest import CHAR_FIXTURE, ROOT
+    from txl.cli import main
+    from txl.data import Tokenizer
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from model_speed import patched_hf  # the benchmarks' HF, with the one-expression #29650 fix
+
+    transformers.logging.set_verbosity_error()
+    for fixture in (CHAR_FIXTURE, ADAPTIVE_FIXTURE):
+        with warnings.catch_warnings():  # (HF's notes on its deprecated model)
+            warnings.simplefilter("ignore")
+            hf = patched_hf().TransfoXLLMHeadModel(transformers.TransfoXLConfig.from_pretrained(fixture)).eval()
+        hf.load_state_dict(load_file(fixture / "model.safetensors"), strict=False)
+        out = tmp_path / fixture.name
+        main(["convert", "hf", str(fixture), str(out)])
+        ours = TransformerXLLM.from_pretrained(out)
+        cfg = ours.config
+        # a word tokenizer whose symbol i is id i, so that a text of symbols is exactly the ids it names
+        (tmp_path / "vocab.txt").write_text("\n".join(["<UNK>"] + [f"w{i}" for i in range(1, cfg.n_token)]) + "\n")
+        Tokenizer.from_vocab_file(tmp_path / "vocab.txt", line_end="none").save(out)
+        ids = torch.randint(1, cfg.n_token, (61,), generator=torch.Generator().manual_seed(3))
+        (tmp_path / "text.txt").write_text(" ".join(f"w{i}" for i in ids.tolist()))
+        nll, mems = 0.0, None
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(0, len(ids) - 1, 8):  # HF's loop: segments of 8, the memory carried
+                inp, tgt = ids[i : i + 8][None], ids[i + 1 : i + 9]
+                res = hf(input_ids=inp[:, : len(tgt)], mems=mems)
+                nll -= float(res.prediction_scores[0].gather(-1, tgt[:, None]).double().sum())
+                mems = res.mems
+        same = str(cfg.same_length).lower()  # (HF's loop reads with the model's same_length)
+        args = ["eval", "--model", str(out), "--data", str(tmp_path / "text.txt"), "--tgt_len", "8"]
+        args += ["--same_length", same]
+        capsys.readouterr()
+        main([*args, "--batch_size", "1", "--json", "--zero_memory", "true"])
+        got = json.loads(capsys.readouterr().out)
+        assert got["tokens"] == 60 and got["zero_memory"] and got["mem_len"] == cfg.mem_len
+        assert got["loss"] == pytest.approx(nll / 60, rel=1e-5, abs=1e-6), fixture.name
+        main([*args, "--batch_size", "1", "--json"])
+        assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(nll / 60, rel=1e-4)
+        kw = dict(batch_size=2, tgt_len=8, mem_len=cfg.mem_len, zero_memory=True)
+        cached, uncached = evaluate(ours, ids.numpy(), **kw), evaluate(ours, ids.numpy(), cache=False, **kw)
+        assert cached.loss == pytest.approx(uncached.loss, rel=1e-6) and cached.tokens == 58  # (2 columns of 30)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 def test_one_row_products_equal_f_linear(rows):
     weight, bias = torch.randn(96, 32), torch.randn(96)

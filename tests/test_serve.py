@@ -259,6 +259,11 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
     per = res["per_token"]
     assert "".join(t["text"] for t in per) == text and per[0]["logprob"] is None
     assert np.mean([-t["logprob"] for t in per[1:]]) == pytest.approx(res["loss"], abs=1e-5)
+    zero = client.post("/v1/score", json={"text": text, "zero_memory": True} | settings).json()
+    main(["eval", "--model", str(run), "--data", str(tmp_path / "t.txt"), "--batch_size", "1", "--json"]
+         + [f"--{k}={str(v).lower()}" for k, v in settings.items()] + ["--zero_memory", "true"])  # fmt: skip
+    assert zero["loss"] == pytest.approx(json.loads(capsys.readouterr().out)["loss"], abs=1e-6)
+    assert zero["loss"] != pytest.approx(res["loss"], abs=1e-6)  # (the first segment reads the zeros)
 
 
 @pytest.mark.parametrize(

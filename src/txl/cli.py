@@ -229,6 +229,7 @@ def eval(
     stride: int = 1,
     plot: Path | None = None,
     json: bool = False,
+    zero_memory: bool = False,
 ) -> None:
     """Score a text with a model: mean loss and ppl (words) or bpc (characters/bytes), with the settings used.
 
@@ -264,6 +265,9 @@ def eval(
         plot: With a list of --mem_len: the PNG of the metric against the memory length (default:
             mem_len_sweep.png).
         json: Print one JSON object instead of a line of text (one per memory length).
+        zero_memory: Start every column from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code)
+            evaluated: a converted HF model then gives HF's numbers (default: an empty memory, as the original
+            PyTorch code).
     """
     import math
 
@@ -305,6 +309,8 @@ def eval(
         raise ValueError("--raw_text applies to a --data file (a document to score)")
     text = eval_text(folder, run, s.split, data, dataset, encoding_errors, raw_text)
     if sliding_window is not None:
+        if zero_memory:
+            raise ValueError("--zero_memory gives the memory a start; --sliding_window reads without a memory")
         _sliding_eval(lm.to(dev), text, s, folder, sliding_window, stride, max_batches, precision, dev, json)
         return
     name = metric_name(text.tokenizer.kind)
@@ -321,6 +327,7 @@ def eval(
             max_batches=max_batches,
             precision=precision,
             world=World(device=dev),
+            zero_memory=zero_memory,
         )
         if not math.isfinite(res.loss):
             raise NonFiniteError(
@@ -331,6 +338,8 @@ def eval(
         points.append((s.mem_len, value))
         settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
         settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
+        if zero_memory:
+            settings["zero_memory"] = True
         if json:
             record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value}
             print(_json.dumps(record | {"tokens": res.tokens} | settings, ensure_ascii=False), flush=True)
@@ -338,7 +347,8 @@ def eval(
             label = text.description if data is not None and Path(data).is_file() else s.split
             print(
                 f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
-                f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size} | "
+                f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size}"
+                f"{', zero memory' if zero_memory else ''} | "
                 f"{res.tokens:,} tokens | {folder}",
                 flush=True,
             )

@@ -86,6 +86,7 @@ def evaluate(
     world: World | None = None,
     cache: bool = True,
     return_losses: bool = False,
+    zero_memory: bool = False,
 ) -> EvalResult:
     """Mean NLL over the split ``data`` (an id stream, or lm1b sentence shards), all processes together.
 
@@ -94,6 +95,9 @@ def evaluate(
     ``cache`` (the default) the memory is kept as its keys and values (:class:`~txl.modeling.KVCache`): the same
     result without projecting the memory again for every segment. ``return_losses`` also returns every token's
     NLL in text order (the columns are contiguous pieces of the text, so that is column by column).
+    ``zero_memory``: every column starts from ``mem_len`` zero vectors, as Hugging Face's TransfoXL and the TF code
+    evaluated (their numbers; the first segment reads them as keys), instead of the original PyTorch code's empty
+    memory.
     """
     if return_losses and ((world and world.size > 1) or isinstance(data, list)):
         raise ValueError("return_losses needs one process and one token stream")
@@ -112,9 +116,15 @@ def evaluate(
     tokens = batches = 0
     mems = None
     kv = None
+    dtype = next(model.parameters()).dtype
+    if zero_memory and mem_len > 0:
+        zeros = torch.zeros(batch_size // world.size, mem_len, model.config.d_model, device=device, dtype=dtype)
+        mems = [zeros] * model.config.n_layer
     if cache and supports_kv_cache(model.config):  # (absolute positions, attn_type 2 and 3, cannot be cached)
-        dtype = next(model.parameters()).dtype
         kv = KVCache(model.config, batch_size // world.size, mem_len, tgt_len, device=device, dtype=dtype)
+        if mems is not None:
+            model.transformer.fill_cache(kv, mems, mem_len)
+            mems = None
     try:
         for batch in it:
             if max_batches is not None and batches >= max_batches:

@@ -115,6 +115,7 @@ class ScoreRequest(BaseModel):
     clamp_len: int | None = Field(None, description="Clamp relative distances above this (-1: none).")
     same_length: bool | None = Field(None, description="Every query sees mem_len keys.")
     per_token: bool = Field(False, description="Also return every token with its log-probability.")
+    zero_memory: bool = Field(False, description="Start from mem_len zero vectors, as Hugging Face's TransfoXL did.")
 
 
 class BadRequest(ValueError):
@@ -274,7 +275,7 @@ class Server:
         def run():
             return evaluate(
                 self.model, array, batch_size=1, tgt_len=s.tgt_len, mem_len=s.mem_len, clamp_len=s.clamp_len,
-                same_length=s.same_length, return_losses=req.per_token,
+                same_length=s.same_length, return_losses=req.per_token, zero_memory=req.zero_memory,
             )  # fmt: skip
 
         return {"ids": ids, "settings": s, "run": run}
