@@ -629,7 +629,9 @@ class _Logprobs:
         self, ids: list[int], scores: list[TokenScore | None], end: int | None = None, last: bool = False
     ) -> dict[str, list]:
         """The entries of ``ids`` (a missing score is None: a prompt's first token has none); with ``end``, only the
-        tokens whose text begins before it (a completion cut at a stop string); ``last``: the text's end follows."""
+        tokens whose text begins before it (a completion cut at a stop string); ``last``: the text's end follows.
+        A prompt that the tokenizer does not read back as given (unknown words, normalisation) has the tokens the
+        model read; the completion's offsets count from the end of the prompt as given."""
         out = self._empty()
         for i, score in zip(ids, [*scores, *[None] * (len(ids) - len(scores))], strict=False):
             top = None
@@ -645,7 +647,7 @@ class _Logprobs:
             for key, value in zip(out, (text, None if score is None else score[0], top, self.offset), strict=True):
                 out[key].append(value)
             self.offset += len(text)
-        if last and self.decoder is not None and out["tokens"]:
+        if last and end is None and self.decoder is not None and out["tokens"]:  # (a cut text has no held tail)
             out["tokens"][-1] += self.decoder.flush()
         return out
 
