@@ -227,10 +227,9 @@ def test_generation_from_a_given_memory_equals_the_uncached_loop(variant):
         generate(model, prompt, 3, mems=[torch.zeros(1, 4, cfg.d_model + 1)] * 2)
 
 
-def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, capsys, monkeypatch):
-    """HF 4.46's greedy ``generate()`` of a converted checkpoint (the sharp fixtures, through `txl convert hf`),
-    token for token: HF starts from mem_len zero vectors, which ``mems`` gives txl; from the empty memory (txl's
-    default) the tokens differ."""
+def hf_and_converted(tmp_path, monkeypatch):
+    """For each sharp fixture: HF 4.46's model of it (the benchmarks' HF, with the one-expression #29650 fix), the
+    folder `txl convert hf` made of it, and txl's model from that folder."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
@@ -238,50 +237,7 @@ def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, 
     from txl.cli import main
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from model_speed import patched_hf  # the benchmarks' HF, with the one-expression #29650 fix
-
-    transformers.logging.set_verbosity_error()
-    for fixture in (CHAR_FIXTURE, ADAPTIVE_FIXTURE):
-        with warnings.catch_warnings():  # (HF's notes on its deprecated model)
-            warnings.simplefilter("ignore")
-            hf = patched_hf().TransfoXLLMHeadModel(transformers.TransfoXLConfig.from_pretrained(fixture))
-        hf.load_state_dict(load_file(fixture / "model.safetensors"), strict=False)
-        main(["convert", "hf", str(fixture), str(tmp_path / fixture.name)])
-        ours = TransformerXLLM.from_pretrained(tmp_path / fixture.name)
-        cfg = ours.config
-        prompt = torch.randint(0, cfg.n_token, (2, 7), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            theirs = hf.eval().generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
-        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
-        assert ours.generate(prompt, max_new_tokens=60, mems=zeros).equal(theirs), fixture.name
-        assert not ours.generate(prompt, max_new_tokens=60).equal(theirs)
-        # the CLI: txl generate --zero_memory true
-        args = [
-            "generate",
-            "--model",
-            str(tmp_path / fixture.name),
-            "--prompt_ids",
-            ",".join(map(str, prompt[0].tolist())),
-        ]
-        capsys.readouterr()
-        main([*args, "--max_new_tokens", "60", "--temperature", "0", "--zero_memory", "true", "--json"])
-        assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
-
-
-def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):
-    """`txl eval --zero_memory true` of a converted checkpoint (the sharp fixtures) gives the loss of HF 4.46's own
-    evaluation loop (its memory starting as mem_len zero vectors, carried segment by segment); the K/V-cached and
-    the uncached evaluation agree on it; from txl's default empty memory the loss differs."""
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-
-    from tests.conftest import CHAR_FIXTURE, ROOT
-    from txl.cli import main
-    from txl.data import Tokenizer
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from model_speed import patched_hf  # the benchmarks' HF, with the one-expression #29650 fix
+    from model_speed import patched_hf
 
     transformers.logging.set_verbosity_error()
     for fixture in (CHAR_FIXTURE, ADAPTIVE_FIXTURE):
@@ -291,7 +247,39 @@ def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, cap
         hf.load_state_dict(load_file(fixture / "model.safetensors"), strict=False)
         out = tmp_path / fixture.name
         main(["convert", "hf", str(fixture), str(out)])
-        ours = TransformerXLLM.from_pretrained(out)
+        yield hf, out, TransformerXLLM.from_pretrained(out)
+
+
+def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, capsys, monkeypatch):
+    """HF 4.46's greedy ``generate()`` of a converted checkpoint (the sharp fixtures, through `txl convert hf`),
+    token for token: HF starts from mem_len zero vectors, which ``mems`` gives txl; from the empty memory (txl's
+    default) the tokens differ."""
+    from txl.cli import main
+
+    for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        prompt = torch.randint(0, cfg.n_token, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = hf.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        assert ours.generate(prompt, max_new_tokens=60, mems=zeros).equal(theirs), out.name
+        assert not ours.generate(prompt, max_new_tokens=60).equal(theirs)
+        # the CLI: txl generate --zero_memory true
+        args = ["generate", "--model", str(out), "--prompt_ids", ",".join(map(str, prompt[0].tolist()))]
+        capsys.readouterr()
+        main([*args, "--max_new_tokens", "60", "--temperature", "0", "--zero_memory", "true", "--json"])
+        assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
+
+
+def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):
+    """`txl eval --zero_memory true` of a converted checkpoint (the sharp fixtures) gives the loss of HF 4.46's own
+    evaluation loop (its memory starting as mem_len zero vectors, carried segment by segment); the K/V-cached and
+    the uncached evaluation agree on it; from txl's default empty memory the loss differs."""
+    from txl.cli import main
+    from txl.data import Tokenizer
+
+    for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
         cfg = ours.config
         # a word tokenizer whose symbol i is id i, so that a text of symbols is exactly the ids it names
         (tmp_path / "vocab.txt").write_text("\n".join(["<UNK>"] + [f"w{i}" for i in range(1, cfg.n_token)]) + "\n")
@@ -313,7 +301,7 @@ def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, cap
         main([*args, "--batch_size", "1", "--json", "--zero_memory", "true"])
         got = json.loads(capsys.readouterr().out)
         assert got["tokens"] == 60 and got["zero_memory"] and got["mem_len"] == cfg.mem_len
-        assert got["loss"] == pytest.approx(nll / 60, rel=1e-5, abs=1e-6), fixture.name
+        assert got["loss"] == pytest.approx(nll / 60, rel=1e-5, abs=1e-6), out.name
         main([*args, "--batch_size", "1", "--json"])
         assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(nll / 60, rel=1e-4)
         kw = dict(batch_size=2, tgt_len=8, mem_len=cfg.mem_len, zero_memory=True)
