@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,7 +40,10 @@ def test_cli_converts_tf_checkpoints(name, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"-> {out}: TransformerXLLM" in printed and "tokenizer:" in printed
     assert printed.count(" (option)") == len(settings) // 2  # (what was not given: a default)
-    model = TransformerXLLM.from_pretrained(out)
+    assert "txl eval --zero_memory true reads as it did" in printed
+    assert ("(tf_same_length)" in printed) == ("--same_length true" in " ".join(settings))
+    assert TransformerXLLM.from_pretrained(out).config.tf_same_length  # (the TF code's window)
+    model = TransformerXLLM.from_pretrained(out, tf_same_length=False)  # HF's fixture outputs: the PyTorch window
     cfg, via_hf = model.config, convert_hf_checkpoint(fixture)
     assert cfg.untie_r == untie_r and cfg.layer_norm_epsilon == 1e-12  # (tf.contrib.layers.layer_norm's)
     for field in ("n_token", "cutoffs", "div_val", "d_embed", "tie_projs", "mem_len", "same_length", "clamp_len"):
@@ -114,3 +118,44 @@ def test_a_projection_the_tf_code_leaves_out_is_the_identity(monkeypatch):
     a, b = (m.state_dict() for m in models)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(a["transformer.word_emb.emb_projs.0"], eye)
+
+
+def tf_create_mask(qlen: int, mlen: int, same_length: bool) -> torch.Tensor:
+    """tf/model.py's _create_mask, transcribed op for op (1 = masked): matrix_band_part(x, 0, -1) is the upper
+    triangle with the diagonal, (x, 0, 0) the diagonal, (x, -1, 0) the lower triangle with the diagonal."""
+    ones = torch.ones(qlen, qlen)
+    mask_u, mask_dia = torch.triu(ones), torch.diag(torch.diag(ones))
+    ret = torch.cat([torch.zeros(qlen, mlen), mask_u - mask_dia], 1)
+    if same_length:
+        mask_l = torch.tril(ones)
+        ret = torch.cat([ret[:, :qlen] + mask_l - mask_dia, ret[:, qlen:]], 1)
+    return ret > 0
+
+
+@pytest.mark.parametrize("qlen, mem_len", [(4, 6), (6, 4), (5, 5), (1, 3), (8, 16)])
+def test_tf_same_length_is_the_tf_codes_mask(qlen, mem_len):
+    """With the TF code's memory (always mem_len positions, zero-started), tf_same_length's mask is _create_mask's:
+    each query sees mem_len + 1 keys; the PyTorch code's window (mem_len keys) masks one more. A model with it gives
+    what the PyTorch window of mem_len + 1 gives, also through the K/V cache."""
+    from tests.conftest import debug_config
+    from txl.evaluate import evaluate
+    from txl.modeling import causal_mask
+
+    tf = tf_create_mask(qlen, mem_len, same_length=True)
+    assert torch.equal(causal_mask(qlen, mem_len, True, mem_len + 1), tf)
+    assert torch.equal(causal_mask(qlen, mem_len, False, 0), tf_create_mask(qlen, mem_len, same_length=False))
+    assert (causal_mask(qlen, mem_len, True, mem_len) & ~tf).sum() == qlen  # (the PyTorch code's: one key fewer)
+    torch.manual_seed(0)
+    cfg = debug_config(same_length=True, mem_len=mem_len, clamp_len=-1)
+    theirs = TransformerXLLM(cfg).eval()
+    ours = TransformerXLLM(replace(cfg, tf_same_length=True)).eval()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randint(0, cfg.n_token, (2, qlen))
+    mems = [torch.randn(2, mem_len, cfg.d_model) for _ in range(cfg.n_layer)]
+    with torch.no_grad():
+        got = ours(x, mems=mems, return_log_probs=True).log_probs
+        torch.testing.assert_close(got, theirs(x, mems=mems, mem_len=mem_len + 1, return_log_probs=True).log_probs)
+        assert not torch.allclose(got, theirs(x, mems=mems, return_log_probs=True).log_probs)
+    ids = torch.randint(0, cfg.n_token, (200,)).numpy()
+    kw = dict(batch_size=2, tgt_len=qlen, mem_len=mem_len, zero_memory=True)
+    assert evaluate(ours, ids, **kw).loss == pytest.approx(evaluate(ours, ids, cache=False, **kw).loss, rel=1e-6)

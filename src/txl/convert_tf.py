@@ -24,7 +24,10 @@ Optimizer slots (``*/Adam``, ``*/Adam_1``), ``global_step`` and the like are ign
 
 A TF checkpoint holds no configuration: shapes give the architecture; the memory settings come from the options,
 else from the paper's evaluation scripts (``tf/sota/*.sh``) for the four published models, recognised by their
-vocabulary size. The vocabulary is in the data folder's ``cache.pkl`` (a pickle of the ``Corpus``: read only with
+vocabulary size. The converted model reads with the TF code's ``same_length`` window (``tf_same_length``: mem_len
++ 1 keys, where the PyTorch code's has mem_len); with ``txl eval --zero_memory true`` (the TF code's memory starts
+as mem_len zero vectors) it reads a text as the TF code's evaluation did. The vocabulary is in the data folder's
+``cache.pkl`` (a pickle of the ``Corpus``: read only with
 ``--trust-pickle``, as in :mod:`txl.convert_original`).
 """
 
@@ -185,11 +188,14 @@ def convert_tf_checkpoint(
     settings = {k: sota[i] if v is None else v for i, (k, v) in enumerate(given.items())}
     fallback = f"tf/sota/{dataset}.sh" if dataset else "default"
     note = ", ".join(f"{k} {v} ({'option' if given[k] is not None else fallback})" for k, v in settings.items())
+    if settings["same_length"]:
+        note += " with the TF code's window of mem_len + 1 keys (tf_same_length)"
+    note += "; the TF code read every text from mem_len zero vectors: txl eval --zero_memory true reads as it did"
     try:
         config = TransformerXLConfig(
             n_layer=n_layer, d_model=d_model, n_head=int(r_w_bias.shape[-2]), d_head=int(r_w_bias.shape[-1]),
             d_inner=int(_need(tf, T + "layer_0/ff/layer_1/kernel", source).shape[1]), tie_weight=True,
-            untie_r=untie_r, dropout=0.0, dropatt=0.0, layer_norm_epsilon=TF_LAYER_NORM_EPSILON,
+            untie_r=untie_r, dropout=0.0, dropatt=0.0, layer_norm_epsilon=TF_LAYER_NORM_EPSILON, tf_same_length=True,
             **fields, **settings,
         )  # fmt: skip
     except (TypeError, ValueError) as e:

@@ -88,6 +88,10 @@ class TransformerXLConfig:
     """One pair of position biases u (r_w_bias), v (r_r_bias) per layer instead of one shared by all layers."""
     same_length: bool = False
     """Every query attends to the same number (mem_len) of keys, itself included."""
+    tf_same_length: bool = False
+    """same_length as the TF code reads: a window of mem_len + 1 keys (the TF code's mask shows each query its
+    memory of mem_len zero-started positions and itself; the PyTorch code's, mem_len keys in all). The paper's
+    published models were evaluated by the TF code: `txl convert tf` sets it."""
     clamp_len: int = -1
     """Relative distances above clamp_len share one positional embedding (<= 0: no clamping)."""
     mem_len: int = 0
@@ -343,23 +347,26 @@ def rel_shift_gather(bd_raw: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # 4. The mask over [memory; segment]: query i (absolute position M+i) sees key j iff j <= M+i (causal), and with
 #    same_length also j > M+i-mem_len, i.e. a window of exactly mem_len keys including itself once that many
-#    exist (identical to the reference PyTorch code's triu/tril construction, including K = mem_len + T).
+#    exist (identical to the reference PyTorch code's triu/tril construction, including K = mem_len + T). The TF
+#    code's _create_mask shows query i the keys j >= i of [memory; segment]: with its memory of M = mem_len zero-
+#    started positions, a window of mem_len + 1 keys (tf_same_length: the window argument is then mem_len + 1).
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _masks_any(qlen: int, mlen: int, same_length: bool, mem_len: int) -> bool:
+def _masks_any(qlen: int, mlen: int, same_length: bool, window: int) -> bool:
     """Whether ``causal_mask`` masks anything: causality does for T > 1, the same_length window once the span
-    exceeds mem_len. (A single newest query with an unwindowed memory sees every key.)"""
-    return qlen > 1 or (same_length and mlen + qlen > mem_len)
+    exceeds it. (A single newest query with an unwindowed memory sees every key.)"""
+    return qlen > 1 or (same_length and mlen + qlen > window)
 
 
-def causal_mask(qlen: int, mlen: int, same_length: bool, mem_len: int, device=None) -> Tensor:
-    """Boolean ``[T, K]`` mask, True = masked."""
+def causal_mask(qlen: int, mlen: int, same_length: bool, window: int, device=None) -> Tensor:
+    """Boolean ``[T, K]`` mask, True = masked; with ``same_length`` each query sees the last ``window`` keys up to
+    itself (mem_len; mem_len + 1 with tf_same_length)."""
     i = torch.arange(qlen, device=device)[:, None] + mlen  # absolute query positions
     j = torch.arange(mlen + qlen, device=device)[None, :]
     mask = j > i
     if same_length:
-        mask |= j <= i - mem_len
+        mask |= j <= i - window
     return mask  # [T, K]
 
 
@@ -1494,6 +1501,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
         if same_length and mem_len <= 0:
             raise ValueError("same_length=True needs mem_len > 0")
+        window = mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -1511,8 +1519,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
             if attention_mask is not None and mlen and padding.shape[-1] == T:
                 padding = F.pad(padding, (mlen, 0), value=False)  # [B, M + T]: the memory's positions are tokens
             mask = (
-                causal_mask(T, mlen, same_length, mem_len, device=dev)
-                if _masks_any(T, mlen, same_length, mem_len)
+                causal_mask(T, mlen, same_length, window, device=dev)
+                if _masks_any(T, mlen, same_length, window)
                 else None
             )
             if padding is not None:
@@ -1523,7 +1531,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 mask = _padding_mask(mask, padding, T, mlen)
             dtype = word_emb.dtype
         else:
-            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, mem_len, ext_len)
+            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, window, ext_len)
             dev, dtype = cache.k.device, cache.k.dtype
         # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
         pos = self.attention.prepare(self, mlen + T, clamp_len, dtype, dev, cache)
@@ -1608,9 +1616,9 @@ class TransformerXL(TransformerXLPreTrainedModel):
             h = h + y if lay.pre_lnorm else F.layer_norm(h + y, *lay.norm2)
         return h
 
-    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, mem_len, ext_len):
+    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):
         """The memory length and the mask ([T, K], or [B, 1, T, K] with padding) of a cache about to take a segment
-        of T positions."""
+        of T positions (``window``: the keys a query sees with ``same_length``)."""
         if mems or ext_len:
             raise ValueError("a KVCache holds the memory: pass no mems, and no ext_len (a training setting)")
         if self.training or torch.is_grad_enabled():
@@ -1620,8 +1628,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         mlen = cache.length
         padded = cache.begin(T, padding)  # [B, M + T] or None
         mask = None  # [T, K]
-        if _masks_any(T, mlen, same_length, mem_len):
-            mask = causal_mask(T, mlen, same_length, mem_len, device=cache.k.device)
+        if _masks_any(T, mlen, same_length, window):
+            mask = causal_mask(T, mlen, same_length, window, device=cache.k.device)
         if padded is not None:
             mask = _padding_mask(mask, padded, T, mlen)
         return mlen, mask
