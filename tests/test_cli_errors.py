@@ -410,3 +410,19 @@ def test_an_unknown_option_gets_the_nearest_one(tmp_path, capsys):
     line = fails(capsys, ["train", "--config", str(recipe)])
     assert "does not accept option 'model.vocab_size'; did you mean --model.n_token (Hugging Face's vocab_size)" in line
     assert "did you mean" not in fails(capsys, ["eval", "--model", "x", "--bogus", "1"])
+
+
+def test_eval_says_what_the_columns_leave_unscored(char_run, tmp_path, capsys):
+    """The paper's batchify cuts a text into batch_size columns of len // batch_size tokens: `txl eval` says how many
+    tokens at the end it did not score (none with --batch_size 1, and nothing said then)."""
+    f = tmp_path / "t.txt"
+    f.write_text("Abc def ghi jkl mno pab cde fgh ijk lmn op abc def ghi jkl mno pab cde fgh ijk lmn op abc def ghi jk")
+    n = len(f.read_text())  # (a char model: a token per character)
+    main(["eval", "--model", str(char_run), "--data", str(f), "--batch_size", "10", "--json"])
+    out = capsys.readouterr()
+    scored = json.loads(out.out)["tokens"]
+    assert scored == 10 * (n // 10 - 1) < n - 1
+    assert f"the last {n - 1 - scored} tokens of the text were not scored: it is cut into 10 columns" in out.err
+    main(["eval", "--model", str(char_run), "--data", str(f), "--batch_size", "1", "--json"])
+    out = capsys.readouterr()
+    assert json.loads(out.out)["tokens"] == n - 1 and "not scored" not in out.err

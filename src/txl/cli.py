@@ -336,6 +336,13 @@ def eval(
             )
         value = metric_value(res.loss, name)
         points.append((s.mem_len, value))
+        left = len(text.ids) - 1 - res.tokens if not isinstance(text.ids, list) and max_batches is None else 0
+        if left > 0 and s is settings_list[0]:  # (the reference's batchify: each column holds len // batch tokens)
+            print(
+                f"txl: note: the last {left:,} tokens of the text were not scored: it is cut into {s.batch_size} "
+                "columns of equal length, as the paper's evaluation does (--batch_size 1 scores every token)",
+                file=sys.stderr,
+            )
         settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
         settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
         if zero_memory:
