@@ -272,6 +272,45 @@ def test_generation_equals_hugging_face_generate_from_its_zero_memory(tmp_path, 
         assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
 
 
+def test_repetition_penalty_and_no_repeat_ngrams_equal_hugging_faces(tmp_path, capsys, monkeypatch):
+    """HF's repetition_penalty and no_repeat_ngram_size: the converted sharp fixtures generate HF 4.46's greedy
+    tokens with each and both (from HF's zero memory), through `model.generate` and `txl generate`; each changes the
+    text, no 3-gram repeats under no_repeat_ngram_size 3, and a left-padded row generates what it does alone (its
+    padding is not part of its history)."""
+    from txl.cli import main
+
+    for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        prompt = torch.randint(0, cfg.n_token, (2, 7), generator=torch.Generator().manual_seed(1))
+        prompt[1, :3] = 0  # (row 1 read as a left-padded prompt of 4 tokens below)
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        plain = ours.generate(prompt, max_new_tokens=40, mems=zeros)
+        for kw in ({"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 3}, {"repetition_penalty": 1.3,
+                   "no_repeat_ngram_size": 2}):  # fmt: skip
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                theirs = hf.generate(
+                    prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0, **kw
+                )  # fmt: skip
+            got = ours.generate(prompt, max_new_tokens=40, mems=zeros, **kw)
+            assert got.equal(theirs), (out.name, kw)
+            assert not got.equal(plain), kw
+            if kw.get("no_repeat_ngram_size") == 3:
+                for row in got.tolist():
+                    grams = list(zip(row, row[1:], row[2:], strict=False))
+                    assert len(grams) == len(set(grams))
+            mask = torch.ones(2, 7, dtype=torch.long)
+            mask[1, :3] = 0
+            padded = ours.generate(prompt, attention_mask=mask, max_new_tokens=30, **kw)
+            alone = ours.generate(prompt[1:, 3:], max_new_tokens=30, **kw)
+            assert padded[1, 7:].equal(alone[0, 4:]), kw
+        ids = ",".join(map(str, prompt[0].tolist()))
+        args = ["generate", "--model", str(out), "--prompt_ids", ids, "--max_new_tokens", "40", "--temperature", "0"]
+        capsys.readouterr()
+        main([*args, "--zero_memory", "true", "--repetition_penalty", "1.3", "--no_repeat_ngram_size", "2", "--json"])
+        assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
+
+
 def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):
     """`txl eval --zero_memory true` of a converted checkpoint (the sharp fixtures) gives the loss of HF 4.46's own
     evaluation loop (its memory starting as mem_len zero vectors, carried segment by segment); the K/V-cached and

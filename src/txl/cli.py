@@ -412,6 +412,8 @@ def generate(
     threads: int | None = None,
     json: bool = False,
     zero_memory: bool = False,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -433,13 +435,16 @@ def generate(
         json: Print a JSON object with the prompt and the new ids (and text) at the end instead of streaming.
         zero_memory: Start from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code) did: a converted
             HF model then continues as HF's generate() did (default: an empty memory, as the original PyTorch code).
+        repetition_penalty: Hugging Face's (CTRL's) penalty on every token already in the prompt or the text: its
+            log-probability is multiplied by this (> 1 makes repeats less likely; 1 = none).
+        no_repeat_ngram_size: Never repeat an n-gram of this many tokens of the prompt and the text (0 = off).
     """
     import torch
 
     from txl import native
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
-    from txl.generation import check_sampling
+    from txl.generation import Penalties, check_sampling
     from txl.generation import stream as stream_tokens
     from txl.modeling import TransformerXLLM
     from txl.runtime import configure_allocator
@@ -447,6 +452,7 @@ def generate(
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    penalties = Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
     if mem_len is not None and mem_len < 1:
         raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
@@ -492,6 +498,7 @@ def generate(
         mems=[torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer
         if zero_memory
         else None,
+        penalties=penalties,
     )
     if json or tok is None or not stream:
         new = [int(t) for t in tokens]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,6 +31,64 @@ def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int
         raise ValueError(f"top_k = {top_k}: must be >= 0 (0 keeps every token)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p = {top_p}: must be in (0, 1] (1 keeps every token)")
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What the history of a sequence does to its next token's scores (log-probabilities), before temperature and
+    filtering. ``repetition_penalty`` and ``no_repeat_ngram_size`` are Hugging Face's (CTRL's penalty on every token
+    of the prompt and the text so far: a score s < 0 becomes s * penalty, s > 0 s / penalty; no n-gram of the whole
+    sequence twice); ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` are OpenAI's (subtracted once
+    for a token the new text holds, and once per time it holds it; added per token id)."""
+
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty = {self.repetition_penalty}: must be > 0 (1 is none)")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size = {self.no_repeat_ngram_size}: must be >= 0 (0 is none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} = {getattr(self, name)}: must be a finite number")
+
+    @property
+    def any(self) -> bool:
+        return self != Penalties()
+
+    def apply(self, scores: Tensor, history: Tensor, new_from: int, padding: Tensor | None = None) -> Tensor:
+        """``scores`` [B, V] of the token after ``history`` [B, L] (the prompt and the text so far; the new text
+        starts at column ``new_from``; ``padding`` [B, new_from], True = a prompt's left padding, not part of it)."""
+        B, V = scores.shape
+        real = torch.ones_like(history, dtype=torch.bool)  # [B, L]
+        if padding is not None:
+            real[:, : padding.shape[1]] = ~padding
+        if self.repetition_penalty != 1.0:
+            held = torch.zeros(B, V, device=scores.device).scatter_add_(1, history, real.float()) > 0  # [B, V]
+            p = self.repetition_penalty
+            scores = torch.where(held, torch.where(scores < 0, scores * p, scores / p), scores)
+        n = self.no_repeat_ngram_size
+        if n and history.shape[1] + 1 >= n:
+            grams = history.unfold(1, n, 1)  # [B, W, n]: every n-gram of the sequence
+            tail = history[:, history.shape[1] - n + 1 :]  # [B, n - 1]: the n - 1 tokens a new one would follow
+            repeat = (grams[:, :, :-1] == tail[:, None, :]).all(-1)  # [B, W]
+            repeat &= real.unfold(1, n, 1).all(-1) & real[:, history.shape[1] - n + 1 :].all(-1, keepdim=True)
+            banned = torch.zeros(B, V, device=scores.device).scatter_add_(1, grams[:, :, -1], repeat.float())
+            scores = scores.masked_fill(banned > 0, float("-inf"))
+        if self.presence_penalty or self.frequency_penalty:
+            new = history[:, new_from:]
+            ones = torch.ones_like(new, dtype=scores.dtype)
+            counts = torch.zeros(B, V, device=scores.device, dtype=scores.dtype).scatter_add_(1, new, ones)
+            scores = scores - self.frequency_penalty * counts - self.presence_penalty * (counts > 0)
+        if self.logit_bias:
+            ids = torch.tensor([i for i, _ in self.logit_bias], device=scores.device)
+            bias = torch.tensor([b for _, b in self.logit_bias], device=scores.device, dtype=scores.dtype)
+            scores = scores.index_add(1, ids, bias.expand(B, -1))
+        return scores
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -75,6 +134,7 @@ def stream(
     pad_id: int | None = None,
     mems: list[Tensor] | None = None,
     observe: Callable[[Tensor, Tensor], None] | None = None,
+    penalties: Penalties | None = None,
 ) -> Iterator[Tensor]:
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
@@ -84,7 +144,8 @@ def stream(
     memory the prompt starts from (``n_layer`` tensors [B, M, d_model]; default: empty, as the model's forward),
     e.g. ``[torch.zeros(B, mem_len, d_model)] * n_layer`` for Hugging Face's and the TF code's zero memory.
     ``observe(log_probs [B, V], tokens [B])`` is called with each step's log-probabilities (the model's, before
-    temperature and filtering) and chosen tokens, before they are yielded.
+    temperature and filtering) and chosen tokens, before they are yielded. ``penalties`` (:class:`Penalties`) change
+    the scores by what each row holds so far (its prompt, padding included, and its new tokens).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -126,11 +187,13 @@ def stream(
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
             pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
             done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+            history = input_ids if penalties is not None and penalties.any else None  # [B, T + new]
             for i in range(max_new_tokens):
                 _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
                 if not bool(torch.isfinite(log_probs).all()):
                     raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
-                nxt = choose(log_probs, temperature, top_k, top_p, generator)  # [B]
+                scores = log_probs if history is None else penalties.apply(log_probs, history, T, padding)
+                nxt = choose(scores, temperature, top_k, top_p, generator)  # [B]
                 if len(stops):
                     nxt = nxt.masked_fill(done, pad_id)
                     done |= torch.isin(nxt, stops)
@@ -139,6 +202,8 @@ def stream(
                 yield nxt[:, None]
                 if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
                     return
+                if history is not None:
+                    history = torch.cat([history, nxt[:, None]], dim=1)  # [B, T + i + 1]
                 h = step(nxt[:, None])
     finally:
         model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
@@ -166,6 +231,8 @@ def generate_like_hf(
     generator: torch.Generator | None = None,
     mems: list[Tensor] | None = None,
     num_return_sequences: int = 1,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> Tensor:
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
 
@@ -174,7 +241,8 @@ def generate_like_hf(
     ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
     which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
     :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors); ``num_return_sequences`` samples per prompt
-    (with ``do_sample``; rows grouped by prompt). Returns [B * num_return_sequences, T + new tokens].
+    (with ``do_sample``; rows grouped by prompt); ``repetition_penalty`` and ``no_repeat_ngram_size`` as HF's
+    (:class:`Penalties`). Returns [B * num_return_sequences, T + new tokens].
     """
     if num_return_sequences < 1 or num_return_sequences > 1 and not do_sample:
         raise ValueError(
@@ -222,4 +290,5 @@ def generate_like_hf(
         stop_tokens=stops,
         pad_id=pad_token_id,
         mems=mems,
+        penalties=Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size),
     )
