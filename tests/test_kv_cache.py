@@ -311,6 +311,25 @@ def test_repetition_penalty_and_no_repeat_ngrams_equal_hugging_faces(tmp_path, c
         assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
 
 
+def test_penalties_by_hand():
+    """OpenAI's presence and frequency penalties count the new text only; HF's repetition penalty and n-gram ban
+    read the whole sequence; logit_bias adds."""
+    from txl.generation import Penalties
+
+    scores = torch.tensor([[-1.0, -2.0, -3.0, -4.0, 0.5]])
+    history = torch.tensor([[1, 2, 3, 1, 2, 2]])  # the prompt is [1, 2, 3], the new text [1, 2, 2]
+    got = Penalties(presence_penalty=0.5, frequency_penalty=0.25).apply(scores, history, 3)
+    assert got.tolist() == [[-1.0, -2.0 - 0.5 - 0.25, -3.0 - 0.5 - 0.5, -4.0, 0.5]]
+    got = Penalties(repetition_penalty=2.0).apply(scores, history, 3)
+    assert got.tolist() == [[-1.0, -4.0, -6.0, -8.0, 0.5]]
+    got = Penalties(no_repeat_ngram_size=2).apply(scores, history, 3)  # after ...2: (2, 3) and (2, 2) are taken
+    assert got.tolist() == [[-1.0, -2.0, float("-inf"), float("-inf"), 0.5]]
+    got = Penalties(logit_bias=((4, -1.5), (0, 2.0))).apply(scores, history, 3)
+    assert got.tolist() == [[1.0, -2.0, -3.0, -4.0, -1.0]]
+    with pytest.raises(ValueError, match="repetition_penalty = 0: must be > 0"):
+        Penalties(repetition_penalty=0)
+
+
 def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):
     """`txl eval --zero_memory true` of a converted checkpoint (the sharp fixtures) gives the loss of HF 4.46's own
     evaluation loop (its memory starting as mem_len zero vectors, carried segment by segment); the K/V-cached and

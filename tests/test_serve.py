@@ -128,7 +128,10 @@ def test_openai_completions_equal_txl_generate(client, run):
         ("logprobs", 21, "logprobs: Input should be less than or equal to 20"),
         ("n", 0, "n: Input should be greater than or equal to 1"),
         ("n", 65, "65 completions, more than the server's queue of 64"),
-        ("presence_penalty", 0.5, "presence_penalty: not supported"),
+        ("presence_penalty", 3, "presence_penalty: Input should be less than or equal to 2"),
+        ("logit_bias", {"10000": 1}, "logit_bias: token ids must be in [0, "),
+        ("logit_bias", {"1": 200}, "logit_bias: a bias must be in [-100, 100]"),
+        ("logit_bias", {"a": 1}, "logit_bias.a.[key]: Input should be a valid integer"),
         ("prompt", [1, 10_000], "prompt: ids must be in [0,"),
         ("prompt", [[1], [1, 10_000]], "prompt[1]: ids must be in [0,"),
         ("max_tokens", 10_000, "max_tokens: 10000 is more than the limit 200"),
@@ -231,6 +234,37 @@ def test_openai_several_prompts_and_n(client):
     ids = client.app.state.server.tokenizer.encode("ab")
     by_ids = completion(client, body | {"prompt": [ids, ids], "n": 1})
     assert [c["text"] for c in by_ids["choices"]] == [alone[0], alone[0]]
+
+
+def test_penalties_and_logit_bias_equal_the_library(client):
+    """Hugging Face's repetition_penalty / no_repeat_ngram_size (/v1/generate) and OpenAI's presence_penalty /
+    frequency_penalty / logit_bias (/v1/completions, /v1/generate) give the tokens of txl.generation with the same
+    Penalties; each changes the greedy text; a bias of -100 keeps a token out, +100 makes it every token."""
+    from txl.generation import Penalties
+
+    server = client.app.state.server
+    prompt = "ab cd"
+    ids = torch.tensor([server.tokenizer.encode(prompt)])
+    base = {"prompt": prompt, "max_new_tokens": 30, "temperature": 0}
+    plain = client.post("/v1/generate", json=base).json()["token_ids"]
+    cases = [
+        {"repetition_penalty": 1.5},
+        {"no_repeat_ngram_size": 2},
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+        {"logit_bias": {plain[0]: -100}},
+    ]
+    for kw in cases:
+        res = client.post("/v1/generate", json=base | kw).json()
+        pen = Penalties(**{k: tuple(v.items()) if k == "logit_bias" else v for k, v in kw.items()})
+        expected = generate(server.model, ids, 30, temperature=0.0, penalties=pen)[0, ids.shape[1] :].tolist()
+        assert res["token_ids"] == expected and expected != plain, kw
+    assert plain[0] not in client.post("/v1/generate", json=base | {"logit_bias": {plain[0]: -100}}).json()["token_ids"]
+    forced = client.post("/v1/generate", json=base | {"logit_bias": {7: 100}}).json()["token_ids"]
+    assert forced == [7] * 30
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5}
+    text = completion(client, body | {"logit_bias": {str(plain[0]): -100}})["choices"][0]["text"]
+    pen = Penalties(presence_penalty=1.5, frequency_penalty=0.5, logit_bias=((plain[0], -100.0),))
+    assert text == server.tokenizer.decode(generate(server.model, ids, 30, temperature=0.0, penalties=pen)[0, 5:])
 
 
 def test_vllm_tokenizer_endpoints(client):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from txl.generation import check_sampling, choose, stream
+from txl.generation import Penalties, check_sampling, choose, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
 
@@ -62,12 +62,16 @@ class Generation:
     """Record each new token's log-probability and its ``logprobs`` most likely alternatives in ``scores``."""
     prompt_logprobs: bool = False
     """Record the log-probability of each prompt token after the first in ``prompt_scores``."""
+    penalties: Penalties = field(default_factory=Penalties)
+    """What the prompt and the text so far do to the next token's scores (repetition, presence, logit bias)."""
     finish_reason: str | None = None
     """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
     error: str | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator = field(init=False)
     produced: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    """The tokens emitted so far."""
     scores: list[TokenScore] = field(default_factory=list)
     """One per new token, written before the token is emitted (with ``logprobs``)."""
     prompt_scores: list[TokenScore] = field(default_factory=list)
@@ -226,6 +230,7 @@ class Engine:
     def _emit(self, request: Generation, token: int) -> bool:
         """Give the caller a token; whether the request goes on."""
         request.produced += 1
+        request.output_ids.append(token)
         request.emit(token)
         if request.cancelled:
             self._finish(request, "shutdown" if self._stopping else "stop")
@@ -237,7 +242,11 @@ class Engine:
 
     def _sample(self, request: Generation, log_probs: torch.Tensor) -> int:
         """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them)."""
-        token = choose(log_probs, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
+        scores = log_probs
+        if request.penalties.any:
+            history = torch.tensor([request.prompt_ids + request.output_ids], dtype=torch.long)  # [1, L]
+            scores = request.penalties.apply(log_probs, history, len(request.prompt_ids))
+        token = choose(scores, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
         if request.logprobs is not None:
             request.scores += token_scores(log_probs, token, request.logprobs)
         return int(token[0])
@@ -307,6 +316,7 @@ class Engine:
             mem_len=request.mem_len,
             generator=request.generator,
             observe=record,
+            penalties=request.penalties,
         )
         for token in tokens:
             if not self._emit(request, int(token)):

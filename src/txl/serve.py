@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
+from txl.generation import Penalties
 
 
 @dataclass
@@ -56,6 +57,20 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop before the first of these strings.")
     mem_len: int | None = Field(None, ge=1, description="Memory length (default: the model's).")
     stream: bool = Field(False, description="Stream the tokens as server-sent events.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="Hugging Face's: the log-probability of a token already in the prompt or the text "
+        "is multiplied by this (1: none)."
+    )  # fmt: skip
+    no_repeat_ngram_size: int = Field(0, ge=0, description="Never repeat an n-gram of this many tokens (0: off).")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score once the new text holds it."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score per time the new text holds it."
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Added to the scores of these token ids (-100: never; 100: always)."
+    )
 
 
 class CompletionRequest(BaseModel):
@@ -80,11 +95,17 @@ class CompletionRequest(BaseModel):
         None, ge=0, le=MAX_LOGPROBS,
         description="Give each token's log-probability and this many most likely tokens at its place.",
     )  # fmt: skip
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's score once the new text holds it."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's score per time the new text holds it."
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Token id -> a bias added to its score (-100: never; 100: always)."
+    )
     best_of: int | None = None
     suffix: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
 
@@ -205,8 +226,19 @@ class Server:
             raise BadRequest(422, f"mem_len: {mem_len} is more than the limit {lim.max_mem_len}")
         if mem_len < 1:
             raise BadRequest(422, "mem_len: the model has no memory length; give mem_len >= 1")
+        bias = req.logit_bias or {}
+        bad = [i for i in bias if not 0 <= i < self.model.config.n_token]
+        if bad:
+            raise BadRequest(422, f"logit_bias: token ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
+        if any(not -100 <= b <= 100 for b in bias.values()):
+            raise BadRequest(422, "logit_bias: a bias must be in [-100, 100]")
+        penalties = Penalties(
+            repetition_penalty=req.repetition_penalty, no_repeat_ngram_size=req.no_repeat_ngram_size,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=tuple(sorted(bias.items())),
+        )  # fmt: skip
         gen = Generation(
-            prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len,
+            prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len, penalties=penalties,
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
@@ -218,9 +250,6 @@ class Server:
         refused = {
             "best_of": (req.best_of not in (None, req.n), "not supported (give n: every completion is returned)"),
             "suffix": (req.suffix is not None, "insertion is not something a left-to-right model does"),
-            "presence_penalty": (req.presence_penalty != 0, "not supported (0 only)"),
-            "frequency_penalty": (req.frequency_penalty != 0, "not supported (0 only)"),
-            "logit_bias": (bool(req.logit_bias), "not supported"),
         }
         for name, (bad, why) in refused.items():
             if bad:
@@ -247,6 +276,8 @@ class Server:
                     max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
                     top_p=req.top_p, seed=None if req.seed is None else req.seed + j,
                     stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), stream=req.stream,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    logit_bias=req.logit_bias,
                 )  # fmt: skip
                 out.append((gen, text))
         return out
@@ -515,7 +546,8 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
     async def completions(req: CompletionRequest):
         """OpenAI's completions API (a client library or tool that speaks it works unchanged): ``prompt`` (text or
         token ids, one or a list), ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``echo``, ``n``,
-        ``logprobs`` (with ``echo``, the prompt's tokens' too: lm-evaluation-harness's loglikelihood), ``stream``."""
+        ``logprobs`` (with ``echo``, the prompt's tokens' too: lm-evaluation-harness's loglikelihood),
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stream``."""
         wanted = server.completion_requests(req)
         started = []
         try:
