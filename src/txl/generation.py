@@ -9,6 +9,7 @@ at their own stop token, and :func:`stream` yields every token as soon as it is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ class Penalties:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} = {getattr(self, name)}: must be a finite number")
 
-    @property
+    @functools.cached_property
     def any(self) -> bool:
+        """Whether these change anything (checked once per generated token)."""
         return self != Penalties()
 
     def apply(self, scores: Tensor, history: Tensor, new_from: int, padding: Tensor | None = None) -> Tensor:
