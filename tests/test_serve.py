@@ -267,6 +267,31 @@ def test_penalties_and_logit_bias_equal_the_library(client):
     assert text == server.tokenizer.decode(generate(server.model, ids, 30, temperature=0.0, penalties=pen)[0, 5:])
 
 
+def test_a_failed_choice_stops_the_others(client, monkeypatch):
+    """A completion of several choices whose one generation fails answers 500 naming the failure, and the other
+    choices' generations are cancelled (not left running for nobody)."""
+    engine = client.app.state.server.engine
+    bad = client.app.state.server.tokenizer.encode("cd")
+    gens, real_submit, real_start = [], engine.submit, engine._start
+
+    def submit(gen):
+        gens.append(gen)
+        real_submit(gen)
+
+    def start(gen):
+        return engine._finish(gen, "error", "boom") if gen.prompt_ids == bad else real_start(gen)
+
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "_start", start)
+    res = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 200, "temperature": 0})
+    assert res.status_code == 500 and res.json()["error"] == "generation failed: boom"
+    assert gens[0].cancelled
+    deadline = time.monotonic() + 30
+    while engine.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gens[0].finish_reason == "stop" and gens[0].produced < 200
+
+
 def test_vllm_tokenizer_endpoints(client):
     tok = client.app.state.server.tokenizer
     info = client.get("/tokenizer_info").json()

@@ -579,7 +579,12 @@ def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key
             return w, prompt
 
         if not req.stream:
-            finals = await asyncio.gather(*(finished(s, g.stop) for s, (g, _) in zip(started, wanted, strict=True)))
+            try:
+                finals = await asyncio.gather(*(finished(s, g.stop) for s, (g, _) in zip(started, wanted, strict=True)))
+            except BaseException:  # (one failed, or the client left: the others stop too)
+                for _, _, gen in started:
+                    gen.cancel()
+                raise
             choices = []
             for k, final in enumerate(finals):
                 echo = wanted[k][1] if req.echo else ""
