@@ -311,6 +311,36 @@ def test_repetition_penalty_and_no_repeat_ngrams_equal_hugging_faces(tmp_path, c
         assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 7:].tolist()
 
 
+def test_min_new_tokens_equals_hugging_faces_and_other_options_are_named(tmp_path, monkeypatch):
+    """min_new_tokens / min_length (counting the prompt) keep the end-of-text token out until then, as HF's
+    generate() (token for token on the converted fixtures, the eos id chosen so that greedy decoding would stop at
+    once); HF's options that change nothing are accepted, beam search and the like refused by name."""
+    for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        prompt = torch.randint(0, cfg.n_token, (1, 6), generator=torch.Generator().manual_seed(2))
+        zeros = [torch.zeros(1, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        eos = int(ours.generate(prompt, max_new_tokens=1, mems=zeros)[0, -1])  # (the greedy first token)
+        assert ours.generate(prompt, max_new_tokens=20, mems=zeros, eos_token_id=eos).shape[1] == 7  # stops at once
+        for kw in ({"min_new_tokens": 8}, {"min_length": 6 + 5}):
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                theirs = hf.generate(
+                    prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=eos, **kw
+                )
+            got = ours.generate(prompt, max_new_tokens=20, mems=zeros, eos_token_id=eos, **kw)
+            assert got.equal(theirs) and got.shape[1] > 7 + 3, (out.name, kw)
+    model = TransformerXLLM(debug_config(mem_len=8)).eval()
+    x = torch.tensor([[1, 2, 3]])
+    same = model.generate(x, max_new_tokens=5, use_cache=True, num_beams=1, output_scores=False)
+    assert same.equal(model.generate(x, max_new_tokens=5))
+    with pytest.raises(ValueError, match="num_beams = 4: beam search is not implemented"):
+        model.generate(x, max_new_tokens=5, num_beams=4)
+    with pytest.raises(ValueError, match="typical_p = 0.5: not supported by txl"):
+        model.generate(x, max_new_tokens=5, typical_p=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\): max_tokens"):
+        model.generate(x, max_tokens=5)
+
+
 def test_penalties_by_hand():
     """OpenAI's presence and frequency penalties count the new text only; HF's repetition penalty and n-gram ban
     read the whole sequence; logit_bias adds."""

@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,18 +40,24 @@ class Penalties:
     """What the history of a sequence does to its next token's scores (log-probabilities), before temperature and
     filtering. ``repetition_penalty`` and ``no_repeat_ngram_size`` are Hugging Face's (CTRL's penalty on every token
     of the prompt and the text so far: a score s < 0 becomes s * penalty, s > 0 s / penalty; no n-gram of the whole
-    sequence twice); ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` are OpenAI's (subtracted once
-    for a token the new text holds, and once per time it holds it; added per token id)."""
+    sequence twice; no end of text before ``min_new_tokens``); ``presence_penalty``, ``frequency_penalty`` and
+    ``logit_bias`` are OpenAI's (subtracted once for a token the new text holds, and once per time it holds it; added
+    per token id)."""
 
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
+    """Hugging Face's: the ``eos_token_ids`` cannot come before this many new tokens."""
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty = {self.repetition_penalty}: must be > 0 (1 is none)")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens = {self.min_new_tokens}: must be >= 0")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size = {self.no_repeat_ngram_size}: must be >= 0 (0 is none)")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -86,6 +93,8 @@ class Penalties:
             ones = torch.ones_like(new, dtype=scores.dtype)
             counts = torch.zeros(B, V, device=scores.device, dtype=scores.dtype).scatter_add_(1, new, ones)
             scores = scores - self.frequency_penalty * counts - self.presence_penalty * (counts > 0)
+        if self.min_new_tokens and self.eos_token_ids and history.shape[1] - new_from < self.min_new_tokens:
+            scores = scores.index_fill(1, torch.tensor(self.eos_token_ids, device=scores.device), float("-inf"))
         if self.logit_bias:
             ids = torch.tensor([i for i, _ in self.logit_bias], device=scores.device)
             bias = torch.tensor([b for _, b in self.logit_bias], device=scores.device, dtype=scores.dtype)
@@ -235,6 +244,9 @@ def generate_like_hf(
     num_return_sequences: int = 1,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
+    min_new_tokens: int | None = None,
+    min_length: int | None = None,
+    **hf_options: Any,
 ) -> Tensor:
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
 
@@ -243,9 +255,12 @@ def generate_like_hf(
     ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
     which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
     :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors); ``num_return_sequences`` samples per prompt
-    (with ``do_sample``; rows grouped by prompt); ``repetition_penalty`` and ``no_repeat_ngram_size`` as HF's
-    (:class:`Penalties`). Returns [B * num_return_sequences, T + new tokens].
+    (with ``do_sample``; rows grouped by prompt); ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens`` and ``min_length`` (counting the prompt) as HF's (:class:`Penalties`). HF's options that
+    change nothing here (``use_cache``, ``num_beams=1``, ...) are accepted at their neutral value; the others (beam
+    search, ...) are refused by name. Returns [B * num_return_sequences, T + new tokens].
     """
+    _check_hf_options(hf_options)
     if num_return_sequences < 1 or num_return_sequences > 1 and not do_sample:
         raise ValueError(
             f"num_return_sequences = {num_return_sequences}: must be 1 for greedy decoding (its sequences would be "
@@ -275,6 +290,9 @@ def generate_like_hf(
         elif bool(padding[:, -1].any()):
             raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
     stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if min_new_tokens is not None and min_length is not None:
+        raise ValueError("give min_new_tokens or min_length (which counts the prompt), not both")
+    least = min_new_tokens if min_new_tokens is not None else max(0, (min_length or 0) - input_ids.shape[-1])
     if num_return_sequences > 1:  # each prompt's row repeated, as HF does
         input_ids = input_ids.repeat_interleave(num_return_sequences, 0)
         padding = None if padding is None else padding.repeat_interleave(num_return_sequences, 0)
@@ -292,5 +310,35 @@ def generate_like_hf(
         stop_tokens=stops,
         pad_id=pad_token_id,
         mems=mems,
-        penalties=Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size),
+        penalties=Penalties(
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=least,
+            eos_token_ids=tuple(stops),
+        ),
     )
+
+
+# Hugging Face generate() options: their values that change nothing here, and why the others are not honoured.
+_HF_NEUTRAL = {
+    "use_cache": True, "num_beams": 1, "num_beam_groups": 1, "return_dict_in_generate": False,
+    "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "early_stopping": False, "length_penalty": 1.0, "diversity_penalty": 0.0, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None, "bad_words_ids": None, "force_words_ids": None,
+    "streamer": None, "generation_config": None, "constraints": None,
+}  # fmt: skip
+_HF_WHY = {
+    "num_beams": "beam search is not implemented: txl decodes greedily or samples (do_sample=True)",
+    "streamer": "txl.generation.stream(model, ...) yields each token as it is chosen",
+    "return_dict_in_generate": "generate returns the ids; txl.generation.stream(..., observe=) sees the scores",
+}
+
+
+def _check_hf_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(_HF_NEUTRAL))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
+    for name, value in options.items():
+        if value != _HF_NEUTRAL[name]:
+            why = _HF_WHY.get(name, f"not supported by txl (only {_HF_NEUTRAL[name]!r}, Hugging Face's default)")
+            raise ValueError(f"{name} = {value!r}: {why}")
