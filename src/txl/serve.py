@@ -44,7 +44,21 @@ class ServeLimits:
     max_mem_len: int = 8192
 
 
-class GenerateRequest(BaseModel):
+class OpenAIPenalties(BaseModel):
+    """OpenAI's penalties, taken by both generation endpoints."""
+
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score once the new text holds it."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score per time the new text holds it."
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Added to the scores of these token ids (-100: never; 100: always)."
+    )
+
+
+class GenerateRequest(OpenAIPenalties):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = Field(None, description="Prompt text (read with the model's tokenizer).")
@@ -62,18 +76,9 @@ class GenerateRequest(BaseModel):
         "is multiplied by this (1: none)."
     )  # fmt: skip
     no_repeat_ngram_size: int = Field(0, ge=0, description="Never repeat an n-gram of this many tokens (0: off).")
-    presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score once the new text holds it."
-    )
-    frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score per time the new text holds it."
-    )
-    logit_bias: dict[int, float] | None = Field(
-        None, description="Added to the scores of these token ids (-100: never; 100: always)."
-    )
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(OpenAIPenalties):
     """OpenAI's completions request. Fields of OpenAI's that txl does not have are refused when set to anything
     but their neutral value; fields unknown to OpenAI too are ignored, as clients send some of their own."""
 
@@ -95,15 +100,6 @@ class CompletionRequest(BaseModel):
         None, ge=0, le=MAX_LOGPROBS,
         description="Give each token's log-probability and this many most likely tokens at its place.",
     )  # fmt: skip
-    presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's score once the new text holds it."
-    )
-    frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's score per time the new text holds it."
-    )
-    logit_bias: dict[int, float] | None = Field(
-        None, description="Token id -> a bias added to its score (-100: never; 100: always)."
-    )
     best_of: int | None = None
     suffix: str | None = None
     user: str | None = None
