@@ -314,7 +314,7 @@ def test_repetition_penalty_and_no_repeat_ngrams_equal_hugging_faces(tmp_path, c
 def test_min_new_tokens_equals_hugging_faces_and_other_options_are_named(tmp_path, monkeypatch):
     """min_new_tokens / min_length (counting the prompt) keep the end-of-text token out until then, as HF's
     generate() (token for token on the converted fixtures, the eos id chosen so that greedy decoding would stop at
-    once); HF's options that change nothing are accepted, beam search and the like refused by name."""
+    once); HF's options that change nothing are accepted, the others refused by name."""
     for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
         cfg = ours.config
         prompt = torch.randint(0, cfg.n_token, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -333,12 +333,57 @@ def test_min_new_tokens_equals_hugging_faces_and_other_options_are_named(tmp_pat
     x = torch.tensor([[1, 2, 3]])
     same = model.generate(x, max_new_tokens=5, use_cache=True, num_beams=1, output_scores=False)
     assert same.equal(model.generate(x, max_new_tokens=5))
-    with pytest.raises(ValueError, match="num_beams = 4: beam search is not implemented"):
-        model.generate(x, max_new_tokens=5, num_beams=4)
+    with pytest.raises(ValueError, match="num_beam_groups = 2: group \\(diverse\\) beam search is not implemented"):
+        model.generate(x, max_new_tokens=5, num_beams=4, num_beam_groups=2)
     with pytest.raises(ValueError, match="typical_p = 0.5: not supported by txl"):
         model.generate(x, max_new_tokens=5, typical_p=0.5)
     with pytest.raises(TypeError, match="unexpected keyword argument\\(s\\): max_tokens"):
         model.generate(x, max_tokens=5)
+
+
+def test_beam_search_equals_hugging_faces(tmp_path, capsys, monkeypatch):
+    """num_beams > 1: HF 4.46's beam search token for token on both converted fixtures (several beams, several
+    sequences returned, an eos id that ends hypotheses, length_penalty with early_stopping, penalties), from HF's zero
+    memory, through `model.generate` and `txl generate --num_beams`; a left-padded prompt searches as it does alone;
+    beam sampling is refused by name."""
+    from txl.cli import main
+
+    for hf, out, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        prompt = torch.randint(0, cfg.n_token, (2, 6), generator=torch.Generator().manual_seed(4))
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        eos = int(ours.generate(prompt, max_new_tokens=4, mems=zeros)[0, -1])  # (a token the search meets)
+        greedy = ours.generate(prompt, max_new_tokens=12, mems=zeros)
+        cases = [
+            {"num_beams": 3},
+            {"num_beams": 4, "num_return_sequences": 2},
+            {"num_beams": 3, "eos_token_id": eos},
+            {"num_beams": 3, "eos_token_id": eos, "length_penalty": 0.5, "early_stopping": True},
+            {"num_beams": 3, "repetition_penalty": 1.4, "no_repeat_ngram_size": 2},
+        ]
+        for kw in cases:
+            kw = {"eos_token_id": None, "pad_token_id": 0} | kw
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, **kw)
+            got = ours.generate(prompt, max_new_tokens=12, mems=zeros, **kw)
+            assert got.shape == theirs.shape and got.equal(theirs), (out.name, kw)
+        assert not ours.generate(prompt, max_new_tokens=12, mems=zeros, num_beams=3).equal(greedy)
+        ids = ",".join(map(str, prompt[0].tolist()))
+        capsys.readouterr()
+        main(["generate", "--model", str(out), "--prompt_ids", ids, "--max_new_tokens", "12", "--temperature", "0",
+              "--num_beams", "3", "--zero_memory", "true", "--json"])  # fmt: skip
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = hf.generate(prompt[:1], max_new_tokens=12, do_sample=False, num_beams=3, eos_token_id=None)
+        assert json.loads(capsys.readouterr().out)["new_ids"] == theirs[0, 6:].tolist()
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[1, :2] = 0
+        padded = ours.generate(prompt, attention_mask=mask, max_new_tokens=10, num_beams=3, repetition_penalty=1.3)
+        alone = ours.generate(prompt[1:, 2:], max_new_tokens=10, num_beams=3, repetition_penalty=1.3)
+        assert padded[1, 6:].equal(alone[0, 4:])
+        with pytest.raises(ValueError, match="beam sampling\\) is not implemented"):
+            ours.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=True)
 
 
 def test_penalties_by_hand():

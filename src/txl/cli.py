@@ -414,6 +414,8 @@ def generate(
     zero_memory: bool = False,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -438,6 +440,9 @@ def generate(
         repetition_penalty: Hugging Face's (CTRL's) penalty on every token already in the prompt or the text: its
             log-probability is multiplied by this (> 1 makes repeats less likely; 1 = none).
         no_repeat_ngram_size: Never repeat an n-gram of this many tokens of the prompt and the text (0 = off).
+        num_beams: Beam search with this many beams, as Hugging Face's generate() (1 = greedy or sampling; with
+            beams the text is printed at the end, and --temperature must be 0).
+        length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
     """
     import torch
 
@@ -485,21 +490,25 @@ def generate(
     if lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x slower without it)
         print(f"txl: note: {native.status()}", file=sys.stderr)
     g = torch.Generator().manual_seed(seed)
-    tokens = stream_tokens(
-        lm,
-        torch.tensor([prompt_ids], dtype=torch.long),
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        mem_len=mem_len,
-        generator=g,
-        stop_tokens=stops,
-        mems=[torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer
-        if zero_memory
-        else None,
-        penalties=penalties,
-    )
+    zeros = [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer
+    if num_beams > 1:
+        if temperature != 0:
+            raise ValueError("--num_beams > 1 searches for the likeliest text: give --temperature 0 (no sampling)")
+        from txl.generation import beam_search
+
+        found = beam_search(
+            lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, num_beams=num_beams,
+            length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros if zero_memory else None,
+            penalties=penalties,
+        )  # fmt: skip
+        tokens = iter(found[0, len(prompt_ids) :, None])
+        stream = False
+    else:
+        tokens = stream_tokens(
+            lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros if zero_memory else None,
+            penalties=penalties,
+        )  # fmt: skip
     if json or tok is None or not stream:
         new = [int(t) for t in tokens]
         if not (json or tok is None):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from txl.evaluate import NonFiniteError
@@ -220,6 +221,130 @@ def stream(
         model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
 
 
+@torch.no_grad()
+def beam_search(
+    model: TransformerXLLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    num_beams: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool = False,
+    num_return_sequences: int = 1,
+    eos_token_ids: Sequence[int] = (),
+    pad_id: int | None = None,
+    mem_len: int | None = None,
+    padding: Tensor | None = None,
+    mems: list[Tensor] | None = None,
+    penalties: Penalties | None = None,
+) -> Tensor:
+    """Beam search as Hugging Face's ``generate(num_beams=...)`` does it, on the K/V cache (reordered with the beams).
+
+    Each step extends every one of the ``num_beams`` sequences of a prompt by every token, scored by the sum of
+    their log-probabilities (after ``penalties``), and keeps the best ``num_beams`` that do not end with an
+    ``eos_token_ids`` token; one that does (among the best ``num_beams``) is a finished hypothesis, scored by its sum
+    over its new length (``eos`` included) to the power ``length_penalty``. A prompt is done when ``num_beams``
+    hypotheses are finished and (``early_stopping=False``) none of its running sequences can beat the worst of them.
+    Returns the best ``num_return_sequences`` hypotheses per prompt [B * n, T + new], the shorter ones followed by an
+    eos and then ``pad_id``.
+    """
+    if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(f"beam search needs num_beams >= 2 and 1 <= num_return_sequences <= num_beams ({num_beams})")
+    if not supports_kv_cache(model.config):
+        raise ValueError(f"beam search reorders a K/V cache, which attn_type {model.config.attn_type} cannot have")
+    check_sampling(max_new_tokens)
+    B, T = input_ids.shape
+    K, dev = num_beams, input_ids.device
+    mem_len = model.config.mem_len if mem_len is None else mem_len
+    if mem_len <= 0:
+        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    eos = [int(e) for e in eos_token_ids]
+    penalties = penalties or Penalties()
+    seq = input_ids.repeat_interleave(K, 0)  # [B * K, T + new]
+    pad = None if padding is None else padding.repeat_interleave(K, 0)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(model.config, B * K, mem_len, max_segment=T, device=dev, dtype=next(model.parameters()).dtype)
+        if mems:
+            model.transformer.fill_cache(cache, [m.repeat_interleave(K, 0) for m in mems], mem_len)
+        with transposed_weights():
+            h = model.transformer(seq, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+            beam_scores = torch.zeros(B, K, device=dev)
+            beam_scores[:, 1:] = -1e9  # (the K copies of a prompt: only the first one's continuations at first)
+            beam_scores = beam_scores.view(-1)  # [B * K]
+            finished: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]
+            done = [False] * B
+
+            def keep(b: int, tokens: Tensor, total: float, new_len: int) -> None:
+                """A finished hypothesis of prompt b, among the best K of them."""
+                score = total / new_len**length_penalty
+                hyps = finished[b]
+                if len(hyps) < K or score > min(s for s, _ in hyps):
+                    hyps.append((score, tokens))
+                    if len(hyps) > K:
+                        hyps.remove(min(hyps, key=lambda x: x[0]))
+
+            for step in range(max_new_tokens):
+                _, log_probs = model.crit(h, return_log_probs=True)  # [B * K, V]
+                scores = F.log_softmax(log_probs.float(), dim=-1)  # (renormalised, as HF does with its logits)
+                if penalties.any:
+                    scores = penalties.apply(scores, seq, T, pad)
+                V = scores.shape[-1]
+                total = (scores + beam_scores[:, None]).view(B, K * V)
+                top_scores, top = total.topk(max(2, 1 + len(eos)) * K, dim=1)  # [B, 2K or more], best first
+                new_len = seq.shape[1] + 1 - T
+                rows, tokens, next_scores = [], [], []
+                for b in range(B):
+                    if done[b]:  # (its rows run on, unused)
+                        rows += [b * K] * K
+                        tokens += [pad_id if pad_id is not None else (eos[0] if eos else 0)] * K
+                        next_scores += [0.0] * K
+                        continue
+                    chosen = 0
+                    for rank, (flat, value) in enumerate(zip(top[b].tolist(), top_scores[b].tolist(), strict=True)):
+                        row, token = b * K + flat // V, flat % V
+                        if token in eos:
+                            if rank < K:
+                                keep(b, seq[row].clone(), value, new_len)
+                            continue
+                        rows.append(row)
+                        tokens.append(token)
+                        next_scores.append(value)
+                        chosen += 1
+                        if chosen == K:
+                            break
+                    if len(finished[b]) == K:
+                        worst = min(s for s, _ in finished[b])
+                        best = float(top_scores[b, 0]) / new_len**length_penalty
+                        done[b] = early_stopping or worst >= best
+                index = torch.tensor(rows, device=dev)
+                seq = torch.cat([seq[index], torch.tensor(tokens, device=dev)[:, None]], dim=1)
+                beam_scores = torch.tensor(next_scores, device=dev)
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                cache.select(rows)
+                with fp32_route(False):  # (products of a few rows: 3x slower routed)
+                    h = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+    finally:
+        model.train(was_training)
+    new_len = seq.shape[1] - T
+    for b in range(B):
+        if not done[b]:
+            for k in range(K):
+                keep(b, seq[b * K + k], float(beam_scores[b * K + k]), new_len)
+    best = [h for b in range(B) for _, h in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
+    longest = max(len(h) for h in best)
+    width = min(longest + 1, T + max_new_tokens)
+    fill = pad_id if pad_id is not None else (eos[0] if eos else 0)
+    out = torch.full((len(best), width), fill, dtype=torch.long, device=dev)
+    for i, h in enumerate(best):
+        out[i, : len(h)] = h
+        if len(h) < width and eos:
+            out[i, len(h)] = eos[0]
+    return out
+
+
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
     """``input_ids`` [B, T] followed by the new tokens (see :func:`stream` for the options)."""
     return torch.cat([input_ids, *stream(model, input_ids, max_new_tokens, **kwargs)], dim=1)
@@ -246,6 +371,9 @@ def generate_like_hf(
     no_repeat_ngram_size: int = 0,
     min_new_tokens: int | None = None,
     min_length: int | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool = False,
     **hf_options: Any,
 ) -> Tensor:
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
@@ -256,12 +384,18 @@ def generate_like_hf(
     which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
     :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors); ``num_return_sequences`` samples per prompt
     (with ``do_sample``; rows grouped by prompt); ``repetition_penalty``, ``no_repeat_ngram_size``,
-    ``min_new_tokens`` and ``min_length`` (counting the prompt) as HF's (:class:`Penalties`). HF's options that
-    change nothing here (``use_cache``, ``num_beams=1``, ...) are accepted at their neutral value; the others (beam
-    search, ...) are refused by name. Returns [B * num_return_sequences, T + new tokens].
+    ``min_new_tokens`` and ``min_length`` (counting the prompt) as HF's (:class:`Penalties`); ``num_beams`` > 1 is
+    HF's beam search (:func:`beam_search`, with ``length_penalty`` and ``early_stopping``; ``num_return_sequences``
+    of its best hypotheses). HF's options that change nothing here (``use_cache``, ...) are accepted at their
+    neutral value; the others are refused by name. Returns [B * num_return_sequences, T + new tokens].
     """
     _check_hf_options(hf_options)
-    if num_return_sequences < 1 or num_return_sequences > 1 and not do_sample:
+    beams = num_beams > 1
+    if beams and do_sample:
+        raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not implemented: give one of them")
+    if num_beams < 1 or beams and num_return_sequences > num_beams:
+        raise ValueError(f"num_beams = {num_beams}: must be >= 1 and >= num_return_sequences ({num_return_sequences})")
+    if num_return_sequences < 1 or num_return_sequences > 1 and not (do_sample or beams):
         raise ValueError(
             f"num_return_sequences = {num_return_sequences}: must be 1 for greedy decoding (its sequences would be "
             "the same), or >= 1 with do_sample=True"
@@ -293,6 +427,18 @@ def generate_like_hf(
     if min_new_tokens is not None and min_length is not None:
         raise ValueError("give min_new_tokens or min_length (which counts the prompt), not both")
     least = min_new_tokens if min_new_tokens is not None else max(0, (min_length or 0) - input_ids.shape[-1])
+    penalties = Penalties(
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=least,
+        eos_token_ids=tuple(stops),
+    )
+    if beams:
+        return beam_search(
+            model, input_ids, max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
+            early_stopping=early_stopping, num_return_sequences=num_return_sequences, eos_token_ids=stops,
+            pad_id=pad_token_id, mem_len=mem_len, padding=padding, mems=mems, penalties=penalties,
+        )  # fmt: skip
     if num_return_sequences > 1:  # each prompt's row repeated, as HF does
         input_ids = input_ids.repeat_interleave(num_return_sequences, 0)
         padding = None if padding is None else padding.repeat_interleave(num_return_sequences, 0)
@@ -310,25 +456,20 @@ def generate_like_hf(
         stop_tokens=stops,
         pad_id=pad_token_id,
         mems=mems,
-        penalties=Penalties(
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=least,
-            eos_token_ids=tuple(stops),
-        ),
+        penalties=penalties,
     )
 
 
 # Hugging Face generate() options: their values that change nothing here, and why the others are not honoured.
 _HF_NEUTRAL = {
-    "use_cache": True, "num_beams": 1, "num_beam_groups": 1, "return_dict_in_generate": False,
+    "use_cache": True, "num_beam_groups": 1, "return_dict_in_generate": False,
     "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
-    "early_stopping": False, "length_penalty": 1.0, "diversity_penalty": 0.0, "typical_p": 1.0,
+    "diversity_penalty": 0.0, "typical_p": 1.0,
     "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None, "bad_words_ids": None, "force_words_ids": None,
     "streamer": None, "generation_config": None, "constraints": None,
 }  # fmt: skip
 _HF_WHY = {
-    "num_beams": "beam search is not implemented: txl decodes greedily or samples (do_sample=True)",
+    "num_beam_groups": "group (diverse) beam search is not implemented; num_beams alone is beam search",
     "streamer": "txl.generation.stream(model, ...) yields each token as it is chosen",
     "return_dict_in_generate": "generate returns the ids; txl.generation.stream(..., observe=) sees the scores",
 }
