@@ -382,6 +382,7 @@ def test_beam_search_equals_hugging_faces(tmp_path, capsys, monkeypatch):
         padded = ours.generate(prompt, attention_mask=mask, max_new_tokens=10, num_beams=3, repetition_penalty=1.3)
         alone = ours.generate(prompt[1:, 2:], max_new_tokens=10, num_beams=3, repetition_penalty=1.3)
         assert padded[1, 6:].equal(alone[0, 4:])
+        assert ours.generate(prompt, max_new_tokens=0, num_beams=3).equal(prompt)  # (nothing to search)
         with pytest.raises(ValueError, match="beam sampling\\) is not implemented"):
             ours.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=True)
 
@@ -403,6 +404,7 @@ def test_penalties_by_hand():
     assert got.tolist() == [[1.0, -2.0, -3.0, -4.0, -1.0]]
     with pytest.raises(ValueError, match="repetition_penalty = 0: must be > 0"):
         Penalties(repetition_penalty=0)
+    assert not Penalties(eos_token_ids=(1,)).any and Penalties(eos_token_ids=(1,), min_new_tokens=2).any
 
 
 def test_eval_equals_hugging_faces_evaluation_from_its_zero_memory(tmp_path, capsys, monkeypatch):

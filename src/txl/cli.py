@@ -490,7 +490,9 @@ def generate(
     if lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x slower without it)
         print(f"txl: note: {native.status()}", file=sys.stderr)
     g = torch.Generator().manual_seed(seed)
-    zeros = [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer
+    zeros = (
+        [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer if zero_memory else None
+    )
     if num_beams > 1:
         if temperature != 0:
             raise ValueError("--num_beams > 1 searches for the likeliest text: give --temperature 0 (no sampling)")
@@ -498,7 +500,7 @@ def generate(
 
         found = beam_search(
             lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, num_beams=num_beams,
-            length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros if zero_memory else None,
+            length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros,
             penalties=penalties,
         )  # fmt: skip
         tokens = iter(found[0, len(prompt_ids) :, None])
@@ -506,7 +508,7 @@ def generate(
     else:
         tokens = stream_tokens(
             lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, temperature=temperature, top_k=top_k,
-            top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros if zero_memory else None,
+            top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros,
             penalties=penalties,
         )  # fmt: skip
     if json or tok is None or not stream:

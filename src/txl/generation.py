@@ -67,14 +67,18 @@ class Penalties:
 
     @functools.cached_property
     def any(self) -> bool:
-        """Whether these change anything (checked once per generated token)."""
-        return self != Penalties()
+        """Whether these change anything (checked once per generated token: the history is kept only then; eos ids
+        alone, as ``generate`` always passes them, change nothing)."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.no_repeat_ngram_size or self.presence_penalty
+            or self.frequency_penalty or self.logit_bias or self.min_new_tokens and self.eos_token_ids
+        )  # fmt: skip
 
     def apply(self, scores: Tensor, history: Tensor, new_from: int, padding: Tensor | None = None) -> Tensor:
         """``scores`` [B, V] of the token after ``history`` [B, L] (the prompt and the text so far; the new text
         starts at column ``new_from``; ``padding`` [B, new_from], True = a prompt's left padding, not part of it)."""
         B, V = scores.shape
-        real = torch.ones_like(history, dtype=torch.bool)  # [B, L]
+        real = torch.ones_like(history, dtype=torch.bool)  # [B, L]: the positions that are part of the sequence
         if padding is not None:
             real[:, : padding.shape[1]] = ~padding
         if self.repetition_penalty != 1.0:
@@ -259,6 +263,9 @@ def beam_search(
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
     eos = [int(e) for e in eos_token_ids]
+    fill = pad_id if pad_id is not None else (eos[0] if eos else 0)  # (after a hypothesis, and in done rows)
+    if max_new_tokens == 0:  # (nothing to search: every hypothesis is the prompt)
+        return input_ids.repeat_interleave(num_return_sequences, 0)
     penalties = penalties or Penalties()
     seq = input_ids.repeat_interleave(K, 0)  # [B * K, T + new]
     pad = None if padding is None else padding.repeat_interleave(K, 0)
@@ -298,7 +305,7 @@ def beam_search(
                 for b in range(B):
                     if done[b]:  # (its rows run on, unused)
                         rows += [b * K] * K
-                        tokens += [pad_id if pad_id is not None else (eos[0] if eos else 0)] * K
+                        tokens += [fill] * K
                         next_scores += [0.0] * K
                         continue
                     chosen = 0
@@ -333,15 +340,13 @@ def beam_search(
         if not done[b]:
             for k in range(K):
                 keep(b, seq[b * K + k], float(beam_scores[b * K + k]), new_len)
-    best = [h for b in range(B) for _, h in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
-    longest = max(len(h) for h in best)
-    width = min(longest + 1, T + max_new_tokens)
-    fill = pad_id if pad_id is not None else (eos[0] if eos else 0)
+    best = [hyp for b in range(B) for _, hyp in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
+    width = min(max(len(hyp) for hyp in best) + 1, T + max_new_tokens)
     out = torch.full((len(best), width), fill, dtype=torch.long, device=dev)
-    for i, h in enumerate(best):
-        out[i, : len(h)] = h
-        if len(h) < width and eos:
-            out[i, len(h)] = eos[0]
+    for i, hyp in enumerate(best):
+        out[i, : len(hyp)] = hyp
+        if len(hyp) < width and eos:
+            out[i, len(hyp)] = eos[0]
     return out
 
 

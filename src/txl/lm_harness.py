@@ -91,7 +91,7 @@ class TransformerXLHarnessLM(LM):
         self.settings = eval_settings(read_run_config(folder), self.model.config, **given)
         self.batch_size = _int(batch_size, "batch_size", 8)
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
-        self.prefix = self.tokenizer.document_start()[1]  # (the line end)
+        self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)
 
     def _encode(self, text: str, where: str) -> list[int]:
         try:
