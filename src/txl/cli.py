@@ -416,6 +416,7 @@ def generate(
     no_repeat_ngram_size: int = 0,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    device: str = "auto",
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -443,12 +444,15 @@ def generate(
         num_beams: Beam search with this many beams, as Hugging Face's generate() (1 = greedy or sampling; with
             beams the text is printed at the end, and --temperature must be 0).
         length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
+        device: cpu, cuda, cuda:N or auto (the GPU if there is one). On a GPU each new token is one CUDA graph
+            replay (txl.static_decode); a seed samples differently there than on the CPU (another generator).
     """
     import torch
 
     from txl import native
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
+    from txl.distributed import resolve_device
     from txl.generation import Penalties, check_sampling
     from txl.generation import stream as stream_tokens
     from txl.modeling import TransformerXLLM
@@ -461,9 +465,11 @@ def generate(
     if mem_len is not None and mem_len < 1:
         raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
-    configure_allocator()
+    dev = resolve_device(device, option="--device")
+    if dev.type == "cpu":
+        configure_allocator()
     folder = resolve_model_dir(model)
-    lm = TransformerXLLM.from_pretrained(folder)
+    lm = TransformerXLLM.from_pretrained(folder).to(dev)
     tok = Tokenizer.load(folder / "tokenizer.json") if (folder / "tokenizer.json").exists() else None
     if prompt is not None:
         if tok is None:
@@ -487,19 +493,22 @@ def generate(
         stops += ids
     if any(not 0 <= i < lm.config.n_token for i in stops):
         raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
-    if lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x slower without it)
+    if dev.type == "cpu" and lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     zeros = (
-        [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model)] * lm.config.n_layer if zero_memory else None
+        [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer
+        if zero_memory
+        else None
     )
+    prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     if num_beams > 1:
         if temperature != 0:
             raise ValueError("--num_beams > 1 searches for the likeliest text: give --temperature 0 (no sampling)")
         from txl.generation import beam_search
 
         found = beam_search(
-            lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, num_beams=num_beams,
+            lm, prompt_tensor, max_new_tokens, num_beams=num_beams,
             length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros,
             penalties=penalties,
         )  # fmt: skip
@@ -507,7 +516,7 @@ def generate(
         stream = False
     else:
         tokens = stream_tokens(
-            lm, torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens, temperature=temperature, top_k=top_k,
+            lm, prompt_tensor, max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros,
             penalties=penalties,
         )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from txl import static_decode
 from txl.evaluate import NonFiniteError
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
@@ -200,12 +201,16 @@ def stream(
 
         with transposed_weights():  # (the weights are fixed while generating)
             h = step(input_ids, padding)
+            decoder = None  # the later steps as one CUDA graph, where it applies
+            if supports_kv_cache(model.config) and static_decode.applies(model, h.device, max_new_tokens):
+                decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
             pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
             done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
             history = input_ids if penalties is not None and penalties.any else None  # [B, T + new]
             for i in range(max_new_tokens):
-                _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
+                if i == 0 or decoder is None:
+                    _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
                 if not bool(torch.isfinite(log_probs).all()):
                     raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
                 scores = log_probs if history is None else penalties.apply(log_probs, history, T, padding)
@@ -220,7 +225,10 @@ def stream(
                     return
                 if history is not None:
                     history = torch.cat([history, nxt[:, None]], dim=1)  # [B, T + i + 1]
-                h = step(nxt[:, None])
+                if decoder is None:
+                    h = step(nxt[:, None])
+                else:
+                    log_probs = decoder(nxt)
     finally:
         model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
 
