@@ -72,6 +72,9 @@ def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
     assert "--device = 'cuda', but CUDA is not available" in line and "train.device" not in line
     line = fails(capsys, ["generate", "--model", str(char_run), "--prompt", "A", "--device", "cuda"])
     assert "--device = 'cuda', but CUDA is not available" in line
+    pytest.importorskip("fastapi")
+    line = fails(capsys, ["serve", "--model", str(char_run), "--device", "cuda"])
+    assert "--device = 'cuda', but CUDA is not available" in line
 
 
 @pytest.mark.parametrize(

@@ -728,6 +728,7 @@ def serve(
     max_score_tokens: int = 200_000,
     max_mem_len: int = 8192,
     threads: int | None = None,
+    device: str = "auto",
 ) -> None:
     """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
     /v1/score, GET /v1/model, GET /health; OpenAPI docs at /docs. Concurrent generations are batched step by step.
@@ -746,6 +747,7 @@ def serve(
         max_score_tokens: Longest text /v1/score takes, in tokens.
         max_mem_len: Longest memory a request may ask for (its keys and values are kept per request).
         threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
+        device: cpu, cuda, cuda:N or auto (the GPU if there is one): where the model runs.
     """
     try:
         import uvicorn
@@ -767,11 +769,12 @@ def serve(
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
     key = api_key or os.environ.get("TXL_API_KEY") or None
     limits = ServeLimits(max_prompt_tokens, max_new_tokens, max_batch, max_queue, max_score_tokens, max_mem_len)
-    app = create_app(model, limits, key)
+    app = create_app(model, limits, key, device)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"txl serve: warning: listening on {host}, reachable from other machines"
               + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
-    print(f"txl serve: http://{host}:{port}/ ({app.state.server.folder})", file=sys.stderr, flush=True)
+    where = "" if app.state.server.device.type == "cpu" else f", on {app.state.server.device}"
+    print(f"txl serve: http://{host}:{port}/ ({app.state.server.folder}{where})", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
     import signal
 

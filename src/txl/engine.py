@@ -81,7 +81,11 @@ class Generation:
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs = {self.logprobs}: must be in [0, {MAX_LOGPROBS}]")
-        self.generator = torch.Generator()
+        self.place(torch.device("cpu"))
+
+    def place(self, device: torch.device) -> None:
+        """Sample on ``device`` (the model's): a new generator there, seeded with ``seed`` (random without)."""
+        self.generator = torch.Generator(device=device)
         if self.seed is None:
             self.generator.seed()
         else:
@@ -119,6 +123,7 @@ class Engine:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batched = supports_kv_cache(model.config)
         self._waiting: deque[Generation | tuple[Callable[[], Any], Future]] = deque()
@@ -244,7 +249,9 @@ class Engine:
         """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them)."""
         scores = log_probs
         if request.penalties.any:
-            history = torch.tensor([request.prompt_ids + request.output_ids], dtype=torch.long)  # [1, L]
+            history = torch.tensor(
+                [request.prompt_ids + request.output_ids], dtype=torch.long, device=self.device
+            )  # [1, L]
             scores = request.penalties.apply(log_probs, history, len(request.prompt_ids))
         token = choose(scores, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
         if request.logprobs is not None:
@@ -253,7 +260,7 @@ class Engine:
 
     def _score_prompt(self, request: Generation, hidden: torch.Tensor) -> None:
         """``prompt_scores`` from the prompt's hidden states [T, D]: position t predicts token t + 1."""
-        targets = torch.tensor(request.prompt_ids[1:], dtype=torch.long)
+        targets = torch.tensor(request.prompt_ids[1:], dtype=torch.long, device=self.device)
         rows = max(1, (1 << 24) // self.model.config.n_token)  # (at most 64 MB of log-probabilities at once)
         for start in range(0, len(targets), rows):
             _, log_probs = self.model.crit(hidden[start : start + rows], return_log_probs=True)  # [rows, V]
@@ -264,7 +271,9 @@ class Engine:
         if request.cancelled or request.max_new_tokens == 0 and not request.prompt_logprobs:
             self._finish(request, "stop" if request.cancelled else "length")
             return
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long)
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        if request.generator.device != self.device:
+            request.place(self.device)
         try:
             if not self.batched:
                 if request.prompt_logprobs:
@@ -273,7 +282,9 @@ class Engine:
                 self._alone(request, ids)
                 return
             dtype = next(self.model.parameters()).dtype
-            cache = KVCache(self.model.config, 1, request.mem_len, max_segment=ids.shape[1], dtype=dtype)
+            cache = KVCache(
+                self.model.config, 1, request.mem_len, max_segment=ids.shape[1], dtype=dtype, device=self.device
+            )
             hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[0]  # [T, D]
             if request.prompt_logprobs:
                 self._score_prompt(request, hidden[:-1])
@@ -288,7 +299,7 @@ class Engine:
         if not self._emit(request, token):
             return
         batch = self._batches.get(request.mem_len)
-        last = torch.tensor([token])
+        last = torch.tensor([token], device=self.device)
         if batch is None:
             self._batches[request.mem_len] = _Batch(cache, [request], last)
         else:
@@ -349,4 +360,4 @@ class Engine:
         elif len(keep) < len(batch.rows):
             batch.cache.select(keep)
             batch.rows = [batch.rows[i] for i in keep]
-        batch.last = torch.tensor(last, dtype=torch.long)
+        batch.last = torch.tensor(last, dtype=torch.long, device=self.device)

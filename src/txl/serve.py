@@ -160,18 +160,20 @@ def _field_error(e: RequestValidationError) -> str:
 class Server:
     """The model, its tokenizer and settings, and the engine, for one app."""
 
-    def __init__(self, model_dir: str | Path, limits: ServeLimits, api_key: str | None = None):
+    def __init__(self, model_dir: str | Path, limits: ServeLimits, api_key: str | None = None, device: str = "cpu"):
         import torch
 
         from txl.checkpoint import read_run_config, resolve_model_dir
         from txl.data import Tokenizer
+        from txl.distributed import resolve_device
         from txl.evaluate import metric_name
         from txl.modeling import TransformerXLLM
 
+        self.device = resolve_device(device, option="--device")
         self.source = Path(model_dir)
         self.folder = resolve_model_dir(model_dir)
         self.run = read_run_config(self.folder)
-        self.model = TransformerXLLM.from_pretrained(self.folder).eval()
+        self.model = TransformerXLLM.from_pretrained(self.folder).eval().to(self.device)
         tok_file = self.folder / "tokenizer.json"
         self.tokenizer = Tokenizer.load(tok_file) if tok_file.exists() else None
         self.metric = metric_name(self.tokenizer.kind) if self.tokenizer else "ppl"
@@ -281,6 +283,7 @@ class Server:
     def score(self, req: ScoreRequest) -> dict[str, Any]:
         import numpy as np
 
+        from txl.distributed import World
         from txl.evaluate import eval_settings, evaluate
 
         ids = self._encode(req.text, req.ids, "text", "ids")
@@ -303,6 +306,7 @@ class Server:
             return evaluate(
                 self.model, array, batch_size=1, tgt_len=s.tgt_len, mem_len=s.mem_len, clamp_len=s.clamp_len,
                 same_length=s.same_length, return_losses=req.per_token, zero_memory=req.zero_memory,
+                world=World(device=self.device),
             )  # fmt: skip
 
         return {"ids": ids, "settings": s, "run": run}
@@ -347,9 +351,12 @@ def _stop_cut(text: str, stops: list[str]) -> tuple[int | None, int]:
     return None, len(text) - hold
 
 
-def create_app(model_dir: str | Path, limits: ServeLimits | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app of ``txl serve`` for one model (the engine starts and stops with the app's lifespan)."""
-    server = Server(model_dir, limits or ServeLimits(), api_key)
+def create_app(
+    model_dir: str | Path, limits: ServeLimits | None = None, api_key: str | None = None, device: str = "cpu"
+) -> FastAPI:
+    """The FastAPI app of ``txl serve`` for one model (the engine starts and stops with the app's lifespan);
+    ``device``: cpu, cuda, cuda:N or auto (the GPU if there is one)."""
+    server = Server(model_dir, limits or ServeLimits(), api_key, device)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
