@@ -3,6 +3,7 @@ training (fp32; bf16 where the CPU or GPU has native bf16), evaluation with a lo
 the peak memory of an evaluation with the paper's longest memory.
 
     make bench            # = .venv/bin/python benchmarks/model_speed.py --write docs/benchmarks.md
+    python benchmarks/model_speed.py --device cuda --cases wt103-base --batch 32   # the paper's base model, a GPU
 
 Both models get the same weights (HF's are converted with ``txl.convert``) and the same inputs: a random token
 stream cut into consecutive segments (batch 8, tgt_len 128), memories carried. Per case: warm-up steps, then timed
@@ -58,6 +59,14 @@ CASES = {
     "bench-char": dict(vocab_size=256, cutoffs=[], div_val=1, n_layer=6, tie_projs=[False]),
     "bench-word": dict(vocab_size=32000, cutoffs=[4000, 16000], div_val=4, n_layer=4, tie_projs=[False, True, True]),
 }
+# The paper's WikiText-103 base model (configs/wt103_base.yaml, 151M parameters) at the bench's batch 8 x 128: for a
+# GPU, where the bench models' steps are bound by kernel launches (--cases wt103-base).
+PAPER_CASES = {
+    "wt103-base": dict(
+        vocab_size=267735, cutoffs=[20000, 40000, 200000], div_val=1, n_layer=16, d_model=410, d_embed=410,
+        n_head=10, d_head=41, d_inner=2100, tie_projs=[False, True, True, True],
+    ),
+}  # fmt: skip
 COMMON = dict(
     d_model=256, d_embed=256, n_head=8, d_head=32, d_inner=1024, dropout=0.1, dropatt=0.0, pre_lnorm=False,
     same_length=False, clamp_len=-1, untie_r=False, tie_word_embeddings=True, attn_type=0, mem_len=128,
@@ -84,7 +93,7 @@ def build_pair(name: str, device: torch.device | str = "cpu"):
 
     logging.set_verbosity_error()
     hf_mod = patched_hf()
-    cfg = {**COMMON, **CASES[name]}
+    cfg = {**COMMON, **{**CASES, **PAPER_CASES}[name]}
     torch.manual_seed(0)
     hf = hf_mod.TransfoXLLMHeadModel(TransfoXLConfig(**cfg, trainer_compatible=True))
     ours_cfg = hf_config_to_txl(cfg)
@@ -172,7 +181,7 @@ class Runner:
 def measure(name, *, train, warmup, steps, device, precision="fp32", route=False) -> dict:
     hf, ours = build_pair(name, device)
     mem_len = 128 if train else 640
-    n_token = CASES[name]["vocab_size"]
+    n_token = {**CASES, **PAPER_CASES}[name]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, n_token, (BATCH, TGT * (warmup + steps + 1) + 1), generator=g).to(device)
     runners = [
@@ -299,13 +308,24 @@ def mfu(r: dict, who: str, peak: float) -> str:
 
 
 def main() -> None:
+    global BATCH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=11)
     ap.add_argument("--gen_repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--write", type=Path, help="write the section into this markdown file")
+    ap.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated configurations: {', '.join([*CASES, *PAPER_CASES])} (generation runs with bench-char)",
+    )
+    ap.add_argument("--batch", type=int, default=BATCH, help="rows per step (BENCH.md: 8)")
     args = ap.parse_args()
+    BATCH = args.batch
+    names = args.cases.split(",")
+    if any(n not in {**CASES, **PAPER_CASES} for n in names):
+        ap.error(f"--cases {args.cases}: the configurations are {', '.join([*CASES, *PAPER_CASES])}")
     device = torch.device(args.device)
     torch.set_num_threads(2) if device.type == "cpu" else None
     configure_allocator()
@@ -316,7 +336,7 @@ def main() -> None:
     fp32_routes = (False, True) if route and route.exact else (False,)
     peaks = [(gemm_peak(device, torch.float32, fp32_routes), gemm_peak(device, torch.bfloat16) if bf16 else None)]
     cases, results = [], {}
-    for name in CASES:
+    for name in names:
         for case, train, precision in (
             ("train fp32", True, "fp32"),
             ("train bf16", True, "bf16"),
@@ -350,12 +370,13 @@ def main() -> None:
             f"| {name} | {case}{' (mem 640)' if not train else ''} | {fmt(r['txl'])} | {fmt(r['hf'])} | "
             f"**{ratio(r):.2f}×** | {mfu(r, 'txl', peak)} / {mfu(r, 'hf', peak32)} | {extra} |"
         )
-    gen = measure_generation(device, args.gen_repeats)
-    rows.append(
-        f"| bench-char | generation (new tok/s) | {fmt(gen['txl'])} | {fmt(gen['hf'])} | **{ratio(gen):.2f}×** | | "
-        f"batch 1, prompt 128, 512 new tokens, mem 640, greedy; cached = uncached tokens: {gen['same_tokens']} |"
-    )
-    print(rows[-1], flush=True)
+    if "bench-char" in names:
+        gen = measure_generation(device, args.gen_repeats)
+        rows.append(
+            f"| bench-char | generation (new tok/s) | {fmt(gen['txl'])} | {fmt(gen['hf'])} | **{ratio(gen):.2f}×** | | "
+            f"batch 1, prompt 128, 512 new tokens, mem 640, greedy; cached = uncached tokens: {gen['same_tokens']} |"
+        )
+        print(rows[-1], flush=True)
     peak_mem = eval_peak_memory() if device.type == "cpu" else None
     table = "\n".join(
         [
