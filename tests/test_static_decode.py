@@ -10,7 +10,7 @@ import torch
 
 from tests.test_kv_cache import VARIANTS, greedy_uncached, lm, uncached_steps
 from txl import static_decode
-from txl.generation import generate, stream
+from txl.generation import Penalties, generate, stream
 from txl.modeling import KVCache
 from txl.static_decode import StaticDecoder
 
@@ -93,3 +93,24 @@ def test_where_the_graph_applies(monkeypatch):
     assert not static_decode.applies(learnable, cuda, 100)
     with pytest.raises(ValueError, match="attn_type 0"):
         StaticDecoder(learnable, KVCache(learnable.config, 1, 8), 8)
+
+
+def test_static_decoder_from_a_given_memory_and_with_penalties(everywhere, monkeypatch):
+    """A memory given as layer inputs (HF's zero memory) fills the prompt's cache, which the ring takes over; the
+    penalties read the history outside the step: both as the K/V cache's own steps give them."""
+    model = lm(**VARIANTS["pre_lnorm_untie_r"], init_std=0.3)
+    cfg = model.config
+    prompt = torch.randint(0, cfg.n_token, (2, 6))
+    mems = [torch.randn(2, 10, cfg.d_model) for _ in range(cfg.n_layer)]
+    penalties = Penalties(repetition_penalty=1.5, no_repeat_ngram_size=2, presence_penalty=0.5)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(static_decode, "applies", lambda model, device, max_new_tokens, on=on: on)
+        greedy = generate(model, prompt, 40, temperature=0.0, mem_len=16, mems=mems)[:, 6:]
+        penalized = generate(model, prompt, 40, temperature=0.0, mem_len=16, penalties=penalties)[:, 6:]
+        runs.append((greedy, penalized))
+    assert everywhere
+    assert runs[0][0].equal(runs[1][0]) and runs[0][1].equal(runs[1][1])
+    assert greedy[0].tolist() == greedy_uncached(model, prompt[:1], 40, 16, [m[:1] for m in mems])
+    plain = generate(model, prompt, 40, temperature=0.0, mem_len=16)[:, 6:]
+    assert not runs[0][1].equal(plain)  # (the penalties change the text)
