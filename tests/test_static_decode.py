@@ -88,6 +88,9 @@ def test_where_the_graph_applies(monkeypatch):
     monkeypatch.setattr(static_decode, "GRAPH_DECODE", False)
     assert not static_decode.applies(model, cuda, 100)
     monkeypatch.setattr(static_decode, "GRAPH_DECODE", True)
+    with monkeypatch.context() as m:  # (CUDA's autocast cannot be entered without CUDA: its flag, as it reads)
+        m.setattr(torch, "is_autocast_enabled", lambda device_type=None: device_type == "cuda")
+        assert not static_decode.applies(model, cuda, 100)  # under autocast: the kernel-by-kernel step
     assert not static_decode.applies(lm(attn_type=2), cuda, 100)  # absolute positions: no cache
     learnable = lm(attn_type=1, max_klen=64)  # (relative, cached, but its positional terms are learned per distance)
     assert not static_decode.applies(learnable, cuda, 100)

@@ -42,8 +42,16 @@ capture) costs about as much as 3-4 steps launched kernel by kernel on an H100 (
 
 
 def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -> bool:
-    """Whether a generation of ``max_new_tokens`` on ``device`` replays :class:`StaticDecoder` as a CUDA graph."""
-    return GRAPH_DECODE and device.type == "cuda" and model.config.attn_type == 0 and max_new_tokens >= MIN_NEW_TOKENS
+    """Whether a generation of ``max_new_tokens`` on ``device`` replays :class:`StaticDecoder` as a CUDA graph.
+    Not under autocast (e.g. ``txl lm-eval`` with precision bf16): its casts are cached per forward pass, which a
+    graph replayed across tokens would not renew; the kernel-by-kernel step runs there."""
+    return (
+        GRAPH_DECODE
+        and device.type == "cuda"
+        and model.config.attn_type == 0
+        and max_new_tokens >= MIN_NEW_TOKENS
+        and not torch.is_autocast_enabled(device.type)
+    )
 
 
 class StaticDecoder:
