@@ -117,3 +117,27 @@ def test_static_decoder_from_a_given_memory_and_with_penalties(everywhere, monke
     assert greedy[0].tolist() == greedy_uncached(model, prompt[:1], 40, 16, [m[:1] for m in mems])
     plain = generate(model, prompt, 40, temperature=0.0, mem_len=16)[:, 6:]
     assert not runs[0][1].equal(plain)  # (the penalties change the text)
+
+
+def test_a_broken_capture_goes_on_without_a_graph(monkeypatch):
+    """Another thread's CUDA work can invalidate the capture (it runs nothing): the decoder then launches the step
+    kernel by kernel, from the same state, for the rest of the generation."""
+    model = lm(init_std=0.3)
+    prompt = torch.randint(0, model.config.n_token, (1, 7))
+    forced = torch.randint(0, model.config.n_token, (30,)).tolist()
+    runs = []
+    for broken in (False, True):
+        cache = KVCache(model.config, 1, 11, 7)
+        with torch.no_grad():
+            model.transformer(prompt, cache=cache, mem_len=11)
+        decoder = StaticDecoder(model, cache, 11)
+        if broken:
+            decoder.graph = True  # (as on CUDA)
+
+            def capture():
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+            monkeypatch.setattr(decoder, "_capture", capture)
+        runs.append(torch.stack([decoder(torch.tensor([t])) for t in forced]))
+        assert decoder.graph is False and int(decoder.pos) == 7 + 30
+    assert runs[0].equal(runs[1])

@@ -21,6 +21,11 @@ which the keys are summed differs (slot order, not time order): the same log-pro
 (the token ``ids``, ``pos``, the ring), so the step can be captured once (after a warm-up that is undone) and
 replayed per token: ``txl.generation.stream`` does so on CUDA when :data:`GRAPH_DECODE` is on and the model is
 attn_type 0. On the CPU the same step runs eagerly (tests); there the native decode kernel is faster.
+
+Threads: while one thread captures (a few milliseconds, once per generation), CUDA work that other threads of the
+process launch can be refused ("operation not permitted when stream is capturing", seen on an H100 with a thread
+multiplying matrices and synchronizing) or can invalidate the capture, in which case this generation goes on kernel
+by kernel. A process that generates while other threads use the GPU should set :data:`GRAPH_DECODE` to False.
 """
 
 from __future__ import annotations
@@ -102,7 +107,11 @@ class StaticDecoder:
         if not self.graph:
             return self.step()
         if self._replay is None:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError:  # another thread's CUDA work broke the capture (it ran nothing): go on without one
+                self.graph = False
+                return self.step()
         self._replay.replay()
         return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
 
@@ -123,7 +132,9 @@ class StaticDecoder:
             restore()
         torch.cuda.current_stream(self.ids.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # (thread_local: other threads' CUDA calls are not refused while this one captures; work of theirs on the
+        # default stream can still invalidate the capture, which __call__ then does without)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._out = self.step()
         self._replay = graph
 
