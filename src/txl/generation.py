@@ -204,6 +204,7 @@ def stream(
             decoder = None  # the later steps as one CUDA graph, where it applies
             if supports_kv_cache(model.config) and static_decode.applies(model, h.device, max_new_tokens):
                 decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
+                cache = None  # (the decoder's ring holds the memory now: the cache's buffers can go)
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
             pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
             done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)

@@ -132,8 +132,8 @@ class StaticDecoder:
             restore()
         torch.cuda.current_stream(self.ids.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # (thread_local: other threads' CUDA calls are not refused while this one captures; work of theirs on the
-        # default stream can still invalidate the capture, which __call__ then does without)
+        # (thread_local: this capture does not turn other threads' unsafe calls into errors; their work can still be
+        # refused or invalidate the capture, see the module's note: __call__ then goes on without it)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._out = self.step()
         self._replay = graph
