@@ -141,3 +141,18 @@ def test_a_broken_capture_goes_on_without_a_graph(monkeypatch):
         runs.append(torch.stack([decoder(torch.tensor([t])) for t in forced]))
         assert decoder.graph is False and int(decoder.pos) == 7 + 30
     assert runs[0].equal(runs[1])
+
+
+def test_float64_steps_stay_float64():
+    """A float64 model's step computes in float64 throughout (the softmax too): its log-probabilities equal the
+    float64 uncached loop's to 1e-12."""
+    model = lm(init_std=0.3).double()
+    prompt = torch.randint(0, model.config.n_token, (1, 5))
+    forced = torch.randint(0, model.config.n_token, (25,)).tolist()
+    expected = uncached_steps(model, prompt, forced, 9)
+    cache = KVCache(model.config, 1, 9, 5, dtype=torch.float64)
+    with torch.no_grad():
+        model.transformer(prompt, cache=cache, mem_len=9)
+    decoder = StaticDecoder(model, cache, 9)
+    got = torch.stack([decoder(torch.tensor([t]))[0] for t in forced[:-1]])  # [24, V]
+    torch.testing.assert_close(got, expected[1:], atol=1e-12, rtol=1e-12)

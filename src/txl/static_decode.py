@@ -150,7 +150,8 @@ class StaticDecoder:
         dist = self.pos - self.slot_pos  # [C], 0 for the newest position
         seen = (self.slot_pos >= 0) & (dist < self.window) & ~self.slot_pad  # [B, C]
         h = tr.drop(tr.word_emb(self.ids[:, None]))  # [B, 1, D]
-        bias = torch.zeros(B, 1, 1, C, dtype=torch.float32, device=h.device)
+        exact = torch.float64 if self.v.dtype == torch.float64 else torch.float32  # the softmax's (fp32 for bf16)
+        bias = torch.zeros(B, 1, 1, C, dtype=exact, device=h.device)
         bias = bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [B, 1, 1, C]
         by_distance = dist.clamp(0, C - 1)  # [C]
         for i, lay in enumerate(self.layers):
@@ -165,7 +166,7 @@ class StaticDecoder:
             ac = torch.matmul(q_u, self.k[i].transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
             bd = torch.matmul(q_v, self.r_k[i])  # (b)+(d) by distance, [B, H, 1, C]
             bd = bd.gather(-1, by_distance.expand(B, H, 1, C))  # (b)+(d) by slot
-            prob = (ac + bd + bias).softmax(dim=-1, dtype=torch.float32).to(self.v.dtype)  # [B, H, 1, C]
+            prob = (ac + bd + bias).softmax(dim=-1, dtype=exact).to(self.v.dtype)  # [B, H, 1, C]
             vec = torch.matmul(prob, self.v[i])  # [B, H, 1, Dh]
             out = F.linear(vec.transpose(1, 2).reshape(B, 1, H * Dh), lay.o)  # [B, 1, D]
             h = h + out if lay.pre_lnorm else F.layer_norm(h + out, *lay.norm1)
