@@ -229,3 +229,56 @@ def test_train_eval_generate_through_the_cli(attn_type, tmp_path, capsys):
     assert record["loss"] < math.log(84)  # better than uniform: it learned something
     main(["generate", "--model", str(run), "--prompt", "ab ", "--max_new_tokens", "20", "--seed", "1"])
     assert len(capsys.readouterr().out) >= 20
+
+
+@pytest.mark.parametrize("attn_type", TYPES)
+@pytest.mark.parametrize("same_length", [False, True])
+def test_fused_training_attention_gives_the_same_loss_and_gradients(attn_type, same_length, monkeypatch):
+    """Training's attention as one scaled_dot_product_attention call (the (b)+(d) term and the mask as its bias; on
+    CUDA by default, ``SDPA_TRAINING_DEVICES``): the loss and every gradient of the PyTorch kernels', over two segments
+    with the memory, with dropout (not dropatt, which keeps the explicit path)."""
+    from txl import modeling
+
+    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)  # (attend(), as on a GPU)
+    torch.manual_seed(0)
+    klen = {"max_klen": 40} if attn_type in (1, 3) else {}
+    m = TransformerXLLM(config(attn_type, same_length=same_length, dropatt=0.0, init_std=0.3, **klen))
+    m.train()
+    x = torch.randint(0, m.config.n_token, (3, 17))
+    results = []
+    for devices in ((), ("cpu",)):
+        monkeypatch.setattr(modeling, "SDPA_TRAINING_DEVICES", devices)
+        m.zero_grad()
+        torch.manual_seed(1)  # (the same dropout masks)
+        out = m(x[:, :8], x[:, 1:9])
+        out2 = m(x[:, 8:16], x[:, 9:17], mems=out.mems)
+        (out.loss + out2.loss).backward()
+        results.append((out.loss + out2.loss, {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_fused_training_attention_is_fp32_only(monkeypatch):
+    """Under autocast (bf16) training keeps the explicit kernels (the fused call paid only in fp32); inference
+    takes SDPA either way."""
+    import torch.nn.functional as F
+
+    from txl import modeling
+
+    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    monkeypatch.setattr(modeling, "SDPA_TRAINING_DEVICES", ("cpu",))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    m = TransformerXLLM(config(0, dropatt=0.0)).train()
+    x = torch.randint(0, m.config.n_token, (2, 9))
+    m(x[:, :8], x[:, 1:]).loss.backward()
+    fp32 = len(calls)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x[:, :8], x[:, 1:]).loss.backward()
+    assert fp32 == m.config.n_layer and len(calls) == fp32  # (none more under autocast)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m.eval()(x[:, :8], x[:, 1:])
+    assert len(calls) == fp32 + m.config.n_layer
