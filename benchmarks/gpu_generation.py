@@ -17,26 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from _report import replace_section
-from model_speed import build_pair, uncached_greedy
+from model_speed import Timer, build_pair, uncached_greedy
 from txl import static_decode
 from txl.generation import generate, stream
 
 HEADING = "## Generation on a GPU: the one-token step as a CUDA graph"
 PROMPT, MEM = 128, 640
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def txl_run(model, prompt, n: int, graph: bool, **kw):
@@ -111,6 +102,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_generation.py needs a CUDA device")
     device = torch.device("cuda")
+    timed = Timer(device)
     hf, ours = build_pair("bench-char", device)
     hf.eval()
     ours.eval()

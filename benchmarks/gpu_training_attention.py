@@ -11,12 +11,11 @@ autocast. The results (and the choice they made: fp32 only) are in docs/benchmar
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 import model_speed
-from model_speed import CASES, PAPER_CASES, Runner, build_pair
+from model_speed import CASES, PAPER_CASES, Runner, Timer, build_pair
 from txl import modeling
 
 FUSED, EXPLICIT = ("cuda",), ()
@@ -47,15 +46,13 @@ def speed(name: str, batch: int, precision: str, device: torch.device) -> str:
     stream = torch.randint(0, n_token, (batch, 128 * 40 + 1), device=device)
     runner = Runner("txl", ours, stream, train=True, mem_len=128, precision=precision, route=False, device=device)
     times: dict[tuple, list[float]] = {EXPLICIT: [], FUSED: []}
+    timer = Timer(device)
     for i in range(16):
         for devices in (EXPLICIT, FUSED) if i % 2 == 0 else (FUSED, EXPLICIT):
             modeling.SDPA_TRAINING_DEVICES = devices
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            runner.step()
-            torch.cuda.synchronize()
+            dt = timer(runner.step)
             if i >= 4:
-                times[devices].append(time.perf_counter() - start)
+                times[devices].append(dt)
     a, b = statistics.median(times[EXPLICIT]), statistics.median(times[FUSED])
     tokens = batch * 128
     return (

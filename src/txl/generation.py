@@ -202,7 +202,7 @@ def stream(
         with transposed_weights():  # (the weights are fixed while generating)
             h = step(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
-            if supports_kv_cache(model.config) and static_decode.applies(model, h.device, max_new_tokens):
+            if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
                 decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
                 cache = None  # (the decoder's ring holds the memory now: the cache's buffers can go)
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)

@@ -783,11 +783,9 @@ class _Attention(nn.Module):
         grad = torch.is_grad_enabled() and q_w.requires_grad
         dropping = self.training and self.dropatt.p > 0
         fused = (  # (training as one SDPA call, see SDPA_TRAINING_DEVICES)
-            q_w.device.type in SDPA_TRAINING_DEVICES
-            and not (need_weights or dropping)
-            and not torch.is_autocast_enabled(q_w.device.type)
+            grad and q_w.device.type in SDPA_TRAINING_DEVICES and not torch.is_autocast_enabled(q_w.device.type)
         )
-        if (need_weights or grad or dropping) and not fused:
+        if need_weights or dropping or (grad and not fused):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
             if not HALF_PRECISION_SCORES:
                 ac = _fp32(ac)
@@ -868,13 +866,20 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)  # W_kR
 
     @staticmethod
+    def biases(model: TransformerXL) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's u, v ([H, Dh] each): the model's, shared by the layers, or one per layer (untie_r)."""
+        u, v = model.r_w_bias, model.r_r_bias  # [H, Dh], or [n_layer, H, Dh] (untie_r)
+        return (
+            list(zip(u.unbind(0), v.unbind(0), strict=True)) if model.config.untie_r else [(u, v)] * len(model.layers)
+        )
+
+    @staticmethod
     def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
         """R for the distances K-1, ..., 0 (shared by all layers) and each layer's u, v; with a ``cache``, W_kR R
         of every layer, projected once for the longest span."""
         cfg = model.config
         exact = torch.float64 if dtype == torch.float64 else torch.float32
-        u, v = model.r_w_bias, model.r_r_bias  # [H, Dh], or [n_layer, H, Dh] (untie_r)
-        biases = list(zip(u.unbind(0), v.unbind(0), strict=True)) if cfg.untie_r else [(u, v)] * cfg.n_layer
+        biases = RelPartialLearnableMultiHeadAttn.biases(model)
         if cache is None:
             pos_emb = sinusoid_embedding(K, cfg.d_model, clamp_len, device, exact)  # [K, D]
             pos_emb = model.drop(pos_emb.to(dtype))
@@ -1239,6 +1244,16 @@ class _DecodeLayer(NamedTuple):
             attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
             ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
         )  # fmt: skip
+
+    def after_attention(self, h: Tensor, vec: Tensor, product: Callable = F.linear) -> Tensor:
+        """The rest of the layer for one position per row: W_o of the heads' values ``vec`` [B, H, 1, Dh], the
+        residual and norm, the feed-forward, the residual and norm; ``h`` [B, 1, D] is the layer's input."""
+        B, H, _, Dh = vec.shape
+        out = product(vec.transpose(1, 2).reshape(B, 1, H * Dh), self.o)  # [B, 1, D]
+        h = h + out if self.pre_lnorm else F.layer_norm(h + out, *self.norm1)
+        x = F.layer_norm(h, *self.norm2) if self.pre_lnorm else h
+        y = product(F.relu(product(x, self.w1, self.b1)), self.w2, self.b2)  # [B, 1, D]
+        return h + y if self.pre_lnorm else F.layer_norm(h + y, *self.norm2)
 
 
 FAST_DECODE = True
@@ -1624,11 +1639,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             if mask is not None:  # (same_length's window, or padding)
                 bd = mask_scores(bd, mask, inplace=True)
             vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
-            out = product(vec.transpose(1, 2).reshape(B, 1, H * Dh), lay.o)  # [B, 1, D]
-            h = h + out if lay.pre_lnorm else F.layer_norm(h + out, *lay.norm1)
-            x = F.layer_norm(h, *lay.norm2) if lay.pre_lnorm else h
-            y = product(F.relu(product(x, lay.w1, lay.b1)), lay.w2, lay.b2)  # [B, 1, D]
-            h = h + y if lay.pre_lnorm else F.layer_norm(h + y, *lay.norm2)
+            h = lay.after_attention(h, vec, product)  # [B, 1, D]
         return h
 
     def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):

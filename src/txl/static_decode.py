@@ -34,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from txl.modeling import KVCache, TransformerXLLM, _DecodeLayer, sinusoid_embedding
+from txl.modeling import (
+    KVCache,
+    RelPartialLearnableMultiHeadAttn,
+    TransformerXLLM,
+    _DecodeLayer,
+    sinusoid_embedding,
+)
 
 GRAPH_DECODE = True
 """Whether ``txl.generation.stream`` (``generate``, ``txl generate``) replays its one-token step as a CUDA graph on
@@ -92,11 +98,10 @@ class StaticDecoder:
         # The keys a query sees with same_length (itself included); C sees them all.
         self.window = mem_len + int(cfg.tf_same_length) if cfg.same_length else C
         # W_kR R_d of every layer for the distances d = 0..C-1 ([H, Dh, C]), and the biases u, v ([H, Dh]).
-        exact = torch.float64 if dtype == torch.float64 else torch.float32
-        r = sinusoid_embedding(C, cfg.d_model, cfg.clamp_len, dev, exact).flip(0).to(dtype)  # [C, D], d ascending
+        self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # R's, the softmax's (fp32 for bf16)
+        r = sinusoid_embedding(C, cfg.d_model, cfg.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
         self.r_k = [torch.mm(lay.attn.r_net.weight, r.t()).view(H, Dh, C) for lay in self.layers]
-        u, v = tr.r_w_bias, tr.r_r_bias
-        self.biases = list(zip(u.unbind(0), v.unbind(0), strict=True)) if cfg.untie_r else [(u, v)] * cfg.n_layer
+        self.biases = RelPartialLearnableMultiHeadAttn.biases(tr)
         self.graph = graph and dev.type == "cuda"
         self._replay: torch.cuda.CUDAGraph | None = None
         self._out: Tensor | None = None
@@ -150,8 +155,7 @@ class StaticDecoder:
         dist = self.pos - self.slot_pos  # [C], 0 for the newest position
         seen = (self.slot_pos >= 0) & (dist < self.window) & ~self.slot_pad  # [B, C]
         h = tr.drop(tr.word_emb(self.ids[:, None]))  # [B, 1, D]
-        exact = torch.float64 if self.v.dtype == torch.float64 else torch.float32  # the softmax's (fp32 for bf16)
-        bias = torch.zeros(B, 1, 1, C, dtype=exact, device=h.device)
+        bias = torch.zeros(B, 1, 1, C, dtype=self.exact, device=h.device)
         bias = bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [B, 1, 1, C]
         by_distance = dist.clamp(0, C - 1)  # [C]
         for i, lay in enumerate(self.layers):
@@ -166,13 +170,9 @@ class StaticDecoder:
             ac = torch.matmul(q_u, self.k[i].transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
             bd = torch.matmul(q_v, self.r_k[i])  # (b)+(d) by distance, [B, H, 1, C]
             bd = bd.gather(-1, by_distance.expand(B, H, 1, C))  # (b)+(d) by slot
-            prob = (ac + bd + bias).softmax(dim=-1, dtype=exact).to(self.v.dtype)  # [B, H, 1, C]
+            prob = (ac + bd + bias).softmax(dim=-1, dtype=self.exact).to(self.v.dtype)  # [B, H, 1, C]
             vec = torch.matmul(prob, self.v[i])  # [B, H, 1, Dh]
-            out = F.linear(vec.transpose(1, 2).reshape(B, 1, H * Dh), lay.o)  # [B, 1, D]
-            h = h + out if lay.pre_lnorm else F.layer_norm(h + out, *lay.norm1)
-            x = F.layer_norm(h, *lay.norm2) if lay.pre_lnorm else h
-            y = F.linear(F.relu(F.linear(x, lay.w1, lay.b1)), lay.w2, lay.b2)  # [B, 1, D]
-            h = h + y if lay.pre_lnorm else F.layer_norm(h + y, *lay.norm2)
+            h = lay.after_attention(h, vec)  # [B, 1, D]
         self.pos.add_(1)
         _, log_probs = self.model.crit(tr.drop(h)[:, 0], return_log_probs=True)  # [B, V]
         return log_probs
