@@ -415,6 +415,12 @@ def test_an_unknown_option_gets_the_nearest_one(tmp_path, capsys):
     line = fails(capsys, ["train", "--config", str(recipe)])
     assert "does not accept option 'model.vocab_size'; did you mean --model.n_token (Hugging Face's vocab_size)" in line
     assert "did you mean" not in fails(capsys, ["eval", "--model", "x", "--bogus", "1"])
+    # a bare word: the option it belongs to (the model folder, a recipe); none where the option was given
+    assert "did you mean --model runs/x (the model is an option)?" in fails(capsys, ["generate", "runs/x"])
+    assert "did you mean --model runs/x" in fails(capsys, ["eval", "runs/x", "--split", "valid"])
+    assert f"did you mean --config {debug} (a recipe is an option)?" in fails(capsys, ["train", debug])
+    assert "did you mean" not in fails(capsys, ["train", "runs/x"])  # train's --model is the model's settings
+    assert "did you mean" not in fails(capsys, ["generate", "--model", "y", "runs/x"])
 
 
 def test_eval_says_what_the_columns_leave_unscored(char_run, tmp_path, capsys):

@@ -1115,14 +1115,18 @@ def run(argv: list[str]) -> None:
 
 
 def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
-    """For an option the command does not have: the nearest one it has (a typo, or Hugging Face's name)."""
+    """For an option the command does not have: the nearest one it has (a typo, or Hugging Face's name); for a
+    bare word, the option it belongs to (``txl generate runs/x`` -> ``--model runs/x``, ``txl train r.yaml`` ->
+    ``--config r.yaml``)."""
     unknown = re.findall(r"does not accept option '([^']+)'", message)
     given = re.search(r"unrecognized arguments: (.*)", message)
+    bare = []
     if given:
         unknown += [a.split("=", 1)[0].lstrip("-") for a in given.group(1).split() if a.startswith("--")]
+        bare = [a for a in given.group(1).split() if not a.startswith("-")]
     words = [a for a in argv if not a.startswith("-")]
     path = max((p for p in parsers if tuple(words[: len(p)]) == p), key=len, default=None)
-    if not unknown or path is None:
+    if not (unknown or bare) or path is None:
         return ""
     from txl.modeling import HF_CONFIG_NAMES
 
@@ -1136,7 +1140,19 @@ def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
             hints.append(f"--{renamed} (Hugging Face's {last})")
         else:
             hints += [f"--{m}" for m in difflib.get_close_matches(name, options, n=1, cutoff=0.75)]
+    if bare and not unknown:  # (with a misnamed option, the bare words are likely its values)
+        hints += _bare_word_hint(bare[0], argv, options, parsers[path])
     return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def _bare_word_hint(word: str, argv: list[str], options: list[str], parser) -> list[str]:
+    """The option a bare word belongs to: a recipe's ``--config``, or the model folder's ``--model``."""
+    if word.endswith((".yaml", ".yml")) and "config" in options:
+        return [f"--config {word} (a recipe is an option)"]
+    takes_model = any("--model" in a.option_strings and a.help and "folder" in a.help for a in parser._actions)
+    if takes_model and not any(a == "--model" or a.startswith("--model=") for a in argv):
+        return [f"--model {word} (the model is an option)"]
+    return []
 
 
 def _n_token_past_the_cutoffs(model) -> None:
