@@ -86,6 +86,44 @@ def test_stop_strings_end_the_text_before_them(client):
     assert stream[-1]["finish_reason"] == "stop"
 
 
+def test_beam_search_equals_the_library_and_leaves_other_requests_alone(client):
+    """num_beams > 1: the best beam of txl.generation.beam_search (and not the greedy text), streamed as the same
+    tokens, cut before a stop string; a greedy request sent meanwhile still gets its own tokens."""
+    from txl.generation import beam_search
+
+    server = client.app.state.server
+    base = {"prompt": "ab cd", "max_new_tokens": 30, "temperature": 0}
+    ids = torch.tensor([server.tokenizer.encode("ab cd")])
+    with torch.no_grad():
+        best = beam_search(server.model, ids, 30, num_beams=4, length_penalty=0.5)[0, ids.shape[1] :].tolist()
+    greedy = client.post("/v1/generate", json=base).json()
+    results = {}
+
+    def greedy_meanwhile():
+        results["greedy"] = client.post("/v1/generate", json=base | {"max_new_tokens": 60}).json()
+
+    side = threading.Thread(target=greedy_meanwhile)
+    side.start()
+    beam = client.post("/v1/generate", json=base | {"num_beams": 4, "length_penalty": 0.5}).json()
+    side.join(timeout=60)
+    assert beam["token_ids"] == best and beam["finish_reason"] == "length" and len(best) == 30
+    assert beam["text"] == server.tokenizer.decode(best)
+    assert results["greedy"]["token_ids"][:30] == greedy["token_ids"]
+    assert best != greedy["token_ids"]  # (the search found another text than greedy decoding)
+    stream = events(client, base | {"num_beams": 4, "length_penalty": 0.5})
+    assert [e["token_id"] for e in stream[:-1]] == best and stream[-1]["text"] == beam["text"]
+    stop = beam["text"][8:11]
+    cut = client.post("/v1/generate", json=base | {"num_beams": 4, "length_penalty": 0.5, "stop": [stop]}).json()
+    assert cut["text"] == beam["text"][: beam["text"].index(stop)] and cut["finish_reason"] == "stop"
+    for body, message in [
+        ({"num_beams": 2, "temperature": 0.7}, "num_beams: beam search finds the likeliest text: give temperature 0"),
+        ({"num_beams": 9}, "num_beams: 9 is more than the server's max_batch 8"),
+        ({"num_beams": 0}, "num_beams: Input should be greater than or equal to 1"),
+    ]:
+        res = client.post("/v1/generate", json=base | body)
+        assert res.status_code == 422 and message in res.json()["error"], res.json()
+
+
 def test_openai_completions_equal_txl_generate(client, run):
     """OpenAI's completions API as its clients send it: the same tokens as /v1/generate, its response layout and
     usage, the stream's chunks ending with [DONE], stop as a string, echo, token-id prompts; fields txl cannot honour
@@ -655,3 +693,13 @@ def test_engine_log_probs_are_the_models(attn_type):
         assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="logprobs = 21: must be in"):
         Generation(prompt, 5, print, mem_len=32, logprobs=21)
+
+
+def test_engine_refuses_beam_search_it_cannot_do():
+    noop = lambda tok: None  # noqa: E731
+    with pytest.raises(ValueError, match="give temperature 0"):
+        Generation([1, 2], 5, noop, mem_len=8, num_beams=2)
+    with pytest.raises(ValueError, match="no log-probabilities"):
+        Generation([1, 2], 5, noop, mem_len=8, num_beams=2, temperature=0.0, logprobs=1)
+    with pytest.raises(ValueError, match="num_beams = 0"):
+        Generation([1, 2], 5, noop, mem_len=8, num_beams=0, temperature=0.0)

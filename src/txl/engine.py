@@ -7,6 +7,8 @@ once; a finished or cancelled request leaves between two steps (:meth:`KVCache.s
 memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
 seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
 Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
+A beam search (``num_beams`` > 1, :func:`txl.generation.beam_search`) runs whole between two decoding steps, as a
+job does, and then emits its best text token by token.
 A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
 new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
 (``prompt_logprobs``, from the prompt's own forward pass).
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from txl.generation import Penalties, check_sampling, choose, stream
+from txl.generation import Penalties, beam_search, check_sampling, choose, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
 
@@ -64,6 +66,10 @@ class Generation:
     """Record the log-probability of each prompt token after the first in ``prompt_scores``."""
     penalties: Penalties = field(default_factory=Penalties)
     """What the prompt and the text so far do to the next token's scores (repetition, presence, logit bias)."""
+    num_beams: int = 1
+    """Beam search with this many beams (greedy, ``temperature`` 0, only); 1: one token at a time."""
+    length_penalty: float = 1.0
+    """Beam search: a finished text's score is its log-probability over its length to this power."""
     finish_reason: str | None = None
     """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
     error: str | None = None
@@ -81,6 +87,12 @@ class Generation:
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs = {self.logprobs}: must be in [0, {MAX_LOGPROBS}]")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams = {self.num_beams}: must be >= 1")
+        if self.num_beams > 1 and self.temperature != 0:
+            raise ValueError("num_beams > 1 searches for the likeliest text: give temperature 0 (no sampling)")
+        if self.num_beams > 1 and (self.logprobs is not None or self.prompt_logprobs):
+            raise ValueError("num_beams > 1 gives no log-probabilities: ask for them without beam search")
         self.place(torch.device("cpu"))
 
     def place(self, device: torch.device) -> None:
@@ -199,10 +211,12 @@ class Engine:
                     if not self._is_job(item):
                         joining[item.mem_len] = joining.get(item.mem_len, 0) + 1
             for item in admitted:
-                if self._is_job(item):
+                if isinstance(item, tuple):
                     self._run_job(*item)
                 elif self._stopping:
                     self._finish(item, "shutdown")
+                elif item.num_beams > 1:
+                    self._search(item)
                 else:
                     self._start(item)
             for mem_len in list(self._batches):
@@ -210,7 +224,8 @@ class Engine:
 
     @staticmethod
     def _is_job(item) -> bool:
-        return isinstance(item, tuple)
+        """A job (``call``) or a beam search: run whole, between two decoding steps."""
+        return isinstance(item, tuple) or item.num_beams > 1
 
     def _has_room(self, request: Generation, joining: dict[int, int]) -> bool:
         """Whether the request's batch has a free row (counting the requests admitted with it)."""
@@ -306,6 +321,24 @@ class Engine:
             batch.cache = KVCache.merge([batch.cache, cache])
             batch.rows.append(request)
             batch.last = torch.cat([batch.last, last])
+
+    def _search(self, request: Generation) -> None:
+        """A beam search, whole (its beams are a batch of their own); then its best text, token by token."""
+        if request.cancelled or request.max_new_tokens == 0:
+            self._finish(request, "stop" if request.cancelled else "length")
+            return
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        try:
+            found = beam_search(
+                self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
+                length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
+            )  # fmt: skip
+        except Exception as e:  # a bad request must not stop the engine
+            self._finish(request, "error", str(e))
+            return
+        for token in found[0, ids.shape[1] :].tolist():  # (no end-of-text token: max_new_tokens of them)
+            if not self._emit(request, token):
+                return
 
     def _alone(self, request: Generation, ids: torch.Tensor) -> None:
         """Generation without a K/V cache (absolute positions): the whole request, one token at a time."""

@@ -76,6 +76,14 @@ class GenerateRequest(OpenAIPenalties):
         "is multiplied by this (1: none)."
     )  # fmt: skip
     no_repeat_ngram_size: int = Field(0, ge=0, description="Never repeat an n-gram of this many tokens (0: off).")
+    num_beams: int = Field(
+        1, ge=1, description="Beam search with this many beams, as Hugging Face's generate() (needs temperature 0; "
+        "at most the server's max_batch): the likeliest text of max_new_tokens tokens, cut before the first stop "
+        "string; it runs whole before its first token is sent, and holds the other requests meanwhile."
+    )  # fmt: skip
+    length_penalty: float = Field(
+        1.0, description="Beam search: a finished text's score is its log-probability over its length to this power."
+    )
 
 
 class CompletionRequest(OpenAIPenalties):
@@ -224,6 +232,18 @@ class Server:
             raise BadRequest(422, f"mem_len: {mem_len} is more than the limit {lim.max_mem_len}")
         if mem_len < 1:
             raise BadRequest(422, "mem_len: the model has no memory length; give mem_len >= 1")
+        if req.num_beams > 1:
+            from txl.modeling import supports_kv_cache
+
+            if req.temperature != 0:
+                raise BadRequest(422, "num_beams: beam search finds the likeliest text: give temperature 0")
+            if req.num_beams > lim.max_batch:
+                raise BadRequest(422, f"num_beams: {req.num_beams} is more than the server's max_batch {lim.max_batch}")
+            if not supports_kv_cache(self.model.config):
+                attn = self.model.config.attn_type
+                raise BadRequest(422, f"num_beams: beam search needs a K/V cache (attn_type 0 or 1), not {attn}")
+            if logprobs is not None or prompt_logprobs:
+                raise BadRequest(422, "num_beams: beam search gives no log-probabilities")
         bias = req.logit_bias or {}
         bad = [i for i in bias if not 0 <= i < self.model.config.n_token]
         if bad:
@@ -238,7 +258,7 @@ class Server:
         gen = Generation(
             prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len, penalties=penalties,
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, num_beams=req.num_beams, length_penalty=req.length_penalty,
         )  # fmt: skip
         return gen, ids
 
