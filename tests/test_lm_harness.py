@@ -152,6 +152,37 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
     assert stopped >= 2  # a stop sequence was met (and the text cut before it)
 
 
+def test_generate_until_takes_hugging_faces_generation_kwargs(harness_run, capsys):
+    """A task's num_beams is beam search (each prompt's best beam, cut at the stop), repetition_penalty and
+    no_repeat_ngram_size are the penalties; a kwarg the model does not use is named once."""
+    from txl.generation import Penalties, beam_search
+    from txl.lm_harness import TransformerXLHarnessLM
+
+    _, run, _ = harness_run
+    harness = TransformerXLHarnessLM(pretrained=str(run), **SETTINGS)
+    lm, tok, s = loaded(run)
+    prompts = [harness.prefix + tok.encode(p) for p in PROMPTS]
+    searched = harness.generate(prompts, {"until": ["."], "max_gen_toks": 20, "num_beams": 3, "length_penalty": 0.5})
+    penalties = Penalties(repetition_penalty=1.5, no_repeat_ngram_size=2)
+    penalised = harness.generate(prompts, {"until": [], "max_gen_toks": 20, "repetition_penalty": 1.5,
+                                           "no_repeat_ngram_size": 2, "typical_p": 0.9})  # fmt: skip
+    harness.generate(prompts[:1], {"until": [], "max_gen_toks": 2, "typical_p": 0.9})
+    assert capsys.readouterr().err.count("generation_kwargs typical_p not used by the txl model") == 1
+    beam_differs = penalty_differs = 0
+    for p, got_beam, got_penalised in zip(prompts, searched, penalised, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            best = beam_search(lm, ids, 20, num_beams=3, length_penalty=0.5, mem_len=s.mem_len)[0, len(p) :]
+            greedy = generate(lm, ids, 20, temperature=0.0, mem_len=s.mem_len)[0, len(p) :]
+            pen = generate(lm, ids, 20, temperature=0.0, mem_len=s.mem_len, penalties=penalties)[0, len(p) :]
+        text = tok.decode(best.tolist())
+        assert got_beam == text[: text.index(".")] if "." in text else got_beam == text
+        assert got_penalised == tok.decode(pen.tolist())
+        beam_differs += best.tolist() != greedy.tolist()
+        penalty_differs += pen.tolist() != greedy.tolist()
+    assert beam_differs and penalty_differs  # (each changed what was generated, for some prompt)
+
+
 def test_local_completions_through_txl_serve(harness_run, tmp_path):
     """lm-evaluation-harness's own OpenAI-API model (`local-completions`) against `txl serve`, as a user runs it:
     it finds the server's tokenizer endpoints, scores continuations with echoed prompt log-probabilities, and

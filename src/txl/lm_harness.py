@@ -13,7 +13,11 @@ folder, step-N checkpoint or model folder), ``tgt_len``, ``mem_len``, ``clamp_le
 - ``loglikelihood``: context then continuation, read the same way (left-padded batches, the padding masked), the
   log-probability of the continuation's tokens and whether each is the greedy choice.
 - ``generate_until``: the K/V-cached generation of ``txl generate`` (batched, left-padded prompts), greedy unless
-  ``do_sample``; the text stops before the first stop sequence (``until``).
+  ``do_sample``; the text stops before the first stop sequence (``until``). The task's ``generation_kwargs`` that
+  Hugging Face's ``generate()`` also takes: ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+  ``no_repeat_ngram_size``, and ``num_beams`` (with ``length_penalty``, ``early_stopping``: Hugging Face's beam
+  search, which searches the whole ``max_gen_toks`` before the best text is cut at a stop sequence); any other is
+  named in a note and not used.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from txl.checkpoint import read_run_config, resolve_model_dir
 from txl.data.tokenizer import Tokenizer
 from txl.distributed import resolve_device
 from txl.evaluate import autocast, eval_settings, evaluate
-from txl.generation import stream
+from txl.generation import Penalties, beam_search, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
 from txl.runtime import effective_precision
 
@@ -52,6 +56,13 @@ def _int(value: Any, name: str, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"txl model_args: {name}={value!r} is not an integer") from None
+
+
+GENERATION_KWARGS = frozenset(
+    ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+     "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping")
+)  # fmt: skip
+"""The ``generation_kwargs`` of a task that ``generate_until`` uses (others are named in a note)."""
 
 
 @register_model("txl")
@@ -92,6 +103,7 @@ class TransformerXLHarnessLM(LM):
         self.batch_size = _int(batch_size, "batch_size", 8)
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
         self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)
+        self._noted: set[str] = set()  # generation_kwargs already named as unused
 
     def _encode(self, text: str, where: str) -> list[int]:
         try:
@@ -219,24 +231,37 @@ class TransformerXLHarnessLM(LM):
         max_new = _int(kwargs.get("max_gen_toks"), "max_gen_toks", self.max_gen_toks)
         sample = bool(kwargs.get("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
         temperature = float(kwargs.get("temperature", 1.0)) if sample else 0.0
+        unused = sorted(set(kwargs) - GENERATION_KWARGS - self._noted)
+        if unused:
+            self._noted.update(unused)
+            print(f"txl: note: generation_kwargs {', '.join(unused)} not used by the txl model", file=sys.stderr)
+        penalties = Penalties(
+            repetition_penalty=float(kwargs.get("repetition_penalty", 1.0) or 1.0),
+            no_repeat_ngram_size=int(kwargs.get("no_repeat_ngram_size", 0) or 0),
+        )
         longest = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), longest, dtype=torch.long)
         pad = torch.ones(len(prompts), longest, dtype=torch.bool)
         for b, p in enumerate(prompts):
             ids[b, longest - len(p) :], pad[b, longest - len(p) :] = torch.tensor(p), False
+        ids, padding = ids.to(self._device), pad.to(self._device) if bool(pad.any()) else None
         texts, done = [""] * len(prompts), [False] * len(prompts)
         decoders = [self.tokenizer.stream_decoder() for _ in prompts]
+        beams = int(kwargs.get("num_beams", 1) or 1)
         with autocast(self._device, self.precision):
-            steps = stream(
-                self.model,
-                ids.to(self._device),
-                max_new,
-                temperature=temperature,
-                top_k=int(kwargs.get("top_k", 0) or 0),
-                top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                mem_len=self.settings.mem_len,
-                padding=pad.to(self._device) if bool(pad.any()) else None,
-            )
+            if beams > 1 and not sample:
+                found = beam_search(
+                    self.model, ids, max_new, num_beams=beams, mem_len=self.settings.mem_len, padding=padding,
+                    length_penalty=float(kwargs.get("length_penalty", 1.0)), penalties=penalties,
+                    early_stopping=bool(kwargs.get("early_stopping", False)),
+                )  # fmt: skip
+                steps = iter(found[:, longest:].T[:, :, None])  # (new tokens step by step, [B, 1] each)
+            else:
+                steps = stream(
+                    self.model, ids, max_new, temperature=temperature, top_k=int(kwargs.get("top_k", 0) or 0),
+                    top_p=float(kwargs.get("top_p", 1.0) or 1.0), mem_len=self.settings.mem_len, padding=padding,
+                    penalties=penalties,
+                )  # fmt: skip
             for tok in steps:
                 for b in range(len(prompts)):
                     if not done[b]:
