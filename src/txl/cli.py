@@ -1141,15 +1141,16 @@ def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
         else:
             hints += [f"--{m}" for m in difflib.get_close_matches(name, options, n=1, cutoff=0.75)]
     if bare and not unknown:  # (with a misnamed option, the bare words are likely its values)
-        hints += _bare_word_hint(bare[0], argv, options, parsers[path])
+        hints += _bare_word_hint(bare[0], argv, options)
     return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
-def _bare_word_hint(word: str, argv: list[str], options: list[str], parser) -> list[str]:
-    """The option a bare word belongs to: a recipe's ``--config``, or the model folder's ``--model``."""
+def _bare_word_hint(word: str, argv: list[str], options: list[str]) -> list[str]:
+    """The option a bare word belongs to: a recipe's ``--config``, or the model folder's ``--model`` (not train's,
+    which is a group of settings: ``--model.n_token``, ...)."""
     if word.endswith((".yaml", ".yml")) and "config" in options:
         return [f"--config {word} (a recipe is an option)"]
-    takes_model = any("--model" in a.option_strings and a.help and "folder" in a.help for a in parser._actions)
+    takes_model = "model" in options and not any(o.startswith("model.") for o in options)
     if takes_model and not any(a == "--model" or a.startswith("--model=") for a in argv):
         return [f"--model {word} (the model is an option)"]
     return []

@@ -205,10 +205,12 @@ class Engine:
                 if self._stopping and not self._batches and not self._waiting:
                     return
                 admitted, joining = [], {}
-                while self._waiting and (self._is_job(self._waiting[0]) or self._has_room(self._waiting[0], joining)):
+                while self._waiting and (
+                    self._runs_whole(self._waiting[0]) or self._has_room(self._waiting[0], joining)
+                ):
                     item = self._waiting.popleft()
                     admitted.append(item)
-                    if not self._is_job(item):
+                    if not self._runs_whole(item):
                         joining[item.mem_len] = joining.get(item.mem_len, 0) + 1
             for item in admitted:
                 if isinstance(item, tuple):
@@ -223,7 +225,7 @@ class Engine:
                 self._step(mem_len)
 
     @staticmethod
-    def _is_job(item) -> bool:
+    def _runs_whole(item) -> bool:
         """A job (``call``) or a beam search: run whole, between two decoding steps."""
         return isinstance(item, tuple) or item.num_beams > 1
 

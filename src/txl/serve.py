@@ -242,8 +242,6 @@ class Server:
             if not supports_kv_cache(self.model.config):
                 attn = self.model.config.attn_type
                 raise BadRequest(422, f"num_beams: beam search needs a K/V cache (attn_type 0 or 1), not {attn}")
-            if logprobs is not None or prompt_logprobs:
-                raise BadRequest(422, "num_beams: beam search gives no log-probabilities")
         bias = req.logit_bias or {}
         bad = [i for i in bias if not 0 <= i < self.model.config.n_token]
         if bad:
