@@ -387,6 +387,33 @@ def test_beam_search_equals_hugging_faces(tmp_path, capsys, monkeypatch):
             ours.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=True)
 
 
+def test_beam_steps_is_beam_search_one_call_at_a_time():
+    """txl.generation.beam_steps yields once per model call (the prompt's, then one per new token) and returns
+    beam_search's result; between steps the caller's gradient mode holds; closing it early restores training mode."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+    from txl.generation import beam_search, beam_steps
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config())
+    prompt = torch.randint(0, model.config.n_token, (2, 5), generator=torch.Generator().manual_seed(1))
+    steps, n = beam_steps(model, prompt, 9, num_beams=3, mem_len=8), 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            got = end.value
+            break
+        n += 1
+        assert torch.is_grad_enabled() and not model.training  # (eval mode until it ends)
+    assert n == 9 and model.training
+    assert got.equal(beam_search(model, prompt, 9, num_beams=3, mem_len=8))
+    steps = beam_steps(model, prompt, 9, num_beams=3, mem_len=8)
+    next(steps), next(steps)
+    steps.close()
+    assert model.training
+
+
 def test_penalties_by_hand():
     """OpenAI's presence and frequency penalties count the new text only; HF's repetition penalty and n-gram ban
     read the whole sequence; logit_bias adds."""

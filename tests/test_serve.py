@@ -703,3 +703,56 @@ def test_engine_refuses_beam_search_it_cannot_do():
         Generation([1, 2], 5, noop, mem_len=8, num_beams=2, temperature=0.0, logprobs=1)
     with pytest.raises(ValueError, match="num_beams = 0"):
         Generation([1, 2], 5, noop, mem_len=8, num_beams=0, temperature=0.0)
+
+
+def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
+    """A beam search is one step per engine loop: a greedy request sent after it finishes before the search's first
+    token, two searches run at once and each gives beam_search's text, and a cancelled search stops at its next
+    step (no tokens, finish_reason stop) instead of searching its whole max_new_tokens."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+    from txl.generation import beam_search
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config()).eval()
+    calls = []
+    hook = model.transformer.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    engine = Engine(model, max_batch=4)
+    events, got, ended = [], {}, {}
+    lock = threading.Lock()
+
+    def request(name, prompt, n, **kw):
+        got[name], ended[name] = [], threading.Event()
+
+        def emit(t):
+            with lock:
+                events.append((name, t))
+            (ended[name].set() if t is None else got[name].append(t))
+
+        return Generation(prompt, n, emit, mem_len=16, temperature=0.0, **kw)
+
+    beams = [request("beam-a", [1, 2, 3], 40, num_beams=3), request("beam-b", [4, 5], 30, num_beams=2)]
+    greedy = request("greedy", [6, 7, 8], 5)
+    for r in (*beams, greedy):
+        engine.submit(r)
+    for e in ended.values():
+        assert e.wait(60)
+    firsts = {name: next(i for i, (n, _) in enumerate(events) if n == name) for name in got}
+    assert events.index(("greedy", None)) < min(firsts["beam-a"], firsts["beam-b"])
+    for r, (prompt, n, k) in zip(beams, [([1, 2, 3], 40, 3), ([4, 5], 30, 2)], strict=True):
+        best = beam_search(model, torch.tensor([prompt]), n, num_beams=k, mem_len=16)[0, len(prompt) :].tolist()
+        assert r.output_ids == best and r.finish_reason == "length"
+
+    calls.clear()
+    slow = request("cancelled", [1, 2, 3], 10_000, num_beams=2)
+
+    def cancel_soon(mod, args, out):
+        if len(calls) == 5:
+            slow.cancel()
+
+    canceller = model.transformer.register_forward_hook(cancel_soon)
+    engine.submit(slow)
+    assert ended["cancelled"].wait(60)
+    engine.shutdown()
+    hook.remove(), canceller.remove()
+    assert slow.finish_reason == "stop" and got["cancelled"] == [] and 5 <= len(calls) <= 7

@@ -7,8 +7,9 @@ once; a finished or cancelled request leaves between two steps (:meth:`KVCache.s
 memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
 seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
 Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
-A beam search (``num_beams`` > 1, :func:`txl.generation.beam_search`) runs whole between two decoding steps, as a
-job does, and then emits its best text token by token.
+A beam search (``num_beams`` > 1, :func:`txl.generation.beam_steps`) is a batch of its own, one step of it beside
+each decoding step of the others (at most ``max_batch`` searches at once); when it ends it emits its best text token
+by token, and a cancelled one stops at its next step.
 A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
 new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
 (``prompt_logprobs``, from the prompt's own forward pass).
@@ -21,14 +22,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from txl.generation import Penalties, beam_search, check_sampling, choose, stream
+from txl.generation import Penalties, beam_steps, check_sampling, choose, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
 
@@ -140,6 +141,7 @@ class Engine:
         self.batched = supports_kv_cache(model.config)
         self._waiting: deque[Generation | tuple[Callable[[], Any], Future]] = deque()
         self._batches: dict[int, _Batch] = {}
+        self._searches: list[tuple[Generation, Generator[None, None, torch.Tensor]]] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="txl-engine", daemon=True)
@@ -149,8 +151,8 @@ class Engine:
 
     @property
     def active(self) -> int:
-        """Requests being generated now."""
-        return sum(len(b.rows) for b in self._batches.values())
+        """Requests being generated now (a beam search counts once)."""
+        return sum(len(b.rows) for b in self._batches.values()) + len(self._searches)
 
     @property
     def waiting(self) -> int:
@@ -184,9 +186,8 @@ class Engine:
         while self._thread.is_alive() and (self.active or self._waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
         with self._cond:
-            for batch in self._batches.values():
-                for row in batch.rows:
-                    row.cancel()
+            for row in [r for b in self._batches.values() for r in b.rows] + [r for r, _ in self._searches]:
+                row.cancel()
             self._cond.notify()
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
 
@@ -200,18 +201,19 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._batches and not self._stopping:
+                while not self._waiting and not self._batches and not self._searches and not self._stopping:
                     self._cond.wait()
-                if self._stopping and not self._batches and not self._waiting:
+                if self._stopping and not self._batches and not self._searches and not self._waiting:
                     return
                 admitted, joining = [], {}
                 while self._waiting and (
-                    self._runs_whole(self._waiting[0]) or self._has_room(self._waiting[0], joining)
+                    isinstance(self._waiting[0], tuple) or self._has_room(self._waiting[0], joining)
                 ):
                     item = self._waiting.popleft()
                     admitted.append(item)
-                    if not self._runs_whole(item):
-                        joining[item.mem_len] = joining.get(item.mem_len, 0) + 1
+                    if not isinstance(item, tuple):
+                        key = "beams" if item.num_beams > 1 else item.mem_len
+                        joining[key] = joining.get(key, 0) + 1
             for item in admitted:
                 if isinstance(item, tuple):
                     self._run_job(*item)
@@ -223,14 +225,14 @@ class Engine:
                     self._start(item)
             for mem_len in list(self._batches):
                 self._step(mem_len)
+            for search in list(self._searches):
+                self._search_step(*search)
 
-    @staticmethod
-    def _runs_whole(item) -> bool:
-        """A job (``call``) or a beam search: run whole, between two decoding steps."""
-        return isinstance(item, tuple) or item.num_beams > 1
-
-    def _has_room(self, request: Generation, joining: dict[int, int]) -> bool:
-        """Whether the request's batch has a free row (counting the requests admitted with it)."""
+    def _has_room(self, request: Generation, joining: dict[int | str, int]) -> bool:
+        """Whether the request's batch has a free row (counting the requests admitted with it); a beam search,
+        whether fewer than ``max_batch`` run."""
+        if request.num_beams > 1:
+            return len(self._searches) + joining.get("beams", 0) < self.max_batch
         if not self.batched:
             return self.active == 0 and not joining
         batch = self._batches.get(request.mem_len)
@@ -325,22 +327,41 @@ class Engine:
             batch.last = torch.cat([batch.last, last])
 
     def _search(self, request: Generation) -> None:
-        """A beam search, whole (its beams are a batch of their own); then its best text, token by token."""
+        """Start a beam search (its beams are a batch of their own): its prompt now, one step per loop after."""
         if request.cancelled or request.max_new_tokens == 0:
             self._finish(request, "stop" if request.cancelled else "length")
             return
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        steps = beam_steps(
+            self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
+            length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
+        )  # fmt: skip
+        self._searches.append((request, steps))
+        self._search_step(request, steps)
+
+    def _search_step(self, request: Generation, steps: Generator[None, None, torch.Tensor]) -> None:
+        """One step of a beam search; when it ends, its best text, token by token. A cancelled one stops here."""
+        if request.cancelled:
+            steps.close()
+            self._drop_search(request)
+            self._finish(request, "shutdown" if self._stopping else "stop")
+            return
         try:
-            found = beam_search(
-                self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
-                length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
-            )  # fmt: skip
+            next(steps)
+            return
+        except StopIteration as end:
+            found = end.value[0, len(request.prompt_ids) :].tolist()  # (no end-of-text token: max_new_tokens of them)
         except Exception as e:  # a bad request must not stop the engine
+            self._drop_search(request)
             self._finish(request, "error", str(e))
             return
-        for token in found[0, ids.shape[1] :].tolist():  # (no end-of-text token: max_new_tokens of them)
+        self._drop_search(request)
+        for token in found:
             if not self._emit(request, token):
                 return
+
+    def _drop_search(self, request: Generation) -> None:
+        self._searches = [s for s in self._searches if s[0] is not request]
 
     def _alone(self, request: Generation, ids: torch.Tensor) -> None:
         """Generation without a K/V cache (absolute positions): the whole request, one token at a time."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,8 +234,27 @@ def stream(
         model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
 
 
-@torch.no_grad()
-def beam_search(
+def beam_search(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
+    """Beam search as Hugging Face's ``generate(num_beams=...)`` does it, on the K/V cache (reordered with the beams).
+
+    Each step extends every one of the ``num_beams`` sequences of a prompt by every token, scored by the sum of
+    their log-probabilities (after ``penalties``), and keeps the best ``num_beams`` that do not end with an
+    ``eos_token_ids`` token; one that does (among the best ``num_beams``) is a finished hypothesis, scored by its sum
+    over its new length (``eos`` included) to the power ``length_penalty``. A prompt is done when ``num_beams``
+    hypotheses are finished and (``early_stopping=False``) none of its running sequences can beat the worst of them.
+    Returns the best ``num_return_sequences`` hypotheses per prompt [B * n, T + new], the shorter ones followed by an
+    eos and then ``pad_id``. The keyword arguments are :func:`beam_steps`'.
+    """
+    steps = beam_steps(model, input_ids, max_new_tokens, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+@torch.no_grad()  # (on a generator: gradients off while it runs, the caller's own setting between its steps)
+def beam_steps(
     model: TransformerXLLM,
     input_ids: Tensor,
     max_new_tokens: int,
@@ -250,17 +269,12 @@ def beam_search(
     padding: Tensor | None = None,
     mems: list[Tensor] | None = None,
     penalties: Penalties | None = None,
-) -> Tensor:
-    """Beam search as Hugging Face's ``generate(num_beams=...)`` does it, on the K/V cache (reordered with the beams).
-
-    Each step extends every one of the ``num_beams`` sequences of a prompt by every token, scored by the sum of
-    their log-probabilities (after ``penalties``), and keeps the best ``num_beams`` that do not end with an
-    ``eos_token_ids`` token; one that does (among the best ``num_beams``) is a finished hypothesis, scored by its sum
-    over its new length (``eos`` included) to the power ``length_penalty``. A prompt is done when ``num_beams``
-    hypotheses are finished and (``early_stopping=False``) none of its running sequences can beat the worst of them.
-    Returns the best ``num_return_sequences`` hypotheses per prompt [B * n, T + new], the shorter ones followed by an
-    eos and then ``pad_id``.
-    """
+) -> Generator[None, None, Tensor]:
+    """:func:`beam_search` one model call at a time: the generator yields after each call (the prompt's, then one per
+    new token) and returns the result (``StopIteration.value``), so a caller can run other work between two steps
+    or stop the search (``close()``). Arguments and result as :func:`beam_search`'s. Until it ends or is closed the
+    model stays in eval mode and a :func:`~txl.modeling.transposed_weights` scope stays open: do not train the model
+    between two steps."""
     if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"beam search needs num_beams >= 2 and 1 <= num_return_sequences <= num_beams ({num_beams})")
     if not supports_kv_cache(model.config):
@@ -286,6 +300,7 @@ def beam_search(
             model.transformer.fill_cache(cache, [m.repeat_interleave(K, 0) for m in mems], mem_len)
         with transposed_weights():
             h = model.transformer(seq, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+            yield
             beam_scores = torch.zeros(B, K, device=dev)
             beam_scores[:, 1:] = -1e9  # (the K copies of a prompt: only the first one's continuations at first)
             beam_scores = beam_scores.view(-1)  # [B * K]
@@ -342,6 +357,7 @@ def beam_search(
                 cache.select(rows)
                 with fp32_route(False):  # (products of a few rows: 3x slower routed)
                     h = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+                yield
     finally:
         model.train(was_training)
     new_len = seq.shape[1] - T

@@ -79,7 +79,8 @@ class GenerateRequest(OpenAIPenalties):
     num_beams: int = Field(
         1, ge=1, description="Beam search with this many beams, as Hugging Face's generate() (needs temperature 0; "
         "at most the server's max_batch): the likeliest text of max_new_tokens tokens, cut before the first stop "
-        "string; it runs whole before its first token is sent, and holds the other requests meanwhile."
+        "string; its first token is sent when the search ends, other requests go on meanwhile (a step of each "
+        "beside each step of the search), and a streaming client that leaves stops it."
     )  # fmt: skip
     length_penalty: float = Field(
         1.0, description="Beam search: a finished text's score is its log-probability over its length to this power."
