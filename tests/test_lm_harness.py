@@ -154,7 +154,7 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
 
 def test_generate_until_takes_hugging_faces_generation_kwargs(harness_run, capsys):
     """A task's num_beams is beam search (each prompt's best beam, cut at the stop), repetition_penalty and
-    no_repeat_ngram_size are the penalties; a kwarg the model does not use is named once."""
+    no_repeat_ngram_size are the penalties; a kwarg the model does not use is named once, so is beam sampling."""
     from txl.generation import Penalties, beam_search
     from txl.lm_harness import TransformerXLHarnessLM
 
@@ -168,6 +168,9 @@ def test_generate_until_takes_hugging_faces_generation_kwargs(harness_run, capsy
                                            "no_repeat_ngram_size": 2, "typical_p": 0.9})  # fmt: skip
     harness.generate(prompts[:1], {"until": [], "max_gen_toks": 2, "typical_p": 0.9})
     assert capsys.readouterr().err.count("generation_kwargs typical_p not used by the txl model") == 1
+    for _ in range(2):
+        harness.generate(prompts[:1], {"until": [], "max_gen_toks": 2, "do_sample": True, "num_beams": 2})
+    assert capsys.readouterr().err.count("num_beams 2 with do_sample (beam sampling) is not implemented") == 1
     beam_differs = penalty_differs = 0
     for p, got_beam, got_penalised in zip(prompts, searched, penalised, strict=True):
         ids = torch.tensor([p])

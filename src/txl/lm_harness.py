@@ -16,8 +16,8 @@ folder, step-N checkpoint or model folder), ``tgt_len``, ``mem_len``, ``clamp_le
   ``do_sample``; the text stops before the first stop sequence (``until``). The task's ``generation_kwargs`` that
   Hugging Face's ``generate()`` also takes: ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
   ``no_repeat_ngram_size``, and ``num_beams`` (with ``length_penalty``, ``early_stopping``: Hugging Face's beam
-  search, which searches the whole ``max_gen_toks`` before the best text is cut at a stop sequence); any other is
-  named in a note and not used.
+  search, which searches the whole ``max_gen_toks`` before the best text is cut at a stop sequence; with
+  ``do_sample``, sampling without beams, said in a note); any other is named in a note and not used.
 """
 
 from __future__ import annotations
@@ -235,6 +235,14 @@ class TransformerXLHarnessLM(LM):
         if unused:
             self._noted.update(unused)
             print(f"txl: note: generation_kwargs {', '.join(unused)} not used by the txl model", file=sys.stderr)
+        beams = int(kwargs.get("num_beams", 1) or 1)
+        if beams > 1 and sample and "beam sampling" not in self._noted:
+            self._noted.add("beam sampling")
+            print(
+                f"txl: note: num_beams {beams} with do_sample (beam sampling) is not implemented in txl: sampled "
+                "without beams (do_sample false searches with beams)",
+                file=sys.stderr,
+            )
         penalties = Penalties(
             repetition_penalty=float(kwargs.get("repetition_penalty", 1.0) or 1.0),
             no_repeat_ngram_size=int(kwargs.get("no_repeat_ngram_size", 0) or 0),
@@ -247,7 +255,6 @@ class TransformerXLHarnessLM(LM):
         ids, padding = ids.to(self._device), pad.to(self._device) if bool(pad.any()) else None
         texts, done = [""] * len(prompts), [False] * len(prompts)
         decoders = [self.tokenizer.stream_decoder() for _ in prompts]
-        beams = int(kwargs.get("num_beams", 1) or 1)
         with autocast(self._device, self.precision):
             if beams > 1 and not sample:
                 found = beam_search(
