@@ -707,8 +707,9 @@ def test_engine_refuses_beam_search_it_cannot_do():
 
 def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
     """A beam search is one step per engine loop: a greedy request sent after it finishes before the search's first
-    token, two searches run at once and each gives beam_search's text, and a cancelled search stops at its next
-    step (no tokens, finish_reason stop) instead of searching its whole max_new_tokens."""
+    token, two searches run at once and each gives beam_search's text, a search waits while the running searches'
+    beams fill max_batch rows, and a cancelled search stops at its next step (no tokens, finish_reason stop)
+    instead of searching its whole max_new_tokens."""
     from tests.conftest import debug_config
     from txl import TransformerXLLM
     from txl.generation import beam_search
@@ -717,7 +718,7 @@ def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
     model = TransformerXLLM(debug_config()).eval()
     calls = []
     hook = model.transformer.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
-    engine = Engine(model, max_batch=4)
+    engine = Engine(model, max_batch=8)
     events, got, ended = [], {}, {}
     lock = threading.Lock()
 
@@ -739,9 +740,19 @@ def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
         assert e.wait(60)
     firsts = {name: next(i for i, (n, _) in enumerate(events) if n == name) for name in got}
     assert events.index(("greedy", None)) < min(firsts["beam-a"], firsts["beam-b"])
+    assert calls.index(2) < len(calls) - 1 - calls[::-1].index(3)  # (the searches' steps (2 and 3 rows) interleave)
     for r, (prompt, n, k) in zip(beams, [([1, 2, 3], 40, 3), ([4, 5], 30, 2)], strict=True):
         best = beam_search(model, torch.tensor([prompt]), n, num_beams=k, mem_len=16)[0, len(prompt) :].tolist()
         assert r.output_ids == best and r.finish_reason == "length"
+
+    engine.shutdown()
+
+    engine = Engine(model, max_batch=4)  # (3 + 2 beams do not fit in 4 rows: the second search waits)
+    calls.clear()
+    for name, k in (("full-a", 3), ("full-b", 2)):
+        engine.submit(request(name, [1, 2, 3], 12, num_beams=k))
+    assert ended["full-a"].wait(60) and ended["full-b"].wait(60)
+    assert calls == [3] * 12 + [2] * 12  # (the model's calls: rows of each step, one search after the other)
 
     calls.clear()
     slow = request("cancelled", [1, 2, 3], 10_000, num_beams=2)

@@ -8,8 +8,8 @@ memory lengths run in separate batches, taken in turn. Each request samples with
 seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
 Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
 A beam search (``num_beams`` > 1, :func:`txl.generation.beam_steps`) is a batch of its own, one step of it beside
-each decoding step of the others (at most ``max_batch`` searches at once); when it ends it emits its best text token
-by token, and a cancelled one stops at its next step.
+each decoding step of the others (the running searches' beams at most ``max_batch`` rows in all); when it ends it
+emits its best text token by token, and a cancelled one stops at its next step.
 A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
 new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
 (``prompt_logprobs``, from the prompt's own forward pass).
@@ -212,8 +212,8 @@ class Engine:
                     item = self._waiting.popleft()
                     admitted.append(item)
                     if not isinstance(item, tuple):
-                        key = "beams" if item.num_beams > 1 else item.mem_len
-                        joining[key] = joining.get(key, 0) + 1
+                        key, rows = ("beams", item.num_beams) if item.num_beams > 1 else (item.mem_len, 1)
+                        joining[key] = joining.get(key, 0) + rows
             for item in admitted:
                 if isinstance(item, tuple):
                     self._run_job(*item)
@@ -230,9 +230,10 @@ class Engine:
 
     def _has_room(self, request: Generation, joining: dict[int | str, int]) -> bool:
         """Whether the request's batch has a free row (counting the requests admitted with it); a beam search,
-        whether fewer than ``max_batch`` run."""
+        whether its beams fit beside the running searches' in ``max_batch`` rows (their caches, like a batch's)."""
         if request.num_beams > 1:
-            return len(self._searches) + joining.get("beams", 0) < self.max_batch
+            running = sum(r.num_beams for r, _ in self._searches) + joining.get("beams", 0)
+            return running + request.num_beams <= self.max_batch
         if not self.batched:
             return self.active == 0 and not joining
         batch = self._batches.get(request.mem_len)
