@@ -765,5 +765,6 @@ def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
     engine.submit(slow)
     assert ended["cancelled"].wait(60)
     engine.shutdown()
-    hook.remove(), canceller.remove()
+    hook.remove()
+    canceller.remove()
     assert slow.finish_reason == "stop" and got["cancelled"] == [] and 5 <= len(calls) <= 7

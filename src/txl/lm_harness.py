@@ -103,7 +103,7 @@ class TransformerXLHarnessLM(LM):
         self.batch_size = _int(batch_size, "batch_size", 8)
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
         self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)
-        self._noted: set[str] = set()  # generation_kwargs already named as unused
+        self._noted: set[str] = set()  # notes given once: unused generation_kwargs, "beam sampling"
 
     def _encode(self, text: str, where: str) -> list[int]:
         try:
