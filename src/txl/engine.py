@@ -5,24 +5,35 @@ own :class:`~txl.modeling.KVCache`, then the cache joins the running batch (:met
 right-aligned, so each row computes what it would alone); every decoding step runs one token for every row at
 once; a finished or cancelled request leaves between two steps (:meth:`KVCache.select`). Requests with different
 memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
-seed gives the same tokens whatever else is running. Other work (scoring a text) is a job run between two steps.
-Models whose keys cannot be cached (absolute positions, attn_type 2 and 3) generate one request at a time.
+seed gives the same tokens whatever else is running. Other work is a job: run whole between two steps, or (a
+scored text) one segment per step beside the generations. Models whose keys cannot be cached (absolute positions,
+attn_type 2 and 3) generate one request at a time, a token per step.
 A beam search (``num_beams`` > 1, :func:`txl.generation.beam_steps`) is a batch of its own, one step of it beside
-each decoding step of the others (the running searches' beams at most ``max_batch`` rows in all); when it ends it
-emits its best text token by token, and a cancelled one stops at its next step.
+each decoding step of the others; when it ends it emits its best text token by token, and a cancelled one stops at
+its next step.
+One cap holds for all of it: at most ``max_batch`` rows in flight (a generation is a row, a beam search one per beam,
+a scored text one), whatever their memory lengths; the rest waits, first come first served, in a queue of at most
+``max_queue`` (:class:`QueueFull` beyond).
 A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
 new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
 (``prompt_logprobs``, from the prompt's own forward pass).
+
+Failures stay with their request: whatever goes wrong in one request's step (sampling, penalties that leave no
+token, non-finite log-probabilities, a beam step, a caller whose callback raises) ends that request alone with
+``finish_reason`` error; a failing model call ends the batch it ran. :meth:`Engine.drain` ends the engine's work
+cleanly (no new work, a grace time, then finish_reason shutdown for what is left).
 
 The engine knows nothing about HTTP: tokens go to a callback, from the engine's thread.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +56,16 @@ class QueueFull(RuntimeError):
 
 
 class EngineStopped(RuntimeError):
-    """The engine is shutting down."""
+    """The engine is shutting down (or has failed): it takes no more work."""
+
+
+class RequestError(ValueError):
+    """What ends one request (and only it) with an error: ``status`` 400 when the request asked for something that
+    cannot be done (every token ruled out by its penalties), 500 when the model failed it (non-finite scores)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -74,6 +94,8 @@ class Generation:
     finish_reason: str | None = None
     """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
     error: str | None = None
+    error_status: int = 500
+    """With finish_reason error: 400 if the request asked for what cannot be done, 500 if the server failed it."""
     _cancelled: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator = field(init=False)
     produced: int = 0
@@ -129,128 +151,294 @@ class _Batch:
     last: torch.Tensor  # [B] the last token of every row
 
 
-class Engine:
-    """Runs generation requests (batched, up to ``max_batch`` rows per memory length) and jobs on one thread."""
+@dataclass
+class _Job:
+    """Work other than a generation, on the engine's thread: ``fn()`` run whole between two decoding steps, or (with
+    ``stepped``) ``fn()`` making a generator that is advanced one step per engine loop and returns the result."""
 
-    def __init__(self, model: TransformerXLLM, *, max_batch: int = 8, max_queue: int = 64):
+    fn: Callable[[], Any]
+    future: Future
+    stepped: bool
+    steps: Generator[None, None, Any] | None = None
+
+
+class Engine:
+    """Runs generation requests and jobs on one thread, at most ``max_batch`` rows in flight in all (a generation is
+    a row, a beam search one per beam, a stepped job one; a model without a K/V cache generates one request at a
+    time) and at most ``max_queue`` requests waiting for room. A failing request ends alone; if the thread itself
+    fails, every request ends with an error, ``failure`` says why, ``on_failure(failure)`` is called and no more
+    work is taken."""
+
+    def __init__(
+        self,
+        model: TransformerXLLM,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        on_failure: Callable[[str], None] | None = None,
+    ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.model = model.eval()
         self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batched = supports_kv_cache(model.config)
-        self._waiting: deque[Generation | tuple[Callable[[], Any], Future]] = deque()
+        self.on_failure = on_failure
+        self.failure: str | None = None
+        """Why the engine's thread failed (None while it runs)."""
+        # Only the engine's thread touches these four; other threads read the published counts.
         self._batches: dict[int, _Batch] = {}
         self._searches: list[tuple[Generation, Generator[None, None, torch.Tensor]]] = []
+        self._solos: list[tuple[Generation, Iterator[torch.Tensor]]] = []  # (without a K/V cache: one at a time)
+        self._jobs: list[_Job] = []
+        # Shared, under the lock:
         self._cond = threading.Condition()
-        self._stopping = False
+        self._waiting: deque[Generation | _Job] = deque()
+        self._counts = (0, 0)  # (requests, rows) in flight, as the engine's thread last published them
+        self._draining = False  # no new work is taken
+        self._cut = False  # what is left ends now (finish_reason shutdown)
+        self._stopping = False  # the thread ends once nothing is left
         self._thread = threading.Thread(target=self._run, name="txl-engine", daemon=True)
         self._thread.start()
 
-    # -- the caller's side ------------------------------------------------------------------------------------
+    # -- the caller's side (any thread) -----------------------------------------------------------------------
 
     @property
     def active(self) -> int:
-        """Requests being generated now (a beam search counts once)."""
-        return sum(len(b.rows) for b in self._batches.values()) + len(self._searches)
+        """Requests in flight (a beam search and a scored text count once each)."""
+        with self._cond:
+            return self._counts[0]
+
+    @property
+    def rows(self) -> int:
+        """Rows in flight, of at most ``max_batch``."""
+        with self._cond:
+            return self._counts[1]
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def draining(self) -> bool:
+        with self._cond:
+            return self._draining
 
     def submit(self, request: Generation) -> None:
-        """Queue a generation; raises :class:`QueueFull` when ``max_queue`` requests already wait."""
+        """Queue a generation; raises :class:`QueueFull` when ``max_queue`` requests already wait and
+        :class:`EngineStopped` when the engine takes no more work."""
+        if self._cost(request) > self.max_batch:
+            raise ValueError(f"num_beams = {request.num_beams}: more rows than max_batch {self.max_batch}")
         self._put(request)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn()`` on the engine's thread between two decoding steps; its result (or error) in the future."""
-        fut: Future = Future()
-        self._put((fn, fut))
-        return fut
+        return self._put(_Job(fn, Future(), stepped=False))
 
-    def _put(self, item) -> None:
+    def call_steps(self, make: Callable[[], Generator[None, None, Any]]) -> Future:
+        """Run the generator ``make()`` on the engine's thread, one step per engine loop (each generation running
+        meanwhile makes a token between two steps), as one of the ``max_batch`` rows; the value it returns (or its
+        error) in the future."""
+        return self._put(_Job(make, Future(), stepped=True))
+
+    def _put(self, item: Generation | _Job) -> Future | None:
         with self._cond:
-            if self._stopping:
+            if self.failure is not None:
+                raise EngineStopped(f"the engine failed ({self.failure}); restart the server")
+            if self._draining:
                 raise EngineStopped("the server is shutting down")
-            if len(self._waiting) >= self.max_queue and (self.active >= self.max_batch or self._waiting):
+            if len(self._waiting) >= self.max_queue and (self._counts[1] >= self.max_batch or self._waiting):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
             self._waiting.append(item)
-            self._cond.notify()
+            self._cond.notify_all()
+        return item.future if isinstance(item, _Job) else None
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Let the running requests finish (at most ``timeout`` seconds), then cancel what is left and stop."""
+    def drain(self, timeout: float) -> bool:
+        """Take no more work (:class:`EngineStopped`); let what was taken, running or waiting, finish for at most
+        ``timeout`` seconds, then end what is left (generations with finish_reason ``shutdown``, jobs with
+        :class:`EngineStopped`). Whether everything finished by itself in time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while not self._idle() and self._thread.is_alive() and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            finished = self._idle()
+            if not finished:
+                self._cut = True
+                self._cond.notify_all()
+                ends = time.monotonic() + 30  # (the next step ends every row)
+                while not self._idle() and self._thread.is_alive() and time.monotonic() < ends:
+                    self._cond.wait(0.1)
+        return finished
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """:meth:`drain` for at most ``timeout`` seconds, then stop the thread. Whether everything had finished."""
+        finished = self.drain(timeout)
         with self._cond:
             self._stopping = True
-            self._cond.notify()
-        deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and (self.active or self._waiting) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with self._cond:
-            for row in [r for b in self._batches.values() for r in b.rows] + [r for r, _ in self._searches]:
-                row.cancel()
-            self._cond.notify()
-        self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        return finished
+
+    def _idle(self) -> bool:
+        return self._counts[0] == 0 and not self._waiting
 
     # -- the engine's thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        with transposed_weights():  # (a served model's weights are fixed)
-            self._loop()
+        try:
+            with transposed_weights():  # (a served model's weights are fixed)
+                self._loop()
+        except BaseException as e:  # noqa: B036 - every request is ended and the failure reported below
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """The thread failed outside any one request: end everything with an error and take no more work."""
+        print(f"txl serve: the engine failed: {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
+        with self._cond:
+            self.failure = f"{type(e).__name__}: {e}"
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            rows = [r for b in self._batches.values() for r in b.rows]
+            rows += [r for r, _ in self._searches] + [r for r, _ in self._solos]
+            jobs = self._jobs + [w for w in waiting if isinstance(w, _Job)]
+            self._batches, self._searches, self._solos, self._jobs = {}, [], [], []
+            self._counts = (0, 0)
+            self._cond.notify_all()
+        for row in rows + [w for w in waiting if isinstance(w, Generation)]:
+            self._finish(row, "error", f"the engine failed ({self.failure})", 500)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(EngineStopped(f"the engine failed ({self.failure})"))
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
+
+    def _running(self) -> bool:
+        return bool(self._batches or self._searches or self._solos or self._jobs)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._batches and not self._searches and not self._stopping:
+                while not self._waiting and not self._running() and not self._stopping and not self._cut:
                     self._cond.wait()
-                if self._stopping and not self._batches and not self._searches and not self._waiting:
+                if self._stopping and not self._running() and not self._waiting:
                     return
-                admitted, joining = [], {}
-                while self._waiting and (
-                    isinstance(self._waiting[0], tuple) or self._has_room(self._waiting[0], joining)
-                ):
-                    item = self._waiting.popleft()
-                    admitted.append(item)
-                    if not isinstance(item, tuple):
-                        key, rows = ("beams", item.num_beams) if item.num_beams > 1 else (item.mem_len, 1)
-                        joining[key] = joining.get(key, 0) + rows
+                admitted = self._admit()
+                cut = self._cut
             for item in admitted:
-                if isinstance(item, tuple):
-                    self._run_job(*item)
-                elif self._stopping:
+                if isinstance(item, _Job):
+                    self._start_job(item)
+                elif cut:
                     self._finish(item, "shutdown")
                 elif item.num_beams > 1:
                     self._search(item)
+                elif not self.batched:
+                    self._solo(item)
                 else:
                     self._start(item)
+            if cut:
+                for row in self._rows_running():
+                    row.cancel()
+            self._publish()
             for mem_len in list(self._batches):
                 self._step(mem_len)
             for search in list(self._searches):
                 self._search_step(*search)
+            for solo in list(self._solos):
+                self._solo_step(*solo)
+            for job in list(self._jobs):
+                self._job_step(job)
+            self._publish()
 
-    def _has_room(self, request: Generation, joining: dict[int | str, int]) -> bool:
-        """Whether the request's batch has a free row (counting the requests admitted with it); a beam search,
-        whether its beams fit beside the running searches' in ``max_batch`` rows (their caches, like a batch's)."""
-        if request.num_beams > 1:
-            running = sum(r.num_beams for r, _ in self._searches) + joining.get("beams", 0)
-            return running + request.num_beams <= self.max_batch
-        if not self.batched:
-            return self.active == 0 and not joining
-        batch = self._batches.get(request.mem_len)
-        return (len(batch.rows) if batch else 0) + joining.get(request.mem_len, 0) < self.max_batch
+    def _cost(self, item: Generation | _Job) -> int:
+        """The rows of ``max_batch`` that a request takes while it runs."""
+        if isinstance(item, _Job):
+            return int(item.stepped)
+        if item.num_beams > 1:
+            return item.num_beams
+        return 1 if self.batched else self.max_batch
 
-    @staticmethod
-    def _run_job(fn: Callable[[], Any], fut: Future) -> None:
-        if not fut.set_running_or_notify_cancel():
+    def _rows_running(self) -> list[Generation]:
+        rows = [r for b in self._batches.values() for r in b.rows]
+        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos]
+
+    def _admit(self) -> list[Generation | _Job]:
+        """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
+        the engine is cut: they end at once). Called with the lock held."""
+        rows = self._counts_now()[1]
+        admitted = []
+        while self._waiting:
+            cost = 0 if self._cut else self._cost(self._waiting[0])
+            if rows + cost > self.max_batch:
+                break
+            rows += cost
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _counts_now(self) -> tuple[int, int]:
+        requests = sum(len(b.rows) for b in self._batches.values()) + len(self._searches) + len(self._solos)
+        rows = sum(len(b.rows) for b in self._batches.values()) + sum(r.num_beams for r, _ in self._searches)
+        stepped = len(self._jobs)
+        return requests + stepped, rows + len(self._solos) * self.max_batch + stepped
+
+    def _publish(self) -> None:
+        counts = self._counts_now()
+        with self._cond:
+            self._counts = counts
+            self._cond.notify_all()
+
+    def _start_job(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self._cut:
+            job.future.set_exception(EngineStopped("the server is shutting down"))
             return
         try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: B036 - handed to the caller
-            fut.set_exception(e)
+            if not job.stepped:
+                job.future.set_result(job.fn())
+                return
+            job.steps = job.fn()
+        except Exception as e:  # handed to the caller
+            job.future.set_exception(e)
+            return
+        self._jobs.append(job)
 
-    def _finish(self, request: Generation, reason: str, error: str | None = None) -> None:
-        request.finish_reason, request.error = reason, error
-        request.emit(None)
+    def _job_step(self, job: _Job) -> None:
+        """One step of a stepped job; its result or error goes to its future."""
+        if self._cut:
+            job.steps.close()
+            self._jobs.remove(job)
+            job.future.set_exception(EngineStopped("the server is shutting down"))
+            return
+        try:
+            next(job.steps)
+            return
+        except StopIteration as end:
+            job.future.set_result(end.value)
+        except Exception as e:  # handed to the caller
+            job.future.set_exception(e)
+        self._jobs.remove(job)
+
+    def _finish(self, request: Generation, reason: str, error: str | None = None, status: int = 500) -> None:
+        request.finish_reason, request.error, request.error_status = reason, error, status
+        try:
+            request.emit(None)
+        except Exception:  # noqa: S110 - the caller is gone: nothing is waiting for the end
+            pass
+
+    def _fail(self, request: Generation, e: Exception) -> None:
+        """End one request with an error (the engine and the other requests go on)."""
+        status = e.status if isinstance(e, RequestError) else 500
+        self._finish(request, "error", str(e) or type(e).__name__, status)
+
+    @property
+    def _ended(self) -> str:
+        """The finish_reason of a cancelled request: shutdown once the engine is cut, stop otherwise."""
+        return "shutdown" if self._cut else "stop"
 
     def _emit(self, request: Generation, token: int) -> bool:
         """Give the caller a token; whether the request goes on."""
@@ -258,7 +446,7 @@ class Engine:
         request.output_ids.append(token)
         request.emit(token)
         if request.cancelled:
-            self._finish(request, "shutdown" if self._stopping else "stop")
+            self._finish(request, self._ended)
             return False
         if request.produced >= request.max_new_tokens:
             self._finish(request, "length")
@@ -266,13 +454,22 @@ class Engine:
         return True
 
     def _sample(self, request: Generation, log_probs: torch.Tensor) -> int:
-        """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them)."""
+        """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them). Raises
+        :class:`RequestError` for non-finite log-probabilities and for penalties that leave no token."""
+        n = request.produced + 1
+        if not bool(torch.isfinite(log_probs).all()):
+            raise RequestError(f"the model gave non-finite log-probabilities for new token {n}", 500)
         scores = log_probs
         if request.penalties.any:
             history = torch.tensor(
                 [request.prompt_ids + request.output_ids], dtype=torch.long, device=self.device
             )  # [1, L]
             scores = request.penalties.apply(log_probs, history, len(request.prompt_ids))
+            if not bool((scores > float("-inf")).any()):
+                raise RequestError(
+                    f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) rule out "
+                    "every one; ask for fewer tokens or relax them", 400,
+                )  # fmt: skip
         token = choose(scores, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
         if request.logprobs is not None:
             request.scores += token_scores(log_probs, token, request.logprobs)
@@ -284,22 +481,24 @@ class Engine:
         rows = max(1, (1 << 24) // self.model.config.n_token)  # (at most 64 MB of log-probabilities at once)
         for start in range(0, len(targets), rows):
             _, log_probs = self.model.crit(hidden[start : start + rows], return_log_probs=True)  # [rows, V]
+            if not bool(torch.isfinite(log_probs).all()):
+                raise RequestError("the model gave non-finite log-probabilities for the prompt", 500)
             request.prompt_scores += token_scores(log_probs, targets[start : start + rows], request.logprobs or 0)
+
+    def _begin(self, request: Generation) -> torch.Tensor | None:
+        """The prompt's ids [1, T] on the model's device; None if the request ends before its prompt is read."""
+        if request.cancelled or request.max_new_tokens == 0 and not request.prompt_logprobs:
+            self._finish(request, self._ended if request.cancelled else "length")
+            return None
+        if request.generator.device != self.device:
+            request.place(self.device)
+        return torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
 
     def _start(self, request: Generation) -> None:
         """Run the prompt, emit the first token, and join the batch of its memory length."""
-        if request.cancelled or request.max_new_tokens == 0 and not request.prompt_logprobs:
-            self._finish(request, "stop" if request.cancelled else "length")
-            return
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        if request.generator.device != self.device:
-            request.place(self.device)
         try:
-            if not self.batched:
-                if request.prompt_logprobs:
-                    out = self.model.transformer(ids, mem_len=request.mem_len)
-                    self._score_prompt(request, out.last_hidden_state[0, :-1])
-                self._alone(request, ids)
+            ids = self._begin(request)
+            if ids is None:
                 return
             dtype = next(self.model.parameters()).dtype
             cache = KVCache(
@@ -313,85 +512,22 @@ class Engine:
                 return
             _, log_probs = self.model.crit(hidden[-1:], return_log_probs=True)  # [1, V]
             token = self._sample(request, log_probs)
-        except Exception as e:  # a bad request must not stop the engine
-            self._finish(request, "error", str(e))
-            return
-        if not self._emit(request, token):
-            return
-        batch = self._batches.get(request.mem_len)
-        last = torch.tensor([token], device=self.device)
-        if batch is None:
-            self._batches[request.mem_len] = _Batch(cache, [request], last)
-        else:
-            batch.cache = KVCache.merge([batch.cache, cache])
-            batch.rows.append(request)
-            batch.last = torch.cat([batch.last, last])
-
-    def _search(self, request: Generation) -> None:
-        """Start a beam search (its beams are a batch of their own): its prompt now, one step per loop after."""
-        if request.cancelled or request.max_new_tokens == 0:
-            self._finish(request, "stop" if request.cancelled else "length")
-            return
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        steps = beam_steps(
-            self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
-            length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
-        )  # fmt: skip
-        self._searches.append((request, steps))
-        self._search_step(request, steps)
-
-    def _search_step(self, request: Generation, steps: Generator[None, None, torch.Tensor]) -> None:
-        """One step of a beam search; when it ends, its best text, token by token. A cancelled one stops here."""
-        if request.cancelled:
-            steps.close()
-            self._drop_search(request)
-            self._finish(request, "shutdown" if self._stopping else "stop")
-            return
-        try:
-            next(steps)
-            return
-        except StopIteration as end:
-            found = end.value[0, len(request.prompt_ids) :].tolist()  # (no end-of-text token: max_new_tokens of them)
-        except Exception as e:  # a bad request must not stop the engine
-            self._drop_search(request)
-            self._finish(request, "error", str(e))
-            return
-        self._drop_search(request)
-        for token in found:
             if not self._emit(request, token):
                 return
-
-    def _drop_search(self, request: Generation) -> None:
-        self._searches = [s for s in self._searches if s[0] is not request]
-
-    def _alone(self, request: Generation, ids: torch.Tensor) -> None:
-        """Generation without a K/V cache (absolute positions): the whole request, one token at a time."""
-        if request.max_new_tokens == 0:
-            self._finish(request, "length")
-            return
-
-        def record(log_probs: torch.Tensor, token: torch.Tensor) -> None:
-            if request.logprobs is not None:
-                request.scores += token_scores(log_probs, token, request.logprobs)
-
-        tokens = stream(
-            self.model,
-            ids,
-            request.max_new_tokens,
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            mem_len=request.mem_len,
-            generator=request.generator,
-            observe=record,
-            penalties=request.penalties,
-        )
-        for token in tokens:
-            if not self._emit(request, int(token)):
-                return
+            batch = self._batches.get(request.mem_len)
+            last = torch.tensor([token], device=self.device)
+            if batch is None:
+                self._batches[request.mem_len] = _Batch(cache, [request], last)
+            else:
+                merged = KVCache.merge([batch.cache, cache])
+                batch.cache, batch.last = merged, torch.cat([batch.last, last])
+                batch.rows.append(request)
+        except Exception as e:  # a bad request must not stop the engine
+            self._fail(request, e)
 
     def _step(self, mem_len: int) -> None:
-        """One token for every row of a batch; finished rows leave it."""
+        """One token for every row of a batch; finished rows leave it. A row that fails ends alone; a model call
+        that fails ends the batch."""
         batch = self._batches[mem_len]
         try:
             with fp32_route(False):  # (products of a few rows: 3x slower routed)
@@ -399,22 +535,118 @@ class Engine:
             hidden = out.last_hidden_state[:, -1]  # [B, D]
             _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [B, V]
         except Exception as e:
-            for row in batch.rows:
-                self._finish(row, "error", str(e))
             del self._batches[mem_len]
+            for row in batch.rows:
+                self._fail(row, e)
             return
         keep, last = [], []
         for i, row in enumerate(batch.rows):
             if row.cancelled:
-                self._finish(row, "shutdown" if self._stopping else "stop")
+                self._finish(row, self._ended)
                 continue
-            token = self._sample(row, log_probs[i : i + 1])
-            if self._emit(row, token):
-                keep.append(i)
-                last.append(token)
-        if not keep:
-            del self._batches[mem_len]
-        elif len(keep) < len(batch.rows):
-            batch.cache.select(keep)
-            batch.rows = [batch.rows[i] for i in keep]
-        batch.last = torch.tensor(last, dtype=torch.long, device=self.device)
+            try:
+                token = self._sample(row, log_probs[i : i + 1])
+                if self._emit(row, token):
+                    keep.append(i)
+                    last.append(token)
+            except Exception as e:
+                self._fail(row, e)
+        kept = [batch.rows[i] for i in keep]
+        try:
+            if not keep:
+                del self._batches[mem_len]
+            elif len(keep) < len(batch.rows):
+                batch.cache.select(keep)
+                batch.rows = kept
+            batch.last = torch.tensor(last, dtype=torch.long, device=self.device)
+        except Exception as e:
+            self._batches.pop(mem_len, None)
+            for row in kept:
+                self._fail(row, e)
+
+    def _search(self, request: Generation) -> None:
+        """Start a beam search (its beams are a batch of their own): its prompt now, one step per loop after."""
+        try:
+            ids = self._begin(request)
+            if ids is None:
+                return
+            steps = beam_steps(
+                self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
+                length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
+            )  # fmt: skip
+        except Exception as e:
+            self._fail(request, e)
+            return
+        self._searches.append((request, steps))
+        self._search_step(request, steps)
+
+    def _search_step(self, request: Generation, steps: Generator[None, None, torch.Tensor]) -> None:
+        """One step of a beam search; when it ends, its best text, token by token. A cancelled one stops here."""
+        try:
+            if request.cancelled:
+                steps.close()
+                self._drop(self._searches, request)
+                self._finish(request, self._ended)
+                return
+            try:
+                next(steps)
+                return
+            except StopIteration as end:
+                found = end.value[0, len(request.prompt_ids) :].tolist()  # (no end-of-text: max_new_tokens of them)
+            self._drop(self._searches, request)
+            for token in found:
+                if not self._emit(request, token):
+                    return
+        except Exception as e:  # a bad request must not stop the engine
+            self._drop(self._searches, request)
+            self._fail(request, e)
+
+    def _solo(self, request: Generation) -> None:
+        """Start a generation without a K/V cache (absolute positions): one token per loop, alone."""
+
+        def record(log_probs: torch.Tensor, token: torch.Tensor) -> None:
+            if request.logprobs is not None:
+                request.scores += token_scores(log_probs, token, request.logprobs)
+
+        try:
+            ids = self._begin(request)
+            if ids is None:
+                return
+            if request.prompt_logprobs:
+                out = self.model.transformer(ids, mem_len=request.mem_len)
+                self._score_prompt(request, out.last_hidden_state[0, :-1])
+            if request.max_new_tokens == 0:
+                self._finish(request, "length")
+                return
+            tokens = stream(
+                self.model, ids, request.max_new_tokens, temperature=request.temperature, top_k=request.top_k,
+                top_p=request.top_p, mem_len=request.mem_len, generator=request.generator, observe=record,
+                penalties=request.penalties,
+            )  # fmt: skip
+        except Exception as e:
+            self._fail(request, e)
+            return
+        self._solos.append((request, tokens))
+        self._solo_step(request, tokens)
+
+    def _solo_step(self, request: Generation, tokens: Iterator[torch.Tensor]) -> None:
+        try:
+            if request.cancelled:
+                self._drop(self._solos, request)
+                self._finish(request, self._ended)
+                return
+            if not self._emit(request, int(next(tokens))):
+                self._drop(self._solos, request)
+        except Exception as e:  # (NonFiniteError from stream among them)
+            self._drop(self._solos, request)
+            self._fail(request, e)
+
+    @staticmethod
+    def _drop(running: list, request: Generation) -> None:
+        """Take a request out of a list of (request, generator), closing its generator."""
+        for i, (r, it) in enumerate(running):
+            if r is request:
+                del running[i]
+                if hasattr(it, "close"):
+                    it.close()
+                return

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +74,27 @@ def autocast(device: torch.device, precision: str):
 
 @torch.no_grad()
 @transposed_weights()  # (the weights are fixed while evaluating: packed copies may be kept)
-def evaluate(
+def evaluate(model: TransformerXLLM, data: np.ndarray | list, **kwargs: Any) -> EvalResult:
+    """Mean NLL over the split ``data`` (an id stream, or lm1b sentence shards), all processes together.
+
+    The stream is cut into ``batch_size`` columns (rows split over the processes of ``world``) and read
+    ``tgt_len`` tokens at a time; each segment attends to the last ``mem_len`` hidden states of its column. With
+    ``cache`` (the default) the memory is kept as its keys and values (:class:`~txl.modeling.KVCache`): the same
+    result without projecting the memory again for every segment. ``return_losses`` also returns every token's
+    NLL in text order (the columns are contiguous pieces of the text, so that is column by column).
+    ``zero_memory``: every column starts from ``mem_len`` zero vectors, as Hugging Face's TransfoXL and the TF code
+    evaluated (their numbers; the first segment reads them as keys), instead of the original PyTorch code's empty
+    memory. The keyword arguments are :func:`evaluate_steps`'.
+    """
+    steps = evaluate_steps(model, data, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def evaluate_steps(
     model: TransformerXLLM,
     data: np.ndarray | list,
     *,
@@ -87,18 +109,11 @@ def evaluate(
     cache: bool = True,
     return_losses: bool = False,
     zero_memory: bool = False,
-) -> EvalResult:
-    """Mean NLL over the split ``data`` (an id stream, or lm1b sentence shards), all processes together.
-
-    The stream is cut into ``batch_size`` columns (rows split over the processes of ``world``) and read
-    ``tgt_len`` tokens at a time; each segment attends to the last ``mem_len`` hidden states of its column. With
-    ``cache`` (the default) the memory is kept as its keys and values (:class:`~txl.modeling.KVCache`): the same
-    result without projecting the memory again for every segment. ``return_losses`` also returns every token's
-    NLL in text order (the columns are contiguous pieces of the text, so that is column by column).
-    ``zero_memory``: every column starts from ``mem_len`` zero vectors, as Hugging Face's TransfoXL and the TF code
-    evaluated (their numbers; the first segment reads them as keys), instead of the original PyTorch code's empty
-    memory.
-    """
+) -> Generator[None, None, EvalResult]:
+    """:func:`evaluate` one segment at a time: the generator yields after each model call and returns the
+    :class:`EvalResult` (``StopIteration.value``), so a caller (the server's engine) can run other work between two
+    segments or stop early (``close()``). The caller runs it without gradients; the model is in eval mode until it
+    ends or is closed."""
     if return_losses and ((world and world.size > 1) or isinstance(data, list)):
         raise ValueError("return_losses needs one process and one token stream")
     per_token = []
@@ -145,6 +160,7 @@ def evaluate(
                 per_token.append(out.losses.float().cpu())
             tokens += batch.target.numel()
             batches += 1
+            yield
     finally:
         model.train(was_training)
     total, count = all_reduce_sum(world, nll.item(), tokens)
