@@ -33,9 +33,20 @@ def client(run):
 
 
 def events(client, body: dict) -> list[dict]:
+    """The events of a streamed /v1/generate, which ends with data: [DONE] (not among them)."""
     with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as res:
         assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
-        return [json.loads(line[6:]) for line in res.iter_lines() if line.startswith("data: ")]
+        lines = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "[DONE]" not in lines[:-1]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def error_of(res, status: int = 400) -> str:
+    """The message of an error response (OpenAI's shape), checking its status and layout."""
+    body = res.json()
+    assert res.status_code == status and set(body) == {"error"}, (res.status_code, body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]["message"]
 
 
 def test_health_model_and_page(client, run):
@@ -121,7 +132,7 @@ def test_beam_search_equals_the_library_and_leaves_other_requests_alone(client):
         ({"num_beams": 0}, "num_beams: Input should be greater than or equal to 1"),
     ]:
         res = client.post("/v1/generate", json=base | body)
-        assert res.status_code == 422 and message in res.json()["error"], res.json()
+        assert message in error_of(res), res.json()
 
 
 def test_openai_completions_equal_txl_generate(client, run):
@@ -130,11 +141,12 @@ def test_openai_completions_equal_txl_generate(client, run):
     are refused by name, fields of the client's own ignored."""
     base = {"prompt": "ab cd", "max_new_tokens": 30, "temperature": 0}
     ours = client.post("/v1/generate", json=base).json()
-    body = {"model": "whatever", "prompt": "ab cd", "max_tokens": 30, "temperature": 0, "user": "u1", "n": 1}
+    body = {"model": run.name, "prompt": "ab cd", "max_tokens": 30, "temperature": 0, "user": "u1", "n": 1}
     res = client.post("/v1/completions", json=body | {"logit_bias": {}, "some_client_field": 3})
     assert res.status_code == 200, res.text
     out = res.json()
-    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == "whatever"
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-") and out["model"] == run.name
+    assert client.post("/v1/completions", json=body | {"model": "txl"}).json()["model"] == "txl"  # (the alias)
     assert out["choices"] == [{"text": ours["text"], "index": 0, "logprobs": None, "finish_reason": "length"}]
     assert out["usage"] == {"prompt_tokens": ours["prompt_tokens"], "completion_tokens": 30, "total_tokens": 30 + 5}
     assert (
@@ -173,9 +185,17 @@ def test_openai_completions_equal_txl_generate(client, run):
         ("prompt", [1, 10_000], "prompt: ids must be in [0,"),
         ("prompt", [[1], [1, 10_000]], "prompt[1]: ids must be in [0,"),
         ("max_tokens", 10_000, "max_tokens: 10000 is more than the limit 200"),
+        ("temperature", 2.5, "temperature: Input should be less than or equal to 2"),  # (OpenAI's range, 0 to 2)
+        ("stop", ["x"] * 17, "stop: 17 stop strings, more than the limit of 16"),
+        ("stop", "x" * 300, "stop: a stop string of 300 characters, more than the limit 256"),
+        ("n", 129, "n: Input should be less than or equal to 128"),
     ]:
         res = client.post("/v1/completions", json=body | {field: value})
-        assert res.status_code == 422 and message in res.json()["error"], (field, res.text)
+        assert message in error_of(res), (field, res.text)
+        param = res.json()["error"]["param"]  # (n's limit counts the prompts too: prompt)
+        assert param.split(".")[0].split("[")[0] in (field, "prompt" if field == "n" else field), res.json()
+    res = client.post("/v1/completions", json=body | {"model": "gpt-4"})  # (not echoed back as if served)
+    assert "'gpt-4' is not served here" in error_of(res, 404) and res.json()["error"]["code"] == "model_not_found"
 
 
 def completion(client, body: dict) -> dict:
@@ -322,7 +342,7 @@ def test_a_failed_choice_stops_the_others(client, monkeypatch):
     monkeypatch.setattr(engine, "submit", submit)
     monkeypatch.setattr(engine, "_start", start)
     res = client.post("/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 200, "temperature": 0})
-    assert res.status_code == 500 and res.json()["error"] == "generation failed: boom"
+    assert error_of(res, 500) == "generation failed: boom"
     assert gens[0].cancelled
     deadline = time.monotonic() + 30
     while engine.active and time.monotonic() < deadline:
@@ -338,7 +358,7 @@ def test_vllm_tokenizer_endpoints(client):
     assert res["tokens"] == tok.encode("ab cd\n") and res["count"] == 6
     assert client.post("/detokenize", json={"tokens": res["tokens"]}).json() == {"prompt": "ab cd\n"}
     bad = client.post("/detokenize", json={"tokens": [1, 10_000]})
-    assert bad.status_code == 422 and "tokens: token id 10000 is outside this vocabulary" in bad.json()["error"]
+    assert "tokens: ids must be in [0, " in error_of(bad)
 
 
 def test_score_equals_txl_eval(client, run, tmp_path, capsys):
@@ -391,7 +411,7 @@ def test_bad_generate_requests_name_the_field(client, body, message):
     else:
         kw = {"json": body}
     res = client.post("/v1/generate", **kw)
-    assert res.status_code == 422 and message in res.json()["error"], res.json()
+    assert message in error_of(res), res.json()
 
 
 def test_bad_score_requests(client):
@@ -403,7 +423,7 @@ def test_bad_score_requests(client):
         ({"text": "ab", "mem_len": 10**6}, "mem_len: 1000000 is more than the limit 8192"),
     ]:
         res = client.post("/v1/score", json=body)
-        assert res.status_code == 422 and message in res.json()["error"], res.json()
+        assert message in error_of(res), res.json()
 
 
 def test_batched_generation_equals_each_request_alone(run):
@@ -465,18 +485,23 @@ def test_http_limits_disconnect_and_api_key(run):
     # (a first generation long enough to be running whatever the machine's speed: 150 tokens once ended, ~0.1 s,
     # before the second request arrived)
     app = create_app(run, ServeLimits(max_batch=1, max_queue=0, max_new_tokens=50_000), api_key="s3cret")
-    key = {"X-API-Key": "s3cret"}
+    key = {"Authorization": "Bearer s3cret"}
     with TestClient(app) as c:
-        assert c.get("/health").status_code == 200  # no key needed
-        assert c.get("/v1/model").status_code == 401 and c.get("/").status_code == 401
-        assert c.get("/v1/model", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/?key=s3cret").status_code == 200
+        for public in ("/health", "/", "/docs", "/openapi.json"):  # no key needed: nothing of the model's in them
+            assert c.get(public).status_code == 200, public
+        assert "Authorization: Bearer KEY" in error_of(c.get("/v1/model"), 401)
+        assert c.get("/v1/model", headers=key).status_code == 200
+        assert c.get("/v1/model", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        # a key in the URL (it leaks into history, Referer headers and proxy logs) or in X-API-Key is not taken
+        assert "a key in the URL is not read" in error_of(c.get("/v1/model?key=s3cret"), 401)
+        assert c.get("/v1/model", headers={"X-API-Key": "s3cret"}).status_code == 401
+        assert c.get("/v1/model", headers={"Authorization": "Basic s3cret"}).status_code == 401
         body = {"prompt": "ab", "max_new_tokens": 50_000, "stream": True}
         with c.stream("POST", "/v1/generate", json=body, headers=key) as res:
             lines = res.iter_lines()
             assert next(lines).startswith("data: ")  # it is running: the only slot is taken
             busy = c.post("/v1/generate", json={"prompt": "ab"}, headers=key)
-            assert busy.status_code == 429 and "busy" in busy.json()["error"]
+            assert "busy" in error_of(busy, 429)
         # the client left after one token: its generation stops and frees the slot
         deadline = time.monotonic() + 10
         while c.get("/health").json()["active"] and time.monotonic() < deadline:

@@ -7,14 +7,19 @@ Endpoints: ``POST /v1/generate`` (JSON, or server-sent events with ``"stream": t
 ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, so that lm-evaluation-harness's
 ``local-completions`` model scores and generates through the server with the model's own tokenizer. Every model
 call runs on the :class:`~txl.engine.Engine`'s thread, which batches concurrent generations step by step; the event
-loop only decodes text and talks HTTP. Bad input is a 4xx with a one-line message naming the field.
+loop only decodes text and talks HTTP.
+
+No request can take the server down: every request's cost is bounded before it is admitted (:class:`ServeLimits`),
+one that fails ends alone with an error (OpenAI's shape, :mod:`txl.serve_http`; a stream ends with an error event
+and ``[DONE]``), and :meth:`Server.drain` (SIGTERM) stops admitting, lets the work in flight finish for a grace time
+and ends what is left with ``finish_reason: "shutdown"``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import threading
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -23,25 +28,46 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
 from txl.generation import Penalties
+from txl.serve_http import ERROR_RESPONSES, ApiError, Gate, docs_page, error_body, invalid, sse_error
+
+MAX_SEED = 2**63 - 1
+UNKNOWN_POLICIES = ("error", "replace")
 
 
 @dataclass
 class ServeLimits:
-    """Caps that keep one client from taking the server (each a `txl serve` option)."""
+    """What bounds one request's work, checked before it is admitted (each a `txl serve` option)."""
 
     max_prompt_tokens: int = 4096
+    """Longest prompt, in tokens (it is read in one forward pass)."""
     max_new_tokens: int = 1024
+    """Most tokens one generation may ask for."""
     max_batch: int = 8
+    """Rows in flight at most, whatever their memory lengths: a generation is one, a beam search one per beam, a
+    scored text one."""
     max_queue: int = 64
+    """Requests that may wait for a row; more get 429."""
     max_score_tokens: int = 200_000
+    """Longest text /v1/score takes, in tokens."""
     max_mem_len: int = 8192
+    """Longest memory a request may ask for (its keys and values are kept per row)."""
+    max_tgt_len: int = 2048
+    """Longest segment /v1/score may ask for (its attention is tgt_len x (tgt_len + mem_len) per head)."""
+    max_stops: int = 16
+    """Most stop strings per request."""
+    max_stop_chars: int = 256
+    """Longest stop string, in characters."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body, in bytes; larger ones get 413."""
 
 
 class OpenAIPenalties(BaseModel):
@@ -59,7 +85,7 @@ class OpenAIPenalties(BaseModel):
 
 
 class GenerateRequest(OpenAIPenalties):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str | None = Field(None, description="Prompt text (read with the model's tokenizer).")
     prompt_ids: list[int] | None = Field(None, description="Prompt token ids, instead of prompt.")
@@ -67,9 +93,11 @@ class GenerateRequest(OpenAIPenalties):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold (1: off).")
-    seed: int | None = Field(None, description="Random seed: the same seed gives the same text.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random seed: the same seed gives the same text.")
     stop: list[str] = Field(default_factory=list, description="Stop before the first of these strings.")
-    mem_len: int | None = Field(None, ge=1, description="Memory length (default: the model's).")
+    mem_len: int | None = Field(
+        None, ge=1, description="Memory length (default: the model's; at most the server's max_mem_len)."
+    )
     stream: bool = Field(False, description="Stream the tokens as server-sent events.")
     repetition_penalty: float = Field(
         1.0, gt=0.0, description="Hugging Face's: the log-probability of a token already in the prompt or the text "
@@ -83,28 +111,35 @@ class GenerateRequest(OpenAIPenalties):
         "beside each step of the search), and a streaming client that leaves stops it."
     )  # fmt: skip
     length_penalty: float = Field(
-        1.0, description="Beam search: a finished text's score is its log-probability over its length to this power."
-    )
+        1.0, ge=-10.0, le=10.0,
+        description="Beam search: a finished text's score is its log-probability over its length to this power.",
+    )  # fmt: skip
+    unknown: str | None = Field(
+        None, description="Characters outside the model's vocabulary: error (a 400 naming the first one) or replace "
+        "(read as the tokenizer's replacement symbol); default: the server's --unknown."
+    )  # fmt: skip
 
 
 class CompletionRequest(OpenAIPenalties):
     """OpenAI's completions request. Fields of OpenAI's that txl does not have are refused when set to anything
     but their neutral value; fields unknown to OpenAI too are ignored, as clients send some of their own."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = Field(None, description="Any name: the server has one model.")
+    model: str | None = Field(None, description="The served model's name (GET /v1/models); default: that model.")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text or token ids; a list of them for several prompts (a choice each, in order)."
     )
     max_tokens: int | None = Field(16, ge=0, description="Tokens to generate (OpenAI's default: 16).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature, 0 to 2 (0: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold (1: off).")
     stop: str | list[str] | None = Field(None, description="Stop before the first of these strings.")
-    seed: int | None = Field(None, description="Random seed: choice k of a prompt samples with seed + k.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Random seed: choice k of a prompt samples with seed + k."
+    )
     echo: bool = Field(False, description="Give the prompt's text (and with logprobs, its tokens') first.")
     stream: bool = Field(False, description="Stream the text as server-sent events, ending with data: [DONE].")
-    n: int = Field(1, ge=1, description="Completions per prompt.")
+    n: int = Field(1, ge=1, le=128, description="Completions per prompt (1 to 128).")
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS,
         description="Give each token's log-probability and this many most likely tokens at its place.",
@@ -112,6 +147,7 @@ class CompletionRequest(OpenAIPenalties):
     best_of: int | None = None
     suffix: str | None = None
     user: str | None = None
+    unknown: str | None = Field(None, description="txl's: characters outside the vocabulary, error or replace.")
 
 
 class TokenizeRequest(BaseModel):
@@ -121,6 +157,7 @@ class TokenizeRequest(BaseModel):
 
     prompt: str = Field(..., description="The text to encode with the model's tokenizer.")
     add_special_tokens: bool = Field(False, description="Accepted for vLLM's clients: txl adds no special tokens.")
+    unknown: str | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
 class DetokenizeRequest(BaseModel):
@@ -134,24 +171,29 @@ class DetokenizeRequest(BaseModel):
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    text: str | None = Field(None, description="The text to score (any length), read with the model's tokenizer.")
+    text: str | None = Field(
+        None, description="The text to score (up to the server's max_score_tokens), read with the model's tokenizer."
+    )
     ids: list[int] | None = Field(None, description="Token ids to score, instead of text.")
-    tgt_len: int | None = Field(None, ge=1, description="Segment length (default: the run's evaluation settings).")
-    mem_len: int | None = Field(None, ge=0, description="Memory length (default: the run's evaluation settings).")
-    clamp_len: int | None = Field(None, description="Clamp relative distances above this (-1: none).")
+    tgt_len: int | None = Field(
+        None, ge=1, description="Segment length (default: the run's evaluation settings; at most the server's "
+        "max_tgt_len)."
+    )  # fmt: skip
+    mem_len: int | None = Field(
+        None, ge=0, description="Memory length (default: the run's evaluation settings; at most max_mem_len)."
+    )
+    clamp_len: int | None = Field(
+        None, ge=-1, le=2**31 - 1, description="Clamp relative distances above this (-1: none)."
+    )
     same_length: bool | None = Field(None, description="Every query sees mem_len keys.")
     per_token: bool = Field(False, description="Also return every token with its log-probability.")
     zero_memory: bool = Field(False, description="Start from mem_len zero vectors, as Hugging Face's TransfoXL did.")
+    unknown: str | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
-class BadRequest(ValueError):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def _field_error(e: RequestValidationError) -> str:
-    parts = []
+def _field_error(e: RequestValidationError) -> tuple[str, str | None]:
+    """The one-line message of a request that does not match its schema, and the first field at fault."""
+    parts, params = [], []
     for err in e.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
@@ -163,13 +205,24 @@ def _field_error(e: RequestValidationError) -> str:
             parts.append(f"{'.'.join(loc)}: unknown field")
         else:
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+        if loc:
+            params.append(".".join(loc))
+    return "; ".join(parts), (params[0] if params else None)
 
 
 class Server:
     """The model, its tokenizer and settings, and the engine, for one app."""
 
-    def __init__(self, model_dir: str | Path, limits: ServeLimits, api_key: str | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        limits: ServeLimits,
+        api_key: str | None = None,
+        device: str = "cpu",
+        *,
+        unknown: str = "error",
+        served_names: list[str] | None = None,
+    ):
         import torch
 
         from txl.checkpoint import read_run_config, resolve_model_dir
@@ -178,6 +231,8 @@ class Server:
         from txl.evaluate import metric_name
         from txl.modeling import TransformerXLLM
 
+        if unknown not in UNKNOWN_POLICIES:
+            raise ValueError(f"--unknown {unknown}: must be one of {', '.join(UNKNOWN_POLICIES)}")
         self.device = resolve_device(device, option="--device")
         self.source = Path(model_dir)
         self.folder = resolve_model_dir(model_dir)
@@ -188,98 +243,197 @@ class Server:
         self.metric = metric_name(self.tokenizer.kind) if self.tokenizer else "ppl"
         self.limits = limits
         self.api_key = api_key
+        self.unknown = unknown
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.name = self.source.resolve().name  # (what OpenAI's API calls the model)
+        self.served_names = list(served_names or [self.name, "txl"])
+        """The names OpenAI's ``model`` field may give (GET /v1/models lists the first)."""
         self.engine: Engine | None = None
+        self.failure: str | None = None
+        """Why the engine failed (the process then exits non-zero)."""
+        self.on_fatal: list = []
+        """Called with the failure when the engine fails (txl serve: stop the HTTP server)."""
+        self.shutting_down = False
+        self._in_flight = 0
+        self._cut = 0
+        self._lock = threading.Lock()
         self._torch = torch
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.engine = Engine(
+            self.model, max_batch=self.limits.max_batch, max_queue=self.limits.max_queue, on_failure=self._fatal
+        )
+
+    def _fatal(self, failure: str) -> None:
+        self.failure = failure
+        for callback in self.on_fatal:
+            callback(failure)
+
+    def response_started(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def response_ended(self, complete: bool) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if not complete and self.shutting_down:
+                self._cut += 1
+
+    @property
+    def in_flight(self) -> int:
+        """Responses begun and not yet sent to their end."""
+        with self._lock:
+            return self._in_flight
+
+    def drain(self, timeout: float) -> bool:
+        """Shut down gracefully (SIGTERM): admit nothing more (503), let the requests in flight finish for at most
+        ``timeout`` seconds, end what is left with ``finish_reason: "shutdown"`` (each stream gets its final event),
+        and wait for the responses to be sent. Whether everything ended cleanly: the engine did not fail and every
+        response was sent to its end."""
+        self.shutting_down = True
+        if self.engine is not None:
+            self.engine.drain(timeout)
+        deadline = time.monotonic() + 10  # (the final events are a few bytes each)
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            return self.failure is None and self._in_flight == 0 and self._cut == 0
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def _encode(self, text: str | None, ids: list[int] | None, field: str, ids_field: str) -> list[int]:
+    def _tokenizer(self, unknown: str | None, field: str):
+        policy = self.unknown if unknown is None else unknown
+        if policy not in UNKNOWN_POLICIES:
+            raise invalid("unknown", f"{policy!r} is not one of {', '.join(UNKNOWN_POLICIES)}")
+        if self.tokenizer is None:
+            return None
+        if policy == self.tokenizer.unknown:
+            return self.tokenizer
+        try:
+            return self.tokenizer.with_unknown(policy)
+        except ValueError as e:
+            raise invalid("unknown", str(e)) from None
+
+    def _encode(
+        self, text: str | None, ids: list[int] | None, field: str, ids_field: str, unknown: str | None = None
+    ) -> list[int]:
+        """The ids of a request's text (line ends normalised as training files are: CRLF and CR become LF; characters
+        outside the vocabulary by the ``unknown`` policy), or its ids, checked."""
         if (text is None) == (ids is None):
-            raise BadRequest(422, f"{field}: give either {field} or {ids_field}")
+            raise invalid(field, f"give either {field} or {ids_field}")
         if ids is not None:
             bad = [i for i in ids if not 0 <= i < self.model.config.n_token]
             if bad:
-                raise BadRequest(422, f"{ids_field}: ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
+                raise invalid(ids_field, f"ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
             return list(ids)
-        if self.tokenizer is None:
-            raise BadRequest(422, f"{field}: the model has no tokenizer.json; send {ids_field}")
+        tokenizer = self._tokenizer(unknown, field)
+        if tokenizer is None:
+            raise invalid(field, f"the model has no tokenizer.json; send {ids_field}")
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
         try:
-            return self.tokenizer.encode(text)
+            return tokenizer.encode(text)
         except ValueError as e:
-            raise BadRequest(422, f"{field}: {e}") from None
+            message = str(e).split(" Remove it, or read")[0]  # (the library's advice names its own options)
+            if "not in the vocabulary" in message:
+                message += ': remove it, or send "unknown": "replace" (txl serve --unknown replace)'
+            raise invalid(field, message) from None
 
-    def tokenizer_or_422(self, what: str):
+    def tokenizer_or_400(self, what: str):
         if self.tokenizer is None:
-            raise BadRequest(422, f"{what}: the model has no tokenizer.json")
+            raise invalid(what, "the model has no tokenizer.json")
         return self.tokenizer
+
+    def check_stops(self, stops: list[str], field: str = "stop") -> None:
+        lim = self.limits
+        if len(stops) > lim.max_stops:
+            raise invalid(field, f"{len(stops)} stop strings, more than the limit of {lim.max_stops}")
+        for stop in stops:
+            if stop == "":
+                raise invalid(field, "a stop string must not be empty")
+            if len(stop) > lim.max_stop_chars:
+                raise invalid(
+                    field, f"a stop string of {len(stop)} characters, more than the limit {lim.max_stop_chars}"
+                )
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_names:
+            raise ApiError(
+                404, f"model: {name!r} is not served here; it serves {self.served_names[0]!r} (GET /v1/models)",
+                param="model", code="model_not_found",
+            )  # fmt: skip
 
     def generation(
         self, req: GenerateRequest, emit, logprobs: int | None = None, prompt_logprobs: bool = False
     ) -> tuple[Generation, list[int]]:
-        ids = self._encode(req.prompt, req.prompt_ids, "prompt", "prompt_ids")
+        ids = self._encode(req.prompt, req.prompt_ids, "prompt", "prompt_ids", req.unknown)
         lim = self.limits
         if not ids:
-            raise BadRequest(422, "prompt: encodes to no tokens")
+            raise invalid("prompt", "encodes to no tokens")
         if len(ids) > lim.max_prompt_tokens:
-            raise BadRequest(422, f"prompt: {len(ids)} tokens, more than the limit of {lim.max_prompt_tokens}")
+            raise invalid("prompt", f"{len(ids)} tokens, more than the limit of {lim.max_prompt_tokens}")
         if req.max_new_tokens > lim.max_new_tokens:
-            raise BadRequest(422, f"max_new_tokens: {req.max_new_tokens} is more than the limit {lim.max_new_tokens}")
-        if any(s == "" for s in req.stop):
-            raise BadRequest(422, "stop: a stop string must not be empty")
+            raise invalid("max_new_tokens", f"{req.max_new_tokens} is more than the limit {lim.max_new_tokens}")
+        self.check_stops(req.stop)
         mem_len = req.mem_len or self.model.config.mem_len
         if mem_len > lim.max_mem_len:
-            raise BadRequest(422, f"mem_len: {mem_len} is more than the limit {lim.max_mem_len}")
+            raise invalid("mem_len", f"{mem_len} is more than the limit {lim.max_mem_len}")
         if mem_len < 1:
-            raise BadRequest(422, "mem_len: the model has no memory length; give mem_len >= 1")
+            raise invalid("mem_len", "the model has no memory length; give mem_len >= 1")
         if req.num_beams > 1:
             from txl.modeling import supports_kv_cache
 
             if req.temperature != 0:
-                raise BadRequest(422, "num_beams: beam search finds the likeliest text: give temperature 0")
+                raise invalid("num_beams", "beam search finds the likeliest text: give temperature 0")
             if req.num_beams > lim.max_batch:
-                raise BadRequest(422, f"num_beams: {req.num_beams} is more than the server's max_batch {lim.max_batch}")
+                raise invalid("num_beams", f"{req.num_beams} is more than the server's max_batch {lim.max_batch}")
             if not supports_kv_cache(self.model.config):
                 attn = self.model.config.attn_type
-                raise BadRequest(422, f"num_beams: beam search needs a K/V cache (attn_type 0 or 1), not {attn}")
+                raise invalid("num_beams", f"beam search needs a K/V cache (attn_type 0 or 1), not {attn}")
         bias = req.logit_bias or {}
         bad = [i for i in bias if not 0 <= i < self.model.config.n_token]
         if bad:
-            raise BadRequest(422, f"logit_bias: token ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
+            raise invalid("logit_bias", f"token ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
         if any(not -100 <= b <= 100 for b in bias.values()):
-            raise BadRequest(422, "logit_bias: a bias must be in [-100, 100]")
-        penalties = Penalties(
-            repetition_penalty=req.repetition_penalty, no_repeat_ngram_size=req.no_repeat_ngram_size,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logit_bias=tuple(sorted(bias.items())),
-        )  # fmt: skip
-        gen = Generation(
-            prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len, penalties=penalties,
-            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, num_beams=req.num_beams, length_penalty=req.length_penalty,
-        )  # fmt: skip
+            raise invalid("logit_bias", "a bias must be in [-100, 100]")
+        try:
+            penalties = Penalties(
+                repetition_penalty=req.repetition_penalty, no_repeat_ngram_size=req.no_repeat_ngram_size,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                logit_bias=tuple(sorted(bias.items())),
+            )  # fmt: skip
+            gen = Generation(
+                prompt_ids=ids, max_new_tokens=req.max_new_tokens, emit=emit, mem_len=mem_len, penalties=penalties,
+                temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, num_beams=req.num_beams, length_penalty=req.length_penalty,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         return gen, ids
 
     def completion_requests(self, req: CompletionRequest) -> list[tuple[GenerateRequest, str]]:
         """The generations an OpenAI completions request asks for (``n`` per prompt, in the order of the response's
         choices), each with its prompt's text (for ``echo``)."""
+        self.check_model(req.model)
         refused = {
             "best_of": (req.best_of not in (None, req.n), "not supported (give n: every completion is returned)"),
             "suffix": (req.suffix is not None, "insertion is not something a left-to-right model does"),
         }
         for name, (bad, why) in refused.items():
             if bad:
-                raise BadRequest(422, f"{name}: {why}")
+                raise invalid(name, why)
         if (req.max_tokens or 0) > self.limits.max_new_tokens:
-            raise BadRequest(422, f"max_tokens: {req.max_tokens} is more than the limit {self.limits.max_new_tokens}")
+            raise invalid("max_tokens", f"{req.max_tokens} is more than the limit {self.limits.max_new_tokens}")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.check_stops(stops)
         prompts = req.prompt
         if not isinstance(prompts, list) or not prompts or not isinstance(prompts[0], (str, list)):
             prompts = [prompts]  # (one text, or one list of ids)
         total = len(prompts) * req.n
         if total > self.limits.max_queue:
-            raise BadRequest(
-                422, f"prompt: {len(prompts)} prompt(s) x n = {req.n} is {total} completions, more than the "
+            raise invalid(
+                "prompt", f"{len(prompts)} prompt(s) x n = {req.n} is {total} completions, more than the "
                 f"server's queue of {self.limits.max_queue}: send fewer at once"
             )  # fmt: skip
         out = []
@@ -288,47 +442,58 @@ class Server:
             ids = self._encode(None, list(prompt), where, where) if isinstance(prompt, list) else None
             text = prompt if ids is None else (self.tokenizer.decode(ids) if self.tokenizer else "")
             for j in range(req.n):
-                gen = GenerateRequest(
-                    prompt=None if ids is not None else prompt, prompt_ids=ids,
-                    max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
-                    top_p=req.top_p, seed=None if req.seed is None else req.seed + j,
-                    stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []), stream=req.stream,
-                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    logit_bias=req.logit_bias,
-                )  # fmt: skip
+                try:
+                    gen = GenerateRequest(
+                        prompt=None if ids is not None else prompt, prompt_ids=ids,
+                        max_new_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=req.temperature,
+                        top_p=req.top_p, seed=None if req.seed is None else (req.seed + j) % (MAX_SEED + 1),
+                        stop=stops, stream=req.stream, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, unknown=req.unknown,
+                    )  # fmt: skip
+                except ValidationError as e:
+                    raise ApiError(400, str(e).splitlines()[0]) from None
                 out.append((gen, text))
         return out
 
     def score(self, req: ScoreRequest) -> dict[str, Any]:
+        """The settings and job of a /v1/score request. Its cost comes from the text: the segment and the memory
+        are no longer than the text needs (the same result as the settings asked for), and its work is one
+        segment per engine step, beside the running generations."""
         import numpy as np
 
         from txl.distributed import World
-        from txl.evaluate import eval_settings, evaluate
+        from txl.evaluate import eval_settings, evaluate_steps
 
-        ids = self._encode(req.text, req.ids, "text", "ids")
+        ids = self._encode(req.text, req.ids, "text", "ids", req.unknown)
+        lim = self.limits
         if len(ids) < 2:
-            raise BadRequest(422, "text: needs at least 2 tokens (the first one is only context)")
-        if len(ids) > self.limits.max_score_tokens:
-            raise BadRequest(422, f"text: {len(ids)} tokens, more than the limit of {self.limits.max_score_tokens}")
+            raise invalid("text", "needs at least 2 tokens (the first one is only context)")
+        if len(ids) > lim.max_score_tokens:
+            raise invalid("text", f"{len(ids)} tokens, more than the limit of {lim.max_score_tokens}")
         try:
             s = eval_settings(
                 self.run, self.model.config, tgt_len=req.tgt_len, mem_len=req.mem_len, clamp_len=req.clamp_len,
                 same_length=req.same_length,
             )  # fmt: skip
         except ValueError as e:
-            raise BadRequest(422, str(e).replace("--", "")) from None
-        if s.mem_len > self.limits.max_mem_len:
-            raise BadRequest(422, f"mem_len: {s.mem_len} is more than the limit {self.limits.max_mem_len}")
+            raise ApiError(400, str(e).replace("--", "")) from None
+        if s.mem_len > lim.max_mem_len:
+            raise invalid("mem_len", f"{s.mem_len} is more than the limit {lim.max_mem_len}")
+        if s.tgt_len > lim.max_tgt_len:
+            raise invalid("tgt_len", f"{s.tgt_len} is more than the limit {lim.max_tgt_len}")
         array = np.asarray(ids, dtype=np.int64)
+        targets = len(ids) - 1
+        tgt_len = min(s.tgt_len, targets)  # (one segment of the whole text either way)
+        mem_len = s.mem_len if req.zero_memory else min(s.mem_len, targets)  # (the memory never holds more)
 
-        def run():
-            return evaluate(
-                self.model, array, batch_size=1, tgt_len=s.tgt_len, mem_len=s.mem_len, clamp_len=s.clamp_len,
+        def steps():
+            return evaluate_steps(
+                self.model, array, batch_size=1, tgt_len=tgt_len, mem_len=mem_len, clamp_len=s.clamp_len,
                 same_length=s.same_length, return_losses=req.per_token, zero_memory=req.zero_memory,
                 world=World(device=self.device),
             )  # fmt: skip
 
-        return {"ids": ids, "settings": s, "run": run}
+        return {"ids": ids, "settings": s, "steps": steps}
 
     def info(self) -> dict[str, Any]:
         from txl.metrics import read_metrics
@@ -350,6 +515,8 @@ class Server:
                                                               "vocab_size": self.tokenizer.vocab_size},
             "metric": self.metric,
             "limits": self.limits.__dict__,
+            "unknown": self.unknown,
+            "served_names": self.served_names,
             "batched": bool(self.engine and self.engine.batched),
             "training_metrics": metrics,
         }  # fmt: skip
@@ -371,46 +538,85 @@ def _stop_cut(text: str, stops: list[str]) -> tuple[int | None, int]:
 
 
 def create_app(
-    model_dir: str | Path, limits: ServeLimits | None = None, api_key: str | None = None, device: str = "cpu"
+    model_dir: str | Path,
+    limits: ServeLimits | None = None,
+    api_key: str | None = None,
+    device: str = "cpu",
+    *,
+    unknown: str = "error",
+    served_names: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app of ``txl serve`` for one model (the engine starts and stops with the app's lifespan);
-    ``device``: cpu, cuda, cuda:N or auto (the GPU if there is one)."""
-    server = Server(model_dir, limits or ServeLimits(), api_key, device)
+    ``device``: cpu, cuda, cuda:N or auto (the GPU if there is one); ``unknown``: the default policy for characters
+    outside the vocabulary (error or replace); ``served_names``: the model names OpenAI's ``model`` field may give
+    (default: the folder's name and ``txl``)."""
+    server = Server(model_dir, limits or ServeLimits(), api_key, device, unknown=unknown, served_names=served_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine = Engine(server.model, max_batch=server.limits.max_batch, max_queue=server.limits.max_queue)
+        server.start()
         try:
             yield
         finally:
             await asyncio.to_thread(server.engine.shutdown)
 
-    app = FastAPI(title="txl serve", description=f"Transformer-XL model {server.folder}", lifespan=lifespan)
+    app = FastAPI(
+        title="txl serve", description=f"Transformer-XL model {server.folder}", lifespan=lifespan,
+        docs_url=None, redoc_url=None, responses=ERROR_RESPONSES,
+    )  # fmt: skip
     app.state.server = server
+    app.add_middleware(
+        Gate, api_key=lambda: server.api_key, max_body_bytes=lambda: server.limits.max_body_bytes,
+        public=frozenset({"/health", "/", "/docs", "/openapi.json"}), on_start=server.response_started,
+        on_end=server.response_ended,
+    )  # fmt: skip
+    schema_of = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, less the 422 it documents for bad bodies (they are 400s here)."""
+        if app.openapi_schema is None:
+            for methods in schema_of()["paths"].values():
+                for op in methods.values():
+                    op.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        return JSONResponse({"error": _field_error(e)}, status_code=422)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        message, param = _field_error(e)
+        return JSONResponse(error_body(400, message, param), status_code=400)
 
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, e: BadRequest):
-        return JSONResponse({"error": str(e)}, status_code=e.status)
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if server.api_key and request.url.path != "/health":
-            given = request.headers.get("x-api-key") or request.query_params.get("key") or ""
-            auth = request.headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                given = auth[7:]
-            if not hmac.compare_digest(given.encode(), server.api_key.encode()):
-                return JSONResponse({"error": "missing or wrong API key (X-API-Key header)"}, status_code=401)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = f"{request.method} {request.url.path}: {str(e.detail).lower()}"
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code, headers=e.headers)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):  # (the traceback goes to the server's log)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+    @app.get("/health", responses={503: {"model": dict[str, Any], "description": "failed or shutting down"}})
+    async def health():
+        """ok (200) while requests are served; 503 once the engine failed (the process then exits non-zero) or the
+        server is shutting down. Needs no API key."""
         engine = server.engine
-        return {"status": "ok", "active": engine.active if engine else 0, "waiting": engine.waiting if engine else 0}
+        body = {"status": "ok", "active": engine.active if engine else 0, "waiting": engine.waiting if engine else 0}
+        if server.failure is not None:
+            body |= {"status": "failed"} | error_body(503, f"the engine failed ({server.failure})")
+            return JSONResponse(body, status_code=503)
+        if server.shutting_down:
+            return JSONResponse(body | {"status": "shutting down"}, status_code=503)
+        return body
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> str:
+        """The API as a page of its own (works offline: no script or style from elsewhere)."""
+        return docs_page(app.openapi())
 
     @app.get("/v1/model")
     async def model_info() -> dict[str, Any]:
@@ -424,7 +630,7 @@ def create_app(
     async def tokenizer_info() -> dict[str, Any]:
         """vLLM's tokenizer description (with ``/tokenize`` and ``/detokenize``, lm-evaluation-harness's
         ``tokenizer_backend=remote``): the end-of-text token is the text a document is read after (the line end)."""
-        tok = server.tokenizer_or_422("tokenizer_info")
+        tok = server.tokenizer_or_400("tokenizer_info")
         return {
             "tokenizer_class": f"txl.Tokenizer ({tok.kind})", "eos_token": tok.document_start()[0],
             "bos_token": None, "pad_token": None, "model_max_length": server.limits.max_prompt_tokens,
@@ -433,26 +639,46 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        ids = server._encode(req.prompt, None, "prompt", "prompt")
+        ids = server._encode(req.prompt, None, "prompt", "prompt", req.unknown)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.limits.max_prompt_tokens}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        tok = server.tokenizer_or_422("detokenize")
+        tok = server.tokenizer_or_400("detokenize")
+        server._encode(None, req.tokens, "tokens", "tokens")  # (checks the ids)
         try:
             return {"prompt": tok.decode(req.tokens)}
         except ValueError as e:
-            raise BadRequest(422, f"tokens: {e}") from None
+            raise invalid("tokens", str(e)) from None
+
+    def submitted(put):
+        """``put()`` (a submission to the engine), its refusals as 429 and 503."""
+        try:
+            return put()
+        except QueueFull as e:
+            raise ApiError(429, f"busy: {e}; retry later", code="rate_limit_exceeded") from None
+        except EngineStopped as e:
+            raise ApiError(503, str(e), code="service_unavailable") from None
 
     @app.post("/v1/score")
     async def score(req: ScoreRequest) -> dict[str, Any]:
-        job = server.score(req)
-        try:
-            res = await asyncio.wrap_future(server.engine.call(job["run"]))
-        except (QueueFull, EngineStopped) as e:
-            raise BadRequest(429 if isinstance(e, QueueFull) else 503, str(e)) from None
+        import math
+
         from txl.evaluate import metric_value
 
+        job = server.score(req)
+        future = submitted(lambda: server.engine.call_steps(job["steps"]))
+        try:
+            res = await asyncio.wrap_future(future)
+        except EngineStopped as e:
+            raise ApiError(503, str(e), code="service_unavailable") from None
+        except ValueError as e:
+            raise ApiError(400, f"scoring failed: {e}") from None
+        except Exception as e:
+            raise ApiError(500, f"scoring failed: {type(e).__name__}: {e}") from None
+        finite = math.isfinite(res.loss) and (res.losses is None or bool(np.isfinite(res.losses).all()))
+        if not finite:
+            raise ApiError(500, "scoring failed: the model gave non-finite losses")
         s = job["settings"]
         out = {
             "loss": res.loss, server.metric: metric_value(res.loss, server.metric), "metric": server.metric,
@@ -477,12 +703,7 @@ def create_app(
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         emit = lambda tok: loop.call_soon_threadsafe(queue.put_nowait, tok)  # noqa: E731
         gen, ids = server.generation(req, emit, logprobs, prompt_logprobs)
-        try:
-            server.engine.submit(gen)
-        except QueueFull as e:
-            raise BadRequest(429, f"busy: {e}; retry later") from None
-        except EngineStopped as e:
-            raise BadRequest(503, str(e)) from None
+        submitted(lambda: server.engine.submit(gen))
         decoder = server.tokenizer.stream_decoder() if server.tokenizer else None
         for i in ids:  # (a word tokenizer's separators depend on what came before)
             if decoder:
@@ -509,9 +730,12 @@ def create_app(
 
         def summary(text: str, new: list[int], reason: str) -> dict[str, Any]:
             elapsed = max(time.monotonic() - begun, 1e-9)
+            error = None
+            if reason == "error":
+                error = error_body(gen.error_status, f"generation failed: {gen.error}")["error"]
             return {
                 "text": text, "token_ids": new, "prompt_tokens": len(ids), "new_tokens": len(new),
-                "finish_reason": reason, "error": gen.error, "seconds": elapsed, "tokens_per_s": len(new) / elapsed,
+                "finish_reason": reason, "error": error, "seconds": elapsed, "tokens_per_s": len(new) / elapsed,
             }  # fmt: skip
 
         return tokens, summary, gen
@@ -522,7 +746,8 @@ def create_app(
             async for _, final in events:
                 if final is not None:
                     if final["finish_reason"] == "error":
-                        raise BadRequest(500, f"generation failed: {final['error']}")
+                        error = final["error"]
+                        raise ApiError(started[2].error_status, error["message"])
                     return final
         raise AssertionError("pieces() always ends with the summary")
 
@@ -554,15 +779,26 @@ def create_app(
             return await finished(started, req.stop)
 
         async def events():
-            async for piece, final in pieces(started, req.stop):
-                yield f"data: {json.dumps(piece if final is None else final | {'done': True})}\n\n"
+            """A token's text per event, then the summary (``done``; with finish_reason error, its ``error``), then
+            ``[DONE]``."""
+            try:
+                async for piece, final in pieces(started, req.stop):
+                    yield f"data: {json.dumps(piece if final is None else final | {'done': True})}\n\n"
+            except Exception as e:  # (e.g. the tokenizer failed on a token): an error event ends the stream
+                started[2].cancel()
+                yield sse_error(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
+                return
+            yield "data: [DONE]\n\n"
 
         return sse(events())
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """OpenAI's model list: this server's one model."""
-        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "txl"}]}
+        """OpenAI's model list: this server's one model (under its first served name)."""
+        return {
+            "object": "list",
+            "data": [{"id": server.served_names[0], "object": "model", "created": 0, "owned_by": "txl"}],
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -575,12 +811,12 @@ def create_app(
         try:
             for gen_req, _ in wanted:
                 started.append(start(gen_req, req.logprobs, req.echo and req.logprobs is not None))
-        except BadRequest:
+        except ApiError:
             for _, _, gen in started:
                 gen.cancel()
             raise
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model or server.name}  # fmt: skip
+                "model": req.model or server.served_names[0]}  # fmt: skip
 
         def choice(k: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict[str, Any]:
             return {"text": text, "index": k, "logprobs": logprobs, "finish_reason": reason}
@@ -641,15 +877,27 @@ def create_app(
                     yield choice(k, piece["text"], None, lp), None
 
         async def events():
+            """OpenAI's chunks, then ``[DONE]``; a choice that fails ends the stream (and the other choices) with an
+            error event (OpenAI's shape) and ``[DONE]``."""
             finals: list[dict[str, Any] | None] = [None] * len(started)
-            async for chunk, final in _merged([one(k) for k in range(len(started))]):
-                k = chunk["index"]
-                if final is not None:
-                    finals[k] = final
-                    if all(f is not None for f in finals):
-                        yield f"data: {json.dumps(head | {'choices': [chunk], 'usage': usage(finals)})}\n\n"
-                        continue
-                yield f"data: {json.dumps(head | {'choices': [chunk]})}\n\n"
+            try:
+                async for chunk, final in _merged([one(k) for k in range(len(started))]):
+                    k = chunk["index"]
+                    if final is not None:
+                        if final["finish_reason"] == "error":
+                            yield sse_error({"error": final["error"]})
+                            return
+                        finals[k] = final
+                        if all(f is not None for f in finals):
+                            yield f"data: {json.dumps(head | {'choices': [chunk], 'usage': usage(finals)})}\n\n"
+                            continue
+                    yield f"data: {json.dumps(head | {'choices': [chunk]})}\n\n"
+            except Exception as e:  # (e.g. the tokenizer failed on a token)
+                yield sse_error(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
+                return
+            finally:
+                for _, _, gen in started:
+                    gen.cancel()
             yield "data: [DONE]\n\n"
 
         return sse(events())
