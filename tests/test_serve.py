@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from serve_helpers import error_of, events, start_server  # noqa: E402
 from txl.engine import Engine, Generation, QueueFull  # noqa: E402
 from txl.generation import generate  # noqa: E402
 from txl.serve import ServeLimits, create_app  # noqa: E402
@@ -30,23 +31,6 @@ def run(tmp_path_factory):
 def client(run):
     with TestClient(create_app(run, ServeLimits(max_new_tokens=200, max_prompt_tokens=50))) as c:
         yield c
-
-
-def events(client, body: dict) -> list[dict]:
-    """The events of a streamed /v1/generate, which ends with data: [DONE] (not among them)."""
-    with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as res:
-        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
-        lines = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]" and "[DONE]" not in lines[:-1]
-    return [json.loads(line) for line in lines[:-1]]
-
-
-def error_of(res, status: int = 400) -> str:
-    """The message of an error response (OpenAI's shape), checking its status and layout."""
-    body = res.json()
-    assert res.status_code == status and set(body) == {"error"}, (res.status_code, body)
-    assert set(body["error"]) == {"message", "type", "param", "code"}, body
-    return body["error"]["message"]
 
 
 def test_health_model_and_page(client, run):
@@ -510,35 +494,6 @@ def test_http_limits_disconnect_and_api_key(run):
         assert c.post("/v1/generate", json={"prompt": "ab", "max_new_tokens": 3}, headers=key).status_code == 200
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(run, *extra: str):
-    """`txl serve` as a process on a free port; returns (process, base URL) once /health answers."""
-    import httpx
-
-    from train_helpers import txl_process
-
-    port = free_port()
-    proc = txl_process(["serve", "--model", str(run), "--port", str(port), *extra])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        assert proc.poll() is None, "txl serve exited"
-    proc.kill()
-    raise AssertionError("txl serve did not answer /health")
-
-
 @pytest.mark.slow
 def test_real_server_concurrent_clients_and_sigterm(run):
     """`txl serve` as a subprocess: 8 concurrent streaming clients all get complete, seeded streams; then SIGTERM
@@ -554,7 +509,7 @@ def test_real_server_concurrent_clients_and_sigterm(run):
         try:
             body = {"prompt": "ab cd", "max_new_tokens": 60, "seed": i, "stream": True}
             with httpx.stream("POST", url + "/v1/generate", json=body, timeout=60) as res:
-                evs = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: ")]
+                evs = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
             results[i] = evs
         except Exception as e:  # reported below
             errors.append(repr(e))

@@ -337,7 +337,7 @@ class Server:
         except ValueError as e:
             message = str(e).split(" Remove it, or read")[0]  # (the library's advice names its own options)
             if "not in the vocabulary" in message:
-                message += ': remove it, or send "unknown": "replace" (txl serve --unknown replace)'
+                message = message.rstrip(".") + '; remove it, or send "unknown": "replace" (txl serve --unknown replace)'
             raise invalid(field, message) from None
 
     def tokenizer_or_400(self, what: str):

@@ -1,0 +1,52 @@
+"""Helpers of the `txl serve` tests: a streamed generation's events, an error response's message, a real server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def events(client, body: dict) -> list[dict]:
+    """The events of a streamed /v1/generate, which ends with data: [DONE] (not among them)."""
+    with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as res:
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "[DONE]" not in lines[:-1]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def error_of(res, status: int = 400) -> str:
+    """The message of an error response (OpenAI's shape), checking its status and layout."""
+    body = res.json()
+    assert res.status_code == status and set(body) == {"error"}, (res.status_code, body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]["message"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(run, *extra: str, **popen):
+    """`txl serve` as a process on a free port; returns (process, base URL) once /health answers."""
+    import httpx
+
+    from train_helpers import txl_process
+
+    port = free_port()
+    proc = txl_process(["serve", "--model", str(run), "--port", str(port), *extra], **popen)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        assert proc.poll() is None, "txl serve exited"
+    proc.kill()
+    raise AssertionError("txl serve did not answer /health")
