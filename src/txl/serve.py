@@ -41,6 +41,12 @@ from txl.serve_http import ERROR_RESPONSES, ApiError, Gate, docs_page, error_bod
 
 MAX_SEED = 2**63 - 1
 UNKNOWN_POLICIES = ("error", "replace")
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON, or with stream: true server-sent events (data: JSON per event, then data: [DONE])",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 
 @dataclass
@@ -337,7 +343,9 @@ class Server:
         except ValueError as e:
             message = str(e).split(" Remove it, or read")[0]  # (the library's advice names its own options)
             if "not in the vocabulary" in message:
-                message = message.rstrip(".") + '; remove it, or send "unknown": "replace" (txl serve --unknown replace)'
+                message = (
+                    message.rstrip(".") + '; remove it, or send "unknown": "replace" (txl serve --unknown replace)'
+                )
             raise invalid(field, message) from None
 
     def tokenizer_or_400(self, what: str):
@@ -772,7 +780,7 @@ def create_app(
     def sse(events) -> StreamingResponse:
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/generate")
+    @app.post("/v1/generate", responses=STREAMED)
     async def generate(req: GenerateRequest):
         started = start(req)
         if not req.stream:
@@ -800,7 +808,7 @@ def create_app(
             "data": [{"id": server.served_names[0], "object": "model", "created": 0, "owned_by": "txl"}],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED)
     async def completions(req: CompletionRequest):
         """OpenAI's completions API (a client library or tool that speaks it works unchanged): ``prompt`` (text or
         token ids, one or a list), ``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``echo``, ``n``,
