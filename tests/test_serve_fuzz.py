@@ -1,9 +1,14 @@
-"""`txl serve` fuzzed from its own OpenAPI schema with Schemathesis: for every endpoint a fixed, seeded number of
-generated requests, valid ones and invalid ones (wrong types, out-of-range values, missing and extra fields). Each
-must get no 5xx, a status, content type and body as the schema documents them, and an answer within its timeout.
-The server is a real `txl serve` process, as users run it."""
+"""`txl serve` attacked: fuzzed from its own OpenAPI schema with Schemathesis (for every endpoint a fixed, seeded
+number of generated requests, valid ones and invalid ones: wrong types, out-of-range values, missing and extra fields;
+each must get no 5xx, a status, content type and body as the schema documents them, and an answer within its
+timeout), and soaked (slow: minutes of many concurrent clients mixing valid and invalid requests, streams they leave,
+requests that used to kill the engine). The server is a real `txl serve` process, as users run it."""
 
 from __future__ import annotations
+
+import os
+import sys
+import time
 
 import pytest
 
@@ -20,10 +25,14 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def run(tmp_path_factory):
     from train_helpers import run_inprocess
 
-    run = run_inprocess(tmp_path_factory.mktemp("fuzz"), train__max_steps=5, train__eval_interval=0)
+    return run_inprocess(tmp_path_factory.mktemp("fuzz"), train__max_steps=5, train__eval_interval=0)
+
+
+@pytest.fixture(scope="module")
+def served(run):
     limits = ["--max_new_tokens", "32", "--max_prompt_tokens", "64", "--max_score_tokens", "512", "--max_mem_len",
               "256", "--max_tgt_len", "128", "--max_queue", "8"]  # fmt: skip
     proc, url = start_server(run, *limits)
@@ -66,3 +75,56 @@ def test_every_endpoint_answers_as_its_schema_says(served, mode):
         except Exception as e:  # (every endpoint is tried; the failures are reported together)
             failures.append(f"{op.label}: {e}")
     assert tried >= 5 and not failures, "\n\n".join(failures)
+
+
+SOAK_SECONDS = float(os.environ.get("TXL_SOAK_SECONDS", "120"))
+SOAK_CLIENTS = 24
+RSS_GROWTH_MIB = 150
+"""How much the server's resident memory may grow over the soak, after a warm-up (caches, allocator pools)."""
+
+
+def rss_mib(pid: int) -> float:
+    status = open(f"/proc/{pid}/status").read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
+@pytest.mark.slow
+def test_soak_many_clients_mixing_valid_and_invalid_requests(run):
+    """SOAK_SECONDS of SOAK_CLIENTS concurrent clients (benchmarks/serve_load.py's soak mix): streamed and JSON
+    generations, streams left after a few events, invalid requests, generations whose penalties leave no token (the
+    request that used to kill the engine), scores, streamed completions. No 5xx, no transport error, every stream that
+    was not left ends with its final event and [DONE], every error in OpenAI's shape; afterwards /health is ok with
+    nothing running, a greedy request gives the tokens it gave before, and the server's memory grew by less than
+    RSS_GROWTH_MIB."""
+    import httpx
+
+    from train_helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from serve_load import SOAK_KINDS, soak_mix
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    proc, url = start_server(run, "--max_batch", "8", "--max_queue", "32", "--max_new_tokens", "300")
+    try:
+        body = {"prompt": "ab cd", "max_new_tokens": 50, "temperature": 0}
+        before = httpx.post(url + "/v1/generate", json=body, timeout=60).json()["token_ids"]
+        assert not soak_mix(url, 4, 5)["problems"]  # (a warm-up: caches and allocator pools reach their size)
+        rss_before = rss_mib(proc.pid)
+        result = soak_mix(url, SOAK_CLIENTS, SOAK_SECONDS, seed=1)
+        assert not result["problems"], result["problems"][:10]
+        counts = result["counts"]
+        assert {k.split()[0] for k in counts} == set(SOAK_KINDS), counts
+        assert counts.get("no_token_left error invalid_request_error", 0) > 0 and counts.get("vanish left", 0) > 0
+        assert counts.get("invalid 400", 0) > 0 and counts.get("invalid 404", 0) > 0 and result["requests"] > 200
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health").json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(url + "/health").json() == {"status": "ok", "active": 0, "waiting": 0}
+        assert httpx.post(url + "/v1/generate", json=body, timeout=60).json()["token_ids"] == before
+        growth = rss_mib(proc.pid) - rss_before
+        assert growth < RSS_GROWTH_MIB, f"RSS grew by {growth:.0f} MiB over the soak"
+        print(f"soak: {result['requests']} requests in {SOAK_SECONDS:g} s, RSS growth {growth:.1f} MiB, {counts}")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
