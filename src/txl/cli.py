@@ -794,8 +794,9 @@ def serve(
     _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
     key = api_key or os.environ.get("TXL_API_KEY") or None
     limits = ServeLimits(
-        max_prompt_tokens, max_new_tokens, max_batch, max_queue, max_score_tokens, max_mem_len, max_tgt_len,
-        max_stops, max_stop_chars, max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_batch=max_batch, max_queue=max_queue,
+        max_score_tokens=max_score_tokens, max_mem_len=max_mem_len, max_tgt_len=max_tgt_len, max_stops=max_stops,
+        max_stop_chars=max_stop_chars, max_body_bytes=max_body_bytes,
     )  # fmt: skip
     app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name)
     state = app.state.server
@@ -812,6 +813,11 @@ def serve(
     # that a plain return, and the exit code is ours.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    import logging
+
+    # asyncio warns "socket.send() raised exception." for every few writes to a connection its client has closed,
+    # before the server learns that it is gone (a streaming client that leaves): routine here, not a fault.
+    logging.getLogger("asyncio").addFilter(lambda r: r.getMessage() != "socket.send() raised exception.")
     server = _draining_server()(config, state, drain_timeout)
     state.on_fatal.append(lambda _failure: setattr(server, "should_exit", True))
     server.run(sockets=[sock])

@@ -323,7 +323,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._running() and not self._stopping and not self._cut:
+                while not self._waiting and not self._running() and not self._stopping:
                     self._cond.wait()
                 if self._stopping and not self._running() and not self._waiting:
                     return
@@ -369,7 +369,7 @@ class Engine:
     def _admit(self) -> list[Generation | _Job]:
         """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
         the engine is cut: they end at once). Called with the lock held."""
-        rows = self._counts_now()[1]
+        requests, rows = self._counts_now()
         admitted = []
         while self._waiting:
             cost = 0 if self._cut else self._cost(self._waiting[0])
@@ -377,6 +377,7 @@ class Engine:
                 break
             rows += cost
             admitted.append(self._waiting.popleft())
+        self._counts = (requests + len(admitted), rows)  # (in flight from now on: never neither waiting nor active)
         return admitted
 
     def _counts_now(self) -> tuple[int, int]:
