@@ -458,3 +458,17 @@ def test_cli_port_is_checked_before_anything_is_printed(run, capsys):
         with pytest.raises(SystemExit):
             main(["serve", "--model", str(run), *args])
         assert message in capsys.readouterr().err
+
+
+def test_a_temperature_below_the_smallest_float_is_greedy(client):
+    """temperature 5e-324 (found by the fuzzer) is 0 in float32: the scores were divided by zero, sampling raised and
+    the request failed with a 500. Now it samples as greedily as the numbers allow: the greedy text."""
+    from txl.generation import choose
+
+    log_probs = torch.log_softmax(torch.randn(3, 50), -1)
+    assert choose(log_probs, 5e-324, 0, 1.0, torch.Generator().manual_seed(0)).tolist() == log_probs.argmax(-1).tolist()
+    body = {"prompt": "ab cd", "max_new_tokens": 20, "temperature": 5e-324, "seed": 1}
+    res = client.post("/v1/generate", json=body)
+    assert res.status_code == 200 and res.json()["token_ids"] == greedy(client.app.state.server, "ab cd", 20)
+    out = client.post("/v1/completions", json={"prompt": "ab cd", "max_tokens": 5, "temperature": 5e-324})
+    assert out.status_code == 200

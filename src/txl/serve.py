@@ -26,13 +26,13 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
@@ -41,10 +41,19 @@ from txl.serve_http import ERROR_RESPONSES, ApiError, Gate, docs_page, error_bod
 
 MAX_SEED = 2**63 - 1
 UNKNOWN_POLICIES = ("error", "replace")
+Unknown = Literal["error", "replace"]
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "JSON, or with stream: true server-sent events (data: JSON per event, then data: [DONE])",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {
+            "text/event-stream": {
+                "schema": {  # (one event)
+                    "type": "object",
+                    "properties": {"data": {"type": "string", "description": "The event's JSON, or [DONE] last."}},
+                    "required": ["data"],
+                }
+            }
+        },
     }
 }
 
@@ -85,13 +94,13 @@ class OpenAIPenalties(BaseModel):
     frequency_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted from a token's score per time the new text holds it."
     )
-    logit_bias: dict[int, float] | None = Field(
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = Field(  # (JSON's keys are strings)
         None, description="Added to the scores of these token ids (-100: never; 100: always)."
     )
 
 
 class GenerateRequest(OpenAIPenalties):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     prompt: str | None = Field(None, description="Prompt text (read with the model's tokenizer).")
     prompt_ids: list[int] | None = Field(None, description="Prompt token ids, instead of prompt.")
@@ -120,7 +129,7 @@ class GenerateRequest(OpenAIPenalties):
         1.0, ge=-10.0, le=10.0,
         description="Beam search: a finished text's score is its log-probability over its length to this power.",
     )  # fmt: skip
-    unknown: str | None = Field(
+    unknown: Unknown | None = Field(
         None, description="Characters outside the model's vocabulary: error (a 400 naming the first one) or replace "
         "(read as the tokenizer's replacement symbol); default: the server's --unknown."
     )  # fmt: skip
@@ -130,7 +139,7 @@ class CompletionRequest(OpenAIPenalties):
     """OpenAI's completions request. Fields of OpenAI's that txl does not have are refused when set to anything
     but their neutral value; fields unknown to OpenAI too are ignored, as clients send some of their own."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models); default: that model.")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -153,29 +162,29 @@ class CompletionRequest(OpenAIPenalties):
     best_of: int | None = None
     suffix: str | None = None
     user: str | None = None
-    unknown: str | None = Field(None, description="txl's: characters outside the vocabulary, error or replace.")
+    unknown: Unknown | None = Field(None, description="txl's: characters outside the vocabulary, error or replace.")
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize`` request (lm-evaluation-harness's remote tokenizer)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt: str = Field(..., description="The text to encode with the model's tokenizer.")
     add_special_tokens: bool = Field(False, description="Accepted for vLLM's clients: txl adds no special tokens.")
-    unknown: str | None = Field(None, description="Characters outside the vocabulary: error or replace.")
+    unknown: Unknown | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
 class DetokenizeRequest(BaseModel):
     """vLLM's ``/detokenize`` request."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     tokens: list[int] = Field(..., description="Token ids to decode.")
 
 
 class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     text: str | None = Field(
         None, description="The text to score (up to the server's max_score_tokens), read with the model's tokenizer."
@@ -194,7 +203,7 @@ class ScoreRequest(BaseModel):
     same_length: bool | None = Field(None, description="Every query sees mem_len keys.")
     per_token: bool = Field(False, description="Also return every token with its log-probability.")
     zero_memory: bool = Field(False, description="Start from mem_len zero vectors, as Hugging Face's TransfoXL did.")
-    unknown: str | None = Field(None, description="Characters outside the vocabulary: error or replace.")
+    unknown: Unknown | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
 def _field_error(e: RequestValidationError) -> tuple[str, str | None]:
