@@ -98,18 +98,22 @@ def one_round(url: str, clients: int, tokens: int) -> dict:
             ttft.append(stamps[0] - t0)
             per_token.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
 
+    wall = run_clients(client, clients)
+    return {
+        "tokens_per_s": total / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+        "tpot_p50": pct(per_token, 0.5), "tpot_p99": pct(per_token, 0.99), "failures": failures,
+    }  # fmt: skip
+
+
+def run_clients(client, clients: int) -> float:
+    """Run ``client(i)`` in ``clients`` threads at once; the wall time until the last one ends."""
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     start_t = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start_t
-
-    return {
-        "tokens_per_s": total / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-        "tpot_p50": pct(per_token, 0.5), "tpot_p99": pct(per_token, 0.99), "failures": failures,
-    }  # fmt: skip
+    return time.perf_counter() - start_t
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -210,13 +214,7 @@ def soak_mix(url: str, clients: int, seconds: float, seed: int = 0, tokens: int 
                 with lock:
                     problems.append(f"{kind}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start_t = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start_t
+    wall = run_clients(client, clients)
     return {
         "counts": dict(sorted(counts.items())), "problems": problems, "requests": sum(counts.values()),
         "tokens_per_s": total / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),

@@ -387,10 +387,20 @@ def test_docs_work_offline_and_errors_have_one_shape(client):
     schema = client.get("/openapi.json").json()
     assert "422" not in schema["paths"]["/v1/generate"]["post"]["responses"]  # (bad bodies are 400s)
     assert {"400", "429", "503"} <= set(schema["paths"]["/v1/generate"]["post"]["responses"])
+    fields = schema["components"]["schemas"]["GenerateRequest"]["properties"]  # (the server's limits, documented)
+    assert fields["max_new_tokens"]["maximum"] == 300 and fields["stop"]["maxItems"] == 16
     assert "GET /nothing: not found" in error_of(client.get("/nothing"), 404)
     assert "method not allowed" in error_of(client.get("/v1/generate"), 405)
     bad_json = client.post("/v1/generate", content=b"{", headers={"content-type": "application/json"})
     assert "not valid JSON" in error_of(bad_json)
+    # the types the schema says (found by the fuzzer: true was read as 1): an integer may be written 3.0
+    for field, value in [("max_new_tokens", True), ("max_new_tokens", "3"), ("max_new_tokens", 2.5), ("stream", 1),
+                         ("prompt_ids", [True])]:  # fmt: skip
+        body = {"prompt": None, "prompt_ids": [1, 2]} if field == "prompt_ids" else {"prompt": "ab"}
+        assert f"{field}" in error_of(client.post("/v1/generate", json=body | {field: value}))
+    whole = client.post("/v1/generate", json={"prompt": "ab", "max_new_tokens": 3.0, "temperature": 0})
+    assert whole.status_code == 200 and whole.json()["new_tokens"] == 3
+    assert "tokens.0" in error_of(client.post("/detokenize", json={"tokens": [True]}))
 
 
 def test_body_size_is_bounded(run):
@@ -425,7 +435,7 @@ def test_prompts_read_like_training_files(client, run):
     spaced = client.post("/v1/generate", json={"prompt": "ab cd", "temperature": 0, "max_new_tokens": 10})
     assert replaced.json()["token_ids"] == spaced.json()["token_ids"]
     assert client.post("/tokenize", json={"prompt": "a\tb", "unknown": "replace"}).json()["count"] == 3
-    assert "unknown: 'bogus' is not one of error, replace" in error_of(
+    assert "unknown: Input should be 'error' or 'replace'" in error_of(
         client.post("/v1/score", json={"text": "ab", "unknown": "bogus"})
     )
     with TestClient(create_app(run, unknown="replace")) as c:

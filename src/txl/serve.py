@@ -32,7 +32,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
@@ -42,6 +42,34 @@ from txl.serve_http import ERROR_RESPONSES, ApiError, Gate, docs_page, error_bod
 MAX_SEED = 2**63 - 1
 UNKNOWN_POLICIES = ("error", "replace")
 Unknown = Literal["error", "replace"]
+
+
+def _whole_numbers(value: Any) -> Any:
+    """A number written with a zero fraction (1.0), also inside lists, as the integer it is (JSON Schema counts it
+    as one); everything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
+class _Request(BaseModel):
+    """A request body, read strictly as its JSON schema says (with each model's strict mode): no true/false or
+    string where an integer is meant (pydantic's lax mode would read them as 1/0 or parse them), no integer where a
+    boolean is meant; an integer may be written 1.0."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: _whole_numbers(v) if k in cls.model_fields and "int" in str(cls.model_fields[k].annotation) else v
+            for k, v in data.items()
+        }
+
+
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "JSON, or with stream: true server-sent events (data: JSON per event, then data: [DONE])",
@@ -85,7 +113,7 @@ class ServeLimits:
     """Largest request body, in bytes; larger ones get 413."""
 
 
-class OpenAIPenalties(BaseModel):
+class OpenAIPenalties(_Request):
     """OpenAI's penalties, taken by both generation endpoints."""
 
     presence_penalty: float = Field(
@@ -165,7 +193,7 @@ class CompletionRequest(OpenAIPenalties):
     unknown: Unknown | None = Field(None, description="txl's: characters outside the vocabulary, error or replace.")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """vLLM's ``/tokenize`` request (lm-evaluation-harness's remote tokenizer)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -175,7 +203,7 @@ class TokenizeRequest(BaseModel):
     unknown: Unknown | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     """vLLM's ``/detokenize`` request."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -183,7 +211,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., description="Token ids to decode.")
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(_Request):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     text: str | None = Field(
@@ -539,6 +567,32 @@ class Server:
         }  # fmt: skip
 
 
+def _document_limits(components: dict[str, Any], lim: ServeLimits) -> None:
+    """Write the server's limits into the request schemas (``maximum``, ``maxItems``, ``maxLength``), so that a
+    client (or a fuzzer) sees them; the limits that count tokens (prompts, scored texts) are only in the text."""
+
+    def bound(model: str, field: str, **limits: int) -> None:
+        prop = components.get(model, {}).get("properties", {}).get(field)
+        if prop is None:
+            return
+        for branch in prop.get("anyOf", [prop]):  # (an optional field: its non-null branch)
+            for key, value in limits.items():
+                if branch.get("type") == {"maximum": "integer", "maxItems": "array", "maxLength": "string"}[key]:
+                    branch[key] = min(value, branch.get(key, value))
+                if key == "maxLength" and branch.get("type") == "array":  # (a list of stop strings)
+                    branch.setdefault("items", {})["maxLength"] = value
+
+    bound("GenerateRequest", "max_new_tokens", maximum=lim.max_new_tokens)
+    bound("GenerateRequest", "mem_len", maximum=lim.max_mem_len)
+    bound("GenerateRequest", "num_beams", maximum=lim.max_batch)
+    bound("GenerateRequest", "stop", maxItems=lim.max_stops, maxLength=lim.max_stop_chars)
+    bound("CompletionRequest", "max_tokens", maximum=lim.max_new_tokens)
+    bound("CompletionRequest", "n", maximum=max(1, lim.max_queue))
+    bound("CompletionRequest", "stop", maxItems=lim.max_stops, maxLength=lim.max_stop_chars)
+    bound("ScoreRequest", "tgt_len", maximum=lim.max_tgt_len)
+    bound("ScoreRequest", "mem_len", maximum=lim.max_mem_len)
+
+
 def _stop_cut(text: str, stops: list[str]) -> tuple[int | None, int]:
     """(index of the first stop string in ``text`` or None, how much of ``text`` is safe to send: all of it but a
     tail that could still become a stop string)."""
@@ -590,11 +644,14 @@ def create_app(
     schema_of = app.openapi
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's schema, less the 422 it documents for bad bodies (they are 400s here)."""
+        """FastAPI's schema, less the 422 it documents for bad bodies (they are 400s here), with this server's
+        limits as the request fields' maxima."""
         if app.openapi_schema is None:
-            for methods in schema_of()["paths"].values():
+            schema = schema_of()
+            for methods in schema["paths"].values():
                 for op in methods.values():
                     op.get("responses", {}).pop("422", None)
+            _document_limits(schema["components"]["schemas"], server.limits)
         return app.openapi_schema
 
     app.openapi = openapi
