@@ -25,7 +25,7 @@ DEFAULT_GENERATE_THREADS = 1  # token-by-token decoding is latency-bound: more t
 # on a busy machine (measured: 4,000 tokens in 2.9 s with 1 thread, 56 s with 2 on a 2-core machine under load)
 
 
-def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
+def convert_hf(src: Path, out: Path, trust_pickle: bool = False, overwrite: bool = False) -> None:
     """Convert a Hugging Face TransfoXL checkpoint folder to a txl model folder (weights and tokenizer).
 
     Args:
@@ -34,11 +34,14 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
         out: Output folder (config.json + model.safetensors + tokenizer.json).
         trust_pickle: Allow reading pickles: pytorch_model.bin (with torch.load(weights_only=True)) and the
             tokenizer's vocab.pkl (with a restricted unpickler that runs no code).
+        overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert import convert_hf_checkpoint
+    from txl.fileio import staged_folder
     from txl.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
 
-    model = convert_hf_checkpoint(src, out, trust_pickle=trust_pickle)
+    with staged_folder(out, overwrite=overwrite, sources=[src]) as staged:
+        model = convert_hf_checkpoint(src, staged, trust_pickle=trust_pickle)
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
     if (out / "tokenizer.json").is_file():
@@ -52,7 +55,9 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False) -> None:
         print(f"no tokenizer vocabulary ({TEXT_VOCAB} or {PICKLE_VOCAB}) in {src}: txl generate needs --prompt_ids")
 
 
-def convert_original(src: Path, out: Path, corpus: Path | None = None, trust_pickle: bool = False) -> None:
+def convert_original(
+    src: Path, out: Path, corpus: Path | None = None, trust_pickle: bool = False, overwrite: bool = False
+) -> None:
     """Convert a checkpoint of the original PyTorch code or of NVIDIA's port to a txl model folder.
 
     The weights, and the tokenizer from the vocabulary (the corpus cache's, or the one NVIDIA's checkpoint holds).
@@ -64,10 +69,13 @@ def convert_original(src: Path, out: Path, corpus: Path | None = None, trust_pic
         corpus: The original code's corpus cache (DATA/cache.pt), for the vocabulary of a model.pt.
         trust_pickle: Needed: both files are pickles. They are read with a restricted unpickler that rebuilds the
             tensors and keeps every object of the original code as inert data; it runs none of their code.
+        overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert_original import convert_original_checkpoint
+    from txl.fileio import staged_folder
 
-    model, tokenizer = convert_original_checkpoint(src, out, corpus=corpus, trust_pickle=trust_pickle)
+    with staged_folder(out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None]) as staged:
+        model, tokenizer = convert_original_checkpoint(src, staged, corpus=corpus, trust_pickle=trust_pickle)
     _converted(src, out, model, tokenizer, "", "the corpus cache with --corpus DATA/cache.pt")
 
 
@@ -89,6 +97,7 @@ def convert_tf(
     mem_len: int | None = None,
     clamp_len: int | None = None,
     same_length: bool | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Convert a checkpoint of the original TensorFlow code (the paper's published models) to a txl model folder.
 
@@ -104,12 +113,16 @@ def convert_tf(
         mem_len: Memory length of the converted model (its default for eval and generation).
         clamp_len: Relative distances above this share one position embedding (-1: none).
         same_length: Every query attends to the same number of keys.
+        overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert_tf import convert_tf_checkpoint
+    from txl.fileio import staged_folder
 
-    model, tokenizer, note = convert_tf_checkpoint(
-        src, out, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
-    )
+    with staged_folder(out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None]) as staged:
+        model, tokenizer, note = convert_tf_checkpoint(
+            src, staged, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len,
+            same_length=same_length,
+        )  # fmt: skip
     _converted(src, out, model, tokenizer, f"; {note}", None)  # (without a vocabulary, the note says why)
 
 
@@ -121,6 +134,7 @@ def export_onnx(
     clamp_len: int | None = None,
     last_only: bool = False,
     tolerance: float = 1e-4,
+    overwrite: bool = False,
 ) -> None:
     """Export one segment step to ONNX (dynamic batch, segment and memory lengths), checked with onnxruntime.
 
@@ -136,21 +150,22 @@ def export_onnx(
         clamp_len: Relative distances above this share one position embedding (default: the model's; -1: none).
         last_only: Output the log-probabilities of the last position only ([B, V]; what generation needs).
         tolerance: Largest |difference| from PyTorch allowed on the random-input check.
+        overwrite: Replace an existing .onnx file (and its tokenizer beside it).
     """
-    import shutil
-
     from txl.checkpoint import resolve_model_dir
     from txl.export import export_onnx as run_export
+    from txl.fileio import staged_file, write_bytes
 
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
-    report = run_export(
-        model, out, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, last_only=last_only,
-        tolerance=tolerance,
-    )  # fmt: skip
     tok = resolve_model_dir(model) / "tokenizer.json"
-    if tok.is_file():
-        shutil.copyfile(tok, Path(out).with_suffix(".tokenizer.json"))
+    with staged_file(out, overwrite=overwrite) as staged:  # (a failed export leaves nothing at --out)
+        report = run_export(
+            model, staged, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, last_only=last_only,
+            tolerance=tolerance,
+        )  # fmt: skip
+        if tok.is_file():
+            write_bytes(Path(out).with_suffix(".tokenizer.json"), tok.read_bytes())
     print(
         f"exported {out} (opset {report.opset}); onnxruntime vs PyTorch on {report.checks} random inputs: "
         f"max |diff| {report.max_abs_diff:.2e} (tolerance {tolerance:g})"

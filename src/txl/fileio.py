@@ -14,14 +14,12 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -45,8 +43,13 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
+        # the mode a plain open() gives a new file here (the umask's; reading the umask itself would mean setting it,
+        # process-wide, for a moment): the file is made so first, and given that mode back after its writer, since
+        # some writers make files private
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        mode = os.stat(tmp).st_mode & 0o777
         yield tmp
-        os.chmod(tmp, 0o666 & ~_UMASK)  # as a plain open() would create it (some writers make files private)
+        os.chmod(tmp, mode)
         _fsync_file(tmp)
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
@@ -62,7 +65,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 
 def write_bytes(dest: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:
     """Write ``data`` (bytes, or an iterable of chunks streamed in bounded memory) to ``dest`` atomically."""
-    with atomic_path(dest) as tmp, open(tmp, "xb") as f:
+    with atomic_path(dest) as tmp, open(tmp, "wb") as f:
         for chunk in [data] if isinstance(data, bytes | bytearray) else data:
             f.write(chunk)
 
@@ -88,7 +91,7 @@ def save_torch(obj: Any, dest: str | os.PathLike) -> None:
     """``torch.save(obj)`` to ``dest`` atomically (read back with ``torch.load(weights_only=True)``)."""
     import torch
 
-    with atomic_path(dest) as tmp, open(tmp, "xb") as f:
+    with atomic_path(dest) as tmp, open(tmp, "wb") as f:
         recorder = _Recorder(f)
         try:
             torch.save(obj, recorder)
@@ -112,3 +115,71 @@ def save_safetensors(tensors: dict, dest: str | os.PathLike, metadata: dict[str,
                 raise
             errno = int(code.group(1))
             raise OSError(errno, os.strerror(errno)) from None
+
+
+def _inside(a: Path, b: Path) -> bool:
+    return a == b or b in a.parents
+
+
+@contextmanager
+def staged_folder(
+    out: str | os.PathLike, *, overwrite: bool = False, sources: Iterable[str | os.PathLike] = (), option: str = "out"
+) -> Iterator[Path]:
+    """A new folder to write a command's whole output into, which becomes ``out`` once it is complete.
+
+    Checked first, before anything is written: ``out`` is not a source (a file or folder the command reads), inside
+    one, or around one; and it is new or empty, or ``overwrite`` is given. On success the new folder is renamed into
+    place (an old ``out`` is kept until then, and removed after); on any error it is removed and ``out`` is as it
+    was."""
+    out = Path(out)
+    target = out.resolve()
+    for src in sources:
+        source = Path(src).resolve()
+        if _inside(target, source) or _inside(source, target):
+            raise ValueError(
+                f"--{option} {out}: it would be written {'into' if _inside(target, source) else 'around'} the source "
+                f"{src}; give a folder of its own"
+            )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--{option} {out}: a file is there; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(
+            f"--{option} {out}: the folder exists and is not empty; give a new folder, or --overwrite true to replace "
+            "it (it is kept until the new one is complete)"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    staged = out.parent / f".{out.name}.partial-{tag}"
+    staged.mkdir()
+    try:
+        yield staged
+        fsync_dir(staged)
+        old = out.parent / f".{out.name}.old-{tag}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(staged, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def staged_file(out: str | os.PathLike, *, overwrite: bool = False, option: str = "out") -> Iterator[Path]:
+    """A temporary path beside ``out`` to write a command's output file to, renamed over ``out`` on success and
+    removed on any error; an existing ``out`` is refused (before anything is written) unless ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--{option} {out}: a folder is there; give a file name")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--{option} {out}: the file exists; give a new name, or --overwrite true to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = out.with_name(f".{out.stem}.partial-{uuid.uuid4().hex[:12]}{out.suffix}")
+    try:
+        yield staged
+        os.replace(staged, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise

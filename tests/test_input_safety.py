@@ -1,0 +1,110 @@
+"""Nothing a user types damages what is already there: a command that writes a folder or file checks first and
+refuses to overwrite by surprise (its own source never), writes into a staged copy that replaces the old one only
+once complete, and leaves every existing file byte-identical when it fails; importing txl changes nothing
+process-wide (the umask)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, debug_config
+from txl import TransformerXLLM
+from txl.cli import main
+
+
+def tree_digest(folder: Path) -> str:
+    """One hash of every file below ``folder`` (names and bytes) and of the folder's entries."""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        h.update(str(path.relative_to(folder)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def fails(args: list[str], capsys) -> str:
+    """The one-line error of a txl command that must fail with exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_convert_refuses_an_existing_folder_and_its_own_source(tmp_path, capsys):
+    """`txl convert hf SRC runs/x/checkpoints/step-N` replaced a trained checkpoint's weights and config and kept its
+    old tokenizer.json; `txl convert hf SRC SRC` overwrote the source. Now an existing non-empty folder needs
+    --overwrite (and is then replaced whole, old files included), the source is never written, and a failed
+    conversion leaves the folder as it was."""
+    out = tmp_path / "out"
+    main(["convert", "hf", str(CHAR_FIXTURE), str(out)])
+    (out / "tokenizer.json").write_text('{"a stale": "tokenizer"}')  # (as a trained run's checkpoint has)
+    before = tree_digest(out)
+    err = fails(["convert", "hf", str(ADAPTIVE_FIXTURE), str(out)], capsys)
+    assert "the folder exists and is not empty" in err and "--overwrite true" in err
+    assert tree_digest(out) == before
+    src = tmp_path / "src"
+    shutil.copytree(CHAR_FIXTURE, src)
+    source = tree_digest(src)
+    for target in (src, src / "inside"):
+        assert "into the source" in fails(["convert", "hf", str(src), str(target), "--overwrite", "true"], capsys)
+    assert "around the source" in fails(["convert", "hf", str(src), str(tmp_path), "--overwrite", "true"], capsys)
+    assert tree_digest(src) == source
+    broken = tmp_path / "broken"
+    shutil.copytree(ADAPTIVE_FIXTURE, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SystemExit):
+        main(["convert", "hf", str(broken), str(out), "--overwrite", "true"])
+    capsys.readouterr()
+    assert tree_digest(out) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    main(["convert", "hf", str(ADAPTIVE_FIXTURE), str(out), "--overwrite", "true"])
+    fresh = tmp_path / "fresh"
+    main(["convert", "hf", str(ADAPTIVE_FIXTURE), str(fresh)])
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())  # (no stale file)
+    assert (out / "config.json").read_bytes() == (fresh / "config.json").read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # (no staged copy left behind)
+
+
+def test_export_refuses_an_existing_file_and_leaves_nothing_when_it_fails(tmp_path, capsys):
+    """A failed ONNX export left its .onnx at the destination; an existing one was overwritten silently."""
+    pytest.importorskip("onnxruntime")
+    model = tmp_path / "model"
+    TransformerXLLM(debug_config()).save_pretrained(model)
+    onnx_file = tmp_path / "m.onnx"
+    onnx_file.write_bytes(b"an earlier export")
+    err = fails(["export", "onnx", "--model", str(model), "--out", str(onnx_file)], capsys)
+    assert "the file exists" in err and "--overwrite true" in err and onnx_file.read_bytes() == b"an earlier export"
+    new = tmp_path / "new.onnx"
+    assert "differs from PyTorch" in fails(
+        ["export", "onnx", "--model", str(model), "--out", str(new), "--tolerance", "1e-15"], capsys
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "model"]  # nothing new, nothing staged
+    main(["export", "onnx", "--model", str(model), "--out", str(onnx_file), "--overwrite", "true"])
+    assert onnx_file.read_bytes()[:4] != b"an e" and onnx_file.stat().st_size > 1000
+
+
+def test_importing_txl_leaves_the_umask_alone(tmp_path):
+    """fileio read the umask at import by setting it to 0 for a moment: another thread creating a file then got mode
+    0666. Now nothing sets it; files still get the mode the umask gives."""
+    code = (
+        "import os, sys\ncalls = []\nreal = os.umask\nos.umask = lambda m: calls.append(m) or real(m)\n"
+        "import txl, txl.cli, txl.fileio, txl.trainer, txl.serve\n"
+        "from txl.fileio import write_bytes, save_torch\n"
+        "write_bytes(sys.argv[1] + '/a', b'x')\nsave_torch({'x': 1}, sys.argv[1] + '/b')\n"
+        "print(calls)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stderr
+    umask = 0o022  # (the subprocess inherits this process's umask)
+    umask = os.umask(umask)
+    os.umask(umask)
+    for name in ("a", "b"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
