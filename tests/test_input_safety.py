@@ -108,3 +108,54 @@ def test_importing_txl_leaves_the_umask_alone(tmp_path):
     os.umask(umask)
     for name in ("a", "b"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_tokenizer_of_another_size_is_refused_where_a_model_is_loaded(tmp_path, capsys):
+    """A 10-symbol tokenizer beside a model of 35 token ids: txl eval printed a loss, generation failed part-way and
+    the server answered 500. Now every command that loads the pair names the mismatch in one line."""
+    from train_helpers import run_inprocess
+    from txl.checkpoint import latest_checkpoint
+    from txl.data import Tokenizer
+
+    run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    capsys.readouterr()
+    model = tmp_path / "model"
+    shutil.copytree(latest_checkpoint(run), model)
+    Tokenizer("char", list("abcdefghij")).save(model / "tokenizer.json")
+    text = tmp_path / "text.txt"
+    text.write_text("abc def\n")
+    n_token = TransformerXLLM.load_config(model).n_token
+    message = f"a tokenizer of 10 symbols beside a model of {n_token} token ids: it is not this model's tokenizer"
+    for args in (
+        ["generate", "--model", str(model), "--prompt", "ab", "--max_new_tokens", "5"],
+        ["eval", "--model", str(model), "--data", str(text)],
+        ["serve", "--model", str(model), "--port", "0"],
+    ):
+        assert message in fails(args, capsys), args
+
+
+def test_finetune_locks_its_run_folder_as_train_does(tmp_path, capsys):
+    """Two `txl finetune` on one run folder both exited 0, the folder mixing their metrics; now the second stops
+    with the run lock's one line (the same as txl train's), and a refused run leaves the folder as it was."""
+    from test_finetune import args, make_data
+    from train_helpers import run_inprocess
+    from txl.checkpoint import RunLock
+
+    lm = run_inprocess(tmp_path / "lm", train__max_steps=2, train__eval_interval=0)
+    data = make_data(tmp_path / "data", "single")
+    run = tmp_path / "ft"
+    run.mkdir()
+    holder = RunLock(run, "txl finetune")
+    try:
+        before = tree_digest(run)
+        err = fails(args(lm, data, run, max_steps=4), capsys)
+        assert f"{run} is in use by another txl finetune (pid {os.getpid()} on " in err
+        assert tree_digest(run) == before
+    finally:
+        holder.release()
+    main(args(lm, data, run, max_steps=4, eval_interval=4, checkpoint_interval=4))
+    assert (run / "checkpoints" / "step-4").is_dir()
+    missing = tmp_path / "never"
+    with pytest.raises(SystemExit):
+        main(args(lm, tmp_path / "no-data", missing, max_steps=4))
+    assert not missing.exists()  # (a run that never began leaves no folder behind)

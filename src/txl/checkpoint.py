@@ -250,9 +250,10 @@ LOCK = ".lock"
 
 
 class RunLock:
-    """An exclusive lock on a run folder for the lifetime of a ``txl train`` (see the module docstring)."""
+    """An exclusive lock on a run folder for the lifetime of the command that writes it (``txl train``, ``txl
+    finetune``; see the module docstring). Every such command takes it, with the same message when it is held."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, command: str = "txl train"):
         self.path = Path(run_dir) / LOCK
         self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
         try:
@@ -262,12 +263,12 @@ class RunLock:
             holder = self._file.read().strip() or "another process"
             self._file.close()
             raise CheckpointError(
-                f"{run_dir} is in use by another txl train ({holder}); wait for it to finish, or choose another "
-                "--run_dir"
+                f"{run_dir} is in use by another {holder}; wait for it to finish, or choose another --run_dir"
             ) from None
         self._file.seek(0)
         self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._file.write(f"{command} (pid {os.getpid()} on {socket.gethostname()} since {when})\n")
         self._file.flush()
 
     def release(self) -> None:

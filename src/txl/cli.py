@@ -485,7 +485,8 @@ def generate(
         configure_allocator()
     folder = resolve_model_dir(model)
     lm = TransformerXLLM.from_pretrained(folder).to(dev)
-    tok = Tokenizer.load(folder / "tokenizer.json") if (folder / "tokenizer.json").exists() else None
+    tok_file = folder / "tokenizer.json"
+    tok = Tokenizer.load(tok_file).for_model(lm.config.n_token, tok_file) if tok_file.exists() else None
     if prompt is not None:
         if tok is None:
             raise ValueError(f"{folder}: no tokenizer.json to encode --prompt; use --prompt_ids")

@@ -306,8 +306,8 @@ def eval_text(
             f"{model_dir}: no tokenizer.json; evaluation reads text with the model's own tokenizer "
             "(a model converted from Hugging Face gets one with `txl convert hf --trust-pickle`)"
         )
+    tokenizer = Tokenizer.load(tok_file).for_model(TransformerXLLM.load_config(model_dir).n_token, tok_file)
     if data is not None and Path(data).is_file():
-        tokenizer = Tokenizer.load(tok_file)
         chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors, raw=raw_text))
         ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         if len(ids) == 0:

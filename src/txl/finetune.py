@@ -329,7 +329,28 @@ def predict_logits(model, docs: list[list[int]], cfg: FinetuneConfig, mem_len: i
 
 
 def finetune(cfg: FinetuneConfig) -> Path:
-    """Fine-tune (or resume) and return the run folder."""
+    """Fine-tune (or resume) and return the run folder, which is locked for the run (as ``txl train`` locks its
+    own: a second command on the same folder stops with one line)."""
+    from txl.checkpoint import LOCK, RunLock
+
+    cfg.validate()
+    run_dir = Path(cfg.run_dir)
+    existed = run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir, "txl finetune")
+    try:
+        return _finetune(cfg)
+    except BaseException:
+        if not existed and [p.name for p in run_dir.iterdir()] == [LOCK]:  # (a run that never began leaves nothing)
+            lock.release()
+            (run_dir / LOCK).unlink()
+            run_dir.rmdir()
+        raise
+    finally:
+        lock.release()
+
+
+def _finetune(cfg: FinetuneConfig) -> Path:
     from txl.checkpoint import latest_checkpoint, resolve_model_dir, save_checkpoint
     from txl.data import Tokenizer
     from txl.distributed import World
@@ -346,7 +367,8 @@ def finetune(cfg: FinetuneConfig) -> Path:
     tok_file = source / "tokenizer.json"
     if not tok_file.is_file():
         raise FinetuneError(f"{source}: no tokenizer.json to read the texts with")
-    tokenizer = Tokenizer.load(tok_file)
+    n_token = TransformerXLForSequenceClassification.load_config(source).n_token
+    tokenizer = Tokenizer.load(tok_file).for_model(n_token, tok_file)
     folder = Path(cfg.data)
     train_file = _split_file(folder, "train")
     if train_file is None:
@@ -483,7 +505,8 @@ def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassific
     record = json.loads((folder / FINETUNE_CONFIG).read_text())
     fields = {k: v for k, v in record.items() if k in FinetuneConfig.__dataclass_fields__}
     model = TransformerXLForSequenceClassification.from_pretrained(folder).eval()
-    return model, Tokenizer.load(folder / "tokenizer.json"), FinetuneConfig(**fields), record
+    tok_file = folder / "tokenizer.json"
+    return model, Tokenizer.load(tok_file).for_model(model.config.n_token, tok_file), FinetuneConfig(**fields), record
 
 
 def predict(path: str | Path, texts: list[str], where: list[str] | None = None) -> list[dict[str, Any]]:

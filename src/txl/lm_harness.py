@@ -97,7 +97,8 @@ class TransformerXLHarnessLM(LM):
         self._device = resolve_device(device or "cpu", option="device")
         self.precision, _ = effective_precision(self._device, precision)
         self.model.to(self._device).eval()
-        self.tokenizer = Tokenizer.load(Path(folder) / "tokenizer.json")
+        tok_file = Path(folder) / "tokenizer.json"
+        self.tokenizer = Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file)
         given = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
         self.settings = eval_settings(read_run_config(folder), self.model.config, **given)
         self.batch_size = _int(batch_size, "batch_size", 8)

@@ -282,7 +282,9 @@ class Server:
         self.run = read_run_config(self.folder)
         self.model = TransformerXLLM.from_pretrained(self.folder).eval().to(self.device)
         tok_file = self.folder / "tokenizer.json"
-        self.tokenizer = Tokenizer.load(tok_file) if tok_file.exists() else None
+        self.tokenizer = (
+            Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file) if tok_file.exists() else None
+        )
         self.metric = metric_name(self.tokenizer.kind) if self.tokenizer else "ppl"
         self.limits = limits
         self.api_key = api_key

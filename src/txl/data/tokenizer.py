@@ -614,6 +614,17 @@ class Tokenizer:
         write_bytes(path, self.to_json().encode())
         return path
 
+    def for_model(self, n_token: int, where: str | Path) -> Tokenizer:
+        """This tokenizer, checked to be the one of a model of ``n_token`` token ids (``where``: the tokenizer's
+        file, for the message): a tokenizer of another size reads text as other ids, and its ids beyond the model's
+        are errors part-way."""
+        if self.vocab_size != n_token:
+            raise DataError(
+                f"{where}: a tokenizer of {self.vocab_size:,} symbols beside a model of {n_token:,} token ids: it is "
+                "not this model's tokenizer (was the folder written over?); put the model's own tokenizer.json there"
+            )
+        return self
+
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
         """Read a ``tokenizer.json`` written by :meth:`save` (``path`` may be a folder)."""
