@@ -470,7 +470,7 @@ def test_cli_port_is_checked_before_anything_is_printed(run, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_a_temperature_below_the_smallest_float_is_greedy(client):
+def test_temperatures_beyond_float32_sample_as_the_numbers_allow(client):
     """temperature 5e-324 (found by the fuzzer) is 0 in float32: the scores were divided by zero, sampling raised and
     the request failed with a 500. Now it samples as greedily as the numbers allow: the greedy text."""
     from txl.generation import choose
@@ -482,3 +482,6 @@ def test_a_temperature_below_the_smallest_float_is_greedy(client):
     assert res.status_code == 200 and res.json()["token_ids"] == greedy(client.app.state.server, "ab cd", 20)
     out = client.post("/v1/completions", json={"prompt": "ab cd", "max_tokens": 5, "temperature": 5e-324})
     assert out.status_code == 200
+    # and one above float32's largest (also found by the fuzzer): -inf / inf was NaN where a penalty ruled a token out
+    huge = body | {"temperature": 1.7e305, "repetition_penalty": 1.5e308, "max_new_tokens": 20}
+    assert client.post("/v1/generate", json=huge).status_code == 200

@@ -130,8 +130,10 @@ def choose(
     """The next token [B] from log-probabilities [B, V]: the arg max at temperature 0, else a sample."""
     if temperature == 0:
         return log_probs.argmax(-1)
-    # the best stays 0 at any temperature; one below the dtype's smallest normal number would be 0 in it (0 / 0)
-    temperature = max(temperature, torch.finfo(log_probs.dtype).tiny)
+    # the best stays 0 at any temperature; one outside the dtype's normal numbers would be 0 or inf in it (0 / 0,
+    # -inf / inf: NaN), so it is clamped into them
+    finfo = torch.finfo(log_probs.dtype)
+    temperature = min(max(temperature, finfo.tiny), finfo.max)
     scaled = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature
     probs = filter_logits(scaled, top_k, top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
