@@ -485,3 +485,17 @@ def test_temperatures_beyond_float32_sample_as_the_numbers_allow(client):
     # and one above float32's largest (also found by the fuzzer): -inf / inf was NaN where a penalty ruled a token out
     huge = body | {"temperature": 1.7e305, "repetition_penalty": 1.5e308, "max_new_tokens": 20}
     assert client.post("/v1/generate", json=huge).status_code == 200
+
+
+def test_an_ngram_size_longer_than_the_text_bans_nothing(client):
+    """no_repeat_ngram_size = (prompt + text so far) + 1 (found by the fuzzer): the n-grams were cut from a shorter
+    history (a 500); as in Hugging Face's, a history shorter than n holds no n-gram to repeat."""
+    history = torch.tensor([[1, 2, 3, 4]])
+    scores = torch.log_softmax(torch.randn(1, 10), -1)
+    for n in (5, 6):
+        assert torch.equal(Penalties(no_repeat_ngram_size=n).apply(scores, history, 2), scores)
+    body = {"prompt": "ab cd", "max_new_tokens": 12, "temperature": 0}
+    for n in (6, 7, 11):
+        res = client.post("/v1/generate", json=body | {"no_repeat_ngram_size": n})
+        assert res.status_code == 200, res.text
+    assert res.json()["token_ids"][:5] == greedy(client.app.state.server, "ab cd", 5)  # (nothing banned that early)

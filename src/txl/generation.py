@@ -87,7 +87,7 @@ class Penalties:
             p = self.repetition_penalty
             scores = torch.where(held, torch.where(scores < 0, scores * p, scores / p), scores)
         n = self.no_repeat_ngram_size
-        if n and history.shape[1] + 1 >= n:
+        if n and history.shape[1] >= n:  # (a shorter history holds no n-gram to repeat)
             grams = history.unfold(1, n, 1)  # [B, W, n]: every n-gram of the sequence
             tail = history[:, history.shape[1] - n + 1 :]  # [B, n - 1]: the n - 1 tokens a new one would follow
             repeat = (grams[:, :, :-1] == tail[:, None, :]).all(-1)  # [B, W]
