@@ -159,3 +159,31 @@ def test_finetune_locks_its_run_folder_as_train_does(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(args(lm, tmp_path / "no-data", missing, max_steps=4))
     assert not missing.exists()  # (a run that never began leaves no folder behind)
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ("model: 5\n", "the section model: must be a mapping of its fields"),
+        ("train: [1, 2]\n", "the section train: must be a mapping of its fields"),
+        ("model:\n  d_model: 64\nmodel:\n  d_model: 32\n", "line 3: the key 'model' is given twice"),
+        ("model:\n  d_model: 64\n  d_model: 32\n", "line 3: the key 'd_model' is given twice"),
+        ("x: &x [*x]\n", "line 1: an alias refers to the structure it is part of"),
+        (
+            "a: &a [1,2,3,4,5,6,7,8,9,10]\n"
+            + "".join(
+                f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+            ),
+            "its aliases expand to more than 100,000 values",
+        ),  # (10^9 values from 1 kB: it used to hang)
+    ],
+    ids=["section-int", "section-list", "duplicate-section", "duplicate-field", "recursive-alias", "billion-laughs"],
+)
+def test_recipes_that_yaml_would_take_silently_or_endlessly_are_one_error(recipe, message, tmp_path, capsys):
+    """Duplicate keys (YAML keeps the last), a section that is not a mapping (a traceback), a recursive alias (a
+    RecursionError) and an alias bomb (gigabytes, a hang) in a recipe: one line naming the file and the line."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    err = fails(["train", "--config", str(path), "--run_dir", str(tmp_path / "run")], capsys)
+    assert err.startswith(f"txl: error: {path}: ") and message in err, err
+    assert not (tmp_path / "run").exists()

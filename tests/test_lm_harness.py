@@ -224,3 +224,15 @@ def test_local_completions_through_txl_serve(harness_run, tmp_path):
             full = tok.decode(generate(lm, ids, 40, temperature=0.0)[0, ids.shape[1] :].tolist())
         cut = min((full.find(u) for u in (".", " ", "\n") if u in full), default=len(full))  # (+ the line end)
         assert sample["resps"][0][0] == full[:cut]
+
+
+def test_unknown_model_args_are_refused_by_name(harness_run, capsys):
+    """`--model_args ...,memlen=256` (a typo of mem_len) was dropped silently: the run read with the model's memory.
+    Now the command stops with one line naming it and the close match."""
+    tmp, run, _ = harness_run
+    with pytest.raises(SystemExit) as e:
+        main(["lm-eval", "--model", "txl", "--model_args", f"pretrained={run},memlen=256", "--tasks", "txl_choice",
+              "--include_path", str(tmp / "tasks"), "--output_path", str(tmp / "refused")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("txl lm-eval: error: --model_args memlen: not an argument of the txl")
+    assert "did you mean mem_len?" in err and not (tmp / "refused").exists()

@@ -1123,7 +1123,11 @@ def _summary(target) -> str:
 def _new_parser(prog: str, description: str | None = None):
     from jsonargparse import ArgumentParser
 
-    return ArgumentParser(prog=prog, description=description, print_config=None, exit_on_error=False)
+    from txl.config import _parser_mode
+
+    return ArgumentParser(
+        prog=prog, description=description, print_config=None, exit_on_error=False, parser_mode=_parser_mode()
+    )
 
 
 def build_parser():
@@ -1324,5 +1328,10 @@ def main(argv: list[str] | None = None) -> None:
         if handled is None:
             raise
         code, message = handled
+        configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [
+            a.split("=", 1)[1] for a in argv if a.startswith("--config=")
+        ]
+        if configs and "Problems parsing config:" in message:  # (the recipe's checks name its line: name its file)
+            message = message.replace("Problems parsing config:", f"{configs[-1]}:")
         print(message, file=sys.stderr)
         raise SystemExit(code) from None

@@ -227,6 +227,78 @@ class RunConfig:
         return _build(lambda: run_parser().parse_object(data), source)
 
 
+YAML_MODE = "txl_yaml"
+"""The jsonargparse parser mode of txl's parsers: YAML read by :func:`checked_yaml_load`."""
+MAX_YAML_VALUES = 100_000
+"""The most values a YAML document may hold once its aliases (``*name``) are expanded."""
+
+
+def checked_yaml_load(text: str) -> Any:
+    """jsonargparse's YAML loader, after checks that a document written by mistake or by an attacker cannot pass:
+    a duplicate key (YAML takes the last silently), an alias that refers to itself (an endless structure), or
+    aliases that expand to more than :data:`MAX_YAML_VALUES` values (a kilobyte "billion laughs" grows to gigabytes),
+    and a run section (``model``, ``data``, ``train``, ``eval``) that is not a mapping of its fields."""
+    import yaml
+    from jsonargparse._loaders_dumpers import yaml_load
+
+    try:
+        nodes = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        nodes = None  # (jsonargparse's loader reports it, or reads the value as a plain string)
+    if nodes is not None:
+        _check_yaml_node(nodes, {}, set())
+    value = yaml_load(text)
+    if isinstance(value, dict):
+        for section in SECTIONS[:4]:
+            if section in value and not isinstance(value[section], dict | None):
+                raise yaml.YAMLError(
+                    f"the section {section}: must be a mapping of its fields ({section}: then indented lines "
+                    f"field: value), not {value[section]!r}"
+                )
+    return value
+
+
+def _check_yaml_node(node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """The number of values ``node`` expands to (aliases counted each time they are used; memoised by node, so the
+    walk is linear in the document); raises on a duplicate key, a recursive alias or too many values."""
+    import yaml
+
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise yaml.YAMLError(f"line {node.start_mark.line + 1}: an alias refers to the structure it is part of")
+    open_nodes.add(id(node))
+    size = 1
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen and key.tag != "tag:yaml.org,2002:merge":
+                    raise yaml.YAMLError(f"line {key.start_mark.line + 1}: the key {key.value!r} is given twice")
+                seen.add(key.value)
+            size += _check_yaml_node(key, sizes, open_nodes) + _check_yaml_node(value, sizes, open_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        size += sum(_check_yaml_node(item, sizes, open_nodes) for item in node.value)
+    open_nodes.discard(id(node))
+    if size > MAX_YAML_VALUES:
+        raise yaml.YAMLError(
+            f"line {node.start_mark.line + 1}: its aliases expand to more than {MAX_YAML_VALUES:,} values"
+        )
+    sizes[id(node)] = size
+    return size
+
+
+def _parser_mode() -> str:
+    """Register :func:`checked_yaml_load` as jsonargparse's loader of :data:`YAML_MODE` (once) and name it."""
+    import yaml
+    from jsonargparse import set_loader
+    from jsonargparse._loaders_dumpers import loaders
+
+    if YAML_MODE not in loaders:
+        set_loader(YAML_MODE, checked_yaml_load, exceptions=(yaml.YAMLError,))
+    return YAML_MODE
+
+
 def build_run_parser(prog: str = "txl train"):
     """A new parser of run configurations: the options of ``txl train``, one per field of every section.
 
@@ -242,6 +314,7 @@ def build_run_parser(prog: str = "txl train"):
         "data-parallel).",
         print_config=None,
         exit_on_error=False,
+        parser_mode=_parser_mode(),
     )
     parser.add_argument("--config", action=ActionConfigFile, help="A recipe (YAML) with the sections below.")
     parser.add_class_arguments(RunConfig, as_group=False, sub_configs=True)

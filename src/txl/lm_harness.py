@@ -69,6 +69,35 @@ GENERATION_KWARGS = frozenset(
 class TransformerXLHarnessLM(LM):
     """A txl language model for lm-evaluation-harness (see the module docstring for the arguments)."""
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> TransformerXLHarnessLM:
+        """The harness's constructor from ``--model_args`` as a string, checked by :meth:`_check_args`."""
+        from lm_eval.utils import simple_parse_args_string
+
+        cls._check_args(simple_parse_args_string(arg_string or ""))
+        return super().create_from_arg_string(arg_string, additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> TransformerXLHarnessLM:
+        """The harness's constructor from ``--model_args`` as a mapping, checked by :meth:`_check_args`."""
+        cls._check_args(arg_dict)
+        return super().create_from_arg_obj(arg_dict, additional_config)
+
+    @classmethod
+    def _check_args(cls, args: dict) -> None:
+        """An argument the model does not take is refused by name (a misspelt ``memlen=256`` would otherwise be
+        dropped: the run reads with another memory than asked)."""
+        import difflib
+        import inspect
+
+        known = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "_ignored")]
+        for name in args:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ValueError(f"--model_args {name}: not an argument of the txl model ({hint}it takes "
+                                 f"{', '.join(known)})")  # fmt: skip
+
     def __init__(
         self,
         pretrained: str,
@@ -290,4 +319,8 @@ def cli(argv: list[str]) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["txl lm-eval", *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ValueError as e:  # (a bad argument: one line, as txl's other commands give it)
+        print(f"txl lm-eval: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
