@@ -187,3 +187,34 @@ def test_recipes_that_yaml_would_take_silently_or_endlessly_are_one_error(recipe
     err = fails(["train", "--config", str(path), "--run_dir", str(tmp_path / "run")], capsys)
     assert err.startswith(f"txl: error: {path}: ") and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_resume_leaves_the_run_folder_byte_identical(tmp_path, capsys):
+    """A resume with a changed model flag failed with "--resume the checkpoint before it"; following that moved the
+    later checkpoint to superseded/ and deleted metrics rows, then failed the same way. A resume on another corpus
+    whose vocabulary has the same size went on with remapped ids. Now both are refused before anything is touched,
+    with no hint that would fail too, and the run folder (lock file included) is byte-identical."""
+    from train_helpers import tiny_corpus, train_args
+    from txl.data import Tokenizer
+
+    base = dict(train__max_steps=4, train__eval_interval=2, train__checkpoint_interval=2, train__keep_last=5)
+    main(train_args(tmp_path, **base))
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "step-2").is_dir() and (run / "checkpoints" / "step-4").is_dir()
+    capsys.readouterr()
+    before = tree_digest(run)
+    step2 = str(run / "checkpoints" / "step-2")
+    for resume in ("auto", step2):
+        args = train_args(tmp_path, **(base | {"train__max_steps": 6, "model__d_inner": 48})) + ["--resume", resume]
+        err = fails(args, capsys)
+        assert "the checkpoint's model differs from the config (d_inner: checkpoint" in err and "--resume" not in err
+        assert tree_digest(run) == before, resume
+    other = tiny_corpus(tmp_path / "other", seed=1)
+    theirs = Tokenizer.load(run / "checkpoints" / "step-4" / "tokenizer.json")
+    args = train_args(tmp_path, **(base | {"train__max_steps": 6})) + ["--resume", step2]
+    args[args.index("--data.path") + 1] = str(other)
+    args[args.index("--data.cache_dir") + 1] = str(tmp_path / "other-cache")
+    err = fails(args, capsys)
+    ours = Tokenizer.load(tmp_path / "other-cache")  # (the other corpus's vocabulary, built before the refusal)
+    assert ours.vocab_size == theirs.vocab_size and ours.sha256() != theirs.sha256()  # (same size, other ids)
+    assert "the checkpoint was trained with another vocabulary" in err and tree_digest(run) == before

@@ -182,9 +182,15 @@ def save_checkpoint(
             write_bytes(tmp / METADATA, _json_bytes(metadata))
             _write_marker(tmp, step)
             if final.exists():  # the same step saved again (a resumed run stopping where it started)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_dir(root)
+                old = root / f".step-{step}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)  # (a crash from here on: recover_checkpoints keeps the complete new one)
+                os.rename(tmp, final)
+                fsync_dir(root)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, final)
+                fsync_dir(root)
     except OSError:
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -195,8 +201,25 @@ def save_checkpoint(
     return final
 
 
+def recover_checkpoints(run_dir: Path) -> None:
+    """Finish a re-save of a step that a crash cut between its two renames (``step-N`` moved to ``.step-N.old``,
+    the new copy not yet renamed from ``.step-N.partial``): the complete new copy becomes ``step-N`` (else the old
+    one goes back); a left-over ``.old`` beside a complete ``step-N`` is dropped."""
+    root = Path(run_dir) / "checkpoints"
+    for old in root.glob(".step-*.old") if root.is_dir() else []:
+        final = root / old.name[1:].removesuffix(".old")
+        partial = root / f".{final.name}.partial"
+        if not is_complete(final):
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(partial if is_complete(partial) else old, final)
+            fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def prune(run_dir: Path, keep_last: int, keep_steps: set[int]) -> None:
     """Delete complete checkpoints except the newest ``keep_last`` and ``keep_steps``; drop partial folders."""
+    recover_checkpoints(run_dir)
     ckpts = list_checkpoints(run_dir)
     keep = {s for s, _ in ckpts[-max(1, keep_last) :]} | keep_steps
     for s, p in ckpts:
@@ -255,6 +278,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path, command: str = "txl train"):
         self.path = Path(run_dir) / LOCK
+        self._existed = self.path.exists()
         self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -266,12 +290,22 @@ class RunLock:
                 f"{run_dir} is in use by another {holder}; wait for it to finish, or choose another --run_dir"
             ) from None
         self._file.seek(0)
+        self._previous = self._file.read()
+        self._file.seek(0)
         self._file.truncate()
         when = time.strftime("%Y-%m-%d %H:%M:%S")
         self._file.write(f"{command} (pid {os.getpid()} on {socket.gethostname()} since {when})\n")
         self._file.flush()
 
-    def release(self) -> None:
+    def release(self, restore: bool = False) -> None:
+        """Unlock; with ``restore`` (a command that changed nothing else), the lock file as it was before."""
         if not self._file.closed:
+            if restore:
+                self._file.seek(0)
+                self._file.truncate()
+                self._file.write(self._previous)
+                self._file.flush()
+                if not self._existed:
+                    self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()

@@ -331,7 +331,7 @@ def predict_logits(model, docs: list[list[int]], cfg: FinetuneConfig, mem_len: i
 def finetune(cfg: FinetuneConfig) -> Path:
     """Fine-tune (or resume) and return the run folder, which is locked for the run (as ``txl train`` locks its
     own: a second command on the same folder stops with one line)."""
-    from txl.checkpoint import LOCK, RunLock
+    from txl.checkpoint import RunLock
 
     cfg.validate()
     run_dir = Path(cfg.run_dir)
@@ -339,15 +339,14 @@ def finetune(cfg: FinetuneConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir, "txl finetune")
     try:
-        return _finetune(cfg)
+        result = _finetune(cfg)
     except BaseException:
-        if not existed and [p.name for p in run_dir.iterdir()] == [LOCK]:  # (a run that never began leaves nothing)
-            lock.release()
-            (run_dir / LOCK).unlink()
+        lock.release(restore=True)  # (the lock file as it was)
+        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):  # (a run that never began: no folder)
             run_dir.rmdir()
         raise
-    finally:
-        lock.release()
+    lock.release()
+    return result
 
 
 def _finetune(cfg: FinetuneConfig) -> Path:

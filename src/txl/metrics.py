@@ -46,26 +46,54 @@ def _append(f, text: str) -> None:
 
 
 class Reporter:
-    def __init__(self, run_dir: Path, *, enabled: bool, progress: bool | None, tensorboard: bool, total: int):
+    """A run's log (``train.log``), metrics rows and progress bar. With ``hold``, nothing is written to the run
+    folder until :meth:`commit` (a run that fails while it sets up leaves the folder as it was); what it says
+    meanwhile is printed at once and written to the log then."""
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, progress: bool | None, tensorboard: bool, total: int, hold: bool = False
+    ):
         self.enabled = enabled
         self.run_dir = run_dir
-        self.bar = self.tb = None
+        self.bar = self.tb = self._log = self._metrics = None
+        self._held: list[str] | None = [] if hold else None
+        self._tensorboard = tensorboard
         if not enabled:
             return
-        self._log = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._metrics = open(run_dir / METRICS, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "train.tensorboard needs the tensorboard package: pip install 'transformer-xl[tb]'"
+                ) from None
+        if progress if progress is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+        if not hold:
+            self._open()
+
+    def commit(self) -> None:
+        """Open the run folder's files and write what was said while held."""
+        if not self.enabled or self._held is None:
+            return
+        held, self._held = self._held, None
+        self._open()
+        for msg in held:
+            _append(self._log, msg + "\n")
+
+    def _open(self) -> None:
+        self._log = open(self.run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._metrics = open(self.run_dir / METRICS, "a", encoding="utf-8")  # noqa: SIM115
+        if self._tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ValueError(
                     "train.tensorboard needs the tensorboard package: pip install 'transformer-xl[tb]'"
                 ) from None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), max_queue=1000)
-        if progress if progress is not None else sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000)
 
     def start_at(self, step: int) -> None:
         if self.bar is not None:
@@ -79,12 +107,16 @@ class Reporter:
             self.bar.write(msg)
         else:
             print(msg, flush=True)
-        _append(self._log, msg + "\n")
+        if self._held is not None:
+            self._held.append(msg)
+        else:
+            _append(self._log, msg + "\n")
 
     def row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (flushed at once: a crash loses at most the line being written)."""
         if not self.enabled:
             return
+        self.commit()  # (a row is written: the run has begun)
         _append(self._metrics, json.dumps(row) + "\n")
         if self.tb is not None:
             prefix = row.get("split", "train")
@@ -106,7 +138,8 @@ class Reporter:
         self.enabled = False
         for f in (self._log, self._metrics):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
         if self.tb is not None:

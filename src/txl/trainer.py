@@ -43,6 +43,7 @@ from txl.checkpoint import (
 )
 from txl.config import RunConfig
 from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
+from txl.data.download import sha256_file
 from txl.distributed import World, all_reduce_sum, barrier, init_world, shutdown
 from txl.evaluate import autocast, evaluate, metric_name, metric_value
 from txl.fileio import write_bytes
@@ -128,7 +129,7 @@ class Trainer:
         try:
             self._setup(resume)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _setup(self, resume: str) -> None:
@@ -146,20 +147,13 @@ class Trainer:
         self.checkpoint_to_load = self._find_resume(resume)
         with naming_an_earlier_checkpoint(self.checkpoint_to_load):
             start = read_metadata(self.checkpoint_to_load)["step"] if self.checkpoint_to_load else -1
-        superseded = []
-        if w.is_main:  # rows (and checkpoints) after the checkpoint belong to a continuation this run replaces
-            truncate_metrics(self.run_dir, start)
-            if start >= 0:
-                superseded = supersede_later_checkpoints(self.run_dir, start)
+        # Nothing in the run folder changes until the checkpoint, the config and the data are known to fit: the
+        # log is held, and the later checkpoints and metrics rows are set aside only after the checkpoint loaded.
         self.reporter = Reporter(
-            self.run_dir, enabled=w.is_main, progress=tc.progress, tensorboard=tc.tensorboard, total=tc.max_steps
-        )
+            self.run_dir, enabled=w.is_main, progress=tc.progress, tensorboard=tc.tensorboard, total=tc.max_steps,
+            hold=True,
+        )  # fmt: skip
         self.say = self.reporter.say
-        if superseded:
-            self.say(
-                f"going on from step {start:,}: the later checkpoints of this run "
-                f"({', '.join(p.name.split('.')[0] for p in superseded)}) were moved to {superseded[0].parent}"
-            )
         self.precision, note = effective_precision(w.device, tc.precision)
         if note:
             self.say(f"note: train.precision = bf16, but {note}")
@@ -207,8 +201,20 @@ class Trainer:
         self._epoch = 0
         self._stop_signal = False
         if self.checkpoint_to_load is not None:
+            self._check_resumable(self.checkpoint_to_load)
             with naming_an_earlier_checkpoint(self.checkpoint_to_load):
                 self._load(self.checkpoint_to_load)
+        superseded = []
+        if w.is_main:  # rows (and checkpoints) after the checkpoint belong to a continuation this run replaces
+            truncate_metrics(self.run_dir, start)
+            if start >= 0:
+                superseded = supersede_later_checkpoints(self.run_dir, start)
+            self.reporter.commit()
+        if superseded:
+            self.say(
+                f"going on from step {start:,}: the later checkpoints of this run "
+                f"({', '.join(p.name.split('.')[0] for p in superseded)}) were moved to {superseded[0].parent}"
+            )
         if w.is_main:
             write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
@@ -246,12 +252,13 @@ class Trainer:
             raise error or CheckpointError(f"{self.run_dir} is in use by another txl train (see process 0)")
         return lock
 
-    def close(self) -> None:
-        """Close the logs and release the run folder."""
+    def close(self, failed: bool = False) -> None:
+        """Close the logs and release the run folder (``failed``: a run that never began; its lock file is put back
+        as it was, so the folder is byte-identical)."""
         if self.reporter is not None:
             self.reporter.close()
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(restore=failed)
             self.lock = None
 
     def _find_resume(self, resume: str) -> Path | None:
@@ -291,17 +298,29 @@ class Trainer:
             what = "adjust model.cutoffs, and model.tie_projs to one entry per cluster if the recipe sets it"
             raise ValueError(f"{e} (n_token is the vocabulary size, {vocab_size:,}: {what})") from None
 
-    def _load(self, folder: Path) -> None:
-        w, tc = self.world, self.tc
+    def _check_resumable(self, folder: Path) -> None:
+        """The checkpoint fits this run: the same architecture, and the same vocabulary (a corpus whose symbols got
+        other ids would go on training silently with them). A ValueError, not a damaged checkpoint: an earlier
+        checkpoint of the run would not fit either, so none is suggested."""
         saved_cfg = TransformerXLLM.load_config(folder).to_dict()
         ours = self.cfg.model.to_dict()
         diff = [f"{k}: checkpoint {saved_cfg.get(k)!r}, config {v!r}" for k, v in ours.items() if saved_cfg.get(k) != v]
         blocking = [d for d in diff if d.split(":")[0] not in RESUMABLE_CHANGES]
         if blocking:
-            raise CheckpointError(
+            raise ValueError(
                 f"{folder}: the checkpoint's model differs from the config ({'; '.join(blocking)}); resume needs the "
                 "same architecture - change the config back, or start a new --run_dir"
             )
+        saved_tok = folder / "tokenizer.json"
+        if saved_tok.is_file() and sha256_file(saved_tok) != sha256_file(self.tokenizer_file):
+            raise ValueError(
+                f"{folder}: the checkpoint was trained with another vocabulary than {self.cfg.data.label}'s "
+                f"({self.tokenizer_file}): its ids would mean other symbols; resume with the run's data, or start a "
+                "new --run_dir"
+            )
+
+    def _load(self, folder: Path) -> None:
+        w, tc = self.world, self.tc
         states = load_states(folder)
         mine = states[w.rank] if w.rank < len(states) else states[0]
         load_weights(self.model, read_safetensors(folder / "model.safetensors"), str(folder / "model.safetensors"))
