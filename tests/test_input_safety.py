@@ -218,3 +218,30 @@ def test_a_refused_resume_leaves_the_run_folder_byte_identical(tmp_path, capsys)
     ours = Tokenizer.load(tmp_path / "other-cache")  # (the other corpus's vocabulary, built before the refusal)
     assert ours.vocab_size == theirs.vocab_size and ours.sha256() != theirs.sha256()  # (same size, other ids)
     assert "the checkpoint was trained with another vocabulary" in err and tree_digest(run) == before
+
+
+def test_a_resave_cut_between_its_renames_keeps_the_complete_copy(tmp_path):
+    """Re-saving a step deleted the old folder, then renamed the new one in: a crash between left a folder marked
+    complete with files missing, or none, and the next prune deleted the complete new copy. Now the old one is
+    renamed aside first, and a crash at any point leaves (after recovery, which every save runs) a complete step."""
+    from txl.checkpoint import MARKER, list_checkpoints, recover_checkpoints
+
+    root = tmp_path / "checkpoints"
+
+    def folder(name: str, content: str, complete: bool = True) -> Path:
+        (root / name).mkdir(parents=True)
+        (root / name / "model.safetensors").write_text(content)
+        if complete:
+            (root / name / MARKER).write_text("4\n")
+        return root / name
+
+    folder(".step-4.old", "old")
+    folder(".step-4.partial", "new")  # (cut after the old one was set aside: the new copy is complete)
+    recover_checkpoints(tmp_path)
+    assert [(s, (p / "model.safetensors").read_text()) for s, p in list_checkpoints(tmp_path)] == [(4, "new")]
+    assert sorted(p.name for p in root.iterdir()) == ["step-4"]
+    shutil.rmtree(root)
+    folder(".step-4.old", "old")
+    folder(".step-4.partial", "half", complete=False)  # (the new copy was not complete: the old one goes back)
+    recover_checkpoints(tmp_path)
+    assert [(s, (p / "model.safetensors").read_text()) for s, p in list_checkpoints(tmp_path)] == [(4, "old")]
