@@ -245,3 +245,28 @@ def test_a_resave_cut_between_its_renames_keeps_the_complete_copy(tmp_path):
     folder(".step-4.partial", "half", complete=False)  # (the new copy was not complete: the old one goes back)
     recover_checkpoints(tmp_path)
     assert [(s, (p / "model.safetensors").read_text()) for s, p in list_checkpoints(tmp_path)] == [(4, "old")]
+
+
+def test_data_paths_and_text_are_checked_at_the_edge(tmp_path, capsys):
+    """`--data ''` read the current folder as a dataset; `--data /dev/zero` hung; binary standard input to
+    `txl tokenize` was an internal codec message. Now each is one line, and a refused train leaves no run folder."""
+    from train_helpers import run_inprocess
+
+    run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    capsys.readouterr()
+    assert "--data is empty" in fails(["eval", "--model", str(run), "--data", ""], capsys)
+    assert "/dev/zero: not a regular file or folder" in fails(["eval", "--model", str(run), "--data", "/dev/zero"],
+                                                             capsys)  # fmt: skip
+    for path, message in (("", "--data.path is empty"), ("/dev/zero", "/dev/zero: not a regular file or folder")):
+        err = fails(
+            ["train", "--data.path", path, "--run_dir", str(tmp_path / "new"), "--train.max_steps", "1"], capsys
+        )
+        assert message in err and not (tmp_path / "new").exists()
+    code = "import sys; from txl.cli import main; main(sys.argv[1:])"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    res = subprocess.run([sys.executable, "-c", code, "tokenize", "--model", str(run)], input=b"ab\xff\xfe cd",
+                         capture_output=True, env=env)  # fmt: skip
+    err = res.stderr.decode().strip()
+    assert res.returncode == 2 and err == (
+        "txl: error: standard input: not UTF-8 text (byte 0xff at offset 2); give text, e.g. a .txt file's content"
+    )

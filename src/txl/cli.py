@@ -226,7 +226,7 @@ def _set_threads(threads: int | None) -> None:
 
 def eval(
     model: Path | None = None,
-    data: Path | None = None,
+    data: str | None = None,
     dataset: str | None = None,
     split: Split | None = None,
     tgt_len: int | None = None,
@@ -562,7 +562,7 @@ def recl(
     sliding: list[Path] | None = None,
     r: list[float] | None = None,
     tokens: int = 5000,
-    data: Path | None = None,
+    data: str | None = None,
     split: Split | None = None,
     tgt_len: int | None = None,
     batch_size: int = 16,
@@ -659,7 +659,7 @@ def recl(
 
 def attention(
     model: Path | None = None,
-    data: Path | None = None,
+    data: str | None = None,
     text: Path | None = None,
     out: Path = Path("attention"),
     tokens: int = 2000,
@@ -957,7 +957,7 @@ def tokenize(
     tok = Tokenizer.from_pretrained(model)
     if unknown is not None:
         tok = tok.with_unknown(unknown)
-    raw = sys.stdin.read() if text is None else text
+    raw = _utf8_text(sys.stdin.buffer.read() if text is None else text, "standard input" if text is None else "--text")
     if decode:
         try:
             numbers = [int(x) for x in raw.split()]
@@ -969,6 +969,18 @@ def tokenize(
         return
     out = tok.encode(raw)
     print(" ".join(map(str, out)) if ids else _json.dumps([tok.symbols[i] for i in out], ensure_ascii=False))
+
+
+def _utf8_text(raw: bytes | str, where: str) -> str:
+    """Text given to a command (standard input's bytes, or an argument, whose undecodable bytes Python keeps as
+    surrogates), or one line saying where it is not UTF-8."""
+    try:
+        data = raw if isinstance(raw, bytes) else raw.encode("utf-8", errors="surrogateescape")
+        return data.decode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as e:
+        bad = e.object[e.start] if isinstance(e, UnicodeDecodeError) else None
+        what = f"byte 0x{bad:02x} at offset {e.start}" if bad is not None else f"character {e.start}"
+        raise ValueError(f"{where}: not UTF-8 text ({what}); give text, e.g. a .txt file's content") from None
 
 
 def plot(run: Path, out: Path | None = None) -> None:

@@ -30,6 +30,7 @@ from txl.data import (
 )
 from txl.data.download import sha256_file
 from txl.data.errors import DataError
+from txl.data.readers import check_data_path
 from txl.distributed import World, all_reduce_sum
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM, supports_kv_cache, transposed_weights
 
@@ -307,6 +308,8 @@ def eval_text(
             "(a model converted from Hugging Face gets one with `txl convert hf --trust-pickle`)"
         )
     tokenizer = Tokenizer.load(tok_file).for_model(TransformerXLLM.load_config(model_dir).n_token, tok_file)
+    if data is not None:
+        check_data_path(data, "data")
     if data is not None and Path(data).is_file():
         chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors, raw=raw_text))
         ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)

@@ -24,7 +24,7 @@ import numpy as np
 from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
 from txl.data.rawtext import Moses, RawText, Text8
-from txl.data.readers import DOCUMENTS, SPLITS, Layout, find_splits
+from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_splits
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
@@ -327,7 +327,7 @@ def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
 def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, Layout, Path]:
     cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
     settings = _settings(cfg)
-    layout = find_splits(cfg.dataset, Path(cfg.path), valid_shard=cfg.valid_shard, files=cfg.files)
+    layout = find_splits(cfg.dataset, check_data_path(cfg.path), valid_shard=cfg.valid_shard, files=cfg.files)
     folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
     return cfg, settings, layout, folder
 

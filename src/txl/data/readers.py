@@ -222,6 +222,20 @@ def _folder(path: Path, pattern: str = DOCUMENTS) -> Layout:
     return Layout(hold_out(files, path, pattern), f"folder of {len(files)} documents {path}/{pattern}")
 
 
+def check_data_path(path: str | os.PathLike, option: str = "data.path") -> Path:
+    """A dataset's path as given: not empty (which would read the current folder), and a regular file or a folder
+    where something is there (a device such as /dev/zero would be read forever)."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise DataError(f"--{option} is empty: give a text file or a folder of text")
+    p = Path(text)
+    if p.exists() and not (p.is_file() or p.is_dir()):
+        raise DataError(
+            f"{p}: not a regular file or folder (a device or a pipe?): give a text file or a folder of text"
+        )
+    return p
+
+
 def find_splits(dataset: str, path: Path, *, valid_shard: int = 1, files: str = DOCUMENTS) -> Layout:
     """Locate the train/valid/test text of ``dataset`` under ``path`` (see the module docstring); ``files``: which
     files of a custom folder are documents."""
