@@ -270,3 +270,17 @@ def test_data_paths_and_text_are_checked_at_the_edge(tmp_path, capsys):
     assert res.returncode == 2 and err == (
         "txl: error: standard input: not UTF-8 text (byte 0xff at offset 2); give text, e.g. a .txt file's content"
     )
+
+
+def test_a_csv_saved_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    """A fine-tuning CSV with a UTF-8 BOM (as Excel saves it) was refused as having "no text column"."""
+    from test_finetune import args, make_data
+    from train_helpers import run_inprocess
+
+    lm = run_inprocess(tmp_path / "lm", train__max_steps=2, train__eval_interval=0)
+    data = make_data(tmp_path / "data", "single", fmt="csv", n_train=20)
+    for split in ("train", "valid"):
+        f = data / f"{split}.csv"
+        f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    main(args(lm, data, tmp_path / "ft", max_steps=2, eval_interval=2, checkpoint_interval=2))
+    assert (tmp_path / "ft" / "checkpoints" / "step-2").is_dir()

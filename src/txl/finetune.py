@@ -129,7 +129,7 @@ def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tupl
     rows = []
     try:
         if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
+            with path.open(encoding="utf-8-sig") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
@@ -141,7 +141,7 @@ def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tupl
                         raise FinetuneError(f"{path}: line {n}: not a JSON object")
                     rows.append((n, row))
         else:
-            with path.open(encoding="utf-8", newline="") as f:
+            with path.open(encoding="utf-8-sig", newline="") as f:
                 reader = csv.DictReader(f)
                 missing = set(columns) - set(reader.fieldnames or [])
                 if missing:
