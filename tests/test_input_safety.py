@@ -284,3 +284,30 @@ def test_a_csv_saved_with_a_byte_order_mark_is_read(tmp_path, capsys):
         f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
     main(args(lm, data, tmp_path / "ft", max_steps=2, eval_interval=2, checkpoint_interval=2))
     assert (tmp_path / "ft" / "checkpoints" / "step-2").is_dir()
+
+
+@pytest.mark.parametrize("change", ["fewer-rows", "more-rows", "unknown-variable"])
+def test_tf_checkpoints_are_checked_whole(change, tmp_path, monkeypatch):
+    """An untied r_w_bias with fewer rows than layers ended in an IndexError traceback, more rows were dropped
+    silently, and unknown variables were ignored. Now each is a CheckpointError naming the variable, before anything
+    is written."""
+    import torch
+
+    import txl.convert_tf as convert_tf
+    from txl import CheckpointError
+    from txl.tf_checkpoint import read_tf_checkpoint
+
+    src = Path(__file__).parent / "fixtures" / "tf" / "adaptive-untied" / "model"
+    tensors = dict(read_tf_checkpoint(src))
+    bias = tensors["transformer/r_w_bias"]
+    if change == "fewer-rows":
+        tensors["transformer/r_w_bias"] = bias[:-1]
+    elif change == "more-rows":
+        tensors["transformer/r_w_bias"] = torch.cat([bias, bias[:1]])
+    else:
+        tensors["transformer/layer_0/rel_attn/extra_gate"] = torch.zeros(3)
+    monkeypatch.setattr(convert_tf, "read_tf_checkpoint", lambda _: tensors)
+    message = "transformer/layer_0/rel_attn/extra_gate" if change == "unknown-variable" else "transformer/r_w_bias has"
+    with pytest.raises(CheckpointError, match=message):
+        convert_tf.convert_tf_checkpoint(src, tmp_path / "out", mem_len=24, corpus=None)
+    assert not (tmp_path / "out").exists()

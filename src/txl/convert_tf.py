@@ -55,6 +55,23 @@ SOTA = {
 TF_LAYER_NORM_EPSILON = 1e-12
 
 
+class _Read(dict):
+    """The checkpoint's variables, remembering which were read (the rest would be dropped without a word)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            self.read.add(key)
+        return super().get(key, default)
+
+
 def _need(tf: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
     if name not in tf:
         raise CheckpointError(f"{source}: no variable {name} (not a Transformer-XL checkpoint of the TF code)")
@@ -82,6 +99,11 @@ def _layers(tf: dict[str, torch.Tensor], n_layer: int, untie_r: bool, source: st
             out[f"transformer.layers.{layer}.{ours}"] = value.t() if tf_name.endswith("kernel") else value
     for bias in ("r_w_bias", "r_r_bias"):
         value = _need(tf, T + bias, source)
+        if untie_r and value.shape[0] != n_layer:
+            raise CheckpointError(
+                f"{source}: {T}{bias} has {value.shape[0]} rows (one per layer, untied) but the checkpoint has "
+                f"{n_layer} layers: not a consistent Transformer-XL checkpoint"
+            )
         if untie_r:
             for layer in range(n_layer):
                 out[f"transformer.layers.{layer}.dec_attn.{bias}"] = value[layer]
@@ -173,7 +195,9 @@ def convert_tf_checkpoint(
     """
     prefix = checkpoint_prefix(src)
     source = str(prefix)
-    tf = {k: v for k, v in read_tf_checkpoint(prefix).items() if k.startswith(T) and not k.endswith(("Adam", "Adam_1"))}
+    tf = _Read(
+        {k: v for k, v in read_tf_checkpoint(prefix).items() if k.startswith(T) and not k.endswith(("Adam", "Adam_1"))}
+    )
     qkv = _need(tf, T + "layer_0/rel_attn/qkv/kernel", source)
     d_model = int(qkv.shape[0])
     n_layer = 1 + max(int(k[len(T) :].split("/")[0].split("_")[1]) for k in tf if k.startswith(T + "layer_"))
@@ -200,6 +224,13 @@ def convert_tf_checkpoint(
         )  # fmt: skip
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
+    unused = sorted(set(tf) - tf.read)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(
+            f"{source}: variables that this conversion does not know ({shown}): a variant of the TF code's model it "
+            "would convert without them"
+        )
     tokenizer = None
     cache = Path(corpus) if corpus is not None else (_data_folder(prefix.parent) or Path()) / "cache.pkl"
     if corpus is not None and not cache.is_file():
