@@ -311,3 +311,11 @@ def test_tf_checkpoints_are_checked_whole(change, tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=message):
         convert_tf.convert_tf_checkpoint(src, tmp_path / "out", mem_len=24, corpus=None)
     assert not (tmp_path / "out").exists()
+
+
+def test_predict_refuses_empty_texts_and_files_that_are_not_files(tmp_path, capsys):
+    """`txl predict --text '[]'` ended in a traceback; a device as --file would be read forever."""
+    assert "--text: give a text, or a list of texts" in fails(["predict", "--model", str(tmp_path), "--text", "[]"],
+                                                              capsys)  # fmt: skip
+    assert "--text: give a text" in fails(["predict", "--model", str(tmp_path), "--text", " "], capsys)
+    assert "--file /dev/zero: not a file" in fails(["predict", "--model", str(tmp_path), "--file", "/dev/zero"], capsys)

@@ -917,6 +917,10 @@ def predict(
 
     if model is None or (text is None) == (file is None):
         raise ValueError("txl predict needs --model RUN and one of --text or --file")
+    if text is not None and (not text if isinstance(text, list) else not text.strip()):
+        raise ValueError('--text: give a text, or a list of texts (\'["a", "b"]\'); it was empty')
+    if file is not None and not file.is_file():
+        raise ValueError(f"--file {file}: not a file (give a .jsonl, .csv or plain-text file of texts)")
     _set_threads(threads)
     summary = None
     if file is not None and file.suffix in (".jsonl", ".csv"):
