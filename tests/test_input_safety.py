@@ -319,3 +319,24 @@ def test_predict_refuses_empty_texts_and_files_that_are_not_files(tmp_path, caps
                                                               capsys)  # fmt: skip
     assert "--text: give a text" in fails(["predict", "--model", str(tmp_path), "--text", " "], capsys)
     assert "--file /dev/zero: not a file" in fails(["predict", "--model", str(tmp_path), "--file", "/dev/zero"], capsys)
+
+
+def test_a_corpus_changed_with_its_size_and_mtime_kept_is_read_again(tmp_path):
+    """A data cache was reused when a source file's size and mtime matched, so a file edited in place and given its
+    old mtime back (touch -d, a copy that keeps times) trained on the old ids. Now the content decides then."""
+    from train_helpers import tiny_corpus
+    from txl.data import DataConfig, prepare_corpus
+
+    corpus = tiny_corpus(tmp_path / "corpus")
+    cfg = DataConfig(path=str(corpus), dataset="custom", cache_dir=str(tmp_path / "cache"))
+    first = prepare_corpus(cfg)
+    train = corpus / "train.txt"
+    st = train.stat()
+    text = train.read_text()
+    train.write_text(text[:100] + text[100:200][::-1] + text[200:])  # (the same size, other text)
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert train.stat().st_size == st.st_size and train.stat().st_mtime_ns == st.st_mtime_ns
+    before = list(first.splits["train"])
+    again = prepare_corpus(cfg)
+    fresh = prepare_corpus(DataConfig(path=str(corpus), dataset="custom", cache_dir=str(tmp_path / "fresh")))
+    assert list(again.splits["train"]) == list(fresh.splits["train"]) != before

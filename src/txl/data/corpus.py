@@ -3,7 +3,7 @@
 A cache folder holds ``tokenizer.json``, one ``{split}.bin`` per ordered split (raw ids in the smallest unsigned
 dtype that fits the vocabulary), for One Billion Word one ``{split}-NNNNN.bin`` plus ``.off.bin`` (int64
 sentence starts) per shard, and ``meta.json``, written last, with the format version, the settings, the
-tokenizer's sha256, every source file's size/mtime/sha256 and every array's dtype, length and sha256. No pickle.
+tokenizer's sha256, every source file's size/mtime/ctime/sha256 and every array's dtype, length and sha256. No pickle.
 
 On load the cache is used only if all of that still matches; otherwise it is rebuilt (``on_stale="rebuild"``,
 with a message saying why) or refused (``on_stale="error"``). A cache without ``meta.json`` (a build that was
@@ -187,7 +187,9 @@ def _sources(layout: Layout) -> dict[str, list[dict]]:
             if r.path not in digests:
                 digests[r.path] = sha256_file(r.path)
             entry = {"path": str(r.path.resolve()), "start": r.start, "end": r.end, "size": st.st_size}
-            out[split].append({**entry, "mtime_ns": st.st_mtime_ns, "sha256": digests[r.path]})
+            out[split].append(
+                {**entry, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "sha256": digests[r.path]}
+            )
     if layout.vocab_file:
         out["vocab_file"] = [{"path": str(layout.vocab_file.resolve()), "sha256": sha256_file(layout.vocab_file)}]
     return out
@@ -205,7 +207,10 @@ def _stale_sources(recorded: dict, layout: Layout) -> str | None:
             st = p.stat()
             if st.st_size != e["size"]:
                 return f"{p} changed size ({e['size']:,} -> {st.st_size:,} bytes)"
-            if st.st_mtime_ns != e["mtime_ns"] and sha256_file(p) != e["sha256"]:
+            # (the mtime can be set back, e.g. by touch -d or a copy that keeps it, so an unchanged size and mtime
+            # are trusted only with an unchanged ctime, which only the system sets; otherwise the content decides)
+            unchanged = st.st_mtime_ns == e["mtime_ns"] and st.st_ctime_ns == e.get("ctime_ns")
+            if not unchanged and sha256_file(p) != e["sha256"]:
                 return f"{p} changed (sha256)"
     if layout.vocab_file and recorded.get("vocab_file", [{}])[0].get("sha256") != sha256_file(layout.vocab_file):
         return f"{layout.vocab_file} changed"
