@@ -340,3 +340,21 @@ def test_a_corpus_changed_with_its_size_and_mtime_kept_is_read_again(tmp_path):
     again = prepare_corpus(cfg)
     fresh = prepare_corpus(DataConfig(path=str(corpus), dataset="custom", cache_dir=str(tmp_path / "fresh")))
     assert list(again.splits["train"]) == list(fresh.splits["train"]) != before
+
+
+def test_sizes_beyond_the_machine_are_refused_before_allocation(tmp_path, capsys):
+    """`txl eval --mem_len 100000000` tried to allocate ~100 GB; `txl train --model.d_model 10000000` ran out of
+    memory building the model. Now each is one line saying how much it would need, before anything is allocated
+    (and a refused train leaves no run folder)."""
+    from train_helpers import run_inprocess, train_args
+
+    run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    text = tmp_path / "text.txt"
+    text.write_text((tmp_path / "corpus" / "valid.txt").read_text()[:500])
+    capsys.readouterr()
+    err = fails(["eval", "--model", str(run), "--data", str(text), "--mem_len", "100000000"], capsys)
+    assert "txl eval with mem_len 100,000,000" in err and "GiB of memory, more than the" in err
+    args = train_args(tmp_path, "big", model__d_model=10_000_000, train__max_steps=1)
+    err = fails(args, capsys)
+    assert "parameters (fp32 weights, gradients and Adam's two moments) needs about" in err
+    assert not (tmp_path / "big").exists()

@@ -313,6 +313,8 @@ def eval(
         raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
     given = dict(split=split, batch_size=batch_size, tgt_len=tgt_len, clamp_len=clamp_len, same_length=same_length)
     settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [mem_len]]
+    for es in settings_list:
+        _check_eval_memory(lm.config, es, sliding_window)
     s = settings_list[0]
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"--sliding_window = {sliding_window}: must be >= 1")
@@ -973,6 +975,19 @@ def tokenize(
         return
     out = tok.encode(raw)
     print(" ".join(map(str, out)) if ids else _json.dumps([tok.symbols[i] for i in out], ensure_ascii=False))
+
+
+def _check_eval_memory(config, s, sliding_window: int | None) -> None:
+    """``txl eval``'s memory estimate (the K/V cache of every layer over mem_len + tgt_len positions, and a
+    segment's attention scores), checked against the free memory before anything is allocated."""
+    from txl.runtime import check_fits
+
+    keys = s.mem_len + s.tgt_len if sliding_window is None else sliding_window
+    queries = s.tgt_len if sliding_window is None else sliding_window
+    cache = 2 * config.n_layer * s.batch_size * keys * config.n_head * config.d_head * 4
+    scores = 3 * s.batch_size * config.n_head * queries * keys * 4  # (scores, probabilities, their product's input)
+    check_fits(cache + scores, f"txl eval with mem_len {s.mem_len:,} and tgt_len {s.tgt_len:,}",
+               "give a smaller --mem_len, --tgt_len or --batch_size")  # fmt: skip
 
 
 def _utf8_text(raw: bytes | str, where: str) -> str:

@@ -183,3 +183,30 @@ def effective_precision(device: torch.device, precision: str) -> tuple[str, str 
     if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
         return "fp32", "this CPU has no native bf16 (avx512_bf16 or AMX): emulated bf16 is far slower, so fp32 runs"
     return precision, None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine has free for a new allocation (MemAvailable, within a cgroup's limit if one is
+    set); None where it cannot be read."""
+    free = None
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        info = open("/proc/meminfo").read()
+        free = int(next(line.split()[1] for line in info.splitlines() if line.startswith("MemAvailable:"))) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+        if limit != "max":
+            free = min(free if free is not None else 1 << 62, int(limit) - used)
+    return free
+
+
+def check_fits(needed: int, what: str, advice: str) -> None:
+    """Refuse (a ValueError, one line) work whose memory estimate ``needed`` is more than this machine has free,
+    before anything is allocated: an allocation of that size would fail deep inside, or swap the machine to a
+    halt."""
+    free = available_memory()
+    if free is not None and needed > free:
+        raise ValueError(
+            f"{what} needs about {needed / 2**30:,.1f} GiB of memory, more than the {free / 2**30:,.1f} GiB free "
+            f"here: {advice}"
+        )

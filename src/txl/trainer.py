@@ -51,7 +51,7 @@ from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors
-from txl.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, effective_precision
+from txl.runtime import ALLOCATOR_NOTE, check_fits, choose_fp32_matmul, configure_allocator, effective_precision
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
@@ -169,6 +169,13 @@ class Trainer:
         self.metric = metric_name(self.corpus.tokenizer.kind)
         cfg.model = self._model_config(cfg.model, self.corpus.tokenizer.vocab_size)
 
+        if w.device.type == "cpu":  # (the model's size known before it is built: a one-line error, not a crash)
+            with torch.device("meta"):
+                n = sum(p.numel() for p in TransformerXLLM(cfg.model).parameters())
+            check_fits(
+                16 * n, f"a model of {n:,} parameters (fp32 weights, gradients and Adam's two moments)",
+                "make it smaller (model.d_model, n_layer, d_inner, n_token)",
+            )  # fmt: skip
         torch.manual_seed(tc.seed)
         self.model = TransformerXLLM(cfg.model).to(w.device)
         self.net = self.model
