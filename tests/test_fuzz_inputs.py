@@ -124,3 +124,53 @@ def test_a_truncated_or_flipped_model_folder_is_refused_cleanly(cut, tmp_path):
         weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="model.safetensors"):
         TransformerXLLM.from_pretrained(folder)
+
+
+@SETTINGS
+@given(st.binary(max_size=400), st.sampled_from(["char", "byte", "word"]))
+def test_the_text_readers_read_any_bytes_or_name_the_line(tmp_path_factory, data, kind):
+    """A file of arbitrary bytes: a vocabulary is built and the file read back to ids that decode to its text, or
+    one DataError naming the file (invalid UTF-8, nothing to read), never anything else."""
+    import numpy as np
+
+    from txl.data import FileRange
+
+    path = tmp_path_factory.mktemp("bytes") / "text.txt"
+    path.write_bytes(data)
+    try:
+        tok = Tokenizer.build(kind, [FileRange(path)])
+        ids = np.concatenate([np.zeros(0, dtype=np.int64), *tok.encode_file(FileRange(path))])
+    except ValueError as e:
+        assert str(path) in str(e) or "vocabulary" in str(e), e
+        return
+    assert ids.size == 0 or 0 <= int(ids.min()) and int(ids.max()) < tok.vocab_size
+    if kind == "byte":
+        assert (
+            bytes(ids.astype(np.uint8))
+            == data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").removeprefix(b"\xef\xbb\xbf")
+            or bytes(ids.astype(np.uint8)) == data
+        )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_model_folders_damaged_at_random_load_or_are_refused(tmp_path_factory, data):
+    """model.safetensors cut at a random length or with random bytes flipped: it loads (a flip inside a tensor's
+    numbers is just other numbers) or is a ValueError naming the file; nothing else."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+
+    folder = tmp_path_factory.mktemp("damaged") / "m"
+    TransformerXLLM(debug_config()).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        for i in data.draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=8)):
+            raw[i] ^= data.draw(st.integers(1, 255))
+    weights.write_bytes(bytes(raw))
+    try:
+        TransformerXLLM.from_pretrained(folder)
+    except ValueError as e:
+        assert "model.safetensors" in str(e), e
