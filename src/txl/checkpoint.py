@@ -277,6 +277,8 @@ class RunLock:
     finetune``; see the module docstring). Every such command takes it, with the same message when it is held."""
 
     def __init__(self, run_dir: Path, command: str = "txl train"):
+        self._made_dir = not Path(run_dir).exists()
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / LOCK
         self._existed = self.path.exists()
         self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
@@ -298,7 +300,8 @@ class RunLock:
         self._file.flush()
 
     def release(self, restore: bool = False) -> None:
-        """Unlock; with ``restore`` (a command that changed nothing else), the lock file as it was before."""
+        """Unlock; with ``restore`` (a command that changed nothing else), the lock file as it was before, and no
+        run folder where there was none."""
         if not self._file.closed:
             if restore:
                 self._file.seek(0)
@@ -309,3 +312,5 @@ class RunLock:
                     self.path.unlink(missing_ok=True)
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+            if restore and self._made_dir and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()

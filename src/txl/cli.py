@@ -787,7 +787,7 @@ def serve(
     try:
         import uvicorn
 
-        from txl.serve import ServeLimits, create_app
+        from txl.serve import DrainingServer, ServeLimits, create_app
     except ImportError as e:
         raise ValueError(
             f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
@@ -836,7 +836,7 @@ def serve(
     # asyncio warns "socket.send() raised exception." for every few writes to a connection its client has closed,
     # before the server learns that it is gone (a streaming client that leaves): routine here, not a fault.
     logging.getLogger("asyncio").addFilter(lambda r: r.getMessage() != "socket.send() raised exception.")
-    server = _draining_server()(config, state, drain_timeout)
+    server = DrainingServer(config, state, drain_timeout)
     state.on_fatal.append(lambda _failure: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
     if state.failure is not None:
@@ -858,36 +858,6 @@ def _listen(host: str, port: int):
     except OSError as e:
         why = "it is in use (another server?): pick another --port" if e.errno == 98 else e.strerror or str(e)
         raise ValueError(f"--host {host} --port {port}: cannot listen there: {why}") from None
-
-
-def _draining_server():
-    """uvicorn's Server, whose first SIGTERM / SIGINT drains :class:`txl.serve.Server` (no new requests, the ones in
-    flight finish or end with finish_reason shutdown within the drain timeout) before uvicorn stops; a second one
-    stops at once. ``clean``: whether the drain ended everything cleanly (None: no signal came)."""
-    import threading
-
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        def __init__(self, config, state, drain_timeout: float):
-            super().__init__(config)
-            self.state, self.drain_timeout, self.clean = state, drain_timeout, None
-            self._drainer: threading.Thread | None = None
-
-        def handle_exit(self, sig, frame) -> None:
-            if self._drainer is not None:  # (a second signal: stop now)
-                super().handle_exit(sig, frame)
-                return
-            print(f"txl serve: shutting down (at most {self.drain_timeout:g} s for the requests in flight)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            self._drainer = threading.Thread(target=self._drain, name="txl-drain", daemon=True)
-            self._drainer.start()
-
-        def _drain(self) -> None:
-            self.clean = self.state.drain(self.drain_timeout)
-            self.should_exit = True
-
-    return DrainingServer
 
 
 def finetune(cfg=None) -> None:

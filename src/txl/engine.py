@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,7 +189,7 @@ class Engine:
         # Only the engine's thread touches these four; other threads read the published counts.
         self._batches: dict[int, _Batch] = {}
         self._searches: list[tuple[Generation, Generator[None, None, torch.Tensor]]] = []
-        self._solos: list[tuple[Generation, Iterator[torch.Tensor]]] = []  # (without a K/V cache: one at a time)
+        self._solos: list[tuple[Generation, Generator[torch.Tensor, None, None]]] = []  # (no K/V cache: one at a time)
         self._jobs: list[_Job] = []
         # Shared, under the lock:
         self._cond = threading.Condition()
@@ -219,11 +219,6 @@ class Engine:
     def waiting(self) -> int:
         with self._cond:
             return len(self._waiting)
-
-    @property
-    def draining(self) -> bool:
-        with self._cond:
-            return self._draining
 
     def submit(self, request: Generation) -> None:
         """Queue a generation; raises :class:`QueueFull` when ``max_queue`` requests already wait and
@@ -303,8 +298,7 @@ class Engine:
             self.failure = f"{type(e).__name__}: {e}"
             waiting = list(self._waiting)
             self._waiting.clear()
-            rows = [r for b in self._batches.values() for r in b.rows]
-            rows += [r for r, _ in self._searches] + [r for r, _ in self._solos]
+            rows = self._rows_running()
             jobs = self._jobs + [w for w in waiting if isinstance(w, _Job)]
             self._batches, self._searches, self._solos, self._jobs = {}, [], [], []
             self._counts = (0, 0)
@@ -381,10 +375,12 @@ class Engine:
         return admitted
 
     def _counts_now(self) -> tuple[int, int]:
-        requests = sum(len(b.rows) for b in self._batches.values()) + len(self._searches) + len(self._solos)
-        rows = sum(len(b.rows) for b in self._batches.values()) + sum(r.num_beams for r, _ in self._searches)
-        stepped = len(self._jobs)
-        return requests + stepped, rows + len(self._solos) * self.max_batch + stepped
+        """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
+        of all rows, a stepped job one of one row."""
+        batched = sum(len(b.rows) for b in self._batches.values())
+        requests = batched + len(self._searches) + len(self._solos) + len(self._jobs)
+        rows = batched + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
+        return requests, rows + len(self._jobs)
 
     def _publish(self) -> None:
         counts = self._counts_now()
@@ -630,7 +626,7 @@ class Engine:
         self._solos.append((request, tokens))
         self._solo_step(request, tokens)
 
-    def _solo_step(self, request: Generation, tokens: Iterator[torch.Tensor]) -> None:
+    def _solo_step(self, request: Generation, tokens: Generator[torch.Tensor, None, None]) -> None:
         try:
             if request.cancelled:
                 self._drop(self._solos, request)
@@ -648,6 +644,5 @@ class Engine:
         for i, (r, it) in enumerate(running):
             if r is request:
                 del running[i]
-                if hasattr(it, "close"):
-                    it.close()
+                it.close()
                 return

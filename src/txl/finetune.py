@@ -334,16 +334,11 @@ def finetune(cfg: FinetuneConfig) -> Path:
     from txl.checkpoint import RunLock
 
     cfg.validate()
-    run_dir = Path(cfg.run_dir)
-    existed = run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir, "txl finetune")
+    lock = RunLock(Path(cfg.run_dir), "txl finetune")
     try:
         result = _finetune(cfg)
     except BaseException:
-        lock.release(restore=True)  # (the lock file as it was)
-        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):  # (a run that never began: no folder)
-            run_dir.rmdir()
+        lock.release(restore=True)  # (the lock file as it was; no folder if the run made it and never began)
         raise
     lock.release()
     return result

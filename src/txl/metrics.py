@@ -87,12 +87,8 @@ class Reporter:
         self._log = open(self.run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._metrics = open(self.run_dir / METRICS, "a", encoding="utf-8")  # noqa: SIM115
         if self._tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ValueError(
-                    "train.tensorboard needs the tensorboard package: pip install 'transformer-xl[tb]'"
-                ) from None
+            from torch.utils.tensorboard import SummaryWriter  # (its presence checked in __init__)
+
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), max_queue=1000)
 
     def start_at(self, step: int) -> None:

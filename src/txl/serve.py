@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 import uuid
@@ -26,22 +27,23 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, get_args
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from txl.data.text import universal_newlines
+from txl.data.tokenizer import UnknownPolicy
 from txl.engine import MAX_LOGPROBS, Engine, EngineStopped, Generation, QueueFull, TokenScore
 from txl.generation import Penalties
 from txl.serve_http import ERROR_RESPONSES, ApiError, Gate, docs_page, error_body, invalid, sse_error
 
 MAX_SEED = 2**63 - 1
-UNKNOWN_POLICIES = ("error", "replace")
-Unknown = Literal["error", "replace"]
 
 
 def _whole_numbers(value: Any) -> Any:
@@ -157,7 +159,7 @@ class GenerateRequest(OpenAIPenalties):
         1.0, ge=-10.0, le=10.0,
         description="Beam search: a finished text's score is its log-probability over its length to this power.",
     )  # fmt: skip
-    unknown: Unknown | None = Field(
+    unknown: UnknownPolicy | None = Field(
         None, description="Characters outside the model's vocabulary: error (a 400 naming the first one) or replace "
         "(read as the tokenizer's replacement symbol); default: the server's --unknown."
     )  # fmt: skip
@@ -190,7 +192,9 @@ class CompletionRequest(OpenAIPenalties):
     best_of: int | None = None
     suffix: str | None = None
     user: str | None = None
-    unknown: Unknown | None = Field(None, description="txl's: characters outside the vocabulary, error or replace.")
+    unknown: UnknownPolicy | None = Field(
+        None, description="txl's: characters outside the vocabulary, error or replace."
+    )
 
 
 class TokenizeRequest(_Request):
@@ -200,7 +204,7 @@ class TokenizeRequest(_Request):
 
     prompt: str = Field(..., description="The text to encode with the model's tokenizer.")
     add_special_tokens: bool = Field(False, description="Accepted for vLLM's clients: txl adds no special tokens.")
-    unknown: Unknown | None = Field(None, description="Characters outside the vocabulary: error or replace.")
+    unknown: UnknownPolicy | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
 class DetokenizeRequest(_Request):
@@ -231,7 +235,7 @@ class ScoreRequest(_Request):
     same_length: bool | None = Field(None, description="Every query sees mem_len keys.")
     per_token: bool = Field(False, description="Also return every token with its log-probability.")
     zero_memory: bool = Field(False, description="Start from mem_len zero vectors, as Hugging Face's TransfoXL did.")
-    unknown: Unknown | None = Field(None, description="Characters outside the vocabulary: error or replace.")
+    unknown: UnknownPolicy | None = Field(None, description="Characters outside the vocabulary: error or replace.")
 
 
 def _field_error(e: RequestValidationError) -> tuple[str, str | None]:
@@ -263,7 +267,7 @@ class Server:
         api_key: str | None = None,
         device: str = "cpu",
         *,
-        unknown: str = "error",
+        unknown: UnknownPolicy = "error",
         served_names: list[str] | None = None,
     ):
         import torch
@@ -274,8 +278,8 @@ class Server:
         from txl.evaluate import metric_name
         from txl.modeling import TransformerXLLM
 
-        if unknown not in UNKNOWN_POLICIES:
-            raise ValueError(f"--unknown {unknown}: must be one of {', '.join(UNKNOWN_POLICIES)}")
+        if unknown not in get_args(UnknownPolicy):
+            raise ValueError(f"--unknown {unknown}: must be one of {', '.join(get_args(UnknownPolicy))}")
         self.device = resolve_device(device, option="--device")
         self.source = Path(model_dir)
         self.folder = resolve_model_dir(model_dir)
@@ -294,8 +298,6 @@ class Server:
         self.served_names = list(served_names or [self.name, "txl"])
         """The names OpenAI's ``model`` field may give (GET /v1/models lists the first)."""
         self.engine: Engine | None = None
-        self.failure: str | None = None
-        """Why the engine failed (the process then exits non-zero)."""
         self.on_fatal: list = []
         """Called with the failure when the engine fails (txl serve: stop the HTTP server)."""
         self.shutting_down = False
@@ -312,9 +314,13 @@ class Server:
         )
 
     def _fatal(self, failure: str) -> None:
-        self.failure = failure
         for callback in self.on_fatal:
             callback(failure)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (the process then exits non-zero); None while it runs."""
+        return self.engine.failure if self.engine is not None else None
 
     def response_started(self) -> None:
         with self._lock:
@@ -348,10 +354,10 @@ class Server:
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    def _tokenizer(self, unknown: str | None, field: str):
+    def _tokenizer(self, unknown: UnknownPolicy | None):
+        """The tokenizer reading characters outside its vocabulary by ``unknown`` (the request's; default: the
+        server's); None without one."""
         policy = self.unknown if unknown is None else unknown
-        if policy not in UNKNOWN_POLICIES:
-            raise invalid("unknown", f"{policy!r} is not one of {', '.join(UNKNOWN_POLICIES)}")
         if self.tokenizer is None:
             return None
         if policy == self.tokenizer.unknown:
@@ -361,24 +367,26 @@ class Server:
         except ValueError as e:
             raise invalid("unknown", str(e)) from None
 
+    def check_ids(self, ids: list[int], field: str) -> list[int]:
+        bad = [i for i in ids if not 0 <= i < self.model.config.n_token]
+        if bad:
+            raise invalid(field, f"ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
+        return list(ids)
+
     def _encode(
-        self, text: str | None, ids: list[int] | None, field: str, ids_field: str, unknown: str | None = None
+        self, text: str | None, ids: list[int] | None, field: str, ids_field: str, unknown: UnknownPolicy | None = None
     ) -> list[int]:
         """The ids of a request's text (line ends normalised as training files are: CRLF and CR become LF; characters
         outside the vocabulary by the ``unknown`` policy), or its ids, checked."""
         if (text is None) == (ids is None):
             raise invalid(field, f"give either {field} or {ids_field}")
         if ids is not None:
-            bad = [i for i in ids if not 0 <= i < self.model.config.n_token]
-            if bad:
-                raise invalid(ids_field, f"ids must be in [0, {self.model.config.n_token}), got {bad[0]}")
-            return list(ids)
-        tokenizer = self._tokenizer(unknown, field)
+            return self.check_ids(ids, ids_field)
+        tokenizer = self._tokenizer(unknown)
         if tokenizer is None:
             raise invalid(field, f"the model has no tokenizer.json; send {ids_field}")
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
         try:
-            return tokenizer.encode(text)
+            return tokenizer.encode(universal_newlines(text))
         except ValueError as e:
             message = str(e).split(" Remove it, or read")[0]  # (the library's advice names its own options)
             if "not in the vocabulary" in message:
@@ -506,8 +514,6 @@ class Server:
         """The settings and job of a /v1/score request. Its cost comes from the text: the segment and the memory
         are no longer than the text needs (the same result as the settings asked for), and its work is one
         segment per engine step, beside the running generations."""
-        import numpy as np
-
         from txl.distributed import World
         from txl.evaluate import eval_settings, evaluate_steps
 
@@ -616,7 +622,7 @@ def create_app(
     api_key: str | None = None,
     device: str = "cpu",
     *,
-    unknown: str = "error",
+    unknown: UnknownPolicy = "error",
     served_names: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app of ``txl serve`` for one model (the engine starts and stops with the app's lifespan);
@@ -721,7 +727,7 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         tok = server.tokenizer_or_400("detokenize")
-        server._encode(None, req.tokens, "tokens", "tokens")  # (checks the ids)
+        server.check_ids(req.tokens, "tokens")
         try:
             return {"prompt": tok.decode(req.tokens)}
         except ValueError as e:
@@ -822,8 +828,7 @@ def create_app(
             async for _, final in events:
                 if final is not None:
                     if final["finish_reason"] == "error":
-                        error = final["error"]
-                        raise ApiError(started[2].error_status, error["message"])
+                        raise ApiError(started[2].error_status, final["error"]["message"])
                     return final
         raise AssertionError("pieces() always ends with the summary")
 
@@ -1073,3 +1078,28 @@ def _pieces(server: Server, ids: list[int]) -> list[str]:
     pieces = [decoder.push(i) for i in ids]
     pieces[-1] += decoder.flush()
     return pieces
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM / SIGINT drains the :class:`Server` ``state`` (:meth:`Server.drain`: no
+    new requests, the ones in flight finish or end with finish_reason shutdown within ``drain_timeout``) before
+    uvicorn stops; a second one stops at once. ``clean``: whether the drain ended everything cleanly (None: no
+    signal came)."""
+
+    def __init__(self, config: uvicorn.Config, state: Server, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.drain_timeout, self.clean = state, drain_timeout, None
+        self._drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drainer is not None:  # (a second signal: stop now)
+            super().handle_exit(sig, frame)
+            return
+        print(f"txl serve: shutting down (at most {self.drain_timeout:g} s for the requests in flight)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self._drainer = threading.Thread(target=self._drain, name="txl-drain", daemon=True)
+        self._drainer.start()
+
+    def _drain(self) -> None:
+        self.clean = self.state.drain(self.drain_timeout)
+        self.should_exit = True

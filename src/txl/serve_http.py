@@ -8,6 +8,7 @@ busy, 500 the server failed the request, 503 shutting down or failed), so OpenAI
 
 from __future__ import annotations
 
+import hmac
 import html
 import json
 from collections.abc import Awaitable, Callable
@@ -149,8 +150,6 @@ class Gate:
     def _refused(self, scope: dict, headers: dict[str, str]) -> ApiError | None:
         key = self.api_key()
         if key and scope["path"] not in self.public:
-            import hmac
-
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), key.encode()):

@@ -250,8 +250,6 @@ class Trainer:
         w = self.world
         lock, error = None, None
         if w.is_main:
-            self._made_run_dir = not self.run_dir.exists()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
                 lock = RunLock(self.run_dir)
             except CheckpointError as e:
@@ -268,8 +266,6 @@ class Trainer:
         if self.lock is not None:
             self.lock.release(restore=failed)
             self.lock = None
-            if failed and getattr(self, "_made_run_dir", False) and not any(self.run_dir.iterdir()):
-                self.run_dir.rmdir()  # (a run that never began leaves no folder)
 
     def _find_resume(self, resume: str) -> Path | None:
         existing = latest_checkpoint(self.run_dir)

@@ -94,13 +94,14 @@ def iter_text(fr: FileRange, errors: str = "strict", block: int | None = None) -
         if text.endswith("\r"):  # a "\r\n" may straddle two blocks: decide with the next one
             text, held_cr = text[:-1], "\r"
         if text:
-            yield _universal_newlines(text)
+            yield universal_newlines(text)
     text = held_cr + (_decode(fr, pending, fr.stop() - len(pending), errors) if pending else "")
     if text:
-        yield _universal_newlines(text)
+        yield universal_newlines(text)
 
 
-def _universal_newlines(text: str) -> str:
+def universal_newlines(text: str) -> str:
+    """CRLF and lone CR as LF, as text files are read."""
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
