@@ -74,8 +74,8 @@ def txl_train(config: str, data: Path, work: Path, steps: int, device: str) -> t
     with and without the time spent writing checkpoints. The trainer takes the route chosen by main() instead of
     measuring its own at start-up (a choice made again in each round can differ: the check is noisy here, and the
     bare step would then run on the other path)."""
-    cfg = run_config(config, data, work, steps, device)
     chosen = ROUTE[0]
+    cfg = run_config(config, data, work, steps, device, fp32_route=bool(chosen and chosen.enabled))
     pin = mock.patch.object(trainer_module, "choose_fp32_matmul", lambda **_: chosen) if chosen else None
     with contextlib.redirect_stdout(io.StringIO()), pin or contextlib.nullcontext():  # (the log: train.log)
         trainer = Trainer(cfg, resume="none")

@@ -106,7 +106,7 @@ def test_every_process_takes_process_0s_fp32_route(tmp_path):
     script = tmp_path / "spy.py"
     script.write_text(ROUTE_SPY)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = train_args(tmp_path, "r", **{**SETTINGS, "train__max_steps": 2})
+    args = train_args(tmp_path, "r", **{**SETTINGS, "train__max_steps": 2, "train__fp32_route": "true"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     res = subprocess.run([*cmd, str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

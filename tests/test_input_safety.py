@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, debug_config
 from txl import TransformerXLLM
@@ -192,7 +193,8 @@ def test_recipes_that_yaml_would_take_silently_or_endlessly_are_one_error(recipe
 def test_a_refused_resume_leaves_the_run_folder_byte_identical(tmp_path, capsys):
     """A resume with a changed model flag failed with "--resume the checkpoint before it"; following that moved the
     later checkpoint to superseded/ and deleted metrics rows, then failed the same way. A resume on another corpus
-    whose vocabulary has the same size went on with remapped ids. Now both are refused before anything is touched,
+    whose vocabulary has the same size went on with remapped ids (and on other text of the same vocabulary, with its
+    data position pointing elsewhere). Now all three are refused before anything is touched,
     with no hint that would fail too, and the run folder (lock file included) is byte-identical."""
     from train_helpers import tiny_corpus, train_args
     from txl.data import Tokenizer
@@ -218,6 +220,15 @@ def test_a_refused_resume_leaves_the_run_folder_byte_identical(tmp_path, capsys)
     ours = Tokenizer.load(tmp_path / "other-cache")  # (the other corpus's vocabulary, built before the refusal)
     assert ours.vocab_size == theirs.vocab_size and ours.sha256() != theirs.sha256()  # (same size, other ids)
     assert "the checkpoint was trained with another vocabulary" in err and tree_digest(run) == before
+    same_symbols = tmp_path / "shuffled"  # the run's text in another order: the same vocabulary, other ids to read
+    shutil.copytree(tmp_path / "corpus", same_symbols)
+    lines = (same_symbols / "train.txt").read_text().splitlines(keepends=True)
+    (same_symbols / "train.txt").write_text("".join(reversed(lines)))
+    args[args.index("--data.path") + 1] = str(same_symbols)
+    args[args.index("--data.cache_dir") + 1] = str(tmp_path / "shuffled-cache")
+    err = fails(args, capsys)
+    assert Tokenizer.load(tmp_path / "shuffled-cache").sha256() == theirs.sha256()
+    assert "the checkpoint was trained on other text than" in err and tree_digest(run) == before
 
 
 def test_a_resave_cut_between_its_renames_keeps_the_complete_copy(tmp_path):
@@ -358,3 +369,35 @@ def test_sizes_beyond_the_machine_are_refused_before_allocation(tmp_path, capsys
     err = fails(args, capsys)
     assert "parameters (fp32 weights, gradients and Adam's two moments) needs about" in err
     assert not (tmp_path / "big").exists()
+
+
+def test_the_fp32_route_is_opt_in_and_routes_only_products_checked_exact(tmp_path, capsys, monkeypatch):
+    """The oneDNN fp32 route was switched on for the whole process after a check of one 256x512x384 product, while
+    a training step runs products of many other shapes. Now a run takes it only when asked (train.fp32_route), and
+    then every kind of product (operation, shapes, strides) is checked before the route computes it: with a route
+    that computes the larger products in bf16, the run trains bit for bit as on the default path, and its
+    checkpoint records the choice and the checks."""
+    import txl.trainer
+    from test_runtime import bf16_when_large
+    from train_helpers import final_weights, run_inprocess
+    from txl.checkpoint import latest_checkpoint, read_metadata
+    from txl.runtime import CheckedRoute, RouteChoice
+
+    def never(**_):
+        raise AssertionError("the route was measured although not asked for")
+
+    setting = torch.backends.mkldnn.matmul.fp32_precision
+    base = dict(train__max_steps=3, train__eval_interval=3, model__mem_len=8, model__dropout=0.0)
+    monkeypatch.setattr(txl.trainer, "choose_fp32_matmul", never)
+    plain = run_inprocess(tmp_path, "plain", **base)
+    assert read_metadata(latest_checkpoint(plain))["fp32_route"] is False
+    monkeypatch.setattr(txl.trainer, "choose_fp32_matmul", lambda **_: RouteChoice(True, 1.2, True))
+    monkeypatch.setattr(txl.trainer, "CheckedRoute", lambda: CheckedRoute(call=bf16_when_large))
+    routed = run_inprocess(tmp_path, "routed", **base, train__fp32_route="true")
+    meta = read_metadata(latest_checkpoint(routed))
+    kinds = meta["fp32_route_kinds"]
+    assert meta["fp32_route"] is True and kinds["routed"] > 0 and kinds["not_exact"] > 0
+    assert "kinds of fp32 product routed through oneDNN" in capsys.readouterr().out
+    weights, expected = final_weights(routed), final_weights(plain)
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting  # nothing left set

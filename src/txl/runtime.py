@@ -3,18 +3,19 @@
 * :func:`configure_allocator` keeps glibc from returning large freed blocks to the kernel (and from serving
   blocks of up to 32 MiB with fresh ``mmap`` pages), so the large temporaries of every step are not page-faulted
   again: 13% of a bench-char training step on a 2-core EPYC (exact: memory management only).
-* :func:`choose_fp32_matmul` routes fp32 matrix products through oneDNN
-  (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) where that is faster *and* exact. On AMD CPUs MKL's
+* :func:`choose_fp32_matmul` decides whether fp32 matrix products may go through oneDNN
+  (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``): where that is faster and exact. On AMD CPUs MKL's
   fp32 GEMM does not use AVX-512 (measured 2x slower than oneDNN on a Zen 5 EPYC); on a CPU with native bf16
-  matrix units (AMX) the same setting would compute in bf16, so a start-up self-check compares the routed product
-  with a float64 one and refuses the route unless its error is that of fp32.
+  matrix units (AMX) the same setting computes in bf16, and which kernel oneDNN picks depends on the product's
+  shape. So the choice changes nothing by itself: :class:`CheckedRoute`, entered around the work (``txl train``
+  enters it around its steps and validations), sends each fp32 product through the route only after the route
+  computed a product of exactly that shape and layout to fp32 accuracy (against float64), and every other one on
+  the default path. Nothing is set process-wide: the setting is on only for the products checked exact.
 
-``txl train`` sets both (the route's choice is saved with each checkpoint and kept when the run resumes: the two
-paths round differently); ``txl eval`` and ``txl generate`` set the allocator only: the route
-pays for the large products of training, but evaluation's are narrower (per-head products of d_head columns) and
-measured slower on it (bench-char / bench-word evaluation 0.91x / 0.84x on an AVX-512 EPYC), and one-token products
-3x slower (generation keeps the default path even under the route: ``fp32_route(False)`` around its steps).
-Library users may call either. Both settings are process-wide.
+``txl eval`` and ``txl generate`` set the allocator only: the route pays for the large products of training, but
+evaluation's are narrower (per-head products of d_head columns) and measured slower on it (bench-char / bench-word
+evaluation 0.91x / 0.84x on an AVX-512 EPYC), and one-token products 3x slower (generation keeps the default path:
+``fp32_route(False)`` around its steps).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 ROUTE_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (2048, 256, 768))  # FF up/down, fused K/V: M x K x N
@@ -55,9 +57,12 @@ def matmul_error(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], s
     return float((matmul(a, b).double() - exact).abs().max() / exact.abs().max())
 
 
+FP32_ERROR = 1e-5  # largest relative error of an exact product (bf16 arithmetic errs about 1e-3, fp32 about 1e-7)
+
+
 def is_fp32_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
-    """True if ``matmul`` keeps fp32 accuracy (bf16 arithmetic errs about 1e-3, fp32 about 1e-7)."""
-    return matmul_error(matmul) <= 1e-5
+    """True if ``matmul`` keeps fp32 accuracy on one 256 x 512 x 384 product."""
+    return matmul_error(matmul) <= FP32_ERROR
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -80,7 +85,7 @@ class RouteChoice:
     """The choice given to :func:`choose_fp32_matmul` (a resumed run's), kept rather than measured; None: measured."""
 
     def describe(self) -> str:
-        what = "via oneDNN" if self.enabled else "via the default path"
+        what = "via oneDNN where exact (each kind of product checked first)" if self.enabled else "via the default path"
         why = "" if self.exact else ", oneDNN's route is not exact here"
         if self.earlier is None:
             return f"fp32 GEMMs {what} (oneDNN {self.speedup:.2f}x the default{why})"
@@ -131,10 +136,11 @@ def _route_speedup() -> float:
 def choose_fp32_matmul(
     measure: bool = True, routed_matmul: Callable = torch.matmul, earlier: bool | None = None
 ) -> RouteChoice:
-    """Route fp32 GEMMs through oneDNN if that is exact (the self-check runs ``routed_matmul`` with the route on)
-    and at least 5% faster here (``MIN_GAIN``); otherwise leave (or set back) the default path. (On a 2-core EPYC the
-    check measured the route at 1.03-1.39x, and the route made the bench-char and bench-word training steps 1.089x
-    and 1.058x faster in paired A/B steps: the former bar of 1.15x turned away a route that paid.)
+    """Whether fp32 GEMMs may go through oneDNN (under :class:`CheckedRoute`, which checks every kind of product
+    before it routes it): if the route is exact on a first product (the self-check runs ``routed_matmul`` with the
+    route on) and at least 5% faster here (``MIN_GAIN``). Sets nothing: the setting before the call is kept. (On a
+    2-core EPYC the check measured the route at 1.03-1.39x, and the route made the bench-char and bench-word training
+    steps 1.089x and 1.058x faster in paired A/B steps: the former bar of 1.15x turned away a route that paid.)
 
     ``earlier`` is the choice of a run being resumed (or of another process of the run): it is kept, without
     measuring again, wherever the route is exact. The two paths round differently, and the speed check follows
@@ -152,19 +158,79 @@ def choose_fp32_matmul(
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = previous
     enabled = exact and (speedup >= MIN_GAIN if earlier is None else earlier)
-    choice = RouteChoice(enabled, speedup, exact, earlier)
-    _set_route(choice.enabled)
-    return choice
+    return RouteChoice(enabled, speedup, exact, earlier)
 
 
-def configure() -> list[str]:
-    """Apply every setting that pays on this machine; return one line per setting, for the log."""
-    notes = []
-    if configure_allocator():
-        notes.append(ALLOCATOR_NOTE)
-    if torch.backends.mkldnn.is_available():
-        notes.append(choose_fp32_matmul().describe())
-    return notes
+_PRODUCTS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+)  # fmt: skip  (what torch.matmul, F.linear and einsum become)
+
+
+def _random_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Random values in ``t``'s exact layout (shape, strides, offset: what oneDNN's choice of kernel sees)."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    extent = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return torch.randn(extent, generator=g, dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def routed_call(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``func`` computed on oneDNN's route (the call :class:`CheckedRoute` checks and then makes)."""
+    with fp32_route(True):
+        return func(*args, **kwargs)
+
+
+@dataclass(eq=False)
+class CheckedRoute(TorchDispatchMode):
+    """fp32 products through oneDNN's route, each kind only once the route computed one exactly.
+
+    A kind is the operation (mm, addmm, bmm, baddbmm) and its operands' shapes and strides. At its first sight the
+    route computes it on random operands of that layout, against float64; within ``FP32_ERROR`` it is routed from
+    then on, otherwise it runs on torch's default path (as does every product that is not fp32 on the CPU). So the
+    route computes nothing that it has not been seen to compute to fp32 accuracy, whatever shapes a run reaches
+    (variable segment lengths, a last short batch, evaluation). ``routed`` / ``refused``: the kinds seen so far.
+    """
+
+    call: Callable[[Callable, tuple, dict], torch.Tensor] = routed_call
+    verdicts: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    @property
+    def routed(self) -> int:
+        return sum(self.verdicts.values())
+
+    @property
+    def refused(self) -> int:
+        return len(self.verdicts) - self.routed
+
+    def describe(self) -> str:
+        return f"{self.routed} kinds of fp32 product routed through oneDNN, {self.refused} not exact there"
+
+    def _exact(self, func: Callable, args: tuple, kwargs: dict) -> bool:
+        g = torch.Generator().manual_seed(len(self.verdicts))  # (its own generator: the run's stream untouched)
+        probe = [_random_like(a, g) if isinstance(a, torch.Tensor) else a for a in args]
+        routed = self.call(func, tuple(probe), kwargs).double()
+        exact = func(*[a.double() if isinstance(a, torch.Tensor) else a for a in probe], **kwargs)
+        scale = float(exact.abs().max()) if exact.numel() else 0.0
+        return scale == 0.0 or float((routed - exact).abs().max()) <= FP32_ERROR * scale
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PRODUCTS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+                kind = (func, *((tuple(t.shape), t.stride()) for t in tensors))
+                verdict = self.verdicts.get(kind)
+                if verdict is None:
+                    verdict = self.verdicts[kind] = self._exact(func, args, kwargs)
+                if verdict:
+                    return self.call(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def native_bf16(device: torch.device) -> bool:

@@ -51,7 +51,14 @@ from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.pretrained import CheckpointError, load_weights, read_json, read_safetensors
-from txl.runtime import ALLOCATOR_NOTE, check_fits, choose_fp32_matmul, configure_allocator, effective_precision
+from txl.runtime import (
+    ALLOCATOR_NOTE,
+    CheckedRoute,
+    check_fits,
+    choose_fp32_matmul,
+    configure_allocator,
+    effective_precision,
+)
 
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
@@ -158,6 +165,7 @@ class Trainer:
         if note:
             self.say(f"note: train.precision = bf16, but {note}")
         self.fp32_route: bool | None = None  # (CPU) fp32 GEMMs through oneDNN; saved with every checkpoint
+        self.route: CheckedRoute | None = None  # (its checks, while fit() runs with the route)
         if w.device.type == "cpu":
             self._configure_cpu()
 
@@ -228,9 +236,11 @@ class Trainer:
     # -- setup ------------------------------------------------------------------------------------------------
 
     def _configure_cpu(self) -> None:
-        """malloc settings, and the fp32 GEMM route (txl.runtime): measured by process 0 of a new run and given to
-        the others; a resumed run keeps its checkpoint's choice, since the two paths round differently (the speed
-        check is noisy, and a choice made again could differ from the one the interrupted run made)."""
+        """malloc settings, and whether fp32 GEMMs may take oneDNN's route (txl.runtime; opt-in with
+        train.fp32_route): measured by process 0 of a new run and given to the others; a resumed run keeps its
+        checkpoint's choice, since the two paths round differently (the speed check is noisy, and a choice made
+        again could differ from the one the interrupted run made). Under the route every kind of product is checked
+        exact before it is routed (:class:`CheckedRoute`, entered by :meth:`fit`)."""
         w = self.world
         if configure_allocator():
             self.say(f"runtime: {ALLOCATOR_NOTE}")
@@ -238,6 +248,9 @@ class Trainer:
         if not torch.backends.mkldnn.is_available():
             return
         earlier = read_metadata(self.checkpoint_to_load).get("fp32_route") if self.checkpoint_to_load else None
+        if earlier is None and not self.tc.fp32_route:
+            self.fp32_route = False
+            return
         choice = choose_fp32_matmul(earlier=earlier) if w.is_main or earlier is not None else None
         if earlier is None and w.distributed:  # one choice for every process: process 0's
             chosen = all_reduce_sum(w, float(choice.enabled) if choice else 0.0)[0] > 0
@@ -322,6 +335,13 @@ class Trainer:
             raise ValueError(
                 f"{folder}: the checkpoint was trained with another vocabulary than {self.cfg.data.label}'s "
                 f"({self.tokenizer_file}): its ids would mean other symbols; resume with the run's data, or start a "
+                "new --run_dir"
+            )
+        trained_on = read_metadata(folder).get("train_data_sha256")  # (None: a checkpoint from before it was kept)
+        if trained_on is not None and trained_on != self.corpus.fingerprint("train"):
+            raise ValueError(
+                f"{folder}: the checkpoint was trained on other text than {self.cfg.data.label}'s train split (its "
+                "token ids differ): its data position would point elsewhere; resume with the run's data, or start a "
                 "new --run_dir"
             )
 
@@ -477,7 +497,11 @@ class Trainer:
             "best_step": self.best_step,
             "world_size": self.world.size,
             "torch": torch.__version__,
+            "train_data_sha256": self.corpus.fingerprint("train"),
             "fp32_route": self.fp32_route,
+            "fp32_route_kinds": None
+            if self.route is None
+            else {"routed": self.route.routed, "not_exact": self.route.refused},
         }
         keep = {self.best_step} if self.tc.keep_best and self.best_step is not None else set()
         try:
@@ -517,7 +541,11 @@ class Trainer:
         self.reporter.start_at(self.step)
         batches = self.train_iter.forever()
         reason = None
+        route = CheckedRoute() if self.fp32_route else None
+        self.route = route
         try:
+            if route is not None:
+                route.__enter__()
             while (reason := self._stop_reason()) is None:
                 t0 = time.perf_counter()
                 batch = next(batches)
@@ -544,6 +572,9 @@ class Trainer:
             path = self.save() if self.last_saved != self.step else latest_checkpoint(self.run_dir)
             self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
         finally:
+            if route is not None:
+                route.__exit__(None, None, None)
+                self.say(f"runtime: {route.describe()}")
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             self.reporter.close()

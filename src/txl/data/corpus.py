@@ -130,6 +130,12 @@ class Corpus:
     path: Path
     meta: dict = field(repr=False)
 
+    def fingerprint(self, split: str = "train") -> str:
+        """The sha256 of ``split``'s token ids (of their arrays' recorded digests): the same text read the same way
+        gives the same fingerprint wherever its files or cache lie."""
+        digests = [[e["file_sha256"], e.get("offsets_sha256")] for e in self.meta["arrays"][split]]
+        return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
+
     def n_tokens(self, split: str) -> int:
         s = self.splits[split]
         return len(s) if isinstance(s, np.ndarray) else sum(len(sh.ids) for sh in s)
