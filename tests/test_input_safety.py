@@ -162,6 +162,32 @@ def test_finetune_locks_its_run_folder_as_train_does(tmp_path, capsys):
     assert not missing.exists()  # (a run that never began leaves no folder behind)
 
 
+def test_a_refused_finetune_resume_leaves_its_run_folder_byte_identical(tmp_path, capsys):
+    """A fine-tuning run folder is resumed only with the settings that decide its model and data order, and on the
+    same data files: otherwise one line naming what differs, before anything in the folder changes (a changed
+    dropout or batch size used to be ignored or mixed in silently, and other data read from the saved position)."""
+    from test_finetune import args, make_data
+    from train_helpers import run_inprocess
+
+    lm = run_inprocess(tmp_path / "lm", train__max_steps=2, train__eval_interval=0)
+    data = make_data(tmp_path / "data", "single")
+    run = tmp_path / "ft"
+    main(args(lm, data, run, max_steps=4, eval_interval=4, checkpoint_interval=4))
+    before = tree_digest(run)
+    for change, message in (
+        ({"dropout": 0.3}, "resuming needs the run's settings (dropout: run None, now 0.3)"),
+        ({"batch_size": 4}, "(batch_size: run 8, now 4)"),
+    ):
+        err = fails(args(lm, data, run, max_steps=8, **change), capsys)
+        assert message in err and "or choose another --run_dir" in err
+        assert tree_digest(run) == before
+    other = make_data(tmp_path / "other", "single", seed=1)
+    err = fails(args(lm, other, run, max_steps=8), capsys)
+    assert "the run was fine-tuned on another train file than" in err and tree_digest(run) == before
+    main(args(lm, data, run, max_steps=8, eval_interval=4, checkpoint_interval=4))  # (as before: it resumes)
+    assert (run / "checkpoints" / "step-8").is_dir()
+
+
 @pytest.mark.parametrize(
     "recipe, message",
     [
@@ -401,3 +427,43 @@ def test_the_fp32_route_is_opt_in_and_routes_only_products_checked_exact(tmp_pat
     weights, expected = final_weights(routed), final_weights(plain)
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     assert torch.backends.mkldnn.matmul.fp32_precision == setting  # nothing left set
+
+
+def test_commands_that_write_into_a_locked_folder_take_its_lock(tmp_path, capsys):
+    """One lock for every command that writes a run folder or a corpus cache: `txl convert --overwrite` into a
+    checkpoint of a run that is training stops with the run lock's message (the folder byte-identical), and goes
+    through once the run is over, leaving the lock file as it was; `txl data prepare` into a cache that another
+    process is preparing says so, waits, and then reads the finished cache."""
+    from train_helpers import tiny_corpus, txl_process
+    from txl.checkpoint import RunLock
+    from txl.fileio import FolderLock
+
+    run = tmp_path / "run"
+    main(["convert", "hf", str(CHAR_FIXTURE), str(run / "checkpoints" / "step-1")])
+    (run / ".lock").write_text("txl train (pid 1 on elsewhere since then)\n")  # (a run folder, not training now)
+    holder = RunLock(run)  # a txl train at work
+    try:
+        before = tree_digest(run)
+        args = ["convert", "hf", str(ADAPTIVE_FIXTURE), str(run / "checkpoints" / "step-1"), "--overwrite", "true"]
+        err = fails(args, capsys)
+        assert f"{run} is in use by another txl train (pid {os.getpid()} on " in err and "--out" in err
+        assert tree_digest(run) == before
+    finally:
+        holder.release(restore=True)
+    lock_file = (run / ".lock").read_text()
+    main(args)
+    assert TransformerXLLM.load_config(run / "checkpoints" / "step-1").n_token != 64  # (replaced: the adaptive one)
+    assert (run / ".lock").read_text() == lock_file
+
+    corpus, cache = tiny_corpus(tmp_path / "corpus"), tmp_path / "cache"
+    held = FolderLock(cache, "txl train", option="--data.cache_dir")
+    prep = ["data", "prepare", "--data.path", str(corpus), "--data.dataset", "custom", "--data.cache_dir", str(cache)]
+    proc = txl_process(prep, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"{cache} is in use by another txl train (pid {os.getpid()}" in line and "waiting" in line, line
+        assert not (cache / "meta.json").exists() and proc.poll() is None  # (it waits, and writes nothing)
+    finally:
+        held.release()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and '"vocab_size"' in out, out

@@ -24,13 +24,10 @@ by a killed run never blocks the next one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,7 @@ import torch
 
 from txl.config import RunConfig
 from txl.distributed import World, barrier
-from txl.fileio import fsync_dir, save_torch, write_bytes
+from txl.fileio import FolderInUse, FolderLock, fsync_dir, save_torch, write_bytes
 from txl.pretrained import CONFIG_NAME, CheckpointError, hub_hint, read_json
 
 MARKER = "COMPLETE"
@@ -269,48 +266,12 @@ def load_states(folder: Path) -> list[dict[str, Any]]:
     return states
 
 
-LOCK = ".lock"
+class RunLock(FolderLock):
+    """The lock of a run folder (:class:`txl.fileio.FolderLock`) for the command that writes it (``txl train``,
+    ``txl finetune``); a second command on the folder stops with a :class:`CheckpointError`."""
 
-
-class RunLock:
-    """An exclusive lock on a run folder for the lifetime of the command that writes it (``txl train``, ``txl
-    finetune``; see the module docstring). Every such command takes it, with the same message when it is held."""
-
-    def __init__(self, run_dir: Path, command: str = "txl train"):
-        self._made_dir = not Path(run_dir).exists()
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self.path = Path(run_dir) / LOCK
-        self._existed = self.path.exists()
-        self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
+    def __init__(self, run_dir: Path, command: str = "txl train") -> None:
         try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise CheckpointError(
-                f"{run_dir} is in use by another {holder}; wait for it to finish, or choose another --run_dir"
-            ) from None
-        self._file.seek(0)
-        self._previous = self._file.read()
-        self._file.seek(0)
-        self._file.truncate()
-        when = time.strftime("%Y-%m-%d %H:%M:%S")
-        self._file.write(f"{command} (pid {os.getpid()} on {socket.gethostname()} since {when})\n")
-        self._file.flush()
-
-    def release(self, restore: bool = False) -> None:
-        """Unlock; with ``restore`` (a command that changed nothing else), the lock file as it was before, and no
-        run folder where there was none."""
-        if not self._file.closed:
-            if restore:
-                self._file.seek(0)
-                self._file.truncate()
-                self._file.write(self._previous)
-                self._file.flush()
-                if not self._existed:
-                    self.path.unlink(missing_ok=True)
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
-            if restore and self._made_dir and not any(self.path.parent.iterdir()):
-                self.path.parent.rmdir()
+            super().__init__(run_dir, command)
+        except FolderInUse as e:
+            raise CheckpointError(str(e)) from None

@@ -40,7 +40,7 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False, overwrite: bool
     from txl.fileio import staged_folder
     from txl.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
 
-    with staged_folder(out, overwrite=overwrite, sources=[src]) as staged:
+    with staged_folder(out, overwrite=overwrite, sources=[src], command="txl convert") as staged:
         model = convert_hf_checkpoint(src, staged, trust_pickle=trust_pickle)
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
@@ -74,7 +74,9 @@ def convert_original(
     from txl.convert_original import convert_original_checkpoint
     from txl.fileio import staged_folder
 
-    with staged_folder(out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None]) as staged:
+    with staged_folder(
+        out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None], command="txl convert"
+    ) as staged:
         model, tokenizer = convert_original_checkpoint(src, staged, corpus=corpus, trust_pickle=trust_pickle)
     _converted(src, out, model, tokenizer, "", "the corpus cache with --corpus DATA/cache.pt")
 
@@ -118,7 +120,9 @@ def convert_tf(
     from txl.convert_tf import convert_tf_checkpoint
     from txl.fileio import staged_folder
 
-    with staged_folder(out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None]) as staged:
+    with staged_folder(
+        out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None], command="txl convert"
+    ) as staged:
         model, tokenizer, note = convert_tf_checkpoint(
             src, staged, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len,
             same_length=same_length,
@@ -159,7 +163,8 @@ def export_onnx(
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
     tok = resolve_model_dir(model) / "tokenizer.json"
-    with staged_file(out, overwrite=overwrite) as staged:  # (a failed export leaves nothing at --out)
+    # (a failed export leaves nothing at --out)
+    with staged_file(out, overwrite=overwrite, command="txl export") as staged:
         report = run_export(
             model, staged, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, last_only=last_only,
             tolerance=tolerance,

@@ -7,14 +7,23 @@ a power cut. On any error the temporary file is removed and the destination is u
 full disk, a read-only folder, a file-size limit) is an ``OSError`` that names the destination: torch's and
 safetensors' own writers report such failures as ``RuntimeError``/``SafetensorError``, so :func:`save_torch` and
 :func:`save_safetensors` turn them back into the ``OSError`` they came from.
+
+A folder that one command writes over its whole life (a run folder, a corpus cache) is held with
+:class:`FolderLock`: an exclusive ``flock`` on ``FOLDER/.lock``, which the kernel releases when the process dies,
+however it dies. Every command that writes such a folder takes it, and a second one gets the same message.
+Commands that write their whole output at once (:func:`staged_folder`, :func:`staged_file`) check first that
+they would not write, or replace, anything inside a locked folder another command is writing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -117,20 +126,121 @@ def save_safetensors(tensors: dict, dest: str | os.PathLike, metadata: dict[str,
             raise OSError(errno, os.strerror(errno)) from None
 
 
+LOCK = ".lock"
+
+
+_HELD: set[Path] = set()  # the folders this process holds (a registry of the locks, not a setting)
+
+
+class FolderInUse(ValueError):
+    """Another process holds the folder's :class:`FolderLock`."""
+
+
+class FolderLock:
+    """An exclusive lock on ``folder`` for the lifetime of the command that writes it (made if missing).
+
+    ``command`` names the holder in the message a second command gets ("FOLDER is in use by another txl train (pid
+    N on HOST since T); wait for it to finish, or choose another --run_dir"). With ``wait`` the second one instead
+    says so through ``say`` and waits for the folder (a shared cache that the first is preparing).
+    """
+
+    def __init__(
+        self, folder: str | os.PathLike, command: str, *, option: str = "--run_dir", wait: bool = False,
+        say: Any = None,
+    ) -> None:  # fmt: skip
+        folder = Path(folder)
+        if wait and folder.resolve() in _HELD:  # (flock would wait on this very process: locks are per open file)
+            raise FolderInUse(f"{folder} is already in use by this {command}; give {option} a folder of its own")
+        self._made_dir = not folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / LOCK
+        self._existed = self.path.exists()
+        self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            if not wait:
+                self._file.close()
+                raise FolderInUse(
+                    f"{folder} is in use by another {holder}; wait for it to finish, or choose another {option}"
+                ) from None
+            if say is not None:
+                say(f"{folder} is in use by another {holder}; waiting for it to finish")
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+        self._file.seek(0)
+        self._previous = self._file.read()
+        self._file.seek(0)
+        self._file.truncate()
+        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._file.write(f"{command} (pid {os.getpid()} on {socket.gethostname()} since {when})\n")
+        self._file.flush()
+        _HELD.add(folder.resolve())
+
+    def release(self, restore: bool = False) -> None:
+        """Unlock; with ``restore`` (a command that changed nothing else), the lock file as it was before, and no
+        folder where there was none."""
+        if not self._file.closed:
+            if restore:
+                self._file.seek(0)
+                self._file.truncate()
+                self._file.write(self._previous)
+                self._file.flush()
+                if not self._existed:
+                    self.path.unlink(missing_ok=True)
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            _HELD.discard(self.path.parent.resolve())
+            if restore and self._made_dir and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _locked_folder_around(target: Path) -> Path | None:
+    """The nearest folder at or above ``target`` that has a lock file (a run folder, a corpus cache), if any."""
+    return next((a for a in (target, *target.parents) if (a / LOCK).is_file()), None)
+
+
+@contextmanager
+def _unless_in_use(target: Path, command: str, option: str) -> Iterator[None]:
+    """Hold the lock of the locked folder ``target`` lies in (if any) while a command writes there."""
+    folder = _locked_folder_around(target)
+    if folder is None:
+        yield
+        return
+    lock = FolderLock(folder, command, option=option)
+    try:
+        yield
+    finally:
+        lock.release(restore=True)  # (the lock file as it was: this command is not the folder's owner)
+
+
 def _inside(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
 @contextmanager
 def staged_folder(
-    out: str | os.PathLike, *, overwrite: bool = False, sources: Iterable[str | os.PathLike] = (), option: str = "out"
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    sources: Iterable[str | os.PathLike] = (),
+    option: str = "out",
+    command: str = "txl",
 ) -> Iterator[Path]:
     """A new folder to write a command's whole output into, which becomes ``out`` once it is complete.
 
     Checked first, before anything is written: ``out`` is not a source (a file or folder the command reads), inside
     one, or around one; and it is new or empty, or ``overwrite`` is given. On success the new folder is renamed into
     place (an old ``out`` is kept until then, and removed after); on any error it is removed and ``out`` is as it
-    was."""
+    was. Inside a locked folder (a run folder), its lock is held while the output is written and moved (``command``
+    names the holder for a command that finds it held)."""
     out = Path(out)
     target = out.resolve()
     for src in sources:
@@ -147,26 +257,29 @@ def staged_folder(
             f"--{option} {out}: the folder exists and is not empty; give a new folder, or --overwrite true to replace "
             "it (it is kept until the new one is complete)"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:12]
-    staged = out.parent / f".{out.name}.partial-{tag}"
-    staged.mkdir()
-    try:
-        yield staged
-        fsync_dir(staged)
-        old = out.parent / f".{out.name}.old-{tag}"
-        if out.exists():
-            os.replace(out, old)
-        os.replace(staged, out)
-        fsync_dir(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+    with _unless_in_use(target, command, f"--{option}"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tag = uuid.uuid4().hex[:12]
+        staged = out.parent / f".{out.name}.partial-{tag}"
+        staged.mkdir()
+        try:
+            yield staged
+            fsync_dir(staged)
+            old = out.parent / f".{out.name}.old-{tag}"
+            if out.exists():
+                os.replace(out, old)
+            os.replace(staged, out)
+            fsync_dir(out.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
 
 
 @contextmanager
-def staged_file(out: str | os.PathLike, *, overwrite: bool = False, option: str = "out") -> Iterator[Path]:
+def staged_file(
+    out: str | os.PathLike, *, overwrite: bool = False, option: str = "out", command: str = "txl"
+) -> Iterator[Path]:
     """A temporary path beside ``out`` to write a command's output file to, renamed over ``out`` on success and
     removed on any error; an existing ``out`` is refused (before anything is written) unless ``overwrite``."""
     out = Path(out)
@@ -174,12 +287,13 @@ def staged_file(out: str | os.PathLike, *, overwrite: bool = False, option: str 
         raise ValueError(f"--{option} {out}: a folder is there; give a file name")
     if out.exists() and not overwrite:
         raise ValueError(f"--{option} {out}: the file exists; give a new name, or --overwrite true to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = out.with_name(f".{out.stem}.partial-{uuid.uuid4().hex[:12]}{out.suffix}")
-    try:
-        yield staged
-        os.replace(staged, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
+    with _unless_in_use(out.resolve().parent, command, f"--{option}"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged = out.with_name(f".{out.stem}.partial-{uuid.uuid4().hex[:12]}{out.suffix}")
+        try:
+            yield staged
+            os.replace(staged, out)
+            fsync_dir(out.parent)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise

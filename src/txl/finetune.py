@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from txl.data.download import sha256_file
 from txl.modeling import TransformerXLForSequenceClassification
 
 Task = Literal["single", "multi", "regression"]
@@ -344,6 +345,38 @@ def finetune(cfg: FinetuneConfig) -> Path:
     return result
 
 
+RESUME_FIXED = ("task", "from_scratch", "tgt_len", "mem_len", "clamp_len", "memory", "grad_segments", "max_tokens",
+                "batch_size", "dropout", "weight_decay", "seed")  # fmt: skip
+"""Settings a resumed fine-tuning run must keep: they decide its model, its data order or what its optimizer state
+means (max_steps, the intervals, keep_last, threads and the learning rates may change)."""
+
+
+def _resumable(checkpoint: Path, cfg: FinetuneConfig, data_sha256: dict[str, str | None]) -> dict[str, Any]:
+    """The checkpoint's fine-tuning record, once it is known to fit ``cfg`` and its data (nothing is written
+    before: a refused resume leaves the run folder as it was)."""
+    record = checkpoint / FINETUNE_CONFIG
+    if not record.is_file():
+        raise FinetuneError(
+            f"{checkpoint}: no {FINETUNE_CONFIG} (a checkpoint of another command than txl finetune); choose another "
+            "--run_dir"
+        )
+    saved = json.loads(record.read_text())
+    changed = [f"{k}: run {saved[k]!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIXED
+               if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    if changed:
+        raise FinetuneError(
+            f"{checkpoint}: resuming needs the run's settings ({'; '.join(changed)}); give them as before, or choose "
+            "another --run_dir"
+        )
+    for split, digest in (saved.get("data_sha256") or {}).items():  # (None: a run from before it was recorded)
+        if digest != data_sha256.get(split):
+            raise FinetuneError(
+                f"{checkpoint}: the run was fine-tuned on another {split} file than {cfg.data}'s; resume with its "
+                "data, or choose another --run_dir"
+            )
+    return saved
+
+
 def _finetune(cfg: FinetuneConfig) -> Path:
     from txl.checkpoint import latest_checkpoint, resolve_model_dir, save_checkpoint
     from txl.data import Tokenizer
@@ -378,8 +411,9 @@ def _finetune(cfg: FinetuneConfig) -> Path:
         valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
     else:
         valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
+    data_sha256 = {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
     if resume is not None:
-        saved = json.loads((resume / FINETUNE_CONFIG).read_text())
+        saved = _resumable(resume, cfg, data_sha256)
         names = saved["labels"]
     else:
         names = label_names(train, cfg.task)
@@ -421,7 +455,12 @@ def _finetune(cfg: FinetuneConfig) -> Path:
         torch.set_rng_state(state["rng"]["torch"])
         truncate_metrics(run_dir, step)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = asdict(cfg) | {"labels": names, "num_labels": num_labels, "mem_len_used": mem_len}
+    record = asdict(cfg) | {
+        "labels": names,
+        "num_labels": num_labels,
+        "mem_len_used": mem_len,
+        "data_sha256": data_sha256,
+    }
     write_bytes(run_dir / FINETUNE_CONFIG, (json.dumps(record, indent=1) + "\n").encode())
     reporter = Reporter(run_dir, enabled=True, progress=False, tensorboard=False, total=cfg.max_steps)
     reporter.start_at(step)

@@ -12,8 +12,10 @@ interrupted) is never used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_sp
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
-from txl.fileio import write_bytes
+from txl.fileio import LOCK, FolderLock, write_bytes
 
 FORMAT, FORMAT_VERSION = "txl-corpus", 1
 META = "meta.json"
@@ -360,6 +362,30 @@ def prepare_corpus(
     Keyword ``overrides`` set :class:`DataConfig` fields. ``verify`` re-hashes the cached arrays on load.
     """
     cfg, settings, layout, folder = _locate(cfg, overrides)
+    made = not folder.exists()
+    # (one process prepares a cache at a time; another one waits and then finds it ready)
+    try:
+        lock = FolderLock(folder, "txl command preparing this corpus", option="--data.cache_dir", wait=True, say=log)
+    except OSError as e:  # (a cache on a read-only medium: read as it is; a rebuild fails to write, saying where)
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not folder.is_dir():
+            raise
+        lock = None
+    try:
+        corpus = _prepare(cfg, settings, layout, folder, verify, log)
+    except BaseException:
+        if lock is not None:
+            lock.release(restore=True)
+        if made:  # (a cache that never became one leaves nothing behind)
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if lock is not None:
+        lock.release()
+    return corpus
+
+
+def _prepare(
+    cfg: DataConfig, settings: dict, layout: Layout, folder: Path, verify: bool, log: Callable[[str], None]
+) -> Corpus:
     meta_path = folder / META
     reason = "no cache yet"
     if meta_path.exists():
@@ -373,7 +399,7 @@ def prepare_corpus(
             )
         log(f"rebuilding {folder}: {reason}")
         meta_path.unlink()
-    elif folder.exists() and any(folder.iterdir()):
+    elif any(p.name != LOCK for p in folder.iterdir()):
         reason = "an earlier build did not finish"
     log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")
     folder.mkdir(parents=True, exist_ok=True)
