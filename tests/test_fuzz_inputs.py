@@ -174,3 +174,93 @@ def test_model_folders_damaged_at_random_load_or_are_refused(tmp_path_factory, d
         TransformerXLLM.from_pretrained(folder)
     except ValueError as e:
         assert "model.safetensors" in str(e), e
+
+
+@SETTINGS
+@given(st.text())
+def test_text8_tokenizer_round_trips_up_to_the_text8_normalisation(text):
+    """Any text reads as its text8 normalisation (ASCII letters lower-cased, digits spelled out, everything else one
+    space), and the stream decoder's pieces add up to decode."""
+    from txl.data.rawtext import Text8
+
+    tok = Tokenizer("char", list(" abcdefghijklmnopqrstuvwxyz"), raw_text=Text8())
+    ids = tok.encode(text)
+    expected = Text8().normalize(text)
+    assert tok.decode(ids) == expected and "  " not in expected
+    assert set(expected) <= set(" abcdefghijklmnopqrstuvwxyz")
+    decoder = tok.stream_decoder()
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == expected
+
+
+MOSES_WORDS = ["<unk>", "<eos>", "the", "cat", "'s", "1", "000", "@,@", "@.@", "@-@", ",", ".", "(", ")", '"', "a-b"]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(["the", "cat", "cat's", "1,000", "1.5", "x-y", "(", ")", ",", ".", '"', "zz", " ", "\n",
+                                 "\t", "Cat", "<unk>"]), max_size=14).map("".join))  # fmt: skip
+def test_moses_tokenizer_round_trips_up_to_its_documented_normalisation(text):
+    """Raw text through Moses (HF's TransfoXL pipeline): each line's decoded text is the Moses detokenisation of its
+    symbols, unknown words as <unk> (the documented normalisation), lines joined by newlines; the stream decoder's
+    pieces add up to decode. (Not a projection: Moses itself re-reads some of its output differently, as in HF.)"""
+    from txl.data.rawtext import Moses
+
+    moses = Moses(never_split=("<unk>", "<eos>"), specials=("<unk>", "<eos>"))
+    tok = Tokenizer("word", MOSES_WORDS, unk_token="<unk>", line_end="eos", raw_text=moses)
+    ids = tok.encode(text)
+    known = set(MOSES_WORDS)
+    lines = [
+        moses.detokenize([w if w in known else "<unk>" for w in moses.tokenize(line)]) for line in text.split("\n")
+    ]
+    decoded = tok.decode(ids)
+    assert decoded == "\n".join(lines)
+    decoder = tok.stream_decoder()
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == decoded
+
+
+CONFIG_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+    st.lists(st.integers(-2, 80), max_size=4), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nvidia_dict():
+    from safetensors.torch import load_file
+
+    from tests.conftest import CHAR_FIXTURE
+
+    hf = load_file(str(CHAR_FIXTURE / "model.safetensors"))
+    aliases = ("attn.r_w_bias", "attn.r_r_bias")
+    state = {f"module.{k.removeprefix('transformer.')}": v for k, v in hf.items() if not k.endswith(aliases)}
+    config = {"n_token": 64, "d_embed": 32, "div_val": 1, "cutoffs": [], "tie_projs": [False], "mem_len": 20}
+    return state, config | {"same_length": True, "clamp_len": 8, "dropout": 0.1, "dropatt": 0.0, "attn_type": 0}
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_nvidia_checkpoints_of_any_layout_convert_or_are_one_checkpoint_error(tmp_path_factory, nvidia_dict, data):
+    """A checkpoint dict as NVIDIA's port saves it, with its model_config's values (or the config itself) and its
+    state's tensors replaced at random: converted, or refused with one CheckpointError naming the file."""
+    import torch
+
+    from txl import CheckpointError
+    from txl.convert_original import convert_original_checkpoint
+
+    state, config = dict(nvidia_dict[0]), dict(nvidia_dict[1])
+    for key in data.draw(st.lists(st.sampled_from([*config, "d_model", "n_layer"]), max_size=3)):
+        config[key] = data.draw(CONFIG_VALUES)
+    for key in data.draw(st.lists(st.sampled_from(sorted(state)), max_size=2)):
+        state[key] = data.draw(st.sampled_from([torch.zeros(3), torch.zeros(0), 5, "x", torch.zeros(2, 2, 2)]))
+    whole = data.draw(st.sampled_from(["dict", "list", "str", "none", "state-list"]))
+    saved = {"model_state": state, "model_config": config}
+    if whole != "dict":
+        saved = {"list": {"model_state": state, "model_config": list(config.items())},
+                 "str": {"model_state": state, "model_config": "n_token=64"},
+                 "none": {"model_state": state, "model_config": None},
+                 "state-list": {"model_state": list(state.values()), "model_config": config}}[whole]  # fmt: skip
+    path = tmp_path_factory.mktemp("nvidia") / "checkpoint_last.pt"
+    torch.save(saved, path)
+    try:
+        convert_original_checkpoint(path, trust_pickle=True)
+    except CheckpointError as e:
+        assert str(path) in str(e) and "\n" not in str(e)

@@ -467,3 +467,36 @@ def test_commands_that_write_into_a_locked_folder_take_its_lock(tmp_path, capsys
         held.release()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and '"vocab_size"' in out, out
+
+
+def test_work_that_the_disk_cannot_hold_is_refused_before_it_begins(tmp_path, capsys, monkeypatch):
+    """Free disk space is checked where the size is known first (a run's checkpoint, a conversion's weights, a
+    corpus's token ids): one line saying how much is needed, and nothing made, instead of a write failing part-way
+    after the work."""
+    import txl.fileio
+    from train_helpers import tiny_corpus, train_args
+
+    corpus = tiny_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(txl.fileio.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 5000))
+    cache = tmp_path / "cache"
+    prep = ["data", "prepare", "--data.path", str(corpus), "--data.dataset", "custom", "--data.cache_dir", str(cache)]
+    with pytest.raises(SystemExit) as e:
+        main(prep)
+    err = capsys.readouterr().err.splitlines()  # (a line saying what is being prepared, then the error)
+    assert e.value.code == 2 and len(err) == 2 and err[0].startswith("preparing corpus")
+    assert "corpus's token ids (48,107 bytes of word-level text) needs about" in err[1]
+    assert "more than the 4.9 KiB free there: free space, or give --data.cache_dir" in err[1] and not cache.exists()
+    err = fails(["convert", "hf", str(CHAR_FIXTURE), str(tmp_path / "out")], capsys)
+    assert "needs about" in err and "of disk, more than the 4.9 KiB free there" in err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    real = shutil.disk_usage
+    monkeypatch.setattr(
+        txl.fileio.shutil, "disk_usage",
+        lambda path: real(path)._replace(free=5000) if "run" in str(path) else real(path),
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        main(train_args(tmp_path, train__max_steps=2))  # (its corpus prepared where the disk has room)
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and "run: a checkpoint of 20,099 parameters needs about" in err
+    assert "choose a --run_dir on a disk with more" in err and not (tmp_path / "run").exists()

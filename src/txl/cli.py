@@ -37,10 +37,10 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False, overwrite: bool
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert import convert_hf_checkpoint
-    from txl.fileio import staged_folder
+    from txl.fileio import size_of, staged_folder
     from txl.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
 
-    with staged_folder(out, overwrite=overwrite, sources=[src], command="txl convert") as staged:
+    with staged_folder(out, overwrite=overwrite, sources=[src], command="txl convert", needed=size_of(src)) as staged:
         model = convert_hf_checkpoint(src, staged, trust_pickle=trust_pickle)
     n = sum(p.numel() for p in model.parameters())
     print(f"converted {src} -> {out}: {type(model).__name__}, {n:,} parameters")
@@ -72,11 +72,10 @@ def convert_original(
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert_original import convert_original_checkpoint
-    from txl.fileio import staged_folder
+    from txl.fileio import size_of, staged_folder
 
-    with staged_folder(
-        out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None], command="txl convert"
-    ) as staged:
+    sources = [p for p in (src, corpus) if p is not None]
+    with staged_folder(out, overwrite=overwrite, sources=sources, command="txl convert", needed=size_of(src)) as staged:
         model, tokenizer = convert_original_checkpoint(src, staged, corpus=corpus, trust_pickle=trust_pickle)
     _converted(src, out, model, tokenizer, "", "the corpus cache with --corpus DATA/cache.pt")
 
@@ -118,11 +117,10 @@ def convert_tf(
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
     from txl.convert_tf import convert_tf_checkpoint
-    from txl.fileio import staged_folder
+    from txl.fileio import size_of, staged_folder
 
-    with staged_folder(
-        out, overwrite=overwrite, sources=[p for p in (src, corpus) if p is not None], command="txl convert"
-    ) as staged:
+    sources = [p for p in (src, corpus) if p is not None]
+    with staged_folder(out, overwrite=overwrite, sources=sources, command="txl convert", needed=size_of(src)) as staged:
         model, tokenizer, note = convert_tf_checkpoint(
             src, staged, corpus, trust_pickle=trust_pickle, mem_len=mem_len, clamp_len=clamp_len,
             same_length=same_length,
@@ -158,13 +156,14 @@ def export_onnx(
     """
     from txl.checkpoint import resolve_model_dir
     from txl.export import export_onnx as run_export
-    from txl.fileio import staged_file, write_bytes
+    from txl.fileio import size_of, staged_file, write_bytes
 
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
     tok = resolve_model_dir(model) / "tokenizer.json"
     # (a failed export leaves nothing at --out)
-    with staged_file(out, overwrite=overwrite, command="txl export") as staged:
+    needed = size_of(resolve_model_dir(model) / "model.safetensors")
+    with staged_file(out, overwrite=overwrite, command="txl export", needed=needed) as staged:
         report = run_export(
             model, staged, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, last_only=last_only,
             tolerance=tolerance,

@@ -334,6 +334,17 @@ def convert_original_checkpoint(
             "trust its origin pass --trust-pickle: it is then read with a restricted unpickler that runs nothing"
         )
     obj = read_trusted_pickle(src)
+    try:
+        return _convert(obj, src, out, corpus)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:  # (a malformed dict)
+        raise CheckpointError(f"{src}: not a checkpoint of the layout expected ({type(e).__name__}: {e})") from None
+
+
+def _convert(
+    obj: Any, src: Path, out: str | Path | None, corpus: str | Path | None
+) -> tuple[TransformerXLLM, Tokenizer | None]:
     vocab, dataset = None, None
     if isinstance(obj, dict) and "model_state" in obj:  # NVIDIA: the state dict and the constructor's arguments
         state = {k.removeprefix("module."): v for k, v in obj["model_state"].items()}

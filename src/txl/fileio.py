@@ -129,6 +129,38 @@ def save_safetensors(tensors: dict, dest: str | os.PathLike, metadata: dict[str,
 LOCK = ".lock"
 
 
+def free_space(folder: str | os.PathLike) -> int:
+    """Bytes free for a new file at ``folder`` (or at its nearest existing parent)."""
+    path = Path(folder).resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_space(folder: str | os.PathLike, needed: int, what: str, advice: str) -> None:
+    """Refuse (a ValueError, one line) to begin writing about ``needed`` bytes into ``folder`` where the disk has
+    less free: the write would fail part-way instead, after minutes or hours of work."""
+    free = free_space(folder)
+    if needed > free:
+        raise ValueError(
+            f"{folder}: {what} needs about {_size(needed)} of disk, more than the {_size(free)} free there: {advice}"
+        )
+
+
+def size_of(path: str | os.PathLike) -> int:
+    """Bytes of a file, of every file below a folder, or of the files a prefix names (a TF checkpoint's)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    files = path.rglob("*") if path.is_dir() else path.parent.glob(f"{path.name}*") if path.parent.is_dir() else []
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def _size(n: int) -> str:
+    unit = next((u for u in range(3, 0, -1) if n >= 2 ** (10 * u)), 0)
+    return f"{n / 2 ** (10 * unit):,.1f} {('bytes', 'KiB', 'MiB', 'GiB')[unit]}" if unit else f"{n:,} bytes"
+
+
 _HELD: set[Path] = set()  # the folders this process holds (a registry of the locks, not a setting)
 
 
@@ -233,6 +265,7 @@ def staged_folder(
     sources: Iterable[str | os.PathLike] = (),
     option: str = "out",
     command: str = "txl",
+    needed: int = 0,
 ) -> Iterator[Path]:
     """A new folder to write a command's whole output into, which becomes ``out`` once it is complete.
 
@@ -240,7 +273,8 @@ def staged_folder(
     one, or around one; and it is new or empty, or ``overwrite`` is given. On success the new folder is renamed into
     place (an old ``out`` is kept until then, and removed after); on any error it is removed and ``out`` is as it
     was. Inside a locked folder (a run folder), its lock is held while the output is written and moved (``command``
-    names the holder for a command that finds it held)."""
+    names the holder for a command that finds it held). ``needed``: the bytes it will write about, checked against
+    the disk's free space first."""
     out = Path(out)
     target = out.resolve()
     for src in sources:
@@ -257,6 +291,7 @@ def staged_folder(
             f"--{option} {out}: the folder exists and is not empty; give a new folder, or --overwrite true to replace "
             "it (it is kept until the new one is complete)"
         )
+    check_space(out.parent, needed, f"--{option} {out}", "free space, or write it to a disk with more")
     with _unless_in_use(target, command, f"--{option}"):
         out.parent.mkdir(parents=True, exist_ok=True)
         tag = uuid.uuid4().hex[:12]
@@ -278,7 +313,7 @@ def staged_folder(
 
 @contextmanager
 def staged_file(
-    out: str | os.PathLike, *, overwrite: bool = False, option: str = "out", command: str = "txl"
+    out: str | os.PathLike, *, overwrite: bool = False, option: str = "out", command: str = "txl", needed: int = 0
 ) -> Iterator[Path]:
     """A temporary path beside ``out`` to write a command's output file to, renamed over ``out`` on success and
     removed on any error; an existing ``out`` is refused (before anything is written) unless ``overwrite``."""
@@ -287,6 +322,7 @@ def staged_file(
         raise ValueError(f"--{option} {out}: a folder is there; give a file name")
     if out.exists() and not overwrite:
         raise ValueError(f"--{option} {out}: the file exists; give a new name, or --overwrite true to replace it")
+    check_space(out.parent, needed, f"--{option} {out}", "free space, or write it to a disk with more")
     with _unless_in_use(out.resolve().parent, command, f"--{option}"):
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.with_name(f".{out.stem}.partial-{uuid.uuid4().hex[:12]}{out.suffix}")

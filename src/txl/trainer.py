@@ -46,7 +46,7 @@ from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
 from txl.data.download import sha256_file
 from txl.distributed import World, all_reduce_sum, barrier, init_world, shutdown
 from txl.evaluate import autocast, evaluate, metric_name, metric_value
-from txl.fileio import write_bytes
+from txl.fileio import check_space, write_bytes
 from txl.metrics import Reporter, truncate_metrics
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -177,13 +177,19 @@ class Trainer:
         self.metric = metric_name(self.corpus.tokenizer.kind)
         cfg.model = self._model_config(cfg.model, self.corpus.tokenizer.vocab_size)
 
-        if w.device.type == "cpu":  # (the model's size known before it is built: a one-line error, not a crash)
-            with torch.device("meta"):
-                n = sum(p.numel() for p in TransformerXLLM(cfg.model).parameters())
+        with torch.device("meta"):  # (the model's size known before it is built: a one-line error, not a crash)
+            n = sum(p.numel() for p in TransformerXLLM(cfg.model).parameters())
+        if w.device.type == "cpu":
             check_fits(
                 16 * n, f"a model of {n:,} parameters (fp32 weights, gradients and Adam's two moments)",
                 "make it smaller (model.d_model, n_layer, d_inner, n_token)",
             )  # fmt: skip
+        m = cfg.model
+        mems = (m.n_layer + 1) * m.mem_len * tc.batch_size * m.d_model
+        check_space(  # (a checkpoint: fp32 weights, Adam's two moments, the memories; a re-save keeps the old one)
+            self.run_dir, 4 * (3 * n + mems), f"a checkpoint of {n:,} parameters",
+            "free space, or choose a --run_dir on a disk with more",
+        )  # fmt: skip
         torch.manual_seed(tc.seed)
         self.model = TransformerXLLM(cfg.model).to(w.device)
         self.net = self.model

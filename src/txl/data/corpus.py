@@ -30,10 +30,11 @@ from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_sp
 from txl.data.sources import cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
-from txl.fileio import LOCK, FolderLock, write_bytes
+from txl.fileio import LOCK, FolderLock, check_space, write_bytes
 
 FORMAT, FORMAT_VERSION = "txl-corpus", 1
 META = "meta.json"
+BYTES_PER_WORD = 8  # (for the disk-space check: English text averages 5-6 bytes per word token with its space)
 
 
 @dataclass
@@ -404,6 +405,12 @@ def _prepare(
     log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")
     folder.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(cfg, settings, layout)
+    text_bytes = sum(r.stop() - r.start for ranges in layout.splits.values() for r in ranges)
+    per_token = 1 if tok.kind in ("char", "byte") else BYTES_PER_WORD  # (a char per byte at most; words longer)
+    check_space(
+        folder, text_bytes // per_token * tok.dtype.itemsize, f"{cfg.label}'s token ids ({text_bytes:,} bytes of "
+        f"{tok.kind}-level text)", "free space, or give --data.cache_dir on a disk with more",
+    )  # fmt: skip
     arrays = {}
     for split in SPLITS:
         try:
