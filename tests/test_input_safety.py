@@ -500,3 +500,20 @@ def test_work_that_the_disk_cannot_hold_is_refused_before_it_begins(tmp_path, ca
     err = capsys.readouterr().err.splitlines()[-1]
     assert e.value.code == 2 and "run: a checkpoint of 20,099 parameters needs about" in err
     assert "choose a --run_dir on a disk with more" in err and not (tmp_path / "run").exists()
+
+
+def test_a_bad_nvidia_model_config_is_one_line_naming_the_file(tmp_path, capsys):
+    """`txl convert original` of an NVIDIA checkpoint dict whose model_config is not a mapping of the constructor's
+    arguments ended in an internal message ("dictionary update sequence element #0 ...") or a traceback; now one
+    line naming the file (random layouts: test_fuzz_inputs)."""
+    from safetensors.torch import load_file
+
+    hf = load_file(str(CHAR_FIXTURE / "model.safetensors"))
+    aliases = ("attn.r_w_bias", "attn.r_r_bias")
+    state = {k.removeprefix("transformer."): v for k, v in hf.items() if not k.endswith(aliases)}
+    good = {"n_token": 64, "d_embed": 32, "div_val": 1, "cutoffs": [], "tie_projs": [False], "mem_len": 20}
+    for config in ("n_token=64", [1, 2], good | {"n_token": "sixty-four"}, good | {"cutoffs": 5}):
+        path = tmp_path / "checkpoint_best.pt"
+        torch.save({"model_state": state, "model_config": config}, path)
+        err = fails(["convert", "original", str(path), str(tmp_path / "out"), "--trust-pickle"], capsys)
+        assert f"txl: error: {path}: " in err and not (tmp_path / "out").exists(), err
