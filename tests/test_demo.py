@@ -43,3 +43,19 @@ def test_make_demo_trains_evaluates_samples_and_plots_then_continues(tmp_path, m
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == steps
     assert [(float(bpc), int(mem)) for bpc, mem in EVAL.findall(again)] == evals
     assert again.split("== 4/5 sample")[1].split("== 5/5")[0].split("==\n", 1)[1] == sample  # (seed 0)
+
+
+def test_the_demo_says_when_its_time_budget_ended_training_and_a_rerun_gets_a_new_budget(tmp_path):
+    """On a busy machine the demo's budget, not the recipe's steps, ended training (bpc 2.72 instead of 2.33) and
+    nothing said so; a rerun stopped at once (the budget counts the run's whole training time). Now the demo says
+    at which step of how many it stopped, and a rerun trains for another budget."""
+    from train_helpers import run_inprocess
+    from txl.checkpoint import resolve_model_dir
+
+    cut = run_inprocess(tmp_path, "cut", train__max_steps=100_000, train__max_time=1, train__eval_interval=0)
+    note = demo.budget_note(resolve_model_dir(cut), 1)
+    assert note is not None and "the 1-s budget ended training at step" in note and "of the recipe's 100,000" in note
+    assert 1.0 <= demo.trained_for(cut) < 30
+    done = run_inprocess(tmp_path, "done", train__max_steps=2, train__eval_interval=0)
+    assert demo.budget_note(resolve_model_dir(done), 600) is None
+    assert demo.trained_for(tmp_path / "new") == 0.0

@@ -1078,6 +1078,13 @@ def _number_list(option: str, value: str) -> str:
     return value
 
 
+ALIASES = {  # one option language: each command also takes the names other commands use for the same thing
+    "train": {"--device": "--train.device", "--threads": "--train.threads", "--precision": "--train.precision",
+              "--seed": "--train.seed"},
+    "eval": {"--data.path": "--data", "--data.dataset": "--dataset", "--data.encoding_errors": "--encoding_errors"},
+    "recl": {"--data.path": "--data"},
+    "attention": {"--data.path": "--data"},
+}  # fmt: skip
 PATH_LISTS = {"--models", "--sliding"}  # also as --models runs/a runs/b (a shell glob: --models runs/*)
 
 
@@ -1089,10 +1096,13 @@ def _path_list(values: list[str]) -> str:
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-    """Accept ``--some-option`` for ``--some_option``, ``--flag`` alone for ``--flag=true``, ``0,64,128`` for
+    """Accept the names of :data:`ALIASES` (``txl eval --data.path`` as ``txl train`` says it), ``--some-option`` for
+    ``--some_option``, ``--flag`` alone for ``--flag=true``, ``0,64,128`` for
     ``[0, 64, 128]`` after the options that take a list of numbers (also as ``--option=0,64,128``), and the
     paths after an option that takes a list of them (``--models runs/a runs/b``) as one list."""
     out: list[str] = []
+    command = next((a for a in argv if not a.startswith("-")), "")
+    aliases = ALIASES.get(command, {})
     i = 0
     while i < len(argv):
         arg, i = argv[i], i + 1
@@ -1100,6 +1110,7 @@ def normalize_argv(argv: list[str]) -> list[str]:
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             name = "--" + name[2:].replace("-", "_")
+            name = aliases.get(name, name)
             if name in PATH_LISTS:
                 values = [value] if eq else []
                 while not eq and i < len(argv) and not argv[i].startswith("--"):
@@ -1122,7 +1133,9 @@ def _description(target) -> str:
 
 
 def _summary(target) -> str:
-    return _description(target).split("\n")[0]
+    """A command's one-line summary in ``txl --help``: the first sentence of its docstring, whole."""
+    paragraph = " ".join(_description(target).split("\n\n")[0].split())
+    return re.split(r"(?<=\.)\s+(?=[A-Z`])", paragraph)[0]
 
 
 def _new_parser(prog: str, description: str | None = None):
