@@ -268,7 +268,8 @@ def test_generate_cli(tmp_path, capsys):
     )
     printed = json.loads(capsys.readouterr().out)
     expected = generate(model, torch.tensor([[5, 6, 7]]), 6, temperature=0.0)[0, 3:].tolist()
-    assert printed == {"prompt_ids": [5, 6, 7], "new_ids": expected}
+    assert printed == {"prompt_ids": [5, 6, 7], "new_ids": expected, "reading": {"mem_len": 32, "clamp_len": -1,
+                                                                                   "same_length": False}}  # fmt: skip
     short = ["generate", "--model", str(tmp_path), "--max_new_tokens", "6", "--temperature", "0"]
     main([*short, "--prompt_ids", "5,6,7"])  # as on a shell: commas, no brackets
     assert json.loads(capsys.readouterr().out) == printed

@@ -426,6 +426,8 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
     seed: int = 0,
     stop: str | list[str] | None = None,
     stop_ids: int | list[int] | None = None,
@@ -449,7 +451,11 @@ def generate(
         temperature: Sampling temperature (>= 0; 0 = greedy).
         top_k: Keep only the k most likely tokens (0 = all).
         top_p: Nucleus sampling threshold in (0, 1] (1 = off); the most likely token is always kept.
-        mem_len: Memory length at generation (default: the model's mem_len).
+        mem_len: Memory length at generation. The defaults of mem_len, clamp_len and same_length are the model's
+            reading settings, as every command's: the run's eval section, else the model's config (printed on
+            stderr after the text; in the JSON output with --json).
+        clamp_len: Relative distances above this share one position embedding (-1: none).
+        same_length: Every query attends to the same number of keys.
         seed: Random seed for sampling.
         stop: Stop after this token, or any of a list of them (each must be one token of the model's tokenizer,
             e.g. a newline).
@@ -474,6 +480,7 @@ def generate(
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
     from txl.distributed import resolve_device
+    from txl.evaluate import describe_reading, read_as, reading_settings
     from txl.generation import Penalties, check_sampling
     from txl.generation import stream as stream_tokens
     from txl.modeling import TransformerXLLM
@@ -491,6 +498,11 @@ def generate(
         configure_allocator()
     folder = resolve_model_dir(model)
     lm = TransformerXLLM.from_pretrained(folder).to(dev)
+    reading = reading_settings(folder, lm.config, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    if reading.mem_len < 1:
+        raise ValueError(f"{folder}: the model reads with no memory; give --mem_len >= 1 (generation carries one)")
+    mem_len = reading.mem_len
+    read_as(lm, reading)
     tok_file = folder / "tokenizer.json"
     tok = Tokenizer.load(tok_file).for_model(lm.config.n_token, tok_file) if tok_file.exists() else None
     if prompt is not None:
@@ -518,11 +530,7 @@ def generate(
     if dev.type == "cpu" and lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
     g = torch.Generator(device=dev).manual_seed(seed)
-    zeros = (
-        [torch.zeros(1, mem_len or lm.config.mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer
-        if zero_memory
-        else None
-    )
+    zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
     prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     if num_beams > 1:
         if temperature != 0:
@@ -546,8 +554,9 @@ def generate(
         new = [int(t) for t in tokens]
         if not (json or tok is None):
             print(tok.decode(prompt_ids + new))
+            print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)
             return
-        record = {"prompt_ids": prompt_ids, "new_ids": new}
+        record = {"prompt_ids": prompt_ids, "new_ids": new, "reading": _reading_dict(reading)}
         if tok is not None:
             record["text"] = tok.decode(new)
         print(_json.dumps(record, ensure_ascii=False))
@@ -560,6 +569,7 @@ def generate(
         out.write(decoder.push(int(t)))
         out.flush()
     out.write(decoder.flush() + "\n")
+    print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)  # (after the text: errors stay one line)
 
 
 def recl(
@@ -827,7 +837,11 @@ def serve(
               + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
     where = "" if state.device.type == "cpu" else f", on {state.device}"
     shown = f"[{host}]" if ":" in host else host
-    print(f"txl serve: http://{shown}:{sock.getsockname()[1]}/ ({state.folder}{where})", file=sys.stderr, flush=True)
+    from txl.evaluate import describe_reading
+
+    reading = describe_reading(state.reading)
+    print(f"txl serve: http://{shown}:{sock.getsockname()[1]}/ ({state.folder}{where}; reading with {reading})",
+          file=sys.stderr, flush=True)  # fmt: skip
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
     import signal
 
@@ -1125,6 +1139,10 @@ def normalize_argv(argv: list[str]) -> list[str]:
             arg = _number_list(prev, arg)
         out.append(arg)
     return out
+
+
+def _reading_dict(s) -> dict:
+    return {"mem_len": s.mem_len, "clamp_len": s.clamp_len, "same_length": s.same_length}
 
 
 def _description(target) -> str:

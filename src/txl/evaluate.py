@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from txl.checkpoint import read_run_config
 from txl.config import EvalConfig, RunConfig
 from txl.data import (
     DataConfig,
@@ -262,13 +263,34 @@ def eval_settings(run: RunConfig | None, model_config: TransformerXLConfig, **gi
     (``--tgt_len``)."""
     m = model_config
     base = (
-        run.eval if run is not None else EvalConfig(mem_len=m.mem_len, clamp_len=m.clamp_len, same_length=m.mem_len > 0)
+        run.eval if run is not None else EvalConfig(mem_len=m.mem_len, clamp_len=m.clamp_len, same_length=m.same_length)
     )
     settings = replace(base, **{k: v for k, v in given.items() if v is not None})
     if settings.mem_len == 0 and given.get("same_length") is None:
         settings = replace(settings, same_length=False)
     settings.validate(prefix="--")
     return settings
+
+
+def reading_settings(folder: str | Path, model_config: TransformerXLConfig, **given) -> EvalConfig:
+    """How a trained model reads text: the one rule of every command and endpoint that does (txl eval, generate,
+    lm-eval, finetune's default, the server's score, generate and completions).
+
+    Each of ``mem_len``, ``clamp_len``, ``same_length`` (and ``tgt_len``, ...) is the value given, else the run's
+    ``eval`` section (``run.json`` beside the checkpoint: the settings the run was evaluated with, usually a longer
+    memory than in training, as the paper evaluates), else the model's ``config.json`` (same_length when it has a
+    memory). See :func:`eval_settings`."""
+    return eval_settings(read_run_config(Path(folder)), model_config, **given)
+
+
+def read_as(model: TransformerXLLM, s: EvalConfig) -> None:
+    """Make ``s``'s clamp_len and same_length the model's own (what its generation steps read from its config)."""
+    model.config.clamp_len, model.config.same_length = s.clamp_len, s.same_length
+
+
+def describe_reading(s: EvalConfig) -> str:
+    """The reading settings as the commands print them."""
+    return f"mem_len {s.mem_len}, clamp_len {s.clamp_len}, same_length {s.same_length}"
 
 
 @dataclass

@@ -54,7 +54,7 @@ class FinetuneConfig:
     tgt_len: int = 128
     """Segment length: a document is read this many tokens at a time."""
     mem_len: int | None = None
-    """Memory carried between segments (None: the model's mem_len)."""
+    """Memory carried between segments (None: the model's mem_len, as in its training: fine-tuning trains)."""
     clamp_len: int | None = None
     """Relative distances beyond this are treated as this one (None: the model's; -1: no clamping). Documents far
     longer than the language model's training window read better with its training span here."""
@@ -440,6 +440,8 @@ def _finetune(cfg: FinetuneConfig) -> Path:
         model = TransformerXLForSequenceClassification(lm_cfg)
         if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
             model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
+    # Fine-tuning trains: it reads as training did (the model's config.json), not with the evaluation settings
+    # that the commands reading text with a trained model use (txl.evaluate.reading_settings).
     mem_len = model.config.mem_len if cfg.mem_len is None else cfg.mem_len
     head = list(model.score.parameters())
     body = [p for n, p in model.named_parameters() if not n.startswith("score.")]

@@ -40,10 +40,10 @@ except ImportError as e:  # pragma: no cover - the extra is missing
         "txl's lm-evaluation-harness model needs the lmeval extra: pip install 'transformer-xl[lmeval]'"
     ) from e
 
-from txl.checkpoint import read_run_config, resolve_model_dir
+from txl.checkpoint import resolve_model_dir
 from txl.data.tokenizer import Tokenizer
 from txl.distributed import resolve_device
-from txl.evaluate import autocast, eval_settings, evaluate
+from txl.evaluate import autocast, evaluate, read_as, reading_settings
 from txl.generation import Penalties, beam_search, stream
 from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache
 from txl.runtime import effective_precision
@@ -129,7 +129,8 @@ class TransformerXLHarnessLM(LM):
         tok_file = Path(folder) / "tokenizer.json"
         self.tokenizer = Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file)
         given = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-        self.settings = eval_settings(read_run_config(folder), self.model.config, **given)
+        self.settings = reading_settings(folder, self.model.config, **given)
+        read_as(self.model, self.settings)  # (its generation reads clamp_len and same_length from the config)
         self.batch_size = _int(batch_size, "batch_size", 8)
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
         self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)

@@ -275,7 +275,7 @@ class Server:
         from txl.checkpoint import read_run_config, resolve_model_dir
         from txl.data import Tokenizer
         from txl.distributed import resolve_device
-        from txl.evaluate import metric_name
+        from txl.evaluate import metric_name, read_as, reading_settings
         from txl.modeling import TransformerXLLM
 
         if unknown not in get_args(UnknownPolicy):
@@ -285,6 +285,9 @@ class Server:
         self.folder = resolve_model_dir(model_dir)
         self.run = read_run_config(self.folder)
         self.model = TransformerXLLM.from_pretrained(self.folder).eval().to(self.device)
+        self.reading = reading_settings(self.folder, self.model.config)
+        """How the model reads text unless a request says otherwise (the one rule: txl.evaluate.reading_settings)."""
+        read_as(self.model, self.reading)  # (generation reads clamp_len and same_length from the config)
         tok_file = self.folder / "tokenizer.json"
         self.tokenizer = (
             Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file) if tok_file.exists() else None
@@ -431,7 +434,7 @@ class Server:
         if req.max_new_tokens > lim.max_new_tokens:
             raise invalid("max_new_tokens", f"{req.max_new_tokens} is more than the limit {lim.max_new_tokens}")
         self.check_stops(req.stop)
-        mem_len = req.mem_len or self.model.config.mem_len
+        mem_len = req.mem_len or self.reading.mem_len
         if mem_len > lim.max_mem_len:
             raise invalid("mem_len", f"{mem_len} is more than the limit {lim.max_mem_len}")
         if mem_len < 1:
@@ -567,6 +570,8 @@ class Server:
             "tokenizer": None if self.tokenizer is None else {"kind": self.tokenizer.kind,
                                                               "vocab_size": self.tokenizer.vocab_size},
             "metric": self.metric,
+            "reading": {"mem_len": self.reading.mem_len, "clamp_len": self.reading.clamp_len,
+                        "same_length": self.reading.same_length},
             "limits": self.limits.__dict__,
             "unknown": self.unknown,
             "served_names": self.served_names,
