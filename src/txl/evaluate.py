@@ -257,7 +257,7 @@ def evaluate_sliding(
 
 def eval_settings(run: RunConfig | None, model_config: TransformerXLConfig, **given) -> EvalConfig:
     """The evaluation settings: each value in ``given`` that is not None, else the run's ``eval`` section, else
-    defaults from the model (its mem_len and clamp_len; same_length when it has a memory). A same_length that is
+    defaults from the model (its mem_len, clamp_len and same_length). A same_length that is
     not given and comes from the run or the model does not apply without a memory (mem_len 0, e.g. the first
     point of a memory sweep): that evaluation is plain causal attention. Errors name the command-line option
     (``--tgt_len``)."""
@@ -274,12 +274,11 @@ def eval_settings(run: RunConfig | None, model_config: TransformerXLConfig, **gi
 
 def reading_settings(folder: str | Path, model_config: TransformerXLConfig, **given) -> EvalConfig:
     """How a trained model reads text: the one rule of every command and endpoint that does (txl eval, generate,
-    lm-eval, finetune's default, the server's score, generate and completions).
+    lm-eval, the server's score, generate and completions; training and fine-tuning read as the model trained).
 
     Each of ``mem_len``, ``clamp_len``, ``same_length`` (and ``tgt_len``, ...) is the value given, else the run's
     ``eval`` section (``run.json`` beside the checkpoint: the settings the run was evaluated with, usually a longer
-    memory than in training, as the paper evaluates), else the model's ``config.json`` (same_length when it has a
-    memory). See :func:`eval_settings`."""
+    memory than in training, as the paper evaluates), else the model's ``config.json``. See :func:`eval_settings`."""
     return eval_settings(read_run_config(Path(folder)), model_config, **given)
 
 
