@@ -1,6 +1,6 @@
 """Generation on a CUDA GPU, side by side in one run: txl's one-token step replayed as a CUDA graph
 (``txl.static_decode``, the default there), the same K/V-cached step launched kernel by kernel
-(``static_decode.GRAPH_DECODE = False``), and Hugging Face TransfoXL's ``generate()``.
+(``txl.backends.set_backends(graph_decode=False)``), and Hugging Face TransfoXL's ``generate()``.
 
     python benchmarks/gpu_generation.py --write docs/benchmarks.md     # on a machine with CUDA
 
@@ -24,6 +24,7 @@ import torch
 from _report import replace_section
 from model_speed import Timer, build_pair, uncached_greedy
 from txl import static_decode
+from txl.backends import set_backends
 from txl.generation import generate, stream
 
 HEADING = "## Generation on a GPU: the one-token step as a CUDA graph"
@@ -31,21 +32,21 @@ PROMPT, MEM = 128, 640
 
 
 def txl_run(model, prompt, n: int, graph: bool, **kw):
-    static_decode.GRAPH_DECODE = graph
+    set_backends(graph_decode=graph)
     try:
         return generate(model, prompt, n, temperature=kw.pop("temperature", 0.0), mem_len=kw.pop("mem_len", MEM), **kw)
     finally:
-        static_decode.GRAPH_DECODE = True
+        set_backends(graph_decode=True)
 
 
 def log_probs(model, prompt, n: int, graph: bool, mem_len: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    static_decode.GRAPH_DECODE = graph
+    set_backends(graph_decode=graph)
     seen: list[torch.Tensor] = []
     try:
         steps = stream(model, prompt, n, temperature=0.0, mem_len=mem_len, observe=lambda lp, _: seen.append(lp), **kw)
         return torch.cat(list(steps), dim=1), torch.stack(seen)
     finally:
-        static_decode.GRAPH_DECODE = True
+        set_backends(graph_decode=True)
 
 
 def checks(ours, device) -> list[str]:

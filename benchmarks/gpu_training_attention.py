@@ -1,4 +1,4 @@
-"""Training's attention on a GPU as one ``scaled_dot_product_attention`` call (``txl.modeling.SDPA_TRAINING_DEVICES``)
+"""Training's attention on a GPU as one ``scaled_dot_product_attention`` call (``Backends.sdpa_training_devices``)
 against the explicit kernels (scores, mask, softmax, value sum): the same loss and gradients, and txl's training step
 with each, alternating step by step in one process (medians of 12 steps each after 4 warm-up pairs).
 
@@ -16,7 +16,7 @@ import torch
 
 import model_speed
 from model_speed import CASES, PAPER_CASES, Runner, Timer, build_pair
-from txl import modeling
+from txl.backends import set_backends
 
 FUSED, EXPLICIT = ("cuda",), ()
 
@@ -27,7 +27,7 @@ def same_gradients(name: str, device: torch.device) -> str:
     x = torch.randint(0, CASES[name]["vocab_size"], (8, 257), device=device)
     out = []
     for devices in (EXPLICIT, FUSED):
-        modeling.SDPA_TRAINING_DEVICES = devices
+        set_backends(sdpa_training_devices=devices)
         ours.zero_grad()
         torch.manual_seed(1)  # (the same dropout masks)
         a = ours(x[:, :128], x[:, 1:129])
@@ -49,7 +49,7 @@ def speed(name: str, batch: int, precision: str, device: torch.device) -> str:
     timer = Timer(device)
     for i in range(16):
         for devices in (EXPLICIT, FUSED) if i % 2 == 0 else (FUSED, EXPLICIT):
-            modeling.SDPA_TRAINING_DEVICES = devices
+            set_backends(sdpa_training_devices=devices)
             dt = timer(runner.step)
             if i >= 4:
                 times[devices].append(dt)

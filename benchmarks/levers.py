@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from _report import replace_section
 from model_speed import build_pair, cpu_description, uncached_greedy
 from txl import modeling
+from txl.backends import use_backends
 from txl.generation import generate
 from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
@@ -79,21 +80,21 @@ def plain_dropout(self, x: torch.Tensor) -> torch.Tensor:
 def plain_dropouts():
     """Every dropout by ``F.dropout`` (the feed-forward's relu too: relu, then ``F.dropout``)."""
     with mock.patch.object(modeling.Dropout, "forward", plain_dropout):
-        with mock.patch.object(modeling, "NATIVE_RELU_DROPOUT", False):
+        with use_backends(native_relu_dropout=False):
             yield
 
 
 @contextlib.contextmanager
 def torch_attention_without(owner, name: str, value):
     """The PyTorch kernels' attention (the native one off), with one of their levers off too."""
-    with mock.patch.object(modeling, "NATIVE_ATTENTION", False), mock.patch.object(owner, name, value):
+    with use_backends(native_attention=False), mock.patch.object(owner, name, value):
         yield
 
 
 TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer options)
     "all levers": (contextlib.nullcontext, {"fused": True}),
     "attention forward + backward as native calls (txl.native)": (
-        lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False),
+        lambda: use_backends(native_attention=False),
         {"fused": True},
     ),
     "rel_shift backward (and the native attention)": (
@@ -104,10 +105,10 @@ TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer optio
         lambda: torch_attention_without(modeling, "mask_scores", fill_mask),
         {"fused": True},
     ),
-    "projections' one backward": (lambda: mock.patch.object(modeling, "SEGMENT_PROJECTION", False), {"fused": True}),
-    "native dropout (txl.native)": (lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False), {"fused": True}),
+    "projections' one backward": (lambda: use_backends(segment_projection=False), {"fused": True}),
+    "native dropout (txl.native)": (lambda: use_backends(native_dropout=False), {"fused": True}),
     "feed-forward relu + dropout in one pass (txl.native)": (
-        lambda: mock.patch.object(modeling, "NATIVE_RELU_DROPOUT", False),
+        lambda: use_backends(native_relu_dropout=False),
         {"fused": True},
     ),
     "CPU dropout mask": (plain_dropouts, {"fused": True}),
@@ -174,8 +175,8 @@ def bf16_train_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     torch.manual_seed(0)
     base = TransformerXLLM(TransformerXLConfig(**CFG)).train()
     stream = torch.randint(0, 256, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
-    fp32_scores = lambda: mock.patch.object(modeling, "HALF_PRECISION_SCORES", False)  # noqa: E731
-    torch_mask = lambda: mock.patch.object(modeling, "NATIVE_DROPOUT", False)  # noqa: E731
+    fp32_scores = lambda: use_backends(half_precision_scores=False)  # noqa: E731
+    torch_mask = lambda: use_backends(native_dropout=False)  # noqa: E731
     variants = (
         ("all levers", contextlib.nullcontext),
         ("half-precision scores", fp32_scores),
@@ -207,7 +208,7 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
 
         return step
 
-    torch_attention = lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False)  # noqa: E731
+    torch_attention = lambda: use_backends(native_attention=False)  # noqa: E731
 
     @contextlib.contextmanager
     def unpadded():  # (the padded shift is the PyTorch kernels' path: with the native attention off too)
@@ -231,8 +232,8 @@ def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[s
     from the logits; both off: log_softmax + gather)."""
     _, base = build_pair("bench-word")
     stream = torch.randint(0, 32000, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
-    no_nll = lambda: mock.patch.object(modeling, "NATIVE_NLL", False)  # noqa: E731
-    torch_attention = lambda: mock.patch.object(modeling, "NATIVE_ATTENTION", False)  # noqa: E731
+    no_nll = lambda: use_backends(native_nll=False)  # noqa: E731
+    torch_attention = lambda: use_backends(native_attention=False)  # noqa: E731
     variants = (
         ("all levers", contextlib.nullcontext),
         ("softmax NLL from the logits (txl.native)", no_nll),
@@ -266,8 +267,8 @@ def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[s
         return alternate(train, warmup, steps, BATCH * TGT), alternate(evaluation, warmup, steps, BATCH * TGT)
 
 
-def with_patch(owner, name: str, value, fn):
-    with mock.patch.object(owner, name, value):
+def with_backends(fn, **changes):
+    with use_backends(**changes):
         return fn()
 
 
@@ -282,9 +283,9 @@ def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
     cases = {
         "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
-        "transposed weights for one-row products": lambda: with_patch(modeling, "TRANSPOSED_WEIGHTS", False, run),
-        "one-token steps as one native call (txl.native)": lambda: with_patch(modeling, "NATIVE_DECODE", False, run),
-        "one-token steps as one loop over the weights": lambda: with_patch(modeling, "FAST_DECODE", False, run),
+        "transposed weights for one-row products": lambda: with_backends(run, transposed_weights=False),
+        "one-token steps as one native call (txl.native)": lambda: with_backends(run, native_decode=False),
+        "one-token steps as one loop over the weights": lambda: with_backends(run, fast_decode=False),
     }
     return alternate(cases, 1, repeats, new_tokens)
 

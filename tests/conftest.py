@@ -51,3 +51,13 @@ def debug_config(**overrides) -> TransformerXLConfig:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _backends():
+    """A test may choose fast paths with txl.backends.set_backends: the process's policy is put back after it."""
+    from txl.backends import set_backends
+
+    before = set_backends()
+    yield
+    set_backends(before)

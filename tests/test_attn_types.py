@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLConfig, TransformerXLLM
+from txl.backends import set_backends
 from txl.evaluate import evaluate
 from txl.generation import generate
 from txl.modeling import KVCache
@@ -235,11 +236,10 @@ def test_train_eval_generate_through_the_cli(attn_type, tmp_path, capsys):
 @pytest.mark.parametrize("same_length", [False, True])
 def test_fused_training_attention_gives_the_same_loss_and_gradients(attn_type, same_length, monkeypatch):
     """Training's attention as one scaled_dot_product_attention call (the (b)+(d) term and the mask as its bias; on
-    CUDA by default, ``SDPA_TRAINING_DEVICES``): the loss and every gradient of the PyTorch kernels', over two segments
-    with the memory, with dropout (not dropatt, which keeps the explicit path)."""
-    from txl import modeling
+    CUDA by default, ``Backends.sdpa_training_devices``): the loss and every gradient of the PyTorch kernels', over
+    two segments with the memory, with dropout (not dropatt, which keeps the explicit path)."""
 
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)  # (attend(), as on a GPU)
+    set_backends(native_attention=False)  # (attend(), as on a GPU)
     torch.manual_seed(0)
     klen = {"max_klen": 40} if attn_type in (1, 3) else {}
     m = TransformerXLLM(config(attn_type, same_length=same_length, dropatt=0.0, init_std=0.3, **klen))
@@ -247,7 +247,7 @@ def test_fused_training_attention_gives_the_same_loss_and_gradients(attn_type, s
     x = torch.randint(0, m.config.n_token, (3, 17))
     results = []
     for devices in ((), ("cpu",)):
-        monkeypatch.setattr(modeling, "SDPA_TRAINING_DEVICES", devices)
+        set_backends(sdpa_training_devices=devices)
         m.zero_grad()
         torch.manual_seed(1)  # (the same dropout masks)
         out = m(x[:, :8], x[:, 1:9])
@@ -265,10 +265,8 @@ def test_fused_training_attention_is_fp32_only(monkeypatch):
     takes SDPA either way."""
     import torch.nn.functional as F
 
-    from txl import modeling
-
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
-    monkeypatch.setattr(modeling, "SDPA_TRAINING_DEVICES", ("cpu",))
+    set_backends(native_attention=False)
+    set_backends(sdpa_training_devices=("cpu",))
     calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))

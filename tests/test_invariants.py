@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLLM, modeling
+from txl.backends import set_backends
 from txl.modeling import (
     SHIFT_ALIGN,
     Dropout,
@@ -139,7 +140,7 @@ def test_training_projections_have_the_gradients_of_autograds_products(pre_lnorm
     ids = torch.randint(0, model.config.n_token, (3, 2 * 12 + 1))
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(modeling, "SEGMENT_PROJECTION", fused)
+        set_backends(segment_projection=fused)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             first = model(ids[:, :12], labels=ids[:, 1:13])
@@ -152,7 +153,7 @@ def test_training_projections_have_the_gradients_of_autograds_products(pre_lnorm
         scale = ref_grads[name].abs().max()
         tol = 2e-2 if autocast else 1e-5
         assert (g - ref_grads[name]).abs().max() <= tol * scale, name
-    monkeypatch.setattr(modeling, "SEGMENT_PROJECTION", True)
+    set_backends(segment_projection=True)
     qkv = model.transformer.layers[0].attn.qkv_net.weight
     calls = []
     real = modeling._SegmentMemoryProjection.apply
@@ -398,7 +399,7 @@ def test_cpu_dropout_mask_has_the_dropout_distribution(n, native_on, monkeypatch
     """Both CPU masks (txl.native's Philox stream; without it, two 24-bit uniforms from each 64-bit random word):
     keep rate 1 - p, kept entries scaled by 1 / (1 - p), neighbours independent, the same mask for the same
     seed."""
-    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", native_on)
+    set_backends(native_dropout=native_on)
     p = 0.1
     drop = Dropout(p).train()
     x = torch.ones(n)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.conftest import ADAPTIVE_FIXTURE, debug_config
 from txl import TransformerXLLM, modeling
+from txl.backends import set_backends
 from txl.evaluate import evaluate
 from txl.generation import generate, stream
 from txl.modeling import KVCache
@@ -553,7 +554,7 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
 @pytest.mark.parametrize("scope", [True, False], ids=["transposed", "plain"])
 def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch):
     """A cached one-token step runs TransformerXL._decode, one loop over the layers' weights; it computes what the
-    layers' own path computes (FAST_DECODE off), step after step over a sliding memory, with left padding in the
+    layers' own path computes (fast_decode off), step after step over a sliding memory, with left padding in the
     batch, and it reads weights changed in place."""
     model = lm(**VARIANTS[variant], mem_len=10)
     n = model.config.n_token
@@ -570,7 +571,7 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
                     p.mul_(1.1)
             out = {}
             for fast, cache in caches.items():
-                monkeypatch.setattr(modeling, "FAST_DECODE", fast)
+                set_backends(fast_decode=fast)
                 called = []
                 monkeypatch.setattr(model.transformer, "_decode", spy(decode, called))
                 if t < 0:
@@ -599,7 +600,7 @@ def test_one_token_steps_read_the_weights_of_the_model_that_runs_them(monkeypatc
     prompt, tok = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 1))
     out = {}
     for fast in (True, False):
-        monkeypatch.setattr(modeling, "FAST_DECODE", fast)
+        set_backends(fast_decode=fast)
         cache = KVCache(a.config, 2, 16, max_segment=6)
         with torch.no_grad():
             a(prompt, cache=cache)

@@ -20,7 +20,8 @@ import torch
 
 from tests.conftest import debug_config
 from train_helpers import run_inprocess
-from txl import TransformerXLLM, modeling, native
+from txl import TransformerXLLM, native
+from txl.backends import set_backends
 from txl.cli import main
 from txl.evaluate import NonFiniteError
 from txl.generation import generate
@@ -54,7 +55,7 @@ class Calls:
 
 def steps(model, prompt, padding, ids, mem_len, native_on: bool):
     """The prompt, then one token per step from ``ids`` [B, N]: the log-probs [N + 1, B, V] and the cache."""
-    modeling.NATIVE_DECODE = native_on
+    set_backends(native_decode=native_on)
     try:
         cache = KVCache(model.config, prompt.shape[0], mem_len, prompt.shape[1], dtype=next(model.parameters()).dtype)
         out = [model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs[:, -1]]
@@ -62,7 +63,7 @@ def steps(model, prompt, padding, ids, mem_len, native_on: bool):
             out.append(model(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1])
         return torch.stack(out), cache
     finally:
-        modeling.NATIVE_DECODE = True
+        set_backends(native_decode=True)
 
 
 @needs_lib
@@ -117,7 +118,7 @@ def test_native_step_reads_weights_that_moved(monkeypatch):
     out = {}
     for native_on in (True, False):
         m = copy.deepcopy(model)
-        modeling.NATIVE_DECODE = native_on
+        set_backends(native_decode=native_on)
         try:
             cache = KVCache(m.config, 2, 16, 5)
             with torch.no_grad():
@@ -130,7 +131,7 @@ def test_native_step_reads_weights_that_moved(monkeypatch):
                     logs.append(m(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs)
             out[native_on] = torch.cat(logs, 1)
         finally:
-            modeling.NATIVE_DECODE = True
+            set_backends(native_decode=True)
     torch.testing.assert_close(out[True], out[False], atol=1e-4, rtol=0)
 
 
@@ -143,12 +144,12 @@ def test_a_nan_score_makes_generation_fail_as_without_the_kernel():
     with torch.no_grad():
         model.transformer.r_w_bias[0, 3] = float("nan")
     for native_on in (True, False):
-        modeling.NATIVE_DECODE = native_on
+        set_backends(native_decode=native_on)
         try:
             with pytest.raises(NonFiniteError):
                 generate(model, prompt[:, :1], 20, temperature=0.0)
         finally:
-            modeling.NATIVE_DECODE = True
+            set_backends(native_decode=True)
 
 
 @needs_lib

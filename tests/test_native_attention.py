@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from train_helpers import losses, run_inprocess
 from txl import modeling, native
+from txl.backends import set_backends
 from txl.cli import main
 from txl.modeling import causal_mask, rel_shift
 
@@ -125,7 +126,7 @@ def test_txl_eval_runs_the_kernel_with_the_pytorch_paths_result(tmp_path, monkey
     with_kernel = json.loads(capsys.readouterr().out)
     assert len(calls) >= 4 * 2  # (every layer of every segment)
     n = len(calls)
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    set_backends(native_attention=False)
     main(args)
     without = json.loads(capsys.readouterr().out)
     assert len(calls) == n
@@ -269,19 +270,19 @@ def test_model_training_runs_the_kernels_with_the_pytorch_paths_losses_and_gradi
     monkeypatch.setattr(native, "attention_train", lambda *a: calls.append(a[6]) or real(*a))  # (its dropout)
     loss, grads = _training_run(model, x, y, seed=5)
     assert len(calls) == 2 * 2 and all((c is None) == (dropatt == 0) for c in calls)
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    set_backends(native_attention=False)
     loss_torch, grads_torch = _training_run(model, x, y, seed=5)
     assert len(calls) == 4
     assert (loss - loss_torch).abs().max() <= 1e-5 * loss_torch.abs().max()
     assert grads.keys() == grads_torch.keys()
     for name, grad in grads.items():
         assert (grad - grads_torch[name]).abs().max() <= 1e-5 * grads_torch[name].abs().max() + 1e-8, name
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", True)
+    set_backends(native_attention=True)
     if dropatt:  # (PyTorch's dropout mask: the PyTorch kernels)
-        monkeypatch.setattr(modeling, "NATIVE_DROPOUT", False)
+        set_backends(native_dropout=False)
         _training_run(model, x, y, seed=5)
         assert len(calls) == 4
-        monkeypatch.setattr(modeling, "NATIVE_DROPOUT", True)
+        set_backends(native_dropout=True)
     model.eval()  # (gradients in eval mode: the kernel without dropout)
     model(x, y).loss.mean().backward()
     assert len(calls) == 6 and calls[-1] is None
@@ -302,7 +303,7 @@ def test_txl_train_runs_the_native_attention_with_the_pytorch_paths_losses(tmp_p
     run = dict(train__log_interval=1, train__eval_interval=3, train__max_steps=6)
     fast = run_inprocess(tmp_path, "fast", **run)
     assert counts["attention_train"] >= 6 * 2 and counts["attention_backward"] == counts["attention_train"]
-    monkeypatch.setattr(modeling, "NATIVE_ATTENTION", False)
+    set_backends(native_attention=False)
     slow = run_inprocess(tmp_path, "slow", **run)
     assert counts["attention_train"] == counts["attention_backward"] >= 12
     for split in ("train", "valid"):

@@ -13,6 +13,7 @@ import torch
 
 from train_helpers import losses, run_inprocess
 from txl import modeling, native
+from txl.backends import set_backends
 from txl.modeling import Dropout
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
@@ -94,13 +95,13 @@ def test_the_module_uses_the_kernel_follows_the_seed_and_its_backward_has_the_sa
 @needs_lib
 def test_without_the_kernel_the_pytorch_mask_is_used(monkeypatch):
     x = torch.ones(4096)
-    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", False)
+    set_backends(native_dropout=False)
     calls = []
     monkeypatch.setattr(native, "dropout", lambda *a: calls.append(a))
     torch.manual_seed(0)
     y = Dropout(0.5).train()(x)
     assert not calls and 0.45 < float(y.ne(0).float().mean()) < 0.55 and set(y.unique().tolist()) == {0.0, 2.0}
-    monkeypatch.setattr(modeling, "NATIVE_DROPOUT", True)
+    set_backends(native_dropout=True)
     monkeypatch.setattr(native, "_LIB", {"lib": None, "why": "test", "path": None})
     torch.manual_seed(0)
     assert torch.equal(Dropout(0.5).train()(x), y) and not calls
@@ -125,11 +126,11 @@ def test_txl_train_runs_the_kernel_and_resumes_exactly(tmp_path, monkeypatch):
     part = run_inprocess(tmp_path, "part", **run, train__max_tokens=3 * 4 * 16)  # (debug preset: 4 x 16 per step)
     run_inprocess(tmp_path, "part", **run)  # --resume auto
     assert losses(part) == losses(full) and len(losses(full)) == 6
-    modeling.NATIVE_DROPOUT = False
+    set_backends(native_dropout=False)
     try:
         other = run_inprocess(tmp_path, "torch_mask", **run)
     finally:
-        modeling.NATIVE_DROPOUT = True
+        set_backends(native_dropout=True)
     assert losses(other)[0] != losses(full)[0]  # (the step's masks came from the kernel)
 
 
@@ -164,7 +165,7 @@ def test_the_feed_forward_runs_relu_and_dropout_in_one_pass_with_the_same_values
     monkeypatch.setattr(native, "relu_dropout_backward", lambda *a: calls.append(1) or real(*a))
     results = {}
     for fused in (True, False):
-        monkeypatch.setattr(modeling, "NATIVE_RELU_DROPOUT", fused)
+        set_backends(native_relu_dropout=fused)
         leaf = x.clone().requires_grad_()
         torch.manual_seed(1)
         y = ff(leaf)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from train_helpers import losses, run_inprocess
 from txl import modeling, native
+from txl.backends import set_backends
 from txl.cli import main
 from txl.modeling import TransformerXLConfig, TransformerXLLM
 
@@ -103,7 +104,7 @@ def test_the_adaptive_softmax_gives_the_pytorch_paths_losses_and_gradients(cutof
     monkeypatch.setattr(native, "nll", lambda *a: calls.append(1) or real(*a))
     results = {}
     for flag in (True, False):
-        monkeypatch.setattr(modeling, "NATIVE_NLL", flag)
+        set_backends(native_nll=flag)
         model.zero_grad()
         out = model(x, y)
         out.loss.backward()
@@ -153,7 +154,7 @@ def test_txl_train_and_eval_run_the_kernels_with_the_pytorch_paths_losses(tmp_pa
     main(evaluate)
     fast_eval = json.loads(capsys.readouterr().out)["loss"]
     assert calls["nll_linear"] > 0 and calls["nll"] == 0  # (`txl eval` scores without logits)
-    monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+    set_backends(native_nll=False)
     calls.update(nll=0, nll_linear=0)
     slow = run_inprocess(tmp_path, "slow", **run)
     capsys.readouterr()
@@ -225,9 +226,9 @@ def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_
     monkeypatch.setattr(native, "nll_linear", lambda *a: calls.append(1) or real_nll(*a))
     monkeypatch.setattr(native, "pack_linear", lambda *a: packs.append(1) or real_pack(*a))
     with torch.no_grad():
-        monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+        set_backends(native_nll=False)
         slow = model(x, y).losses
-        monkeypatch.setattr(modeling, "NATIVE_NLL", True)
+        set_backends(native_nll=True)
         with modeling.transposed_weights():
             fast = model(x, y).losses
             assert len(calls) == 3 and len(packs) == 3
@@ -237,9 +238,9 @@ def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_
             changed = model(x, y).losses
             assert len(packs) == 4
         assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-5) and fast[1, 2] == 0
-        monkeypatch.setattr(modeling, "NATIVE_NLL", False)
+        set_backends(native_nll=False)
         assert torch.allclose(changed, model(x, y).losses, rtol=1e-6, atol=1e-5)
-        monkeypatch.setattr(modeling, "NATIVE_NLL", True)
+        set_backends(native_nll=True)
     assert not modeling._TRANSPOSED  # (dropped with the scope)
     with modeling.transposed_weights():
         model(x, y).loss.backward()  # (a gradient: from the logits)

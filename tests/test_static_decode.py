@@ -10,6 +10,7 @@ import torch
 
 from tests.test_kv_cache import VARIANTS, greedy_uncached, lm, uncached_steps
 from txl import static_decode
+from txl.backends import set_backends
 from txl.generation import Penalties, generate, stream
 from txl.modeling import KVCache
 from txl.static_decode import StaticDecoder
@@ -85,9 +86,9 @@ def test_where_the_graph_applies(monkeypatch):
     assert not static_decode.applies(model, torch.device("cpu"), 100)  # (the native decode kernel is faster there)
     assert static_decode.applies(model, cuda, 100)
     assert not static_decode.applies(model, cuda, static_decode.MIN_NEW_TOKENS - 1)  # (the capture would not pay)
-    monkeypatch.setattr(static_decode, "GRAPH_DECODE", False)
+    set_backends(graph_decode=False)
     assert not static_decode.applies(model, cuda, 100)
-    monkeypatch.setattr(static_decode, "GRAPH_DECODE", True)
+    set_backends(graph_decode=True)
     with monkeypatch.context() as m:  # (CUDA's autocast cannot be entered without CUDA: its flag, as it reads)
         m.setattr(torch, "is_autocast_enabled", lambda device_type=None: device_type == "cuda")
         assert not static_decode.applies(model, cuda, 100)  # under autocast: the kernel-by-kernel step

@@ -1,5 +1,6 @@
 """txl: Transformer-XL for PyTorch (Dai et al., 2019)."""
 
+from txl.backends import Backends, set_backends, use_backends
 from txl.data import Tokenizer
 from txl.modeling import (
     TransformerXL,
@@ -12,6 +13,7 @@ from txl.modeling import (
 from txl.pretrained import CheckpointError
 
 __all__ = [
+    "Backends",
     "CheckpointError",
     "Tokenizer",
     "TransformerXL",
@@ -20,5 +22,7 @@ __all__ = [
     "TransformerXLLM",
     "TransformerXLLMOutput",
     "TransformerXLModelOutput",
+    "set_backends",
+    "use_backends",
 ]
 __version__ = "0.1.0"

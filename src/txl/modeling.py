@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl import native
+from txl.backends import backends
 from txl.pretrained import PretrainedMixin, model_folder, read_config, write_config
 
 # ---------------------------------------------------------------------------------------------------------
@@ -412,20 +413,14 @@ class _NativeDropout(torch.autograd.Function):
         return native.dropout(grad, ctx.p, ctx.seed), None, None
 
 
-NATIVE_DROPOUT = True
-"""Whether CPU dropout (fp32, bf16) runs :mod:`txl.native`'s kernel where it is built: one pass, a Philox4x32-10
-stream keyed by a seed from torch's generator, ~5x cheaper (1.1x / 1.2x on the fp32 / bf16 bench-char training
-step, docs/benchmarks.md). False, or no C compiler: the PyTorch mask below (a different random stream)."""
+def _relu_dropout_fused() -> bool:
+    policy = backends()
+    return policy.native_relu_dropout and policy.native_dropout
 
 
 def dropout_seed() -> int:
     """The key of one native dropout mask: 63 random bits of torch's generator."""
     return int(torch.empty((), dtype=torch.int64).random_())
-
-
-NATIVE_RELU_DROPOUT = True
-"""Whether the feed-forward's relu and dropout run as one native pass each way in training (where the native dropout
-runs; the same values and masks). False: relu, then :class:`Dropout`."""
 
 
 class _NativeReluDropout(torch.autograd.Function):
@@ -462,7 +457,7 @@ class Dropout(nn.Module):
             return x
         if x.device.type != "cpu":
             return F.dropout(x, self.p, True)
-        if NATIVE_DROPOUT and native.dropout_applies(x):
+        if backends().native_dropout and native.dropout_applies(x):
             return _NativeDropout.apply(x, self.p, dropout_seed())
         n = x.numel()
         words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
@@ -472,7 +467,7 @@ class Dropout(nn.Module):
 
     def relu(self, x: Tensor) -> Tensor:
         """``self(F.relu(x))``: in one native pass where the native dropout runs (the same mask)."""
-        if self.training and self.p > 0 and NATIVE_RELU_DROPOUT and NATIVE_DROPOUT and native.dropout_applies(x):
+        if self.training and self.p > 0 and _relu_dropout_fused() and native.dropout_applies(x):
             return _NativeReluDropout.apply(x, self.p, dropout_seed())
         return self(F.relu(x))
 
@@ -488,10 +483,6 @@ SMALL_ROWS = 16
 """Products with at most this many rows take :func:`linear`'s transposed-weight form in CPU inference."""
 SPLIT = 4
 """The input blocks of a product with one or two rows (bmm batch entries that the cores share)."""
-TRANSPOSED_WEIGHTS = True
-"""Whether CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as
-inputs (W_q/W_k/W_v, W_o, the first feed-forward layer: about 2/3 of the layer weights): generation is faster, at
-that memory. Set ``txl.modeling.TRANSPOSED_WEIGHTS = False`` to save the memory."""
 _TRANSPOSED: dict[tuple, tuple[weakref.ref, tuple, Any]] = {}  # (id(weight), what) -> (the weight, its stamp, copy)
 _SCOPES = [0]  # open transposed_weights() scopes
 _SCOPE_LOCK = threading.Lock()
@@ -562,7 +553,7 @@ def _few_rows(x: Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return bool(
         _SCOPES[0]
-        and TRANSPOSED_WEIGHTS
+        and backends().transposed_weights
         and 0 < rows <= SMALL_ROWS
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
@@ -585,11 +576,6 @@ def _rows_product(x: Tensor, wt: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         y = y.add_(bias)
     return y.view(*x.shape[:-1], n)
-
-
-SEGMENT_PROJECTION = True
-"""Whether training's W_q / W_kv products of a post-LN layer take :class:`_SegmentMemoryProjection` (no input
-gradient for the detached memory's rows; docs/benchmarks.md says what it gave). False: ``F.linear`` per slice."""
 
 
 class _SegmentMemoryProjection(torch.autograd.Function):
@@ -644,30 +630,6 @@ class _SegmentMemoryProjection(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 
 
-NATIVE_ATTENTION = True
-"""Whether the attention of attn_type 0 runs as one native call per head where it can (fp32 on the CPU, a C compiler
-to build it): in inference (evaluation, prompts, :func:`txl.native.attention`) the (b)+(d) product, the shift, the
-mask, the softmax and the value sum without a [B, H, T, K] tensor in memory; with gradients (training,
-:class:`_NativeRelAttention`) the same forward keeping the probabilities, and one native backward (dropatt included,
-with :class:`Dropout`'s mask where ``NATIVE_DROPOUT``). The same values up to fp32 rounding. False: the PyTorch
-kernels."""
-
-HALF_PRECISION_SCORES = True
-"""In half precision (autocast), whether the attention scores (a)+(c) + (b)+(d) are summed and masked in the GEMMs'
-dtype: torch's half-precision softmax computes in fp32 and rounds once (tests/test_invariants.py checks it), so
-only the fp32 copies of the T x K scores and of their gradient go (1.05x / 1.11x on the bf16 bench-char /
-bench-word training step here). False: the scores are upcast to fp32 first."""
-
-SDPA_TRAINING_DEVICES = ("cuda",)
-"""Devices on which the attention with gradients (training) runs as one ``scaled_dot_product_attention`` call, the
-(b)+(d) term and the mask as its additive bias (its gradient is the bias's): the scores and the probabilities are
-not materialized and the softmax's backward is fused. fp32 only: on an H100 it gave the fp32 training step 1.03x
-(bench-char), 1.09x (bench-word) and 1.01x (the WikiText-103 base model, batch 32), and under bf16 autocast 1.11x,
-1.00x and 0.91x, so half precision keeps the explicit kernels. Not with dropatt in training (its mask would be
-SDPA's own, not :class:`Dropout`'s) nor when the probabilities are asked for. The same values and gradients up to
-rounding (1e-6 relative on the H100)."""
-
-
 class _Attention(nn.Module):
     """Multi-head attention over [memory; segment] without the positional terms: QKV and output projections,
     post-LN (or pre-LN), dropouts, and the attend step."""
@@ -705,7 +667,7 @@ class _Attention(nn.Module):
         else:
             mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
             K = mem.shape[1] + T
-            if SEGMENT_PROJECTION and torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad:
+            if backends().segment_projection and torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad:
                 q, kv = _SegmentMemoryProjection.apply(mem, x, self.qkv_net.weight, H * Dh)  # [B, T, HD], [B, K, 2HD]
             else:
                 q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
@@ -742,7 +704,7 @@ class _Attention(nn.Module):
         """
         h, q, kv = self.project(h, mem, cache, layer, self.input_positions(pos))
         dropatt = self.dropatt.p if self.training else 0.0
-        if NATIVE_ATTENTION and not need_weights and native.usable(q):
+        if backends().native_attention and not need_weights and native.usable(q):
             attn_vec = self.native_attention(q, pos, kv, mask, torch.is_grad_enabled(), dropatt)  # [B, T, H*Dh]
             if attn_vec is not None:
                 return self.output(h, attn_vec), None
@@ -782,12 +744,14 @@ class _Attention(nn.Module):
         B, T, _ = h.shape
         grad = torch.is_grad_enabled() and q_w.requires_grad
         dropping = self.training and self.dropatt.p > 0
-        fused = (  # (training as one SDPA call, see SDPA_TRAINING_DEVICES)
-            grad and q_w.device.type in SDPA_TRAINING_DEVICES and not torch.is_autocast_enabled(q_w.device.type)
+        fused = (  # (training as one SDPA call: Backends.sdpa_training_devices)
+            grad
+            and q_w.device.type in backends().sdpa_training_devices
+            and not torch.is_autocast_enabled(q_w.device.type)
         )
         if need_weights or dropping or (grad and not fused):
             ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
-            if not HALF_PRECISION_SCORES:
+            if not backends().half_precision_scores:
                 ac = _fp32(ac)
             score = ac if bd is None else ac.add_(bd)  # [B, H, T, K]
             if mask is not None:
@@ -832,7 +796,7 @@ class _NativeRelAttention(torch.autograd.Function):
     the five products' gradients with the shift undone in place, computing only the keys each block of queries sees
     (no [B, H, T, K] scores, shifted copies or zero-filled buffers). ``drop`` (p, seed): dropatt, the mask that
     :class:`Dropout` draws for that seed (regenerated in the backward). The same values as scores() + attend() up to
-    fp32 rounding; ``NATIVE_ATTENTION = False`` gives the PyTorch kernels."""
+    fp32 rounding; ``use_backends(native_attention=False)`` gives the PyTorch kernels."""
 
     @staticmethod
     def forward(
@@ -920,7 +884,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
     ) -> Tensor | None:
         # The same terms as scores() + attend(), with the (b)+(d) rows read at their shift inside the kernel; the
         # dropout of the probabilities draws its seed where attend() would, and is the mask Dropout would draw.
-        if dropatt and not (grad and NATIVE_DROPOUT):
+        if dropatt and not (grad and backends().native_dropout):
             return None
         # The kernels take the raw queries and form (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as _terms() does.
         k, v = kv
@@ -1068,14 +1032,6 @@ class _SoftmaxNLL(torch.autograd.Function):
         return native.nll_backward(x, target, lse, grad), None
 
 
-NATIVE_NLL = True
-"""Whether the adaptive softmax's training and scoring loss (targets given, no log-probs asked for) takes each
-cluster's NLL straight from its logits with :mod:`txl.native` (fp32 CPU), instead of log_softmax + gather: no
-[N, V] log-probabilities, no zero-filled [N, V] gradient; in ``txl.evaluate`` (no gradient, weights fixed) without
-the logits either (the product, maximum and sum in one kernel, from a packed copy of each output layer kept while
-evaluating). The same values to fp32 rounding."""
-
-
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
     cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
@@ -1135,7 +1091,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         autocast = torch.is_autocast_enabled(hidden.device.type)
         with torch.autocast(hidden.device.type, enabled=False) if autocast else contextlib.nullcontext():
             h = _fp32(hidden)
-            if targets is not None and not return_log_probs and NATIVE_NLL and native.nll_applies(h):
+            if targets is not None and not return_log_probs and backends().native_nll and native.nll_applies(h):
                 return self._nll_native(h, targets), None
             head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
             nll = log_probs = None
@@ -1254,14 +1210,6 @@ class _DecodeLayer(NamedTuple):
         x = F.layer_norm(h, *self.norm2) if self.pre_lnorm else h
         y = product(F.relu(product(x, self.w1, self.b1)), self.w2, self.b2)  # [B, 1, D]
         return h + y if self.pre_lnorm else F.layer_norm(h + y, *self.norm2)
-
-
-FAST_DECODE = True
-"""Whether a cached step of one token (generation, serving) runs ``TransformerXL._decode``, one loop over the
-layers' weights, instead of the layers' general path (the same computation; set False to compare)."""
-NATIVE_DECODE = True
-"""Whether ``TransformerXL._decode`` runs as one native call where it can (:mod:`txl.native`: fp32 on the CPU,
-with a C compiler to build it; else the PyTorch loop). The same computation up to fp32 rounding."""
 
 
 class KVCache:
@@ -1571,7 +1519,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if (
             cache is not None
             and T == 1
-            and FAST_DECODE
+            and backends().fast_decode
             and cfg.attn_type == 0
             and not (output_attentions or output_hidden_states)
         ):
@@ -1620,7 +1568,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if cache.decode_plan is None or cache.decode_plan[0] is not self:
             cache.decode_plan = (self, [_DecodeLayer.of(layer) for layer in self.layers], {})
         _, plan, kernel_state = cache.decode_plan
-        if NATIVE_DECODE:  # the same loop in C, where it applies (fp32 on the CPU, a C compiler: txl.native)
+        if backends().native_decode:  # the same loop in C, where it applies (fp32 on the CPU, a C compiler: txl.native)
             out = native.decode_step(plan, (self.r_w_bias, self.r_r_bias), h, pos, mask, cache, kernel_state)
             if out is not None:
                 return out

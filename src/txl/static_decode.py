@@ -17,16 +17,16 @@ if no shape, address or host-side decision changes between steps. The KVCache's 
 
 This is the same attention as the KVCache's, over the same keys, with the same positional terms; only the order in
 which the keys are summed differs (slot order, not time order): the same log-probabilities up to fp32 rounding
-(tested against the uncached model over a sliding window). Everything in a step reads and writes device tensors
-(the token ``ids``, ``pos``, the ring), so the step can be captured once (after a warm-up that is undone) and
-replayed per token: ``txl.generation.stream`` does so on CUDA when :data:`GRAPH_DECODE` is on and the model is
-attn_type 0. On the CPU the same step runs eagerly (tests); there the native decode kernel is faster.
+(tested against the uncached model over a sliding window). Everything in a step reads and writes device tensors (the
+token ``ids``, ``pos``, the ring), so the step can be captured once (after a warm-up that is undone) and replayed
+per token: ``txl.generation.stream`` does so on CUDA when ``Backends.graph_decode`` is on (:mod:`txl.backends`) and
+the model is attn_type 0. On the CPU the same step runs eagerly (tests); there the native decode kernel is faster.
 
 Threads: while one thread captures (a few milliseconds, once per generation), CUDA work that other threads of the
 process launch can be refused ("operation not permitted when stream is capturing", seen on an H100 with a thread
 multiplying matrices and synchronizing) or can invalidate the capture, in which case this generation goes on kernel
-by kernel. A process that generates while other threads use the GPU should set :data:`GRAPH_DECODE` to False.
-"""
+by kernel. A process that generates while other threads use the GPU should turn ``graph_decode`` off
+(``txl.backends.set_backends``)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from txl.backends import backends
 from txl.modeling import (
     KVCache,
     RelPartialLearnableMultiHeadAttn,
@@ -41,11 +42,6 @@ from txl.modeling import (
     _DecodeLayer,
     sinusoid_embedding,
 )
-
-GRAPH_DECODE = True
-"""Whether ``txl.generation.stream`` (``generate``, ``txl generate``) replays its one-token step as a CUDA graph on
-a CUDA device (attn_type 0). False: the K/V cache's step, launched kernel by kernel."""
-
 
 MIN_NEW_TOKENS = 8
 """Generations of fewer new tokens take the kernel-by-kernel step: capturing the graph (a warm-up step, then the
@@ -57,7 +53,7 @@ def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -
     Not under autocast (e.g. ``txl lm-eval`` with precision bf16): its casts are cached per forward pass, which a
     graph replayed across tokens would not renew; the kernel-by-kernel step runs there."""
     return (
-        GRAPH_DECODE
+        backends().graph_decode
         and device.type == "cuda"
         and model.config.attn_type == 0
         and max_new_tokens >= MIN_NEW_TOKENS

@@ -30,6 +30,7 @@ import yaml
 from torch.nn.parallel import DistributedDataParallel
 
 from txl import native
+from txl.backends import backends
 from txl.checkpoint import (
     RUN_CONFIG,
     RunLock,
@@ -251,6 +252,7 @@ class Trainer:
         if configure_allocator():
             self.say(f"runtime: {ALLOCATOR_NOTE}")
         self.say(f"runtime: {native.status()}")  # (dropout and evaluation run slower without them)
+        self.say(f"runtime: {backends().describe()}")
         if not torch.backends.mkldnn.is_available():
             return
         earlier = read_metadata(self.checkpoint_to_load).get("fp32_route") if self.checkpoint_to_load else None
@@ -504,6 +506,7 @@ class Trainer:
             "world_size": self.world.size,
             "torch": torch.__version__,
             "train_data_sha256": self.corpus.fingerprint("train"),
+            "backends": backends().to_dict(),
             "fp32_route": self.fp32_route,
             "fp32_route_kinds": None
             if self.route is None

@@ -1,0 +1,88 @@
+"""The fast paths are chosen by one policy (txl.backends), not module switches: a block's choice holds in its own
+thread, the process's in every other, the model reads it at each call, `txl train` prints it and records it with
+each checkpoint, and no module of txl keeps a switch of its own."""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import torch
+
+import txl
+import txl.modeling
+import txl.static_decode
+from tests.conftest import debug_config
+from txl import Backends, TransformerXLLM, native, set_backends, use_backends
+from txl.backends import backends
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "txl"
+
+
+def test_a_block_chooses_for_its_thread_and_the_process_for_all():
+    assert backends() == Backends()
+    seen = {}
+    with use_backends(native_nll=False) as inside:
+        assert backends() is inside and not inside.native_nll and inside.native_attention
+        worker = threading.Thread(target=lambda: seen.setdefault("thread", backends()))
+        worker.start()
+        worker.join()
+    assert seen["thread"] == Backends() and backends() == Backends()  # (other threads: the process's policy)
+    set_backends(native_attention=False)
+    worker = threading.Thread(target=lambda: seen.setdefault("later", backends()))
+    worker.start()
+    worker.join()
+    assert not seen["later"].native_attention
+    assert Backends().describe() == "fast paths: all that can run"
+    assert backends().describe() == "fast paths: off: native_attention"
+
+
+def test_the_model_reads_the_policy_at_each_call(monkeypatch):
+    if native.library() is None:
+        import pytest
+
+        pytest.skip("no C compiler: the native attention cannot run here")
+    calls = []
+    real = native.attention
+    monkeypatch.setattr(native, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = TransformerXLLM(debug_config(mem_len=8)).eval()
+    x = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        on = model(x, x).loss
+        n = len(calls)
+        with use_backends(native_attention=False):
+            off = model(x, x).loss
+    assert n > 0 and len(calls) == n  # (not called inside the block)
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6)  # (the same values: a backend, not a variant)
+
+
+def test_train_prints_the_policy_and_records_it(tmp_path, capsys):
+    from train_helpers import run_inprocess
+    from txl.checkpoint import latest_checkpoint, read_metadata
+
+    set_backends(native_relu_dropout=False)
+    run = run_inprocess(tmp_path, train__max_steps=1, train__eval_interval=0)
+    assert "runtime: fast paths: off: native_relu_dropout" in capsys.readouterr().out
+    recorded = read_metadata(latest_checkpoint(run))["backends"]
+    assert recorded == backends().to_dict() and recorded["native_relu_dropout"] is False
+
+
+def test_no_module_keeps_a_switch_of_its_own():
+    """A module-level name bound to True/False (the old NATIVE_ATTENTION = True ...) is a switch that tests and
+    benchmarks had to patch; the policy holds every such choice now."""
+    switches = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                switches += [f"{path.relative_to(SRC)}: {t.id}" for t in targets if isinstance(t, ast.Name)]
+    assert switches == []
+    assert not hasattr(txl.modeling, "NATIVE_ATTENTION") and not hasattr(txl.static_decode, "GRAPH_DECODE")
