@@ -1,0 +1,196 @@
+"""``txl recl``, ``txl attention`` and ``txl plot``: the paper's analyses of trained models."""
+
+from __future__ import annotations
+
+import json as _json
+from pathlib import Path
+
+from txl.cli.common import _set_threads
+from txl.config import Split
+
+
+def recl(
+    models: list[Path] | None = None,
+    contexts: list[int] | None = None,
+    sliding: list[Path] | None = None,
+    r: list[float] | None = None,
+    tokens: int = 5000,
+    data: str | None = None,
+    split: Split | None = None,
+    tgt_len: int | None = None,
+    batch_size: int = 16,
+    threshold: float = 0.01,
+    out: Path | None = None,
+    threads: int | None = None,
+) -> None:
+    """Relative effective context length (RECL, the paper's Appendix C) of a group of models on one text.
+
+    Every model scores the same tokens at every context length (Transformer-XL: memory length; a vanilla model
+    given in --sliding: window length); RECL is the first length whose relative gain to the next falls below the
+    threshold, against the group's best loss per token. Prints the table and writes recl.json and recl.png.
+
+    Args:
+        models: Run folders or model folders (the same tokenizer), e.g. --models runs/a runs/b.
+        contexts: Evenly spaced context lengths, e.g. '[32, 64, 96, 128]'.
+        sliding: Those of --models scored with a sliding window (vanilla models) instead of a memory.
+        r: Fractions of the hardest tokens to average over (default: the paper's 0.1, 0.5 and 1.0).
+        tokens: Score the first this many tokens of the text.
+        data: A text file or folder, as for txl eval (default: the first model's run data).
+        split: train, valid or test (default: the first model's eval.split, else test).
+        tgt_len: Segment length of the memory models (default: each model's evaluation tgt_len).
+        batch_size: Windows scored at once (sliding).
+        threshold: Gain below which more context stops counting (the paper: 0.01).
+        out: Folder for recl.json and recl.png (default: the current folder).
+        threads: torch CPU threads.
+    """
+    import numpy as np
+
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.evaluate import eval_settings, eval_text
+    from txl.modeling import TransformerXLLM
+    from txl.recl import check_contexts, check_ratio, context_losses, plot_gains
+    from txl.recl import recl as compute_recl
+
+    if not models or len(models) < 2:
+        raise ValueError("--models needs at least two models: RECL compares a group")
+    if not contexts:
+        raise ValueError("--contexts needs evenly spaced lengths, e.g. '[32, 64, 96]'")
+    if tokens < 2:
+        raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    contexts = check_contexts(contexts)  # (before any model is scored)
+    for ratio in r or []:
+        check_ratio(ratio)
+    sliding_set = {str(p) for p in sliding or []}
+    unknown = sliding_set - {str(p) for p in models}
+    if unknown:
+        raise ValueError(f"--sliding {sorted(unknown)}: not among --models")
+    _set_threads(threads)
+    ratios = r or [0.1, 0.5, 1.0]
+    losses, ids_seen = {}, None
+    for path in models:
+        folder = resolve_model_dir(path)
+        run = read_run_config(folder)
+        lm = TransformerXLLM.from_pretrained(folder)
+        s = eval_settings(run, lm.config, split=split, tgt_len=tgt_len)
+        text = eval_text(folder, run, s.split, data, None, None)
+        if isinstance(text.ids, list):
+            raise ValueError(f"{path}: RECL scores one token stream; sentence shards (lm1b) are not one")
+        ids = np.asarray(text.ids[: tokens + 1], dtype=np.int64)
+        if ids_seen is not None and not np.array_equal(ids, ids_seen):
+            raise ValueError(f"{path}: reads the text into other tokens than {models[0]}: RECL needs one tokenizer")
+        ids_seen = ids
+        name = str(path)
+        print(f"scoring {name} at {len(contexts)} context lengths ({'window' if name in sliding_set else 'memory'})")
+        losses[name] = context_losses(
+            lm, ids, contexts, sliding=name in sliding_set, tgt_len=s.tgt_len, clamp_len=s.clamp_len,
+            same_length=s.same_length, batch_size=batch_size,
+        )  # fmt: skip
+    results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
+    out = Path(out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    from txl.fileio import write_bytes
+
+    record = {
+        "contexts": list(contexts),
+        "tokens": int(len(ids_seen) - 1),
+        "threshold": threshold,
+        "results": [{"r": x.r, "recl": x.recl, "reached": x.reached, "gains": x.gains} for x in results],
+    }
+    write_bytes(out / "recl.json", (_json.dumps(record, indent=1) + "\n").encode())
+    plot_gains(results, out / "recl.png")
+    print("| model | " + " | ".join(f"RECL r={x.r}" for x in results) + " |")
+    print("|---|" + "---|" * len(results))
+    for name in losses:
+        cells = [f"{x.recl[name]}{'' if x.reached[name] else '+'}" for x in results]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    unreached = any(not ok for x in results for ok in x.reached.values())
+    print(
+        (f"(+: the gain never fell below {threshold} up to the longest length)  " if unreached else "")
+        + f"{out / 'recl.json'}, {out / 'recl.png'}"
+    )
+
+
+def attention(
+    model: Path | None = None,
+    data: str | None = None,
+    text: Path | None = None,
+    out: Path = Path("attention"),
+    tokens: int = 2000,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    same_length: bool | None = None,
+    layer: int = -1,
+    head: int = 0,
+    threads: int | None = None,
+) -> None:
+    """Plot where the model attends (the paper's Appendix D): attention probabilities by relative distance, averaged
+    over queries, for every layer and head, and the full [query x key] map of the last segment.
+
+    Writes OUT/distance.png (a row per layer.head), OUT/layer{l}.png (a curve per head), OUT/full.png and
+    OUT/attention.json (the averaged numbers).
+
+    Args:
+        model: A run folder, a checkpoint step-N folder, or a model folder with tokenizer.json.
+        data: A text file or folder, as for txl eval (default: the run's evaluation split).
+        text: The same as --data (its former name).
+        out: Output folder.
+        tokens: Read the first this many tokens of the text.
+        tgt_len: Segment length (default: the run's evaluation settings).
+        mem_len: Memory length (default: the run's evaluation settings).
+        same_length: Every query sees the same number (mem_len) of keys (default: the run's evaluation settings).
+        layer: Layer of the full map (-1: the last).
+        head: Head of the full map.
+        threads: torch CPU threads.
+    """
+    import numpy as np
+
+    from txl.attention_maps import attention_maps, plot_attention
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.evaluate import eval_settings, eval_text
+    from txl.fileio import write_bytes
+    from txl.modeling import TransformerXLLM
+
+    if model is None:
+        raise ValueError("txl attention needs --model RUN_OR_DIR")
+    if tokens < 2:
+        raise ValueError(f"--tokens = {tokens}: must be >= 2")
+    if data is not None and text is not None:
+        raise ValueError("txl attention: give the text once, with --data (--text is its former name)")
+    _set_threads(threads)
+    folder = resolve_model_dir(model)
+    run = read_run_config(folder)
+    lm = TransformerXLLM.from_pretrained(folder)
+    cfg = lm.config
+    if not -cfg.n_layer <= layer < cfg.n_layer:
+        raise ValueError(f"--layer = {layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1}, or -1)")
+    if not -cfg.n_head <= head < cfg.n_head:
+        raise ValueError(f"--head = {head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+    s = eval_settings(run, cfg, tgt_len=tgt_len, mem_len=mem_len, same_length=same_length)
+    source = eval_text(folder, run, s.split, data if data is not None else text, None, None)
+    if isinstance(source.ids, list):
+        raise ValueError("txl attention reads one token stream; sentence shards (lm1b) are not one")
+    ids = np.asarray(source.ids[:tokens], dtype=np.int64)
+    maps = attention_maps(
+        lm, ids, tgt_len=s.tgt_len, mem_len=s.mem_len, same_length=s.same_length, clamp_len=s.clamp_len
+    )
+    title = f"{folder.name}: {len(ids):,} tokens, tgt_len {s.tgt_len}, mem_len {s.mem_len}"
+    written = plot_attention(maps, out, layer=layer, head=head, title=title)
+    record = {
+        "model": str(folder), "tokens": len(ids), "tgt_len": s.tgt_len, "mem_len": s.mem_len,
+        "same_length": s.same_length, "by_distance": maps.by_distance.tolist(), "counts": maps.counts.tolist(),
+    }  # fmt: skip
+    write_bytes(Path(out) / "attention.json", (_json.dumps(record) + "\n").encode())
+    for path in written:
+        print(path)
+
+
+def plot(run: Path, out: Path | None = None) -> None:
+    """Plot the training and validation curves of a run (RUN/metrics.jsonl) to a PNG.
+
+    Args:
+        run: The run folder.
+        out: Output PNG (default: RUN/loss.png).
+    """
+    from txl.plot import plot_run
+
+    print(plot_run(run, out))

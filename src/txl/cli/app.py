@@ -1,0 +1,358 @@
+"""The ``txl`` command line: ``txl <command> [<subcommand>] ...`` (``txl --help`` lists them).
+
+Every command is a typed function whose docstring is its ``--help``; ``txl train`` is the run-configuration
+parser of :mod:`txl.config` itself (the one ``load_recipe`` uses), plus ``--resume`` and ``--print_config``.
+Errors are one line on stderr: exit code 2 for what the user can fix in the command (a bad option, value, file or
+folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that cannot be written).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json as _json
+import os
+import re
+import sys
+from argparse import ArgumentError
+
+from txl.cli.analysis import attention, plot, recl
+from txl.cli.convert import convert_hf, convert_original, convert_tf
+from txl.cli.data import data_get, data_prepare
+from txl.cli.evaluate import eval
+from txl.cli.export import export_onnx
+from txl.cli.finetune import finetune, predict
+from txl.cli.generate import generate
+from txl.cli.serve import serve
+from txl.cli.tokenize import tokenize
+from txl.cli.train import _recorded_run_args, train
+from txl.config import build_run_parser, one_line, run_config_from_namespace
+
+COMMANDS = {
+    "train": train,
+    "eval": eval,
+    "generate": generate,
+    "plot": plot,
+    "recl": recl,
+    "attention": attention,
+    "serve": serve,
+    "finetune": finetune,
+    "predict": predict,
+    "tokenize": tokenize,
+    "convert": {"hf": convert_hf, "original": convert_original, "tf": convert_tf},
+    "export": {"onnx": export_onnx},
+    "data": {"get": data_get, "prepare": data_prepare},
+}
+HELP = {
+    "convert": "Import checkpoints of other implementations.",
+    "export": "Export models to other runtimes (ONNX).",
+    "data": "Download and prepare datasets.",
+}
+# boolean options that may be given without a value
+FLAGS = {
+    "--trust_pickle",
+    "--last_only",
+    "--json",
+    "--same_length",
+    "--verify",
+    "--print_config",
+    "--stream",
+    "--allow_remote",
+    "--ids",
+    "--decode",
+    "--raw_text",
+}
+
+
+NUMBER_LISTS = {"--mem_len", "--contexts", "--r", "--model.cutoffs", "--train.betas", "--prompt_ids", "--stop_ids"}
+LIST_ONLY = {"--model.cutoffs", "--prompt_ids"}  # one number is a list of one (--mem_len 64 is one length, not a sweep)
+_NUMBERS = re.compile(r"^-?[0-9.]+(,-?[0-9.]+)*$")
+
+
+def _number_list(option: str, value: str) -> str:
+    """``0,64,128`` as ``[0,64,128]`` after an option that takes a list of numbers (``2000`` as ``[2000]`` after one
+    that takes only a list)."""
+    if option in NUMBER_LISTS and _NUMBERS.match(value) and ("," in value or option in LIST_ONLY):
+        return f"[{value}]"
+    return value
+
+
+ALIASES = {  # one option language: each command also takes the names other commands use for the same thing
+    "train": {"--device": "--train.device", "--threads": "--train.threads", "--precision": "--train.precision",
+              "--seed": "--train.seed"},
+    "eval": {"--data.path": "--data", "--data.dataset": "--dataset", "--data.encoding_errors": "--encoding_errors"},
+    "recl": {"--data.path": "--data"},
+    "attention": {"--data.path": "--data"},
+}  # fmt: skip
+PATH_LISTS = {"--models", "--sliding"}  # also as --models runs/a runs/b (a shell glob: --models runs/*)
+
+
+def _path_list(values: list[str]) -> str:
+    """The values given after an option that takes a list of paths, as one list (a JSON list given as such)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        return values[0]
+    return _json.dumps(values)
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """Accept the names of :data:`ALIASES` (``txl eval --data.path`` as ``txl train`` says it), ``--some-option`` for
+    ``--some_option``, ``--flag`` alone for ``--flag=true``, ``0,64,128`` for
+    ``[0, 64, 128]`` after the options that take a list of numbers (also as ``--option=0,64,128``), and the
+    paths after an option that takes a list of them (``--models runs/a runs/b``) as one list."""
+    out: list[str] = []
+    command = next((a for a in argv if not a.startswith("-")), "")
+    aliases = ALIASES.get(command, {})
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        prev = out[-1] if out else ""
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            name = "--" + name[2:].replace("-", "_")
+            name = aliases.get(name, name)
+            if name in PATH_LISTS:
+                values = [value] if eq else []
+                while not eq and i < len(argv) and not argv[i].startswith("--"):
+                    values.append(argv[i])
+                    i += 1
+                out += [name, _path_list(values)] if values else [name]
+                continue
+            nxt = argv[i].lower() if i < len(argv) else ""
+            bare = name in FLAGS and not eq and nxt not in ("true", "false", "null")
+            arg = f"{name}=true" if bare else name + eq + (_number_list(name, value) if eq else "")
+        elif prev.startswith("--") and "=" not in prev:
+            arg = _number_list(prev, arg)
+        out.append(arg)
+    return out
+
+
+def _reading_dict(s) -> dict:
+    return {"mem_len": s.mem_len, "clamp_len": s.clamp_len, "same_length": s.same_length}
+
+
+def _description(target) -> str:
+    """A command's docstring without its Args section (the options' help comes from there)."""
+    return inspect.getdoc(target).split("\nArgs:")[0].strip()
+
+
+def _summary(target) -> str:
+    """A command's one-line summary in ``txl --help``: the first sentence of its docstring, whole."""
+    paragraph = " ".join(_description(target).split("\n\n")[0].split())
+    return re.split(r"(?<=\.)\s+(?=[A-Z`])", paragraph)[0]
+
+
+def _new_parser(prog: str, description: str | None = None):
+    from jsonargparse import ArgumentParser
+
+    from txl.config import _parser_mode
+
+    return ArgumentParser(
+        prog=prog, description=description, print_config=None, exit_on_error=False, parser_mode=_parser_mode()
+    )
+
+
+def build_parser():
+    """The whole ``txl`` parser, and the parser of each command (by command path, e.g. ``("convert", "hf")``)."""
+    from jsonargparse import ActionConfigFile, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parsers = {}
+
+    def add(parser, commands: dict, path: tuple[str, ...]) -> None:
+        sub = parser.add_subcommands(required=True)
+        for name, target in commands.items():
+            here = (*path, name)
+            prog = " ".join(("txl", *here))
+            if isinstance(target, dict):
+                child = _new_parser(prog, HELP[name])
+                sub.add_subcommand(name, child, help=HELP[name])  # a level is added before the next one
+                add(child, target, here)
+                continue
+            if target is train:
+                child = build_run_parser(prog)
+                child.add_argument(
+                    "--resume",
+                    default="auto",
+                    help="auto (continue from the run's latest complete checkpoint, if any), none (start fresh; "
+                    "refused if the run has checkpoints), or a checkpoint/run folder to continue from. Without "
+                    "--config, a run continues with the settings recorded in its checkpoint (run.json; options given "
+                    "override them), in the checkpoint's run folder unless --run_dir says otherwise.",
+                )
+                child.add_argument(
+                    "--print_config",
+                    type=bool,
+                    default=False,
+                    help="Print the fully resolved configuration (YAML, what the run would use; model.n_token is "
+                    "replaced by the tokenizer's vocabulary size when training starts) and exit.",
+                )
+            elif target is finetune:
+                from txl.finetune import FinetuneConfig
+
+                child = _new_parser(prog, _description(target))
+                child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
+                child.add_class_arguments(FinetuneConfig, as_group=False)
+            else:
+                child = _new_parser(prog, _description(target))
+                child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
+                child.add_function_arguments(target, as_group=False, as_positional=True, sub_configs=True)
+            parsers[here] = child
+            sub.add_subcommand(name, child, help=_summary(target))
+
+    top = _new_parser(
+        "txl",
+        "Transformer-XL for PyTorch: train, evaluate, generate, convert. Also: txl lm-eval ARGS (EleutherAI's "
+        "lm-evaluation-harness with --model txl; txl lm-eval --help).",
+    )
+    add(top, COMMANDS, ())
+    return top, parsers
+
+
+def run(argv: list[str]) -> None:
+    """Parse ``argv`` (already normalized) and run the command."""
+    top, parsers = build_parser()
+    try:
+        namespace = top.parse_args(argv)
+    except ArgumentError as e:
+        hint = _did_you_mean(str(e), argv, parsers)
+        if not hint:
+            raise
+        raise ArgumentError(None, f"{e}{hint}") from None
+    path, node, commands = (), namespace, COMMANDS
+    while True:
+        name = node["subcommand"]
+        path, node, target = (*path, name), node[name], commands[name]
+        if not isinstance(target, dict):
+            break
+        commands = target
+    parser = parsers[path]
+    if target is train:
+        recorded = _recorded_run_args(node, argv[1:])
+        if recorded is not None:  # parsed again: the recorded settings first, the options given on top
+            node = parser.parse_args(["--config", recorded[0], *argv[1:], *recorded[1:]])
+        _n_token_past_the_cutoffs(node["model"])
+        train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
+        return
+    if target is finetune:
+        from txl.finetune import FinetuneConfig
+
+        finetune(FinetuneConfig(**{k: node[k] for k in FinetuneConfig.__dataclass_fields__}))
+        return
+    init = parser.instantiate(node)
+    target(**{k: init[k] for k in inspect.signature(target).parameters})
+
+
+def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
+    """For an option the command does not have: the nearest one it has (a typo, or Hugging Face's name); for a
+    bare word, the option it belongs to (``txl generate runs/x`` -> ``--model runs/x``, ``txl train r.yaml`` ->
+    ``--config r.yaml``)."""
+    unknown = re.findall(r"does not accept option '([^']+)'", message)
+    given = re.search(r"unrecognized arguments: (.*)", message)
+    bare = []
+    if given:
+        unknown += [a.split("=", 1)[0].lstrip("-") for a in given.group(1).split() if a.startswith("--")]
+        bare = [a for a in given.group(1).split() if not a.startswith("-")]
+    words = [a for a in argv if not a.startswith("-")]
+    path = max((p for p in parsers if tuple(words[: len(p)]) == p), key=len, default=None)
+    if not (unknown or bare) or path is None:
+        return ""
+    from txl.modeling import HF_CONFIG_NAMES
+
+    options = [o[2:] for a in parsers[path]._actions for o in a.option_strings if o.startswith("--")]
+    options = [o for o in options if not o.endswith("+") and o != "help"]
+    hints = []
+    for name in unknown:
+        head, _, last = name.rpartition(".")
+        renamed = f"{head}.{HF_CONFIG_NAMES[last]}" if head and last in HF_CONFIG_NAMES else HF_CONFIG_NAMES.get(last)
+        if renamed in options:
+            hints.append(f"--{renamed} (Hugging Face's {last})")
+        else:
+            hints += [f"--{m}" for m in difflib.get_close_matches(name, options, n=1, cutoff=0.75)]
+    if bare and not unknown:  # (with a misnamed option, the bare words are likely its values)
+        hints += _bare_word_hint(bare[0], argv, options)
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def _bare_word_hint(word: str, argv: list[str], options: list[str]) -> list[str]:
+    """The option a bare word belongs to: a recipe's ``--config``, or the model folder's ``--model`` (not train's,
+    which is a group of settings: ``--model.n_token``, ...)."""
+    if word.endswith((".yaml", ".yml")) and "config" in options:
+        return [f"--config {word} (a recipe is an option)"]
+    takes_model = "model" in options and not any(o.startswith("model.") for o in options)
+    if takes_model and not any(a == "--model" or a.startswith("--model=") for a in argv):
+        return [f"--model {word} (the model is an option)"]
+    return []
+
+
+def _n_token_past_the_cutoffs(model) -> None:
+    """A recipe's n_token is a placeholder that training replaces with the vocabulary's size (dropping the cutoffs
+    past its end): cutoffs given beyond it, for a larger vocabulary, raise it instead of failing its check."""
+    cutoffs = model["cutoffs"]
+    if isinstance(cutoffs, list) and cutoffs and all(isinstance(c, int) and not isinstance(c, bool) for c in cutoffs):
+        if isinstance(model["n_token"], int) and model["n_token"] <= max(cutoffs):
+            model["n_token"] = max(cutoffs) + 1
+
+
+def _argument_message(message: str) -> str:
+    """jsonargparse's type errors as ``--option = value: expected ...``; other messages unchanged."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    if key is None:
+        return message
+    option = f"--{key.group(1)}"
+    choices = re.search(r"Literal\[([^\]]+)\]", message)
+    given = re.search(r"(?:Given value|Got value): (.*?)(?: Given value type|$)", message)
+    value = repr(given.group(1).strip()) if given else "this value"
+    if choices:
+        return f"{option} = {value}: expected one of {choices.group(1).replace(chr(39), '')}"
+    expected = re.search(r"Expected a <class '(\w+)'>", message)
+    if expected:
+        return f"{option} = {value}: expected {'an' if expected.group(1)[0] in 'aeiou' else 'a'} {expected.group(1)}"
+    return f"{option}: {message[key.end() :].strip()}"
+
+
+def _error(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for the errors a user can act on; None for anything else (a bug: traceback)."""
+    from txl.evaluate import NonFiniteError
+    from txl.trainer import TrainingError
+
+    if isinstance(e, ArgumentError):
+        return 2, f"txl: error: {_argument_message(one_line(str(e)))} (--help lists the options)"
+    if isinstance(e, TrainingError):
+        return 1, f"txl: training stopped: {e}"
+    if isinstance(e, NonFiniteError):
+        return 1, f"txl: error: {e}"
+    if isinstance(e, FileNotFoundError):
+        return 2, f"txl: error: {e.filename}: {e.strerror}" if e.filename else f"txl: error: {e}"
+    if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:  # a file where a folder must be
+        return 2, f"txl: error: {e.filename}: {e.strerror} (a file is in the way of a folder: choose another path)"
+    if isinstance(e, OSError):
+        where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        return 1, f"txl: error: {where} (check that folder's permissions and free space)"
+    if isinstance(e, ValueError):  # ConfigError, DataError, CheckpointError and bad values
+        return 2, f"txl: error: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["lm-eval"], ["lm_eval"]):  # EleutherAI's harness, its own command line (txl.lm_harness)
+        try:
+            from txl.lm_harness import cli as lm_eval_cli
+        except ImportError as e:
+            print(f"txl: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        lm_eval_cli(argv[1:])
+        return
+    try:
+        run(normalize_argv(argv))
+    except Exception as e:
+        handled = None if os.environ.get("TXL_DEBUG") else _error(e)
+        if handled is None:
+            raise
+        code, message = handled
+        configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [
+            a.split("=", 1)[1] for a in argv if a.startswith("--config=")
+        ]
+        if configs and "Problems parsing config:" in message:  # (the recipe's checks name its line: name its file)
+            message = message.replace("Problems parsing config:", f"{configs[-1]}:")
+        print(message, file=sys.stderr)
+        raise SystemExit(code) from None

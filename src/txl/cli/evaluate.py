@@ -1,0 +1,200 @@
+"""``txl eval``: score a text with a model (with a memory, or a sliding window)."""
+
+from __future__ import annotations
+
+import json as _json
+import sys
+from pathlib import Path
+from typing import Literal
+
+from txl.cli.common import _check_eval_memory, _set_threads
+from txl.config import Precision, Split
+
+
+def eval(
+    model: Path | None = None,
+    data: str | None = None,
+    dataset: str | None = None,
+    split: Split | None = None,
+    tgt_len: int | None = None,
+    mem_len: int | list[int] | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    precision: Precision = "fp32",
+    device: str = "auto",
+    threads: int | None = None,
+    encoding_errors: Literal["strict", "replace"] | None = None,
+    raw_text: bool | None = None,
+    sliding_window: int | None = None,
+    stride: int = 1,
+    plot: Path | None = None,
+    json: bool = False,
+    zero_memory: bool = False,
+) -> None:
+    """Score a text with a model: mean loss and ppl (words) or bpc (characters/bytes), with the settings used.
+
+    The text is read with the model's own tokenizer.json. Settings not given come from the run's `eval` section
+    (saved in every checkpoint), else from the model.
+
+    Args:
+        model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder with tokenizer.json.
+        data: A text file (scored whole) or a folder of text ({split}.txt, {split}/*.txt, or documents); default: the
+            run's dataset.
+        dataset: Layout of a --data folder when it is one of the paper's datasets (wt103, enwik8, ...); default: a
+            folder of .txt files. How the text is tokenized always comes from the model.
+        split: train, valid or test (default: the run's eval.split, else test).
+        tgt_len: Segment length.
+        mem_len: Memory length (the paper evaluates with a longer memory than in training), or a list of lengths
+            (a memory sweep: '[0, 64, 128, 256]' or 0,64,128,256), one line each and a plot of the metric against it.
+        clamp_len: Relative distances above this share one position embedding (-1: none).
+        same_length: Every query attends to the same number (mem_len) of keys.
+        batch_size: Columns evaluated in parallel.
+        max_batches: Stop after this many batches (default: the whole text).
+        precision: fp32, bf16 or fp16 (CUDA).
+        device: cpu, cuda, cuda:N or auto.
+        threads: torch CPU threads (default: torch's, one per core).
+        encoding_errors: strict (a non-UTF-8 byte is an error naming file and line) or replace (read as U+FFFD);
+            default: the run's data.encoding_errors, else strict.
+        raw_text: The --data file is raw text (a new document): read it through the tokenizer's raw-text pipeline
+            (Moses for a WikiText-103 model, text8's normalisation); default: as the model's training files were read
+            (the paper's datasets are already tokenized).
+        sliding_window: Score like a vanilla Transformer (Al-Rfou et al.): every prediction sees only this many
+            previous tokens, recomputed from scratch for each window, no memory (the paper's Table 9 baseline).
+        stride: With --sliding_window: slide the window by this many tokens, scoring its last `stride` positions
+            (1: one prediction per window, as the paper does; larger is faster and gives more context-poor scores).
+        plot: With a list of --mem_len: the PNG of the metric against the memory length (default:
+            mem_len_sweep.png).
+        json: Print one JSON object instead of a line of text (one per memory length).
+        zero_memory: Start every column from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code)
+            evaluated: a converted HF model then gives HF's numbers (default: an empty memory, as the original
+            PyTorch code).
+    """
+    import math
+
+    from txl.checkpoint import read_run_config, resolve_model_dir
+    from txl.distributed import World, resolve_device
+    from txl.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
+    from txl.modeling import TransformerXLLM
+    from txl.runtime import configure_allocator, effective_precision
+
+    if model is None:
+        raise ValueError("txl eval needs --model RUN_OR_DIR (a run folder, a step-N checkpoint or a model folder)")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"--max_batches = {max_batches}: must be >= 1 (leave it out to score the whole text)")
+    _set_threads(threads)
+    dev = resolve_device(device, option="--device")
+    precision, note = effective_precision(dev, precision)
+    if note:
+        print(f"txl: note: --precision bf16, but {note}", file=sys.stderr)
+    if dev.type == "cpu":
+        configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.runtime)
+    folder = resolve_model_dir(model)
+    run = read_run_config(folder)
+    lm = TransformerXLLM.from_pretrained(folder)
+    sweep = mem_len if isinstance(mem_len, list) else None
+    if sweep is not None and (not sweep or sliding_window is not None):
+        raise ValueError("--mem_len as a list needs at least one length, and no --sliding_window")
+    if sweep is None and plot is not None:
+        raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
+    given = dict(split=split, batch_size=batch_size, tgt_len=tgt_len, clamp_len=clamp_len, same_length=same_length)
+    settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [mem_len]]
+    for es in settings_list:
+        _check_eval_memory(lm.config, es, sliding_window)
+    s = settings_list[0]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"--sliding_window = {sliding_window}: must be >= 1")
+    if sliding_window is not None and not 1 <= stride <= sliding_window:
+        raise ValueError(f"--stride = {stride}: must be in [1, --sliding_window = {sliding_window}]")
+    if sliding_window is None and stride != 1:
+        raise ValueError("--stride needs --sliding_window")
+    if raw_text and (data is None or not Path(data).is_file()):
+        raise ValueError("--raw_text applies to a --data file (a document to score)")
+    text = eval_text(folder, run, s.split, data, dataset, encoding_errors, raw_text)
+    if sliding_window is not None:
+        if zero_memory:
+            raise ValueError("--zero_memory gives the memory a start; --sliding_window reads without a memory")
+        _sliding_eval(lm.to(dev), text, s, folder, sliding_window, stride, max_batches, precision, dev, json)
+        return
+    name = metric_name(text.tokenizer.kind)
+    points = []
+    for s in settings_list:
+        res = evaluate(
+            lm.to(dev),
+            text.ids,
+            batch_size=s.batch_size,
+            tgt_len=s.tgt_len,
+            mem_len=s.mem_len,
+            clamp_len=s.clamp_len,
+            same_length=s.same_length,
+            max_batches=max_batches,
+            precision=precision,
+            world=World(device=dev),
+            zero_memory=zero_memory,
+        )
+        if not math.isfinite(res.loss):
+            raise NonFiniteError(
+                f"the loss on {text.description} is {res.loss}: the model gives a non-finite probability somewhere "
+                f"in it (precision {precision}{'; try --precision fp32' if precision != 'fp32' else ''})"
+            )
+        value = metric_value(res.loss, name)
+        points.append((s.mem_len, value))
+        left = len(text.ids) - 1 - res.tokens if not isinstance(text.ids, list) and max_batches is None else 0
+        if left > 0 and s is settings_list[0]:  # (the reference's batchify: each column holds len // batch tokens)
+            print(
+                f"txl: note: the last {left:,} tokens of the text were not scored: it is cut into {s.batch_size} "
+                "columns of equal length, as the paper's evaluation does (--batch_size 1 scores every token)",
+                file=sys.stderr,
+            )
+        settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
+        settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
+        if zero_memory:
+            settings["zero_memory"] = True
+        if json:
+            record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value}
+            print(_json.dumps(record | {"tokens": res.tokens} | settings, ensure_ascii=False), flush=True)
+        else:
+            label = text.description if data is not None and Path(data).is_file() else s.split
+            print(
+                f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
+                f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size}"
+                f"{', zero memory' if zero_memory else ''} | "
+                f"{res.tokens:,} tokens | {folder}",
+                flush=True,
+            )
+    if sweep:
+        from txl.plot import plot_memory_sweep
+
+        where = plot_memory_sweep(points, name, plot or Path("mem_len_sweep.png"), title=f"{folder} ({s.split})")
+        print(f"plot: {where}", file=sys.stderr if json else sys.stdout)
+
+
+def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batches, precision, dev, json) -> None:
+    """`txl eval --sliding_window`: the vanilla model's evaluation, printed with its settings."""
+    from txl.distributed import World
+    from txl.evaluate import evaluate_sliding, metric_name, metric_value
+
+    res = evaluate_sliding(
+        lm,
+        text.ids,
+        window=window,
+        stride=stride,
+        batch_size=s.batch_size,
+        clamp_len=s.clamp_len,
+        max_batches=max_batches,
+        precision=precision,
+        world=World(device=dev),
+    )
+    name = metric_name(text.tokenizer.kind)
+    value = metric_value(res.loss, name)
+    settings = {"split": s.split, "sliding_window": window, "stride": stride, "mem_len": 0}
+    settings |= {"clamp_len": s.clamp_len, "batch_size": s.batch_size}
+    if json:
+        record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value, "tokens": res.tokens}
+        print(_json.dumps(record | settings, ensure_ascii=False))
+        return
+    print(
+        f"{s.split}: loss {res.loss:.4f} | {name} {value:.4f} | sliding window {window}, stride {stride}, no memory, "
+        f"clamp_len {s.clamp_len}, batch {s.batch_size} windows | {res.tokens:,} tokens | {folder}"
+    )

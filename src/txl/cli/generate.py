@@ -1,0 +1,164 @@
+"""``txl generate``."""
+
+from __future__ import annotations
+
+import json as _json
+import sys
+from pathlib import Path
+
+from txl.cli.common import DEFAULT_GENERATE_THREADS, _reading_dict, _set_threads
+
+
+def generate(
+    model: Path | None = None,
+    prompt: str | None = None,
+    prompt_ids: list[int] | None = None,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    seed: int = 0,
+    stop: str | list[str] | None = None,
+    stop_ids: int | list[int] | None = None,
+    stream: bool = True,
+    threads: int | None = None,
+    json: bool = False,
+    zero_memory: bool = False,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    device: str = "auto",
+) -> None:
+    """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
+
+    Args:
+        model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
+        prompt: Prompt text (encoded with the model's tokenizer.json).
+        prompt_ids: Prompt token ids instead, e.g. 1,2,3 (prints ids as JSON when there is no tokenizer).
+        max_new_tokens: Number of tokens to generate (>= 0).
+        temperature: Sampling temperature (>= 0; 0 = greedy).
+        top_k: Keep only the k most likely tokens (0 = all).
+        top_p: Nucleus sampling threshold in (0, 1] (1 = off); the most likely token is always kept.
+        mem_len: Memory length at generation. The defaults of mem_len, clamp_len and same_length are the model's
+            reading settings, as every command's: the run's eval section, else the model's config (printed on
+            stderr after the text; in the JSON output with --json).
+        clamp_len: Relative distances above this share one position embedding (-1: none).
+        same_length: Every query attends to the same number of keys.
+        seed: Random seed for sampling.
+        stop: Stop after this token, or any of a list of them (each must be one token of the model's tokenizer,
+            e.g. a newline).
+        stop_ids: Stop after this token id, or any of a list of them.
+        stream: Print each token as it is made (false: print the text at the end).
+        threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
+        json: Print a JSON object with the prompt and the new ids (and text) at the end instead of streaming.
+        zero_memory: Start from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code) did: a converted
+            HF model then continues as HF's generate() did (default: an empty memory, as the original PyTorch code).
+        repetition_penalty: Hugging Face's (CTRL's) penalty on every token already in the prompt or the text: its
+            log-probability is multiplied by this (> 1 makes repeats less likely; 1 = none).
+        no_repeat_ngram_size: Never repeat an n-gram of this many tokens of the prompt and the text (0 = off).
+        num_beams: Beam search with this many beams, as Hugging Face's generate() (1 = greedy or sampling; with
+            beams the text is printed at the end, and --temperature must be 0).
+        length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
+        device: cpu, cuda, cuda:N or auto (the GPU if there is one). On a GPU each new token is one CUDA graph
+            replay (txl.static_decode); a seed samples differently there than on the CPU (another generator).
+    """
+    import torch
+
+    from txl import native
+    from txl.checkpoint import resolve_model_dir
+    from txl.data import Tokenizer
+    from txl.distributed import resolve_device
+    from txl.evaluate import describe_reading, read_as, reading_settings
+    from txl.generation import Penalties, check_sampling
+    from txl.generation import stream as stream_tokens
+    from txl.modeling import TransformerXLLM
+    from txl.runtime import configure_allocator
+
+    if model is None or (prompt is None) == (prompt_ids is None):
+        raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    penalties = Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    if mem_len is not None and mem_len < 1:
+        raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")
+    _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
+    dev = resolve_device(device, option="--device")
+    if dev.type == "cpu":
+        configure_allocator()
+    folder = resolve_model_dir(model)
+    lm = TransformerXLLM.from_pretrained(folder).to(dev)
+    reading = reading_settings(folder, lm.config, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    if reading.mem_len < 1:
+        raise ValueError(f"{folder}: the model reads with no memory; give --mem_len >= 1 (generation carries one)")
+    mem_len = reading.mem_len
+    read_as(lm, reading)
+    tok_file = folder / "tokenizer.json"
+    tok = Tokenizer.load(tok_file).for_model(lm.config.n_token, tok_file) if tok_file.exists() else None
+    if prompt is not None:
+        if tok is None:
+            raise ValueError(f"{folder}: no tokenizer.json to encode --prompt; use --prompt_ids")
+        prompt_ids = tok.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+    stops = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
+    for text in [stop] if isinstance(stop, str) else stop or []:
+        if tok is None:
+            raise ValueError(f"{folder}: no tokenizer.json to encode --stop; use --stop_ids")
+        hint = " (a line break is --stop $'\\n' in bash, or its id with --stop_ids)" if "\\n" in text else ""
+        try:
+            ids = tok.encode(text)
+        except ValueError as e:
+            raise ValueError(f"--stop {text!r}: {e}{hint}") from None
+        if len(ids) != 1:
+            raise ValueError(f"--stop {text!r} is {len(ids)} tokens for this tokenizer; a stop is one token{hint}")
+        if ids[0] == tok.unk_id and text.strip() != tok.unk_token:  # (it would stop at any unknown word)
+            raise ValueError(f"--stop {text!r} is not in the model's vocabulary (it reads as {tok.unk_token})")
+        stops += ids
+    if any(not 0 <= i < lm.config.n_token for i in stops):
+        raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
+    if dev.type == "cpu" and lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x)
+        print(f"txl: note: {native.status()}", file=sys.stderr)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
+    prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    if num_beams > 1:
+        if temperature != 0:
+            raise ValueError("--num_beams > 1 searches for the likeliest text: give --temperature 0 (no sampling)")
+        from txl.generation import beam_search
+
+        found = beam_search(
+            lm, prompt_tensor, max_new_tokens, num_beams=num_beams,
+            length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros,
+            penalties=penalties,
+        )  # fmt: skip
+        tokens = iter(found[0, len(prompt_ids) :, None])
+        stream = False
+    else:
+        tokens = stream_tokens(
+            lm, prompt_tensor, max_new_tokens, temperature=temperature, top_k=top_k,
+            top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros,
+            penalties=penalties,
+        )  # fmt: skip
+    if json or tok is None or not stream:
+        new = [int(t) for t in tokens]
+        if not (json or tok is None):
+            print(tok.decode(prompt_ids + new))
+            print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)
+            return
+        record = {"prompt_ids": prompt_ids, "new_ids": new, "reading": _reading_dict(reading)}
+        if tok is not None:
+            record["text"] = tok.decode(new)
+        print(_json.dumps(record, ensure_ascii=False))
+        return
+    decoder = tok.stream_decoder()
+    out = sys.stdout
+    out.write("".join(decoder.push(i) for i in prompt_ids))
+    out.flush()
+    for t in tokens:
+        out.write(decoder.push(int(t)))
+        out.flush()
+    out.write(decoder.flush() + "\n")
+    print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)  # (after the text: errors stay one line)

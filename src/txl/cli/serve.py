@@ -1,0 +1,141 @@
+"""``txl serve``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from txl.cli.common import DEFAULT_GENERATE_THREADS, _set_threads
+
+
+def serve(
+    model: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    allow_remote: bool = False,
+    api_key: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    max_prompt_tokens: int = 4096,
+    max_new_tokens: int = 1024,
+    max_score_tokens: int = 200_000,
+    max_mem_len: int = 8192,
+    max_tgt_len: int = 2048,
+    max_stops: int = 16,
+    max_stop_chars: int = 256,
+    max_body_bytes: int = 8 << 20,
+    drain_timeout: float = 30.0,
+    unknown: Literal["error", "replace"] = "error",
+    served_model_name: list[str] | None = None,
+    threads: int | None = None,
+    device: str = "auto",
+) -> None:
+    """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
+    /v1/score, GET /v1/model, GET /health; the API's page at /docs. Concurrent generations are batched step by step.
+
+    Args:
+        model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
+        host: Address to bind (127.0.0.1: this machine only).
+        port: Port to listen on (0 to 65535).
+        allow_remote: Needed to bind any address other than the loopback (the API has no rate limits by client).
+        api_key: Require this key (header Authorization: Bearer KEY) on every endpoint but /health, / and /docs
+            (default: the TXL_API_KEY environment variable, if set).
+        max_batch: Rows in flight at most, whatever their memory lengths (a generation is one, a beam search one per
+            beam, a scored text one; 1: one at a time).
+        max_queue: Requests that may wait for a row; more get 429.
+        max_prompt_tokens: Longest prompt, in tokens.
+        max_new_tokens: Most tokens one request may ask for.
+        max_score_tokens: Longest text /v1/score takes, in tokens.
+        max_mem_len: Longest memory a request may ask for (its keys and values are kept per request).
+        max_tgt_len: Longest segment /v1/score may ask for.
+        max_stops: Most stop strings per request.
+        max_stop_chars: Longest stop string, in characters.
+        max_body_bytes: Largest request body, in bytes (413 beyond).
+        drain_timeout: Seconds that SIGTERM (or Ctrl-C) lets the requests in flight run before ending them with
+            finish_reason shutdown; the exit code is 0 when everything ended cleanly.
+        unknown: Characters outside the model's vocabulary in a prompt or scored text: error (a 400 naming the
+            first) or replace (the tokenizer's replacement symbol); a request's own "unknown" field overrides it.
+        served_model_name: The names OpenAI's "model" field may give (default: the folder's name and txl).
+        threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
+        device: cpu, cuda, cuda:N or auto (the GPU if there is one): where the model runs.
+    """
+    try:
+        import uvicorn
+
+        from txl.serve import DrainingServer, ServeLimits, create_app
+    except ImportError as e:
+        raise ValueError(
+            f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
+        ) from None
+    if model is None:
+        raise ValueError("txl serve needs --model RUN_OR_DIR")
+    if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
+        raise ValueError(f"--host {host}: binding beyond this machine needs --allow_remote true (and an --api_key)")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port = {port}: must be in [0, 65535]")
+    for name, value, low in [("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                             ("max_prompt_tokens", max_prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
+                             ("max_score_tokens", max_score_tokens, 2), ("max_mem_len", max_mem_len, 1),
+                             ("max_tgt_len", max_tgt_len, 1), ("max_stops", max_stops, 0),
+                             ("max_stop_chars", max_stop_chars, 1), ("max_body_bytes", max_body_bytes, 1024),
+                             ("drain_timeout", drain_timeout, 0)]:  # fmt: skip
+        if not value >= low:
+            raise ValueError(f"--{name} = {value}: must be >= {low}")
+    if served_model_name is not None and (not served_model_name or "" in served_model_name):
+        raise ValueError("--served_model_name: give one or more non-empty names")
+    sock = _listen(host, port)  # (before the model loads: a busy port fails at once, before any URL is printed)
+    _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
+    key = api_key or os.environ.get("TXL_API_KEY") or None
+    limits = ServeLimits(
+        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_batch=max_batch, max_queue=max_queue,
+        max_score_tokens=max_score_tokens, max_mem_len=max_mem_len, max_tgt_len=max_tgt_len, max_stops=max_stops,
+        max_stop_chars=max_stop_chars, max_body_bytes=max_body_bytes,
+    )  # fmt: skip
+    app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name)
+    state = app.state.server
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"txl serve: warning: listening on {host}, reachable from other machines"
+              + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
+    where = "" if state.device.type == "cpu" else f", on {state.device}"
+    shown = f"[{host}]" if ":" in host else host
+    from txl.evaluate import describe_reading
+
+    reading = describe_reading(state.reading)
+    print(f"txl serve: http://{shown}:{sock.getsockname()[1]}/ ({state.folder}{where}; reading with {reading})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    import signal
+
+    # uvicorn raises a caught SIGTERM / SIGINT again for the handler it found once it has stopped: a no-op one makes
+    # that a plain return, and the exit code is ours.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    import logging
+
+    # asyncio warns "socket.send() raised exception." for every few writes to a connection its client has closed,
+    # before the server learns that it is gone (a streaming client that leaves): routine here, not a fault.
+    logging.getLogger("asyncio").addFilter(lambda r: r.getMessage() != "socket.send() raised exception.")
+    server = DrainingServer(config, state, drain_timeout)
+    state.on_fatal.append(lambda _failure: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+    if state.failure is not None:
+        print(f"txl serve: stopped: the engine failed ({state.failure})", file=sys.stderr)
+        raise SystemExit(1)
+    if server.clean is False:
+        print("txl serve: stopped: some requests did not end cleanly within --drain_timeout", file=sys.stderr)
+        raise SystemExit(1)
+    print("txl serve: stopped", file=sys.stderr)
+
+
+def _listen(host: str, port: int):
+    """A socket bound to (host, port), or a one-line error if the address is taken or cannot be bound."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        why = "it is in use (another server?): pick another --port" if e.errno == 98 else e.strerror or str(e)
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {why}") from None
