@@ -21,6 +21,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check src tests benchmarks experiments examples
 	$(BIN)/ruff format --check src tests benchmarks experiments examples
+	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml: [tool.importlinter])
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
 browser:

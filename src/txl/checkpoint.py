@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,52 +36,25 @@ import torch
 from txl.config import RunConfig
 from txl.distributed import World, barrier
 from txl.fileio import FolderInUse, FolderLock, fsync_dir, save_torch, write_bytes
-from txl.pretrained import CONFIG_NAME, CheckpointError, hub_hint, read_json
+from txl.pretrained import _STEP, MARKER, METADATA, CheckpointError, is_complete, list_checkpoints, read_json
+from txl.pretrained import (  # (re-exported: where a model is found lives in the lowest layer that reads one)
+    best_checkpoint as best_checkpoint,
+)
+from txl.pretrained import (
+    latest_checkpoint as latest_checkpoint,
+)
+from txl.pretrained import (
+    read_metadata as read_metadata,
+)
+from txl.pretrained import (
+    resolve_model_dir as resolve_model_dir,
+)
 
-MARKER = "COMPLETE"
 RUN_CONFIG = "run.json"
-METADATA = "metadata.json"
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def state_name(rank: int) -> str:
     return f"train_state-rank{rank}.pt"
-
-
-def is_complete(folder: Path) -> bool:
-    return (folder / MARKER).is_file()
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1][1] if ckpts else None
-
-
-def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint with the best validation loss (as recorded by the newest one), else the newest."""
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        return None
-    best = read_metadata(latest).get("best_step")
-    candidate = Path(run_dir) / "checkpoints" / f"step-{best}"
-    return candidate if best is not None and is_complete(candidate) else latest
-
-
-def read_metadata(folder: Path) -> dict[str, Any]:
-    return read_json(Path(folder) / METADATA)
 
 
 def _earlier_checkpoint_hint(folder: Path) -> str:
@@ -112,28 +84,6 @@ def read_run_config(folder: Path) -> RunConfig | None:
     """The run configuration saved in a checkpoint (``run.json``), parsed like a recipe; None for a model folder."""
     path = Path(folder) / RUN_CONFIG
     return RunConfig.from_dict(read_json(path), source=str(path)) if path.is_file() else None
-
-
-def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
-    """A run folder (its best or latest checkpoint), a ``step-N`` folder, or a plain model folder."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(
-            f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder){hub_hint(p)}"
-        )
-    if p.is_file() and (p.parent / CONFIG_NAME).is_file():  # a file of a model folder (its weights, its config)
-        p = p.parent
-    if any((p / name).exists() for name in ("checkpoints", "config.yaml", "train.log")) or p.name == "checkpoints":
-        run = p.parent if p.name == "checkpoints" else p
-        found = best_checkpoint(run) if prefer == "best" else latest_checkpoint(run)
-        if found is None:
-            raise CheckpointError(f"{p}: the run has no complete checkpoint yet")
-        return found
-    if _STEP.match(p.name) and not is_complete(p):
-        raise CheckpointError(f"{p}: incomplete checkpoint (no {MARKER} marker: its writing was interrupted)")
-    if not (p / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{p}: no {CONFIG_NAME} here; expected a run folder, step-N folder or model folder")
-    return p
 
 
 def _write_marker(folder: Path, step: int) -> None:

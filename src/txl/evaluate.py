@@ -33,13 +33,16 @@ from txl.data.download import sha256_file
 from txl.data.errors import DataError
 from txl.data.readers import check_data_path
 from txl.distributed import World, all_reduce_sum
-from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM, supports_kv_cache, transposed_weights
+from txl.modeling import (
+    KVCache,
+    TransformerXLConfig,
+    TransformerXLLM,
+    supports_kv_cache,
+    transposed_weights,
+)
+from txl.modeling import NonFiniteError as NonFiniteError  # (re-exported: it was defined here first)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-class NonFiniteError(RuntimeError):
-    """A model produced NaN or inf where a probability was expected; the message says where."""
 
 
 @dataclass

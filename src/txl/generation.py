@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txl import static_decode
-from txl.evaluate import NonFiniteError
-from txl.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
+from txl.modeling import KVCache, NonFiniteError, TransformerXLLM, supports_kv_cache, transposed_weights
 from txl.runtime import fp32_route
 
 

@@ -47,6 +47,10 @@ from txl.pretrained import PretrainedMixin, model_folder, read_config, write_con
 # ---------------------------------------------------------------------------------------------------------
 
 
+class NonFiniteError(RuntimeError):
+    """A model produced NaN or inf where a probability was expected; the message says where."""
+
+
 HF_CONFIG_NAMES = {"vocab_size": "n_token", "tie_word_embeddings": "tie_weight"}
 """Hugging Face's TransfoXLConfig names of fields that txl calls by the paper's names."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Self
@@ -263,9 +264,7 @@ def model_folder(directory: str | os.PathLike) -> Path:
     neither)."""
     if (Path(directory) / CONFIG_NAME).is_file():
         return Path(directory)
-    from txl.checkpoint import resolve_model_dir  # (a run folder, or a clear error naming what it expected)
-
-    return resolve_model_dir(directory)
+    return resolve_model_dir(directory)  # (a run folder, or a clear error naming what it expected)
 
 
 def read_config(config_class: type, directory: str | os.PathLike):
@@ -368,3 +367,68 @@ class PretrainedMixin:
                 stacklevel=2,
             )
         return model.eval()
+
+
+# ---- Where a model is: a model folder, a run's step-N checkpoint, or a run folder (its best or latest) ----
+
+MARKER = "COMPLETE"
+METADATA = "metadata.json"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint with the best validation loss (as recorded by the newest one), else the newest."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None
+    best = read_metadata(latest).get("best_step")
+    candidate = Path(run_dir) / "checkpoints" / f"step-{best}"
+    return candidate if best is not None and is_complete(candidate) else latest
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    return read_json(Path(folder) / METADATA)
+
+
+def resolve_model_dir(path: str | os.PathLike, prefer: str = "best") -> Path:
+    """A run folder (its best or latest checkpoint), a ``step-N`` folder, or a plain model folder."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(
+            f"{p}: not found (expected a run folder, a checkpoint step-N folder or a model folder){hub_hint(p)}"
+        )
+    if p.is_file() and (p.parent / CONFIG_NAME).is_file():  # a file of a model folder (its weights, its config)
+        p = p.parent
+    if any((p / name).exists() for name in ("checkpoints", "config.yaml", "train.log")) or p.name == "checkpoints":
+        run = p.parent if p.name == "checkpoints" else p
+        found = best_checkpoint(run) if prefer == "best" else latest_checkpoint(run)
+        if found is None:
+            raise CheckpointError(f"{p}: the run has no complete checkpoint yet")
+        return found
+    if _STEP.match(p.name) and not is_complete(p):
+        raise CheckpointError(f"{p}: incomplete checkpoint (no {MARKER} marker: its writing was interrupted)")
+    if not (p / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{p}: no {CONFIG_NAME} here; expected a run folder, step-N folder or model folder")
+    return p

@@ -683,7 +683,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """The tokenizer of a model folder, run folder or checkpoint (its ``tokenizer.json``)."""
-        from txl.checkpoint import resolve_model_dir
+        from txl.pretrained import resolve_model_dir
 
         path = Path(path)
         if path.is_file() or (path / "tokenizer.json").is_file():
