@@ -1,0 +1,107 @@
+"""Every fast path is a backend of an operation whose specification is the model's reference code: one
+parametrized test turns each field of txl.backends.Backends off in turn and holds what the model computes with
+every backend on to what it computes with that one off - training (loss and every gradient, over two segments
+with the memory) and inference (a K/V-cached prompt with left padding, then one-token steps past the memory's
+end, so that its window wraps) - in fp32 and under bf16 autocast, on odd shapes (3 heads of 12, segments of 7,
+an adaptive softmax with div_val 2). Dropout backends are held to dropout's own definition instead (their random
+streams differ by design): every output is 0 or x / (1 - p), at a rate near p, and the backward uses the same
+mask."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.conftest import debug_config
+from txl import Backends, TransformerXLLM, use_backends
+from txl.modeling import Dropout, KVCache, transposed_weights
+from txl.runtime import native_bf16
+
+FIELDS = [f.name for f in dataclasses.fields(Backends)]
+DROPOUTS = ("native_dropout", "native_relu_dropout")
+CONFIG = dict(n_token=60, d_model=24, d_embed=24, n_head=3, d_head=12, d_inner=40, n_layer=2, mem_len=5,
+              cutoffs=[20, 40], div_val=2, tie_projs=[False, True, True], clamp_len=9, same_length=True,
+              init_std=0.1, proj_init_std=0.1)  # fmt: skip  (scores of a trained model's size: bf16 rounds them)
+
+
+def off(field: str) -> dict:
+    """The policy with ``field``'s backend off (for the device list: SDPA in training on the CPU too, the
+    non-default choice, so that the CPU runs the path a GPU takes)."""
+    return {field: ("cpu",) if field == "sdpa_training_devices" else False}
+
+
+def train(model, x, y, precision: str):
+    model.zero_grad(set_to_none=True)
+    model.train()
+    mems, total = None, 0.0
+    for seg in (slice(0, 7), slice(7, 14)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = model(x[:, seg], y[:, seg], mems=mems)
+        out.loss.float().backward()
+        mems, total = out.mems, total + float(out.loss.detach())
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def infer(model, prompt, padding, steps):
+    model.eval()
+    with torch.no_grad(), transposed_weights():  # (as txl.evaluate, generation and the server read)
+        cache = KVCache(model.config, prompt.shape[0], model.config.mem_len, prompt.shape[1])
+        out = [model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs[:, -1]]
+        for t in range(steps.shape[1]):
+            out.append(model(steps[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1])
+        scored = model(prompt, prompt, padding=padding).losses  # (the NLL of a padded batch, no cache)
+    return torch.stack(out), scored
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("field", [f for f in FIELDS if f not in DROPOUTS])
+def test_each_backend_computes_what_the_reference_computes(field, precision):
+    if precision == "bf16" and not native_bf16(torch.device("cpu")):
+        pytest.skip("bf16 autocast is emulated on this CPU (txl trains in fp32 there)")
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(**CONFIG))
+    x = torch.randint(0, 60, (3, 15))
+    prompt, steps = torch.randint(0, 60, (3, 6)), torch.randint(0, 60, (3, 9))  # (9 steps: past mem_len 5)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, :2] = True
+    results = {}
+    for name, policy in (("on", {}), ("off", off(field))):
+        with use_backends(**policy):
+            results[name] = train(model, x[:, :-1], x[:, 1:], precision), infer(model, prompt, padding, steps)
+    (loss_on, grads_on), (logp_on, nll_on) = results["on"]
+    (loss_off, grads_off), (logp_off, nll_off) = results["off"]
+    tol = dict(rtol=2e-2, atol=2e-2) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
+    assert loss_on == pytest.approx(loss_off, rel=tol["rtol"])
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    for name in grads_on:
+        if precision == "bf16":  # (bf16 rounds each backend's sums differently: the gradient as a whole)
+            err = (grads_on[name] - grads_off[name]).norm() / grads_off[name].norm().clamp_min(1e-12)
+            assert err < 6e-2, (name, float(err))  # (a wrong shift or mask errs by O(1))
+        else:
+            torch.testing.assert_close(grads_on[name], grads_off[name], **tol, msg=name)
+    torch.testing.assert_close(logp_on, logp_off, rtol=1e-4, atol=1e-4)  # (inference runs in fp32)
+    torch.testing.assert_close(nll_on, nll_off, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("field", DROPOUTS)
+def test_each_dropout_backend_is_dropout(field, precision):
+    if precision == "bf16" and not native_bf16(torch.device("cpu")):
+        pytest.skip("bf16 autocast is emulated on this CPU (txl trains in fp32 there)")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    p = 0.3
+    drop = Dropout(p).train()
+    for policy in ({}, off(field)):
+        with use_backends(**policy):
+            x = (torch.rand(64, 513) + 0.5).to(dtype).requires_grad_()
+            relu = field == "native_relu_dropout"
+            y = drop.relu(x) if relu else drop(x)
+            kept = y != 0
+            expected = x.detach() / (1 - p)
+            torch.testing.assert_close(y[kept], expected[kept], rtol=1e-2 if relu or dtype != torch.float32 else 1e-6,
+                                       atol=0)  # fmt: skip
+            assert abs(1 - kept.float().mean().item() - p) < 0.02
+            y.backward(torch.ones_like(y))
+            torch.testing.assert_close(x.grad, kept.to(dtype) / (1 - p), rtol=1e-2, atol=0)  # (the same mask)
