@@ -21,9 +21,23 @@ from txl.runtime import native_bf16
 
 FIELDS = [f.name for f in dataclasses.fields(Backends)]
 DROPOUTS = ("native_dropout", "native_relu_dropout")
-CONFIG = dict(n_token=60, d_model=24, d_embed=24, n_head=3, d_head=12, d_inner=40, n_layer=2, mem_len=5,
-              cutoffs=[20, 40], div_val=2, tie_projs=[False, True, True], clamp_len=9, same_length=True,
-              init_std=0.1, proj_init_std=0.1)  # fmt: skip  (scores of a trained model's size: bf16 rounds them)
+CONFIG = dict(
+    n_token=60,
+    d_model=24,
+    d_embed=24,
+    n_head=3,
+    d_head=12,
+    d_inner=40,
+    n_layer=2,
+    mem_len=5,
+    cutoffs=[20, 40],
+    div_val=2,
+    tie_projs=[False, True, True],
+    clamp_len=9,
+    same_length=True,
+    init_std=0.1,
+    proj_init_std=0.1,
+)  # fmt: skip  (scores of a trained model's size: bf16 rounds them)
 
 
 def off(field: str) -> dict:
