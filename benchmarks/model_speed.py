@@ -46,7 +46,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from _report import replace_section
-from txl import TransformerXLLM, native
+from txl import TransformerXLLM
+from txl.backends import use_backends
 from txl.config import TrainConfig
 from txl.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.generation import generate
@@ -208,13 +209,8 @@ def measure(name, *, train, warmup, steps, device, precision="fp32", route=False
 def count_flops(runner: Runner) -> float:
     """FLOPs of one more step of ``runner`` (matrix products; the optimizer and element-wise ops add little),
     counted on the PyTorch path (the counter does not see txl's native kernels, which compute the same products)."""
-    enabled = native.ENABLED
-    native.ENABLED = False
-    try:
-        with FlopCounterMode(display=False) as counter:
-            runner.step()
-    finally:
-        native.ENABLED = enabled
+    with use_backends(native_kernels=False), FlopCounterMode(display=False) as counter:
+        runner.step()
     return float(counter.get_total_flops())
 
 

@@ -86,3 +86,13 @@ def test_no_module_keeps_a_switch_of_its_own():
                 switches += [f"{path.relative_to(SRC)}: {t.id}" for t in targets if isinstance(t, ast.Name)]
     assert switches == []
     assert not hasattr(txl.modeling, "NATIVE_ATTENTION") and not hasattr(txl.static_decode, "GRAPH_DECODE")
+    assert not hasattr(native, "ENABLED")  # (TXL_NATIVE now sets the process policy's native_kernels)
+
+
+def test_the_native_kernels_follow_the_policy_and_txl_native(monkeypatch):
+    with use_backends(native_kernels=False):
+        assert native.library() is None and "off" in native.status()
+    monkeypatch.setenv("TXL_NATIVE", "0")
+    assert Backends().native_kernels is False
+    monkeypatch.setenv("TXL_NATIVE", "1")
+    assert Backends().native_kernels is True

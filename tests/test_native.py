@@ -181,7 +181,7 @@ def test_generation_through_the_cli_runs_the_kernel_and_matches_the_pytorch_path
     main([*args, "--json"])
     assert calls.n == 39  # every token after the first came from a native step
     with_kernel = json.loads(capsys.readouterr().out)
-    monkeypatch.setattr(native, "ENABLED", False)
+    set_backends(native_kernels=False)
     main([*args, "--json"])
     assert calls.n == 39
     assert json.loads(capsys.readouterr().out) == with_kernel

@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _native_from_env() -> bool:
+    """``TXL_NATIVE=0`` (or false, no, off) starts a process with the native kernels off."""
+    return os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class Backends:
     """The fast paths that may run (each True: where it can; False: the reference kernels instead)."""
 
+    native_kernels: bool = field(default_factory=_native_from_env)
+    """Every kernel of :mod:`txl.native` (built with the machine's C compiler on first use); off: the PyTorch path
+    everywhere. The default comes from ``TXL_NATIVE`` (``TXL_NATIVE=0``: off)."""
     native_attention: bool = True
     """The attention of attn_type 0 as one native call per head where it can (fp32 on the CPU, a C compiler to build
     it): in inference (evaluation, prompts, :func:`txl.native.attention`) the (b)+(d) product, the shift, the mask,
@@ -62,8 +71,13 @@ class Backends:
 
     def describe(self) -> str:
         """One line for a log: which fast paths are off (all on: the default)."""
+        default = Backends()
         off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
-        changed = [f.name for f in dataclasses.fields(self) if f.name not in off and getattr(self, f.name) != f.default]
+        changed = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in off and getattr(self, f.name) != getattr(default, f.name)
+        ]
         if not off and not changed:
             return "fast paths: all that can run"
         parts = [f"off: {', '.join(off)}"] if off else []

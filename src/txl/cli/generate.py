@@ -69,6 +69,7 @@ def generate(
     import torch
 
     from txl import native
+    from txl.backends import backends
     from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
     from txl.distributed import resolve_device
@@ -119,7 +120,9 @@ def generate(
         stops += ids
     if any(not 0 <= i < lm.config.n_token for i in stops):
         raise ValueError(f"--stop_ids must be token ids in [0, {lm.config.n_token})")
-    if dev.type == "cpu" and lm.config.attn_type == 0 and native.ENABLED and native.library() is None:  # (2-3x)
+    if (
+        dev.type == "cpu" and lm.config.attn_type == 0 and backends().native_kernels and native.library() is None
+    ):  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
     g = torch.Generator(device=dev).manual_seed(seed)
     zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None

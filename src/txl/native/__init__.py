@@ -17,8 +17,8 @@ The library is compiled the first time it is needed (``cc -O3 -march=native -fop
 ``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
 and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
 txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or
-``txl.native.ENABLED = False``) turns the kernels off; ``TXL_NATIVE_CFLAGS`` replaces the compiler flags (e.g.
-``"-O3 -march=x86-64-v3 -fopenmp"`` for one library that runs on every AVX2 machine of a cluster).
+``txl.set_backends(native_kernels=False)``) turns the kernels off; ``TXL_NATIVE_CFLAGS`` replaces the compiler
+flags (e.g. ``"-O3 -march=x86-64-v3 -fopenmp"`` for one library that runs on every AVX2 machine of a cluster).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-ENABLED = os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
-"""Whether the native kernels may run (``TXL_NATIVE=0`` sets it False)."""
+from txl.backends import backends
+
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))  # the first that builds
@@ -152,8 +152,6 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
     """Compile (or find) and load the library: (library, "" or why there is none, its path)."""
-    if not ENABLED:
-        return None, "turned off (TXL_NATIVE=0 or txl.native.ENABLED = False)", None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None, "no C compiler found (install gcc, or set CC)", None
@@ -194,7 +192,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded library (built on the first call), or None if there is none (see :func:`status`)."""
+    """The loaded library (built on the first call), or None if there is none or the policy turns the kernels off
+    (see :func:`status`)."""
+    if not backends().native_kernels:
+        return None
     if "lib" not in _LIB:
         with _LOCK:
             if "lib" not in _LIB:
@@ -207,8 +208,8 @@ def status() -> str:
     """One line: whether the native kernels (decoding step, attention, dropout, softmax NLL) are used, and where they
     were built or why they are not."""
     what = "native kernels (decoding step, attention, dropout, softmax NLL)"
-    if not ENABLED:
-        return f"{what}: off (TXL_NATIVE=0)"
+    if not backends().native_kernels:
+        return f"{what}: off (TXL_NATIVE=0, or txl.set_backends(native_kernels=False))"
     if library() is None:
         return f"{what}: not available, PyTorch path used ({_LIB['why']})"
     return f"{what}: on ({_LIB['path']})"
@@ -216,7 +217,12 @@ def status() -> str:
 
 def _ready() -> ctypes.CDLL | None:
     """The library, where the kernels may run now: turned on, built, no graph being traced, compiled or exported."""
-    if not ENABLED or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing():
+    if (
+        not backends().native_kernels
+        or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.jit.is_tracing()
+    ):
         return None
     return _LIB["lib"] if "lib" in _LIB else library()
 
