@@ -86,8 +86,8 @@ class Backends:
 
     def to_dict(self) -> dict:
         """The policy as JSON takes it (tuples as lists)."""
-        return {f.name: (lambda v: list(v) if isinstance(v, tuple) else v)(getattr(self, f.name))
-                for f in dataclasses.fields(self)}  # fmt: skip
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 _process = [Backends()]  # the process's policy (threads without a use_backends block of their own read it)

@@ -140,6 +140,8 @@ def free_space(folder: str | os.PathLike) -> int:
 def check_space(folder: str | os.PathLike, needed: int, what: str, advice: str) -> None:
     """Refuse (a ValueError, one line) to begin writing about ``needed`` bytes into ``folder`` where the disk has
     less free: the write would fail part-way instead, after minutes or hours of work."""
+    if needed <= 0:
+        return
     free = free_space(folder)
     if needed > free:
         raise ValueError(
@@ -226,12 +228,6 @@ class FolderLock:
             _HELD.discard(self.path.parent.resolve())
             if restore and self._made_dir and not any(self.path.parent.iterdir()):
                 self.path.parent.rmdir()
-
-    def __enter__(self) -> FolderLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def _locked_folder_around(target: Path) -> Path | None:

@@ -550,11 +550,11 @@ class Trainer:
         self.reporter.start_at(self.step)
         batches = self.train_iter.forever()
         reason = None
-        route = CheckedRoute() if self.fp32_route else None
-        self.route = route
+        self.route = CheckedRoute() if self.fp32_route else None
+        checks = contextlib.ExitStack()  # (the route's checks around every step and validation)
         try:
-            if route is not None:
-                route.__enter__()
+            if self.route is not None:
+                checks.enter_context(self.route)
             while (reason := self._stop_reason()) is None:
                 t0 = time.perf_counter()
                 batch = next(batches)
@@ -581,9 +581,9 @@ class Trainer:
             path = self.save() if self.last_saved != self.step else latest_checkpoint(self.run_dir)
             self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
         finally:
-            if route is not None:
-                route.__exit__(None, None, None)
-                self.say(f"runtime: {route.describe()}")
+            checks.close()
+            if self.route is not None:
+                self.say(f"runtime: {self.route.describe()}")
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             self.reporter.close()

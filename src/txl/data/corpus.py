@@ -402,8 +402,7 @@ def _prepare(
         meta_path.unlink()
     elif any(p.name != LOCK for p in folder.iterdir()):
         reason = "an earlier build did not finish"
-    log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")
-    folder.mkdir(parents=True, exist_ok=True)
+    log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")  # (its lock made the folder)
     tok = _build_tokenizer(cfg, settings, layout)
     text_bytes = sum(r.stop() - r.start for ranges in layout.splits.values() for r in ranges)
     per_token = 1 if tok.kind in ("char", "byte") else BYTES_PER_WORD  # (a char per byte at most; words longer)
