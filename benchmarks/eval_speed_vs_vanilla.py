@@ -9,7 +9,7 @@ One model (the bench-char shape of ``BENCH.md``: 6 layers, d_model 256; random w
 1 for Transformer-XL, fp32, 2 threads. For an attention length L:
 
 * **Transformer-XL**: segments of ``--tgt_len`` (128) with a full memory of L - tgt_len kept as keys and values
-  (what ``txl.evaluate`` does), so the last query of a segment attends to L keys; time per scored token;
+  (what ``txl.infer.evaluate`` does), so the last query of a segment attends to L keys; time per scored token;
 * **vanilla**: windows of L tokens, each scoring its last position, recomputed for every prediction (stride 1,
   what ``txl.evaluate_sliding`` does after its first window, as Al-Rfou et al. evaluate), ``--windows`` windows
   per batch; time per scored token.
@@ -27,8 +27,8 @@ import torch
 
 from _report import replace_section
 from model_speed import cpu_description
-from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
-from txl.runtime import configure_allocator, median_time
+from txl.kernels.runtime import configure_allocator, median_time
+from txl.model.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 
 HEADING = "## Evaluation speed against a vanilla Transformer (Table 9)"  # --quick
 HEADING_FULL = "## Table 9 at the paper's attention lengths"

@@ -1,6 +1,6 @@
 """Generation on a CUDA GPU, side by side in one run: txl's one-token step replayed as a CUDA graph
-(``txl.static_decode``, the default there), the same K/V-cached step launched kernel by kernel
-(``txl.backends.set_backends(graph_decode=False)``), and Hugging Face TransfoXL's ``generate()``.
+(``txl.infer.static_decode``, the default there), the same K/V-cached step launched kernel by kernel
+(``txl.kernels.backends.set_backends(graph_decode=False)``), and Hugging Face TransfoXL's ``generate()``.
 
     python benchmarks/gpu_generation.py --write docs/benchmarks.md     # on a machine with CUDA
 
@@ -23,9 +23,9 @@ import torch
 
 from _report import replace_section
 from model_speed import Timer, build_pair, uncached_greedy
-from txl import static_decode
-from txl.backends import set_backends
-from txl.generation import generate, stream
+from txl.infer import static_decode
+from txl.infer.generation import generate, stream
+from txl.kernels.backends import set_backends
 
 HEADING = "## Generation on a GPU: the one-token step as a CUDA graph"
 PROMPT, MEM = 128, 640

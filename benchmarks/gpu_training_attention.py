@@ -16,7 +16,7 @@ import torch
 
 import model_speed
 from model_speed import CASES, PAPER_CASES, Runner, Timer, build_pair
-from txl.backends import set_backends
+from txl.kernels.backends import set_backends
 
 FUSED, EXPLICIT = ("cuda",), ()
 

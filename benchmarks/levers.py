@@ -5,10 +5,11 @@
 On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), the same weights and inputs:
 
 * train step (forward + backward + optimizer, mem_len 128): the attention's forward and backward as native calls
-  per head (``txl.native``; off: the PyTorch kernels), the rel_shift's own backward and the mask as an added bias
+  per head (``txl.kernels.native``; off: the PyTorch kernels), the rel_shift's own backward and the mask as an added
+  bias
   (levers of the PyTorch kernels' path: off with the native attention off too; off: autograd's generic backward of
   a strided view, masked_fill), the projections of [memory; segment] with one backward (off: ``F.linear`` per
-  slice, with the memory's input gradient), the native one-pass dropout (``txl.native``; off: the PyTorch mask
+  slice, with the memory's input gradient), the native one-pass dropout (``txl.kernels.native``; off: the PyTorch mask
   below), the feed-forward's relu and dropout as one native pass each way (off: relu, then the dropout), the CPU
   dropout mask from 24-bit halves of 64-bit random words (off, with the native one: ``F.dropout``), the fused Adam
   kernel (off: the foreach and the for-loop Adam), fp32 GEMMs routed through oneDNN (a lever txl turns on only
@@ -17,16 +18,16 @@ On the ``BENCH.md`` bench-char shapes (batch 8 x tgt_len 128, 2 threads, fp32), 
 * bf16 train step (autocast, where the CPU has native bf16): the attention scores summed and masked in bf16 (off:
   upcast to fp32 first; the softmax computes in fp32 either way) and the native dropout (off: the PyTorch mask);
 * evaluation (mem_len 640): the cross-segment K/V cache (off: the memory's hidden states re-projected every
-  segment), the attention as one native call per head (``txl.native``; off: the (b)+(d) product, the shift, the
+  segment), the attention as one native call per head (``txl.kernels.native``; off: the (b)+(d) product, the shift, the
   mask and SDPA as PyTorch kernels) and the padded shift whose view takes the mask in place (off together with the
   native attention, whose path it is: the unpadded shift, and the mask added into a copy of the scores);
 * generation (batch 1, 128-token prompt, mem_len 640, greedy): K/V-cached decoding (off: the whole memory
   re-projected for every new token), the transposed-weight form of one-row products (off: ``F.linear``; with the
-  native step on, only the prompt's products take it), the one-token step as one native call (``txl.native``;
+  native step on, only the prompt's products take it), the one-token step as one native call (``txl.kernels.native``;
   off: the PyTorch loop below) and the one-token step as one loop over the layers' weights
   (``TransformerXL._decode``, which runs the native call where it can; off: the layers' own path);
 * bench-word (adaptive softmax) train step and evaluation: the adaptive softmax's NLL per cluster by
-  ``txl.native`` (from the logits in training; in evaluation from the hidden states, no logits stored; off: the
+  ``txl.kernels.native`` (from the logits in training; in evaluation from the hidden states, no logits stored; off: the
   logits kernel, or log_softmax + gather), and in training the native attention (off: the PyTorch kernels).
 
 Rounds alternate between the variants; medians (min-max) of tokens/s. gain = all levers / lever off.
@@ -50,11 +51,11 @@ import torch.nn.functional as F
 
 from _report import replace_section
 from model_speed import build_pair, cpu_description, uncached_greedy
-from txl import modeling
-from txl.backends import use_backends
-from txl.generation import generate
-from txl.modeling import KVCache, TransformerXLConfig, TransformerXLLM
-from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
+from txl.infer.generation import generate
+from txl.kernels.backends import use_backends
+from txl.kernels.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
+from txl.model import adaptive, attention, modeling, positions
+from txl.model.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 
 HEADING = "## What each speed lever gives"
 BATCH, TGT = 8, 128
@@ -93,12 +94,12 @@ def torch_attention_without(owner, name: str, value):
 
 TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer options)
     "all levers": (contextlib.nullcontext, {"fused": True}),
-    "attention forward + backward as native calls (txl.native)": (
+    "attention forward + backward as native calls (txl.kernels.native)": (
         lambda: use_backends(native_attention=False),
         {"fused": True},
     ),
     "rel_shift backward (and the native attention)": (
-        lambda: torch_attention_without(modeling._RelShift, "apply", generic_shift),
+        lambda: torch_attention_without(positions._RelShift, "apply", generic_shift),
         {"fused": True},
     ),
     "mask as an added bias (and the native attention)": (
@@ -106,8 +107,8 @@ TRAIN_LEVERS = {  # lever -> (context manager that turns it off, optimizer optio
         {"fused": True},
     ),
     "projections' one backward": (lambda: use_backends(segment_projection=False), {"fused": True}),
-    "native dropout (txl.native)": (lambda: use_backends(native_dropout=False), {"fused": True}),
-    "feed-forward relu + dropout in one pass (txl.native)": (
+    "native dropout (txl.kernels.native)": (lambda: use_backends(native_dropout=False), {"fused": True}),
+    "feed-forward relu + dropout in one pass (txl.kernels.native)": (
         lambda: use_backends(native_relu_dropout=False),
         {"fused": True},
     ),
@@ -180,7 +181,7 @@ def bf16_train_levers(warmup: int, steps: int) -> dict[str, list[float]]:
     variants = (
         ("all levers", contextlib.nullcontext),
         ("half-precision scores", fp32_scores),
-        ("native dropout (txl.native)", torch_mask),
+        ("native dropout (txl.kernels.native)", torch_mask),
     )
     cases = {
         name: TrainCase(copy.deepcopy(base), stream, off, {"fused": True}, bf16=True).step for name, off in variants
@@ -212,13 +213,13 @@ def eval_levers(warmup: int, steps: int) -> dict[str, list[float]]:
 
     @contextlib.contextmanager
     def unpadded():  # (the padded shift is the PyTorch kernels' path: with the native attention off too)
-        with torch_attention(), mock.patch.object(modeling, "shift_padding", lambda klen: 0):
+        with torch_attention(), mock.patch.object(attention, "shift_padding", lambda klen: 0):
             yield
 
     cases = {
         "all levers": segments(),
         "K/V cache": segments(cached=False),
-        "attention as one native call per head (txl.native)": segments(torch_attention),
+        "attention as one native call per head (txl.kernels.native)": segments(torch_attention),
         "padded shift, mask added in place (and the native attention)": segments(unpadded),
     }
     return alternate(cases, warmup, steps, BATCH * TGT)
@@ -228,7 +229,8 @@ def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[s
     """bench-word (adaptive input and softmax; random tokens, so 7 in 8 targets are in a tail cluster): the
     training step with the softmax NLL from the logits (off: log_softmax + gather and their backward) and the native
     attention forward and backward (off: the PyTorch kernels), and the
-    evaluation step (inside ``transposed_weights()``, as ``txl.evaluate`` runs it) with the NLL without logits (off:
+    evaluation step (inside ``transposed_weights()``, as ``txl.infer.evaluate`` runs it) with the NLL without logits
+    (off:
     from the logits; both off: log_softmax + gather)."""
     _, base = build_pair("bench-word")
     stream = torch.randint(0, 32000, (BATCH, TGT * 16 + 1), generator=torch.Generator().manual_seed(0))
@@ -236,8 +238,8 @@ def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[s
     torch_attention = lambda: use_backends(native_attention=False)  # noqa: E731
     variants = (
         ("all levers", contextlib.nullcontext),
-        ("softmax NLL from the logits (txl.native)", no_nll),
-        ("attention forward + backward as native calls (txl.native)", torch_attention),
+        ("softmax NLL from the logits (txl.kernels.native)", no_nll),
+        ("attention forward + backward as native calls (txl.kernels.native)", torch_attention),
     )
     train = {name: TrainCase(copy.deepcopy(base).train(), stream, off, {"fused": True}).step for name, off in variants}
     model = base.eval()
@@ -256,11 +258,11 @@ def word_levers(warmup: int, steps: int) -> tuple[dict[str, list[float]], dict[s
         return step
 
     def with_logits():  # (the NLL kernel on logits: what runs outside transposed_weights())
-        return mock.patch.object(modeling, "_SCOPES", [0])
+        return mock.patch.object(adaptive, "weight_copies", lambda: None)
 
     evaluation = {
         "all levers": segments(),
-        "softmax NLL without the logits (txl.native)": segments(with_logits),
+        "softmax NLL without the logits (txl.kernels.native)": segments(with_logits),
         "softmax NLL, both kernels (off: log_softmax + gather)": segments(no_nll),
     }
     with modeling.transposed_weights():
@@ -284,7 +286,7 @@ def generation_levers(repeats: int, new_tokens: int) -> dict[str, list[float]]:
         "all levers": run,
         "K/V-cached decoding": lambda: uncached_greedy(model, prompt, new_tokens, 640),
         "transposed weights for one-row products": lambda: with_backends(run, transposed_weights=False),
-        "one-token steps as one native call (txl.native)": lambda: with_backends(run, native_decode=False),
+        "one-token steps as one native call (txl.kernels.native)": lambda: with_backends(run, native_decode=False),
         "one-token steps as one loop over the weights": lambda: with_backends(run, fast_decode=False),
     }
     return alternate(cases, 1, repeats, new_tokens)
@@ -294,7 +296,7 @@ ALLOC_SCRIPT = """
 import json, sys, torch
 sys.path[:0] = {paths!r}
 torch.set_num_threads(2)
-from txl.runtime import configure_allocator
+from txl.kernels.runtime import configure_allocator
 if {alloc}:
     configure_allocator()
 import levers

@@ -5,22 +5,22 @@ the peak memory of an evaluation with the paper's longest memory.
     make bench            # = .venv/bin/python benchmarks/model_speed.py --write docs/benchmarks.md
     python benchmarks/model_speed.py --device cuda --cases wt103-base --batch 32   # the paper's base model, a GPU
 
-Both models get the same weights (HF's are converted with ``txl.convert``) and the same inputs: a random token
+Both models get the same weights (HF's are converted with ``txl.interop.convert``) and the same inputs: a random token
 stream cut into consecutive segments (batch 8, tgt_len 128), memories carried. Per case: warm-up steps, then timed
 steps that alternate between the implementations so that both see the same machine state; medians, min and max.
 
 * Train step = forward + backward + optimizer step. HF: ``torch.optim.Adam`` with torch's defaults (what the
-  reference code and HF's examples use); txl: its own optimizer (``txl.optim.build_optimizer``: fused Adam).
+  reference code and HF's examples use); txl: its own optimizer (``txl.train.optim.build_optimizer``: fused Adam).
 * Eval = no_grad, mem_len 640 (the memory is full after the warm-up). txl keeps the memory as cached keys/values
   (``KVCache``); HF re-projects it. Both start from an empty memory, so every per-token NLL must agree (reported).
-  txl's steps run inside ``transposed_weights()``, the scope ``txl.evaluate`` opens (its packed output layers for
+  txl's steps run inside ``transposed_weights()``, the scope ``txl.infer.evaluate`` opens (its packed output layers for
   the NLL kernel are kept across segments, as in ``txl eval``); HF's steps are not affected by it.
 * Generation = bench-char model, batch 1, a 128-token prompt, 512 new tokens, mem_len 640, greedy: txl's
   ``generate`` against HF's ``generate()``; new tokens per second over the whole call.
 * MFU = FLOPs of the step (counted by ``torch.utils.flop_counter`` on the PyTorch path: the counter does not see
   txl's native kernels) per second, over the GEMM peak of this machine measured in the same run (the fastest of 7
   2048^3 matrix products, through each exact fp32 route, before and after the cases; the faster of the two).
-* Process settings (``txl.runtime``): glibc's allocator tuning is process-wide, so HF gets it too; the fp32 GEMM
+* Process settings (``txl.kernels.runtime``): glibc's allocator tuning is process-wide, so HF gets it too; the fp32 GEMM
   route through oneDNN is switched on around txl's training steps only (as ``txl train`` and ``txl eval`` use it),
   and only if its start-up check found it exact and faster.
 
@@ -47,14 +47,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from _report import replace_section
 from txl import TransformerXLLM
-from txl.backends import use_backends
 from txl.config import TrainConfig
-from txl.convert import hf_config_to_txl, hf_state_dict_to_txl
-from txl.generation import generate
-from txl.modeling import KVCache, transposed_weights
-from txl.optim import build_optimizer
-from txl.pretrained import load_weights
-from txl.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
+from txl.infer.generation import generate
+from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
+from txl.kernels.backends import use_backends
+from txl.kernels.runtime import choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
+from txl.model.modeling import KVCache, transposed_weights
+from txl.model.pretrained import load_weights
+from txl.train.optim import build_optimizer
 
 CASES = {
     "bench-char": dict(vocab_size=256, cutoffs=[], div_val=1, n_layer=6, tie_projs=[False]),
@@ -191,7 +191,7 @@ def measure(name, *, train, warmup, steps, device, precision="fp32", route=False
     ]
     timer = Timer(device)
     times: dict[str, list[float]] = {"txl": [], "hf": []}
-    # (evaluation: the scope txl.evaluate opens, the weights being fixed; HF's steps are not affected by it)
+    # (evaluation: the scope txl.infer.evaluate opens, the weights being fixed; HF's steps are not affected by it)
     with contextlib.nullcontext() if train else transposed_weights():
         for i in range(warmup + steps):
             for r in runners if i % 2 == 0 else runners[::-1]:
@@ -271,7 +271,7 @@ PEAK_SCRIPT = textwrap.dedent(r"""
     import json, re, sys, torch
     torch.set_num_threads(2)
     from txl import TransformerXLConfig, TransformerXLLM
-    from txl.evaluate import evaluate
+    from txl.infer.evaluate import evaluate
     cfg = TransformerXLConfig(n_token=256, n_layer=6, d_model=256, n_head=8, d_head=32, d_inner=1024, mem_len=128)
     model = TransformerXLLM(cfg)
     data = torch.randint(0, 256, (128 * 36 + 1,)).numpy()  # 36 segments: the memory of 3,800 fills and slides
@@ -394,7 +394,8 @@ def main() -> None:
     ]
     if peak_mem:
         notes.append(
-            f"Peak memory of `txl.evaluate` on bench-char, batch 1, tgt_len 128, mem_len 3,800 (the paper's enwik8 "
+            f"Peak memory of `txl.infer.evaluate` on bench-char, batch 1, tgt_len 128, mem_len 3,800"
+            f" (the paper's enwik8 "
             f"setting), K/V cache: {peak_mem['peak_mib']:,.0f} MiB (whole process)."
         )
     print(table, *notes, sep="\n")

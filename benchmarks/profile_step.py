@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from model_speed import BATCH, TGT, Runner, build_pair
-from txl.runtime import configure_allocator
+from txl.kernels.runtime import configure_allocator
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ def demo_shaped_model(folder: Path) -> Path:
     """A model folder of the demo's shape (random weights) with a byte tokenizer."""
     from txl.config import load_recipe
     from txl.data import Tokenizer
-    from txl.modeling import TransformerXLLM
+    from txl.model.modeling import TransformerXLLM
 
     cfg = load_recipe(ROOT / "configs" / "shakespeare_char.yaml").model
     cfg.n_token = 256

@@ -31,14 +31,14 @@ from unittest import mock
 import torch
 
 from _report import replace_section
-from txl import trainer as trainer_module
 from txl.config import load_recipe
 from txl.data import OrderedIterator, prepare_corpus
-from txl.metrics import read_metrics
-from txl.modeling import TransformerXLConfig, TransformerXLLM
-from txl.optim import build_optimizer
-from txl.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
-from txl.trainer import Trainer
+from txl.kernels.runtime import ALLOCATOR_NOTE, choose_fp32_matmul, configure_allocator, fp32_route, native_bf16
+from txl.model.modeling import TransformerXLConfig, TransformerXLLM
+from txl.train import trainer as trainer_module
+from txl.train.optim import build_optimizer
+from txl.train.trainer import Trainer
+from txl.util.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"shakespeare-char": "shakespeare_char.yaml", "bench-char": "bench_char.yaml", "bench-word": "bench_word.yaml"}

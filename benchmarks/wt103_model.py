@@ -145,7 +145,7 @@ def main() -> None:
     from transformers import TransfoXLTokenizer
 
     from txl import Tokenizer, TransformerXLLM
-    from txl.generation import generate
+    from txl.infer.generation import generate
 
     hf = patched_hf().TransfoXLLMHeadModel.from_pretrained(hf_dir).eval()
     hf.transformer.init_mems = lambda bsz: [torch.zeros(0, bsz, 1024) for _ in range(18)]  # the empty memory

@@ -75,7 +75,7 @@ def txl(*args: str) -> str:
 def row_overrides(name: str, recipe: str, common: list[str]) -> tuple[list[str], int]:
     """The `txl train` options of a row, with d_inner set so that its parameter count is the xl row's (returned)."""
     from txl.config import load_recipe
-    from txl.modeling import TransformerXLLM
+    from txl.model.modeling import TransformerXLLM
 
     rec, attn_type, fraction, _ = ROWS[name]
     opts = {"model": {"attn_type": attn_type}, "train": {"loss_fraction": fraction}}

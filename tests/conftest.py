@@ -55,8 +55,9 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _backends():
-    """A test may choose fast paths with txl.backends.set_backends: the process's policy is put back after it."""
-    from txl.backends import set_backends
+    """A test may choose fast paths with txl.kernels.backends.set_backends: the process's policy is put back after
+    it."""
+    from txl.kernels.backends import set_backends
 
     before = set_backends()
     yield

@@ -16,10 +16,10 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLConfig, TransformerXLLM
-from txl.backends import set_backends
-from txl.evaluate import evaluate
-from txl.generation import generate
-from txl.modeling import KVCache
+from txl.infer.evaluate import evaluate
+from txl.infer.generation import generate
+from txl.kernels.backends import set_backends
+from txl.model.modeling import KVCache
 
 TYPES = [0, 1, 2, 3]
 
@@ -123,7 +123,7 @@ def test_shaw_scores_equal_the_formula():
 def test_absolute_positions_are_indices_in_the_window(attn_type):
     """A key's position is its index j in the window [memory; segment]; the memory stays position-free (the original
     code adds positions into it in place, so they pile up), so the same call twice gives the same result."""
-    from txl.modeling import sinusoid_embedding
+    from txl.model.modeling import sinusoid_embedding
 
     m = model(attn_type, n_layer=1)
     ids = torch.randint(0, 97, (2, 9))
@@ -216,8 +216,8 @@ def test_train_eval_generate_through_the_cli(attn_type, tmp_path, capsys):
     """`txl train --model.attn_type N`: the run's model has the scheme (max_klen derived as tgt_len + ext_len +
     mem_len for learned positions), learns, and `txl eval` / `txl generate` use it."""
     from train_helpers import run_inprocess
-    from txl.checkpoint import resolve_model_dir
     from txl.cli import main
+    from txl.train.checkpoint import resolve_model_dir
 
     run = run_inprocess(tmp_path, model__attn_type=attn_type, train__max_steps=12, train__eval_interval=0)
     folder = resolve_model_dir(run)

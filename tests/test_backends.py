@@ -1,4 +1,5 @@
-"""The fast paths are chosen by one policy (txl.backends), not module switches: a block's choice holds in its own
+"""The fast paths are chosen by one policy (txl.kernels.backends), not module switches: a block's choice holds in its
+own
 thread, the process's in every other, the model reads it at each call, `txl train` prints it and records it with
 each checkpoint, and no module of txl keeps a switch of its own."""
 
@@ -11,11 +12,12 @@ from pathlib import Path
 import torch
 
 import txl
-import txl.modeling
-import txl.static_decode
+import txl.infer.static_decode
+import txl.model.modeling
 from tests.conftest import debug_config
-from txl import Backends, TransformerXLLM, native, set_backends, use_backends
-from txl.backends import backends
+from txl import Backends, TransformerXLLM, set_backends, use_backends
+from txl.kernels import native
+from txl.kernels.backends import backends
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "txl"
 
@@ -59,7 +61,7 @@ def test_the_model_reads_the_policy_at_each_call(monkeypatch):
 
 def test_train_prints_the_policy_and_records_it(tmp_path, capsys):
     from train_helpers import run_inprocess
-    from txl.checkpoint import latest_checkpoint, read_metadata
+    from txl.train.checkpoint import latest_checkpoint, read_metadata
 
     set_backends(native_relu_dropout=False)
     run = run_inprocess(tmp_path, train__max_steps=1, train__eval_interval=0)
@@ -85,7 +87,7 @@ def test_no_module_keeps_a_switch_of_its_own():
             if isinstance(value, ast.Constant) and isinstance(value.value, bool):
                 switches += [f"{path.relative_to(SRC)}: {t.id}" for t in targets if isinstance(t, ast.Name)]
     assert switches == []
-    assert not hasattr(txl.modeling, "NATIVE_ATTENTION") and not hasattr(txl.static_decode, "GRAPH_DECODE")
+    assert not hasattr(txl.model.modeling, "NATIVE_ATTENTION") and not hasattr(txl.infer.static_decode, "GRAPH_DECODE")
     assert not hasattr(native, "ENABLED")  # (TXL_NATIVE now sets the process policy's native_kernels)
 
 

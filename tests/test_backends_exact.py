@@ -1,5 +1,5 @@
 """Every fast path is a backend of an operation whose specification is the model's reference code: one
-parametrized test turns each field of txl.backends.Backends off in turn and holds what the model computes with
+parametrized test turns each field of txl.kernels.backends.Backends off in turn and holds what the model computes with
 every backend on to what it computes with that one off - training (loss and every gradient, over two segments
 with the memory) and inference (a K/V-cached prompt with left padding, then one-token steps past the memory's
 end, so that its window wraps) - in fp32 and under bf16 autocast, on odd shapes (3 heads of 12, segments of 7,
@@ -16,8 +16,8 @@ import torch
 
 from tests.conftest import debug_config
 from txl import Backends, TransformerXLLM, use_backends
-from txl.modeling import Dropout, KVCache, transposed_weights
-from txl.runtime import native_bf16
+from txl.kernels.runtime import native_bf16
+from txl.model.modeling import Dropout, KVCache, transposed_weights
 
 FIELDS = [f.name for f in dataclasses.fields(Backends)]
 DROPOUTS = ("native_dropout", "native_relu_dropout")
@@ -60,7 +60,7 @@ def train(model, x, y, precision: str):
 
 def infer(model, prompt, padding, steps):
     model.eval()
-    with torch.no_grad(), transposed_weights():  # (as txl.evaluate, generation and the server read)
+    with torch.no_grad(), transposed_weights():  # (as txl.infer.evaluate, generation and the server read)
         cache = KVCache(model.config, prompt.shape[0], model.config.mem_len, prompt.shape[1])
         out = [model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs[:, -1]]
         for t in range(steps.shape[1]):

@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from train_helpers import run_inprocess, tiny_corpus
-from txl.checkpoint import best_checkpoint
 from txl.cli import main
 from txl.data import Tokenizer, prepare_corpus
-from txl.evaluate import evaluate
-from txl.generation import generate
-from txl.modeling import TransformerXL, TransformerXLLM
+from txl.infer.evaluate import evaluate
+from txl.infer.generation import generate
+from txl.model.modeling import TransformerXL, TransformerXLLM
+from txl.train.checkpoint import best_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_eval_tokenizes_at_most_once(char_run, tmp_path, monkeypatch, capsys):
     run_json = best_checkpoint(char_run) / "run.json"
     moved = {**cfg, "data": {**cfg["data"], "cache_dir": str(tmp_path / "elsewhere")}}
     monkeypatch.setattr(
-        "txl.checkpoint.read_json", lambda p, _real=json.loads: moved if p == run_json else _real(p.read_text())
+        "txl.config.read_json", lambda p, _real=json.loads: moved if p == run_json else _real(p.read_text())
     )
     main(["eval", "--model", str(char_run), "--max_batches", "1"])
     assert encoded == ["train", "valid", "test"]  # one tokenization of the corpus, not two
@@ -368,14 +368,14 @@ def test_a_stop_word_outside_the_vocabulary_is_refused(word_run, capsys):
 
 
 def test_eval_and_generate_leave_the_onednn_route_off(char_run, capsys, monkeypatch):
-    """The oneDNN fp32 route (txl.runtime) pays for training's products only: txl eval and txl generate must not
+    """The oneDNN fp32 route (txl.kernels.runtime) pays for training's products only: txl eval and txl generate must not
     turn it on (it made evaluation 0.84-0.91x and generation 3x slower on an AVX-512 EPYC)."""
-    import txl.runtime
+    import txl.kernels.runtime
 
     def refuse(*args, **kwargs):
         raise AssertionError("the oneDNN route was chosen outside training")
 
-    monkeypatch.setattr(txl.runtime, "choose_fp32_matmul", refuse)
+    monkeypatch.setattr(txl.kernels.runtime, "choose_fp32_matmul", refuse)
     before = torch.backends.mkldnn.matmul.fp32_precision
     main(["eval", "--model", str(char_run), "--max_batches", "1"])
     main(["generate", "--model", str(char_run), "--prompt", "Ab", "--max_new_tokens", "2"])

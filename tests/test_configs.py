@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-import txl.trainer
+import txl.train.trainer
 from txl.cli import main
 from txl.config import ConfigError, RunConfig, load_recipe
-from txl.modeling import TransformerXLConfig, TransformerXLLM
+from txl.model.modeling import TransformerXLConfig, TransformerXLLM
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
@@ -52,7 +52,7 @@ def meta_params(cfg: TransformerXLConfig) -> int:
 def cli_config(monkeypatch):
     """Run `txl train ARGS` through the real command line; return the RunConfig the trainer was handed."""
     seen = []
-    monkeypatch.setattr(txl.trainer, "train", lambda cfg, resume="auto": seen.append(cfg))
+    monkeypatch.setattr(txl.train.trainer, "train", lambda cfg, resume="auto": seen.append(cfg))
 
     def run(*args: str) -> RunConfig:
         seen.clear()

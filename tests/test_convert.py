@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, HF_FIXTURES, assert_hf_losses
 from txl import CheckpointError, TransformerXL, TransformerXLLM
 from txl.cli import main as cli_main
-from txl.convert import convert_hf_checkpoint, hf_config_to_txl
+from txl.interop.convert import convert_hf_checkpoint, hf_config_to_txl
 
 
 @pytest.mark.parametrize("name", HF_FIXTURES)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, assert_hf_losses
 from txl import CheckpointError, TransformerXLLM
 from txl.cli import main
-from txl.convert import convert_hf_checkpoint
-from txl.convert_original import Stub, convert_original_checkpoint, vocab_tokenizer
 from txl.data import Tokenizer
 from txl.data.tokenizer import BYTE_CHARS
+from txl.interop.convert import convert_hf_checkpoint
+from txl.interop.convert_original import Stub, convert_original_checkpoint, vocab_tokenizer
 
 ORIGINAL_CODE = Path(__file__).parent / "fixtures" / "original_code"
 CASES = {"adaptive": (ADAPTIVE_FIXTURE, "wt103"), "char": (CHAR_FIXTURE, "enwik8")}

@@ -17,11 +17,11 @@ import torch
 from tests.conftest import ADAPTIVE_FIXTURE, CHAR_FIXTURE, ROOT, assert_hf_losses
 from txl import CheckpointError, TransformerXLLM
 from txl.cli import main
-from txl.convert import convert_hf_checkpoint
-from txl.convert_tf import convert_tf_checkpoint
 from txl.data import Tokenizer
 from txl.data.tokenizer import BYTE_CHARS
-from txl.tf_checkpoint import _snappy, read_tf_checkpoint
+from txl.interop.convert import convert_hf_checkpoint
+from txl.interop.convert_tf import convert_tf_checkpoint
+from txl.interop.tf_checkpoint import _snappy, read_tf_checkpoint
 
 TF = ROOT / "tests" / "fixtures" / "tf"
 # name: (HF fixture, the fixture's memory settings as options, untie_r)
@@ -102,7 +102,7 @@ def test_memory_settings_and_the_vocabulary_need_saying(tmp_path, capsys):
 def test_a_projection_the_tf_code_leaves_out_is_the_identity(monkeypatch):
     """proj_same_dim=False (One Billion Word): a cluster already d_model wide has no proj_W, and its softmax no proj;
     the same model as one whose file holds identity matrices there."""
-    import txl.convert_tf as convert_tf
+    import txl.interop.convert_tf as convert_tf
 
     tensors = read_tf_checkpoint(TF / "adaptive" / "model")
     eye = torch.eye(32)
@@ -138,8 +138,8 @@ def test_tf_same_length_is_the_tf_codes_mask(qlen, mem_len):
     each query sees mem_len + 1 keys; the PyTorch code's window (mem_len keys) masks one more. A model with it gives
     what the PyTorch window of mem_len + 1 gives, also through the K/V cache."""
     from tests.conftest import debug_config
-    from txl.evaluate import evaluate
-    from txl.modeling import causal_mask
+    from txl.infer.evaluate import evaluate
+    from txl.model.modeling import causal_mask
 
     tf = tf_create_mask(qlen, mem_len, same_length=True)
     assert torch.equal(causal_mask(qlen, mem_len, True, mem_len + 1), tf)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from train_helpers import ROOT, assert_same_weights, final_weights, losses, train_args
-from txl.checkpoint import list_checkpoints, load_states
+from txl.train.checkpoint import list_checkpoints, load_states
 
 pytestmark = pytest.mark.slow  # torchrun processes (make test-all and CI run them)
 
@@ -85,8 +85,8 @@ ROUTE_SPY = """
 import os, sys
 from pathlib import Path
 import torch
-import txl.trainer
-from txl.runtime import RouteChoice, choose_fp32_matmul
+import txl.train.trainer
+from txl.kernels.runtime import RouteChoice, choose_fp32_matmul
 rank = os.environ["RANK"]
 def choose(earlier=None, **kw):
     if earlier is None:  # a measurement: process 0 finds the route faster, the others slower
@@ -95,7 +95,7 @@ def choose(earlier=None, **kw):
         choice = RouteChoice(bool(earlier), 1.0, True, earlier)
     Path(sys.argv[1], f"route-{rank}").write_text(f"{earlier} {choice.enabled}")
     return choice
-txl.trainer.choose_fp32_matmul = choose
+txl.train.trainer.choose_fp32_matmul = choose
 from txl.cli import main
 main(sys.argv[2:])
 """

@@ -50,7 +50,7 @@ def test_the_demo_says_when_its_time_budget_ended_training_and_a_rerun_gets_a_ne
     nothing said so; a rerun stopped at once (the budget counts the run's whole training time). Now the demo says
     at which step of how many it stopped, and a rerun trains for another budget."""
     from train_helpers import run_inprocess
-    from txl.checkpoint import resolve_model_dir
+    from txl.train.checkpoint import resolve_model_dir
 
     cut = run_inprocess(tmp_path, "cut", train__max_steps=100_000, train__max_time=1, train__eval_interval=0)
     note = demo.budget_note(resolve_model_dir(cut), 1)

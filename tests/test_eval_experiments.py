@@ -11,8 +11,8 @@ import torch
 
 from tests.conftest import debug_config
 from txl import TransformerXLLM
-from txl.checkpoint import read_run_config, resolve_model_dir
-from txl.evaluate import eval_text, evaluate, evaluate_sliding, sliding_windows
+from txl.infer.evaluate import eval_text, evaluate, evaluate_sliding, sliding_windows
+from txl.train.checkpoint import read_run_config, resolve_model_dir
 
 
 def naive(model: TransformerXLLM, ids: np.ndarray, window: int, stride: int) -> float:
@@ -98,7 +98,7 @@ def test_txl_eval_sliding_window(char_run, capsys):
 def test_per_token_losses_are_in_text_order():
     """return_losses: with a memory longer than the text, evaluate's per-token losses are one pass's; the sliding
     window's with a window longer than the text too."""
-    from txl.evaluate import evaluate
+    from txl.infer.evaluate import evaluate
 
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(mem_len=16)).eval()
@@ -118,10 +118,10 @@ def test_txl_recl_cli(tmp_path, capsys):
     """`txl recl` over two runs (one scored by sliding windows): the JSON holds RECL computed from the same
     per-token losses that the library gives, and the PNG is written."""
     from train_helpers import run_inprocess
-    from txl.checkpoint import read_run_config, resolve_model_dir
     from txl.cli import main
-    from txl.evaluate import eval_settings, eval_text
-    from txl.recl import context_losses, recl
+    from txl.infer.evaluate import eval_settings, eval_text
+    from txl.infer.recl import context_losses, recl
+    from txl.train.checkpoint import read_run_config, resolve_model_dir
 
     a = run_inprocess(tmp_path / "a", train__max_steps=3, train__eval_interval=0)
     b = run_inprocess(tmp_path / "b", train__max_steps=1, train__eval_interval=0)
@@ -193,7 +193,7 @@ def test_attention_maps_by_distance_equal_a_naive_average():
     """The mean attention at distance d is the mean, over every query that may see a key d before it, of that
     probability: checked against one pass (no memory) by loops, and with a memory over three segments each query's
     probabilities still sum to one (sum over d of mean x count = number of queries)."""
-    from txl.attention_maps import attention_maps
+    from txl.infer.attention_maps import attention_maps
 
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(mem_len=8)).eval()
@@ -217,10 +217,10 @@ def test_attention_maps_by_distance_equal_a_naive_average():
 
 def test_txl_attention_cli(char_run, tmp_path, capsys):
     """`txl attention`: the PNGs and the averaged numbers, equal to the library's on the same tokens."""
-    from txl.attention_maps import attention_maps
-    from txl.checkpoint import read_run_config, resolve_model_dir
     from txl.cli import main
-    from txl.evaluate import eval_text
+    from txl.infer.attention_maps import attention_maps
+    from txl.infer.evaluate import eval_text
+    from txl.train.checkpoint import read_run_config, resolve_model_dir
 
     out = tmp_path / "maps"
     main(["attention", "--model", str(char_run), "--tokens", "80", "--tgt_len", "16", "--mem_len", "32", "--out",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from txl.cli import main
-from txl.finetune import batch_ids, document_logits
+from txl.train.finetune import batch_ids, document_logits
 
 
 def make_data(folder, kind: str, fmt: str = "jsonl", n_train: int = 160, seed: int = 0):
@@ -68,7 +68,7 @@ def test_each_label_kind_learns_and_predicts(kind, fmt, lm, tmp_path, capsys):
     main(args(lm, data, run, task=kind, max_steps=steps, eval_interval=steps // 2, checkpoint_interval=steps))
     last = valid_rows(run)[-1]
     assert last["step"] == steps
-    from txl.plot import run_figure  # (txl plot RUN: the loss per document, and the task's metric)
+    from txl.util.plot import run_figure  # (txl plot RUN: the loss per document, and the task's metric)
 
     metric = "mse" if kind == "regression" else "accuracy"
     assert [ax.get_ylabel() for ax in run_figure(run).axes] == ["loss (nats/document)", metric]
@@ -195,8 +195,8 @@ def test_documents_in_a_batch_equal_each_alone_and_the_gradient_reaches_k_segmen
     """Left padding is invisible: a batch of documents of different lengths, read segment by segment with the
     memory, gives each document's logits alone; with grad_segments 2 the gradient reaches the tokens of the
     segment before the last one (through the memory), with 1 it does not."""
-    from txl.checkpoint import resolve_model_dir
-    from txl.modeling import TransformerXLConfig, TransformerXLForSequenceClassification, TransformerXLLM
+    from txl.model.modeling import TransformerXLConfig, TransformerXLForSequenceClassification, TransformerXLLM
+    from txl.train.checkpoint import resolve_model_dir
 
     src = TransformerXLLM.from_pretrained(resolve_model_dir(lm))
     cfg = TransformerXLConfig.from_dict(src.config.to_dict() | {"num_labels": 3, "dropout": 0.0, "dropatt": 0.0})

@@ -244,7 +244,7 @@ def test_nvidia_checkpoints_of_any_layout_convert_or_are_one_checkpoint_error(tm
     import torch
 
     from txl import CheckpointError
-    from txl.convert_original import convert_original_checkpoint
+    from txl.interop.convert_original import convert_original_checkpoint
 
     state, config = dict(nvidia_dict[0]), dict(nvidia_dict[1])
     for key in data.draw(st.lists(st.sampled_from([*config, "d_model", "n_layer"]), max_size=3)):

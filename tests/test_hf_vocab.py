@@ -19,8 +19,8 @@ import torch
 
 from txl.cli import main
 from txl.data import Tokenizer
-from txl.hf_vocab import RestrictedUnpickler, read_restricted_pickle
-from txl.pretrained import CheckpointError
+from txl.interop.hf_vocab import RestrictedUnpickler, read_restricted_pickle
+from txl.model.pretrained import CheckpointError
 
 transformers = pytest.importorskip("transformers")  # installed by `make test` (the bench extra)
 

@@ -96,8 +96,8 @@ def test_importing_txl_leaves_the_umask_alone(tmp_path):
     0666. Now nothing sets it; files still get the mode the umask gives."""
     code = (
         "import os, sys\ncalls = []\nreal = os.umask\nos.umask = lambda m: calls.append(m) or real(m)\n"
-        "import txl, txl.cli, txl.fileio, txl.trainer, txl.serve\n"
-        "from txl.fileio import write_bytes, save_torch\n"
+        "import txl, txl.cli, txl.util.fileio, txl.train.trainer, txl.serve\n"
+        "from txl.util.fileio import write_bytes, save_torch\n"
         "write_bytes(sys.argv[1] + '/a', b'x')\nsave_torch({'x': 1}, sys.argv[1] + '/b')\n"
         "print(calls)\n"
     )
@@ -115,8 +115,8 @@ def test_a_tokenizer_of_another_size_is_refused_where_a_model_is_loaded(tmp_path
     """A 10-symbol tokenizer beside a model of 35 token ids: txl eval printed a loss, generation failed part-way and
     the server answered 500. Now every command that loads the pair names the mismatch in one line."""
     from train_helpers import run_inprocess
-    from txl.checkpoint import latest_checkpoint
     from txl.data import Tokenizer
+    from txl.train.checkpoint import latest_checkpoint
 
     run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
     capsys.readouterr()
@@ -140,7 +140,7 @@ def test_finetune_locks_its_run_folder_as_train_does(tmp_path, capsys):
     with the run lock's one line (the same as txl train's), and a refused run leaves the folder as it was."""
     from test_finetune import args, make_data
     from train_helpers import run_inprocess
-    from txl.checkpoint import RunLock
+    from txl.train.checkpoint import RunLock
 
     lm = run_inprocess(tmp_path / "lm", train__max_steps=2, train__eval_interval=0)
     data = make_data(tmp_path / "data", "single")
@@ -261,7 +261,7 @@ def test_a_resave_cut_between_its_renames_keeps_the_complete_copy(tmp_path):
     """Re-saving a step deleted the old folder, then renamed the new one in: a crash between left a folder marked
     complete with files missing, or none, and the next prune deleted the complete new copy. Now the old one is
     renamed aside first, and a crash at any point leaves (after recovery, which every save runs) a complete step."""
-    from txl.checkpoint import MARKER, list_checkpoints, recover_checkpoints
+    from txl.train.checkpoint import MARKER, list_checkpoints, recover_checkpoints
 
     root = tmp_path / "checkpoints"
 
@@ -330,9 +330,9 @@ def test_tf_checkpoints_are_checked_whole(change, tmp_path, monkeypatch):
     is written."""
     import torch
 
-    import txl.convert_tf as convert_tf
+    import txl.interop.convert_tf as convert_tf
     from txl import CheckpointError
-    from txl.tf_checkpoint import read_tf_checkpoint
+    from txl.interop.tf_checkpoint import read_tf_checkpoint
 
     src = Path(__file__).parent / "fixtures" / "tf" / "adaptive-untied" / "model"
     tensors = dict(read_tf_checkpoint(src))
@@ -403,22 +403,22 @@ def test_the_fp32_route_is_opt_in_and_routes_only_products_checked_exact(tmp_pat
     then every kind of product (operation, shapes, strides) is checked before the route computes it: with a route
     that computes the larger products in bf16, the run trains bit for bit as on the default path, and its
     checkpoint records the choice and the checks."""
-    import txl.trainer
+    import txl.train.trainer
     from test_runtime import bf16_when_large
     from train_helpers import final_weights, run_inprocess
-    from txl.checkpoint import latest_checkpoint, read_metadata
-    from txl.runtime import CheckedRoute, RouteChoice
+    from txl.kernels.runtime import CheckedRoute, RouteChoice
+    from txl.train.checkpoint import latest_checkpoint, read_metadata
 
     def never(**_):
         raise AssertionError("the route was measured although not asked for")
 
     setting = torch.backends.mkldnn.matmul.fp32_precision
     base = dict(train__max_steps=3, train__eval_interval=3, model__mem_len=8, model__dropout=0.0)
-    monkeypatch.setattr(txl.trainer, "choose_fp32_matmul", never)
+    monkeypatch.setattr(txl.train.trainer, "choose_fp32_matmul", never)
     plain = run_inprocess(tmp_path, "plain", **base)
     assert read_metadata(latest_checkpoint(plain))["fp32_route"] is False
-    monkeypatch.setattr(txl.trainer, "choose_fp32_matmul", lambda **_: RouteChoice(True, 1.2, True))
-    monkeypatch.setattr(txl.trainer, "CheckedRoute", lambda: CheckedRoute(call=bf16_when_large))
+    monkeypatch.setattr(txl.train.trainer, "choose_fp32_matmul", lambda **_: RouteChoice(True, 1.2, True))
+    monkeypatch.setattr(txl.train.trainer, "CheckedRoute", lambda: CheckedRoute(call=bf16_when_large))
     routed = run_inprocess(tmp_path, "routed", **base, train__fp32_route="true")
     meta = read_metadata(latest_checkpoint(routed))
     kinds = meta["fp32_route_kinds"]
@@ -435,8 +435,8 @@ def test_commands_that_write_into_a_locked_folder_take_its_lock(tmp_path, capsys
     through once the run is over, leaving the lock file as it was; `txl data prepare` into a cache that another
     process is preparing says so, waits, and then reads the finished cache."""
     from train_helpers import tiny_corpus, txl_process
-    from txl.checkpoint import RunLock
-    from txl.fileio import FolderLock
+    from txl.train.checkpoint import RunLock
+    from txl.util.fileio import FolderLock
 
     run = tmp_path / "run"
     main(["convert", "hf", str(CHAR_FIXTURE), str(run / "checkpoints" / "step-1")])
@@ -473,11 +473,11 @@ def test_work_that_the_disk_cannot_hold_is_refused_before_it_begins(tmp_path, ca
     """Free disk space is checked where the size is known first (a run's checkpoint, a conversion's weights, a
     corpus's token ids): one line saying how much is needed, and nothing made, instead of a write failing part-way
     after the work."""
-    import txl.fileio
+    import txl.util.fileio
     from train_helpers import tiny_corpus, train_args
 
     corpus = tiny_corpus(tmp_path / "corpus")
-    monkeypatch.setattr(txl.fileio.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 5000))
+    monkeypatch.setattr(txl.util.fileio.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 5000))
     cache = tmp_path / "cache"
     prep = ["data", "prepare", "--data.path", str(corpus), "--data.dataset", "custom", "--data.cache_dir", str(cache)]
     with pytest.raises(SystemExit) as e:
@@ -492,7 +492,7 @@ def test_work_that_the_disk_cannot_hold_is_refused_before_it_begins(tmp_path, ca
     monkeypatch.undo()
     real = shutil.disk_usage
     monkeypatch.setattr(
-        txl.fileio.shutil, "disk_usage",
+        txl.util.fileio.shutil, "disk_usage",
         lambda path: real(path)._replace(free=5000) if "run" in str(path) else real(path),
     )  # fmt: skip
     with pytest.raises(SystemExit) as e:

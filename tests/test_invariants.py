@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tests.conftest import debug_config
-from txl import TransformerXLLM, modeling
-from txl.backends import set_backends
-from txl.modeling import (
+from txl import TransformerXLLM
+from txl.kernels import linear as linear_kernels
+from txl.kernels.backends import set_backends
+from txl.model import attention
+from txl.model.modeling import (
     SHIFT_ALIGN,
     Dropout,
     causal_mask,
@@ -156,8 +158,8 @@ def test_training_projections_have_the_gradients_of_autograds_products(pre_lnorm
     set_backends(segment_projection=True)
     qkv = model.transformer.layers[0].attn.qkv_net.weight
     calls = []
-    real = modeling._SegmentMemoryProjection.apply
-    monkeypatch.setattr(modeling._SegmentMemoryProjection, "apply", lambda *a: calls.append(1) or real(*a))
+    real = linear_kernels._SegmentMemoryProjection.apply
+    monkeypatch.setattr(linear_kernels._SegmentMemoryProjection, "apply", lambda *a: calls.append(1) or real(*a))
     model(ids[:, 12:24], labels=ids[:, 13:25], mems=first.mems).loss.backward()
     assert len(calls) == (0 if pre_lnorm else model.config.n_layer) and qkv.grad is not None
 
@@ -396,7 +398,8 @@ def test_dropout_only_in_training():
 @pytest.mark.parametrize("native_on", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize("n", [1_001, 300_001])
 def test_cpu_dropout_mask_has_the_dropout_distribution(n, native_on, monkeypatch):
-    """Both CPU masks (txl.native's Philox stream; without it, two 24-bit uniforms from each 64-bit random word):
+    """Both CPU masks (txl.kernels.native's Philox stream; without it, two 24-bit uniforms from each 64-bit random
+    word):
     keep rate 1 - p, kept entries scaled by 1 / (1 - p), neighbours independent, the same mask for the same
     seed."""
     set_backends(native_dropout=native_on)
@@ -421,8 +424,6 @@ def test_mask_bias_equals_masked_fill(same_length):
     """The mask is added as a -inf bias (faster than masked_fill); the loss and every gradient stay the same."""
     from unittest import mock
 
-    from txl import modeling
-
     def fill(score, mask, inplace=False):
         return score.masked_fill_(mask, float("-inf")) if inplace else score.masked_fill(mask, float("-inf"))
 
@@ -431,7 +432,7 @@ def test_mask_bias_equals_masked_fill(same_length):
     x = torch.randint(0, model.config.n_token, (2, 9))
     mems = [torch.randn(2, 5, model.config.d_model) for _ in range(model.config.n_layer)]
     results = []
-    for patch in (mock.patch.object(modeling, "mask_scores", fill), mock.MagicMock()):
+    for patch in (mock.patch.object(attention, "mask_scores", fill), mock.MagicMock()):
         model.zero_grad()
         with patch:
             loss = model(x[:, :-1], x[:, 1:], mems=mems, mem_len=6).loss

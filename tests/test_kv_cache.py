@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import ADAPTIVE_FIXTURE, debug_config
-from txl import TransformerXLLM, modeling
-from txl.backends import set_backends
-from txl.evaluate import evaluate
-from txl.generation import generate, stream
-from txl.modeling import KVCache
+from txl import TransformerXLLM
+from txl.infer.evaluate import evaluate
+from txl.infer.generation import generate, stream
+from txl.kernels.backends import set_backends
+from txl.kernels.linear import weight_copies
+from txl.model import modeling
+from txl.model.modeling import KVCache
 
 VARIANTS = {
     "plain": {},
@@ -389,11 +391,11 @@ def test_beam_search_equals_hugging_faces(tmp_path, capsys, monkeypatch):
 
 
 def test_beam_steps_is_beam_search_one_call_at_a_time():
-    """txl.generation.beam_steps yields once per model call (the prompt's, then one per new token) and returns
+    """txl.infer.generation.beam_steps yields once per model call (the prompt's, then one per new token) and returns
     beam_search's result; between steps the caller's gradient mode holds; closing it early restores training mode."""
     from tests.conftest import debug_config
     from txl import TransformerXLLM
-    from txl.generation import beam_search, beam_steps
+    from txl.infer.generation import beam_search, beam_steps
 
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config())
@@ -418,7 +420,7 @@ def test_beam_steps_is_beam_search_one_call_at_a_time():
 def test_penalties_by_hand():
     """OpenAI's presence and frequency penalties count the new text only; HF's repetition penalty and n-gram ban
     read the whole sequence; logit_bias adds."""
-    from txl.generation import Penalties
+    from txl.infer.generation import Penalties
 
     scores = torch.tensor([[-1.0, -2.0, -3.0, -4.0, 0.5]])
     history = torch.tensor([[1, 2, 3, 1, 2, 2]])  # the prompt is [1, 2, 3], the new text [1, 2, 2]
@@ -477,20 +479,20 @@ def test_one_row_products_equal_f_linear(rows):
     weight, bias = torch.randn(96, 32), torch.randn(96)
     x = torch.randn(rows, 1, 32)
     with torch.no_grad(), modeling.transposed_weights():
+        copies = weight_copies()  # (the scope's: made for a few rows, kept for the next call of the scope)
         got = modeling.linear(x, weight, bias)
         sliced = modeling.linear(x, weight, bias, out=slice(32, None))
         wide_in, narrow_x = weight.t().contiguous(), torch.randn(rows, 96)
         narrow = modeling.linear(narrow_x, wide_in)  # fewer outputs than inputs: F.linear, no copy
-        assert (id(wide_in), "t") not in modeling._TRANSPOSED
-        # the transposed copy is made for a few rows (and kept for the next call of the scope)
-        assert ((id(weight), "t") in modeling._TRANSPOSED) == (rows <= modeling.SMALL_ROWS)
+        assert (id(wide_in), "t") not in copies
+        assert ((id(weight), "t") in copies) == (rows <= modeling.SMALL_ROWS)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(sliced, F.linear(x, weight[32:], bias[32:]), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(narrow, F.linear(narrow_x, wide_in), atol=1e-5, rtol=1e-6)
-    assert not modeling._TRANSPOSED  # dropped with the scope
+    assert len(copies) == 0 and weight_copies() is None  # dropped with the scope
     with torch.no_grad():  # outside a scope (training, evaluation): F.linear, no copy
         modeling.linear(x, weight, bias)
-    assert not modeling._TRANSPOSED
+    assert len(copies) == 0 and weight_copies() is None
 
 
 def test_generation_follows_weights_changed_in_place():
@@ -509,9 +511,10 @@ def test_generation_follows_weights_changed_in_place():
 
 
 def test_generation_steps_leave_the_onednn_route_and_restore_it():
-    """One-token steps run on torch's default fp32 path (the oneDNN route of txl.runtime is ~3x slower for them);
+    """One-token steps run on torch's default fp32 path (the oneDNN route of txl.kernels.runtime is ~3x slower for
+    them);
     the caller's setting is back afterwards, also while the stream is suspended between tokens."""
-    from txl.runtime import fp32_route
+    from txl.kernels.runtime import fp32_route
 
     setting = torch.backends.mkldnn.matmul
     before = setting.fp32_precision
@@ -544,9 +547,10 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
     next(steps)
     next(steps)
     qkv = model.transformer.layers[0].attn.qkv_net.weight
-    assert (id(qkv), "t") in modeling._TRANSPOSED  # made by the first generated token
+    copies = weight_copies()  # (the stream's scope, open in this thread while it runs)
+    assert (id(qkv), "t") in copies  # made by the first generated token
     list(steps)
-    assert not modeling._TRANSPOSED  # dropped when the stream ends: training never reads a stale copy
+    assert len(copies) == 0 and weight_copies() is None  # dropped when the stream ends: training never reads one
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -612,7 +616,7 @@ def test_one_token_steps_read_the_weights_of_the_model_that_runs_them(monkeypatc
 def test_sampling_during_training_leaves_the_model_training():
     """A model sampled from (or mapped) in the middle of training goes on training with its dropout: generation and
     attention maps run in eval mode and give the mode back, also when the stream is left early."""
-    from txl.attention_maps import attention_maps
+    from txl.infer.attention_maps import attention_maps
 
     model = TransformerXLLM(debug_config(dropout=0.5, dropatt=0.5))  # training mode, heavy dropout
     prompt = torch.randint(0, 97, (1, 6))

@@ -1,6 +1,6 @@
 """`txl lm-eval`: EleutherAI's harness with `--model txl`, on tasks defined here from local JSONL files (nothing is
 downloaded). Rolling log-likelihood equals `txl eval` on the same text; log-likelihoods of continuations equal the
-model's own log-probs summed by hand; generation equals greedy `txl.generation` cut at the stop sequence."""
+model's own log-probs summed by hand; generation equals greedy `txl.infer.generation` cut at the stop sequence."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' JSON files are l
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("lm_eval")
 
-from txl.checkpoint import read_run_config, resolve_model_dir  # noqa: E402
 from txl.cli import main  # noqa: E402
 from txl.data.tokenizer import Tokenizer  # noqa: E402
-from txl.evaluate import eval_settings  # noqa: E402
-from txl.generation import generate  # noqa: E402
-from txl.modeling import TransformerXLLM  # noqa: E402
+from txl.infer.evaluate import eval_settings  # noqa: E402
+from txl.infer.generation import generate  # noqa: E402
+from txl.model.modeling import TransformerXLLM  # noqa: E402
+from txl.train.checkpoint import read_run_config, resolve_model_dir  # noqa: E402
 
 SETTINGS = {"tgt_len": 8, "mem_len": 64, "same_length": False}
 DOCS = [
@@ -155,8 +155,8 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(harness_run):
 def test_generate_until_takes_hugging_faces_generation_kwargs(harness_run, capsys):
     """A task's num_beams is beam search (each prompt's best beam, cut at the stop), repetition_penalty and
     no_repeat_ngram_size are the penalties; a kwarg the model does not use is named once, so is beam sampling."""
-    from txl.generation import Penalties, beam_search
-    from txl.lm_harness import TransformerXLHarnessLM
+    from txl.infer.generation import Penalties, beam_search
+    from txl.interop.lm_harness import TransformerXLHarnessLM
 
     _, run, _ = harness_run
     harness = TransformerXLHarnessLM(pretrained=str(run), **SETTINGS)
@@ -193,7 +193,7 @@ def test_local_completions_through_txl_serve(harness_run, tmp_path):
     as the tokenizer reads it, an empty one as the line end), its generations greedy generation cut at the stops."""
     import uvicorn
 
-    from txl.serve import create_app
+    from txl.serve.app import create_app
 
     tmp, run, _ = harness_run
     lm, tok, _ = loaded(run)

@@ -16,7 +16,7 @@ from txl import (
     TransformerXLForSequenceClassification,
     TransformerXLLM,
 )
-from txl.generation import filter_logits, generate
+from txl.infer.generation import filter_logits, generate
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The native decoding step (txl.native, decode.c): a cached one-token step of every layer in one C call. It must
+"""The native decoding step (txl.kernels.native, decode.c): a cached one-token step of every layer in one C call. It
+must
 compute what the PyTorch path computes (to fp32 rounding: at least as close to a float64 run), on shapes that use
 its vector code and its scalar tails, with padding, same_length, pre-LN, untied biases and a sliding window; not
 depend on the number of threads; read weights that moved; keep NaN; and leave the PyTorch path in place where it
@@ -20,12 +21,13 @@ import torch
 
 from tests.conftest import debug_config
 from train_helpers import run_inprocess
-from txl import TransformerXLLM, native
-from txl.backends import set_backends
+from txl import TransformerXLLM
 from txl.cli import main
-from txl.evaluate import NonFiniteError
-from txl.generation import generate
-from txl.modeling import KVCache
+from txl.infer.evaluate import NonFiniteError
+from txl.infer.generation import generate
+from txl.kernels import native
+from txl.kernels.backends import set_backends
+from txl.model.modeling import KVCache
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 

@@ -1,4 +1,5 @@
-"""The native attention (txl.native, attention.c and attention_grad.c): the (b)+(d) product, Appendix B's shift, the
+"""The native attention (txl.kernels.native, attention.c and attention_grad.c): the (b)+(d) product, Appendix B's
+shift, the
 mask, the softmax and the value sum of attn_type 0 in one call per head, and in training its backward (with dropatt).
 It must compute what the PyTorch path computes (to fp32 rounding: as close to a float64 run), outputs and gradients,
 on shapes that use its vector code and its scalar tails (d_head, keys, queries not multiples of 16 or 8), with
@@ -15,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from train_helpers import losses, run_inprocess
-from txl import modeling, native
-from txl.backends import set_backends
 from txl.cli import main
-from txl.modeling import causal_mask, rel_shift
+from txl.kernels import native
+from txl.kernels.backends import set_backends
+from txl.model import modeling
+from txl.model.modeling import causal_mask, rel_shift
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 

@@ -1,4 +1,5 @@
-"""The native dropout (txl.native, dropout.c): one pass, a Philox4x32-10 stream keyed by a seed drawn from torch's
+"""The native dropout (txl.kernels.native, dropout.c): one pass, a Philox4x32-10 stream keyed by a seed drawn from
+torch's
 generator. It must be Philox (the published known answers), drop exactly the elements its stream says at the rate
 p, compute PyTorch's products (fp32 and bf16, NaN and infinity included), not depend on the thread count, give the
 backward the forward's mask, follow torch.manual_seed, and be what `txl train` runs. The feed-forward's relu and
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from train_helpers import losses, run_inprocess
-from txl import modeling, native
-from txl.backends import set_backends
-from txl.modeling import Dropout
+from txl.kernels import native
+from txl.kernels.backends import set_backends
+from txl.model import modeling
+from txl.model.modeling import Dropout
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 

@@ -1,4 +1,5 @@
-"""The native softmax NLL (txl.native.nll, nll.c): -log_softmax(x)[target] per row and its gradient straight from
+"""The native softmax NLL (txl.kernels.native.nll, nll.c): -log_softmax(x)[target] per row and its gradient straight
+from
 the logits. It must equal float64's log-softmax and gather (and their gradient) to fp32 rounding for any width,
 ignore -100 targets, give -inf columns no probability and NaN rows NaN, not depend on the thread count, and be what
 the adaptive softmax runs in `txl train` and `txl eval` (with the PyTorch path's losses)."""
@@ -12,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from train_helpers import losses, run_inprocess
-from txl import modeling, native
-from txl.backends import set_backends
 from txl.cli import main
-from txl.modeling import TransformerXLConfig, TransformerXLLM
+from txl.kernels import native
+from txl.kernels.backends import set_backends
+from txl.kernels.linear import weight_copies
+from txl.model import modeling
+from txl.model.modeling import TransformerXLConfig, TransformerXLLM
 
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 
@@ -173,7 +176,8 @@ def test_txl_train_and_eval_run_the_kernels_with_the_pytorch_paths_losses(tmp_pa
     "n, d, v", [(1, 1, 1), (9, 5, 33), (8, 16, 16_000), (13, 64, 1000), (40, 100, 600), (17, 256, 4008)]
 )
 def test_nll_of_a_linear_layer_equals_float64_without_the_logits(n, d, v):
-    """:func:`txl.native.nll_linear` (the product, maximum and sum in one kernel) against float64, for inputs of 1
+    """:func:`txl.kernels.native.nll_linear` (the product, maximum and sum in one kernel) against float64, for inputs
+    of 1
     to 256 values, widths that are not multiples of the kernel's 32 columns or 512-column chunks, ignored rows, and
     a row with a NaN input (NaN)."""
     g = torch.Generator().manual_seed(n * d + v)
@@ -215,7 +219,7 @@ def test_nll_of_a_linear_layer_keeps_the_thread_count_out_and_refuses_what_it_ca
 
 @needs_lib
 def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_unchanged(monkeypatch):
-    """Inside ``transposed_weights()`` without a gradient (``txl.evaluate``): each cluster's NLL comes from
+    """Inside ``transposed_weights()`` without a gradient (``txl.infer.evaluate``): each cluster's NLL comes from
     ``nll_linear`` with the PyTorch path's losses; the packed layers are made once, made again after an in-place
     change of a weight, and dropped when the scope closes; with a gradient the logits path runs."""
     model = adaptive_lm([50, 130]).eval()
@@ -230,6 +234,7 @@ def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_
         slow = model(x, y).losses
         set_backends(native_nll=True)
         with modeling.transposed_weights():
+            copies = weight_copies()
             fast = model(x, y).losses
             assert len(calls) == 3 and len(packs) == 3
             model(x, y)
@@ -241,7 +246,7 @@ def test_evaluation_scores_without_logits_from_packs_kept_while_the_weights_are_
         set_backends(native_nll=False)
         assert torch.allclose(changed, model(x, y).losses, rtol=1e-6, atol=1e-5)
         set_backends(native_nll=True)
-    assert not modeling._TRANSPOSED  # (dropped with the scope)
+    assert len(copies) == 0 and weight_copies() is None  # (dropped with the scope)
     with modeling.transposed_weights():
         model(x, y).loss.backward()  # (a gradient: from the logits)
     assert len(calls) == 9

@@ -16,7 +16,7 @@ pytest.importorskip("onnxscript")
 
 from conftest import debug_config  # noqa: E402
 from txl.cli import main  # noqa: E402
-from txl.modeling import TransformerXLLM  # noqa: E402
+from txl.model.modeling import TransformerXLLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_exported_step_generates_what_txl_generate_does_without_torch(lm, tmp_pa
 
     import torch
 
-    from txl.checkpoint import resolve_model_dir
+    from txl.train.checkpoint import resolve_model_dir
 
     torch.manual_seed(0)
     model = tmp_path / "sharp"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import HF_FIXTURES
 from txl import TransformerXLLM
-from txl.convert import convert_hf_checkpoint
+from txl.interop.convert import convert_hf_checkpoint
 
 OUTPUTS = {"outputs.safetensors": True, "outputs_empty_init.safetensors": False}  # file -> HF's zero initial memory
 NOT_COMPARED = re.compile(r"seg\d\.(losses|loss)$")  # HF's cluster-grouped NLL order and its mean of non-zeros

@@ -17,7 +17,7 @@ import pytest
 from txl.data import Tokenizer
 from txl.data.errors import DataError
 from txl.data.rawtext import Moses, Text8
-from txl.hf_vocab import convert_hf_tokenizer
+from txl.interop.hf_vocab import convert_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")  # installed by `make test` (the bench extra)
 

@@ -13,11 +13,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from txl import TransformerXLLM
-from txl.checkpoint import resolve_model_dir
 from txl.cli import main
-from txl.evaluate import reading_settings
-from txl.generation import generate
-from txl.serve import ServeLimits, create_app
+from txl.infer.evaluate import reading_settings
+from txl.infer.generation import generate
+from txl.serve.app import ServeLimits, create_app
+from txl.train.checkpoint import resolve_model_dir
 
 EVAL = {"mem_len": 24, "clamp_len": 12, "same_length": True}  # (the run's eval section; the model trains with 16)
 
@@ -81,7 +81,7 @@ def test_every_reader_uses_the_runs_eval_settings_unless_told_otherwise(run, tmp
         score = client.post("/v1/score", json={"text": text.read_text()}).json()
         assert {k: score["settings"][k] for k in EVAL} == EVAL
 
-    from txl.lm_harness import TransformerXLHarnessLM
+    from txl.interop.lm_harness import TransformerXLHarnessLM
 
     lm = TransformerXLHarnessLM(str(run))
     assert {k: getattr(lm.settings, k) for k in EVAL} == EVAL

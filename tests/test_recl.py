@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from txl.recl import recl, relative_gains
+from txl.infer.recl import recl, relative_gains
 
 
 def test_gains_by_hand():

@@ -24,8 +24,8 @@ from train_helpers import (
     train_args,
     txl_process,
 )
-from txl.checkpoint import MARKER, list_checkpoints, load_states
-from txl.modeling import TransformerXLLM
+from txl.model.modeling import TransformerXLLM
+from txl.train.checkpoint import MARKER, list_checkpoints, load_states
 
 QUICK = dict(train__log_interval=1, train__eval_interval=0, train__checkpoint_interval=10, train__max_steps=30)
 
@@ -108,7 +108,7 @@ def tmpfs(path: Path, size: int):
 # first write with ENOSPC, as the kernel would.
 ENOSPC_AT_SECOND_SAVE = """
 import errno, os, sys
-import txl.fileio as io_
+import txl.util.fileio as io_
 original, calls = io_.save_torch, []
 def save_torch(obj, dest):
     calls.append(dest)
@@ -116,7 +116,7 @@ def save_torch(obj, dest):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dest))
     original(obj, dest)
 io_.save_torch = save_torch
-import txl.checkpoint as ck
+import txl.train.checkpoint as ck
 ck.save_torch = save_torch
 from txl.cli import main
 main(sys.argv[1:])

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from txl import runtime
+from txl.kernels import runtime
 
 
 @pytest.fixture(autouse=True)

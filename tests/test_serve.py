@@ -15,9 +15,9 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from serve_helpers import error_of, events, start_server  # noqa: E402
-from txl.engine import Engine, Generation, QueueFull  # noqa: E402
-from txl.generation import generate  # noqa: E402
-from txl.serve import ServeLimits, create_app  # noqa: E402
+from txl.infer.generation import generate  # noqa: E402
+from txl.serve.app import ServeLimits, create_app  # noqa: E402
+from txl.serve.engine import Engine, Generation, QueueFull  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,9 @@ def test_stop_strings_end_the_text_before_them(client):
 
 
 def test_beam_search_equals_the_library_and_leaves_other_requests_alone(client):
-    """num_beams > 1: the best beam of txl.generation.beam_search (and not the greedy text), streamed as the same
+    """num_beams > 1: the best beam of txl.infer.generation.beam_search (and not the greedy text), streamed as the same
     tokens, cut before a stop string; a greedy request sent meanwhile still gets its own tokens."""
-    from txl.generation import beam_search
+    from txl.infer.generation import beam_search
 
     server = client.app.state.server
     base = {"prompt": "ab cd", "max_new_tokens": 30, "temperature": 0}
@@ -280,9 +280,9 @@ def test_openai_several_prompts_and_n(client):
 
 def test_penalties_and_logit_bias_equal_the_library(client):
     """Hugging Face's repetition_penalty / no_repeat_ngram_size (/v1/generate) and OpenAI's presence_penalty /
-    frequency_penalty / logit_bias (/v1/completions, /v1/generate) give the tokens of txl.generation with the same
+    frequency_penalty / logit_bias (/v1/completions, /v1/generate) give the tokens of txl.infer.generation with the same
     Penalties; each changes the greedy text; a bias of -100 keeps a token out, +100 makes it every token."""
-    from txl.generation import Penalties
+    from txl.infer.generation import Penalties
 
     server = client.app.state.server
     prompt = "ab cd"
@@ -414,7 +414,7 @@ def test_batched_generation_equals_each_request_alone(run):
     """Four greedy requests of different prompt lengths decoded together (continuous batching: they join at
     different steps and leave at different lengths) give exactly the tokens each gives alone."""
     from txl import TransformerXLLM
-    from txl.checkpoint import resolve_model_dir
+    from txl.train.checkpoint import resolve_model_dir
 
     model = TransformerXLLM.from_pretrained(resolve_model_dir(run))
     prompts = [[1, 2, 3], [4] * 20, [5, 6], list(range(1, 30))]
@@ -447,7 +447,7 @@ def test_batched_generation_equals_each_request_alone(run):
 
 def test_engine_queue_limit_and_shutdown(run):
     from txl import TransformerXLLM
-    from txl.checkpoint import resolve_model_dir
+    from txl.train.checkpoint import resolve_model_dir
 
     model = TransformerXLLM.from_pretrained(resolve_model_dir(run))
     engine = Engine(model, max_batch=1, max_queue=1)
@@ -692,7 +692,7 @@ def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
     instead of searching its whole max_new_tokens."""
     from tests.conftest import debug_config
     from txl import TransformerXLLM
-    from txl.generation import beam_search
+    from txl.infer.generation import beam_search
 
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config()).eval()

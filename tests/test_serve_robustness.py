@@ -20,9 +20,9 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from serve_helpers import error_of, events, free_port, start_server  # noqa: E402
-from txl.engine import Engine, Generation  # noqa: E402
-from txl.generation import Penalties, generate  # noqa: E402
-from txl.serve import ServeLimits, create_app  # noqa: E402
+from txl.infer.generation import Penalties, generate  # noqa: E402
+from txl.serve.app import ServeLimits, create_app  # noqa: E402
+from txl.serve.engine import Engine, Generation  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def client(run):
 @pytest.fixture()
 def model(run):
     from txl import TransformerXLLM
-    from txl.checkpoint import resolve_model_dir
+    from txl.train.checkpoint import resolve_model_dir
 
     return TransformerXLLM.from_pretrained(resolve_model_dir(run)).eval()
 
@@ -123,8 +123,8 @@ def test_score_work_comes_from_the_text_and_runs_beside_generations(client, mode
     asked for ~229 GiB) and ran whole on the engine's thread. Now tgt_len and mem_len are bounded by the server's
     limits, the cache by the text (the same result as the settings asked for), and a long score runs one segment
     per engine step: a generation sent meanwhile ends first."""
-    import txl.evaluate
-    from txl.evaluate import evaluate, evaluate_steps
+    import txl.infer.evaluate
+    from txl.infer.evaluate import evaluate, evaluate_steps
 
     server = client.app.state.server
     assert "tgt_len: 10000000 is more than the limit 2048" in error_of(
@@ -137,13 +137,13 @@ def test_score_work_comes_from_the_text_and_runs_beside_generations(client, mode
     ids = np.asarray(server.tokenizer.encode(text))
     settings = {"tgt_len": 2000, "mem_len": 8000, "clamp_len": -1, "same_length": True}
     expected = evaluate(server.model, ids, batch_size=1, **settings).loss
-    sizes, real = [], txl.evaluate.KVCache
+    sizes, real = [], txl.infer.evaluate.KVCache
 
     def sized(config, batch, mem_len, max_segment=1, **kw):
         sizes.append((mem_len, max_segment))
         return real(config, batch, mem_len, max_segment, **kw)
 
-    monkeypatch.setattr(txl.evaluate, "KVCache", sized)
+    monkeypatch.setattr(txl.infer.evaluate, "KVCache", sized)
     res = client.post("/v1/score", json={"text": text} | settings).json()
     assert sizes == [(len(ids) - 1, len(ids) - 1)]  # (not 8,000 + 2,000 positions per layer)
     assert res["loss"] == pytest.approx(expected, abs=1e-6) and res["settings"]["tgt_len"] == 2000
@@ -275,7 +275,7 @@ def test_a_server_whose_engine_dies_exits_non_zero(run):
     from train_helpers import ROOT
 
     code = (
-        "import sys\nfrom txl.engine import Engine\n"
+        "import sys\nfrom txl.serve.engine import Engine\n"
         "def broken(self):\n    raise RuntimeError('broken admission')\n"
         "Engine._admit = broken\nfrom txl.cli import main\nmain(sys.argv[1:])\n"
     )
@@ -473,7 +473,7 @@ def test_cli_port_is_checked_before_anything_is_printed(run, capsys):
 def test_temperatures_beyond_float32_sample_as_the_numbers_allow(client):
     """temperature 5e-324 (found by the fuzzer) is 0 in float32: the scores were divided by zero, sampling raised and
     the request failed with a 500. Now it samples as greedily as the numbers allow: the greedy text."""
-    from txl.generation import choose
+    from txl.infer.generation import choose
 
     log_probs = torch.log_softmax(torch.randn(3, 50), -1)
     assert choose(log_probs, 5e-324, 0, 1.0, torch.Generator().manual_seed(0)).tolist() == log_probs.argmax(-1).tolist()

@@ -1,4 +1,4 @@
-"""The one-token step with fixed shapes (txl.static_decode, replayed as a CUDA graph on a GPU) computes what the
+"""The one-token step with fixed shapes (txl.infer.static_decode, replayed as a CUDA graph on a GPU) computes what the
 uncached model computes: run eagerly here, over a ring of mem_len + 1 slots, also once the ring is full and wraps,
 with same_length, clamp_len, pre-LN, untied biases, the adaptive softmax and left-padded batches. (The graph capture
 itself needs CUDA: benchmarks/model_speed.py --device cuda checks its tokens against the uncached loop.)"""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.test_kv_cache import VARIANTS, greedy_uncached, lm, uncached_steps
-from txl import static_decode
-from txl.backends import set_backends
-from txl.generation import Penalties, generate, stream
-from txl.modeling import KVCache
-from txl.static_decode import StaticDecoder
+from txl.infer import static_decode
+from txl.infer.generation import Penalties, generate, stream
+from txl.infer.static_decode import StaticDecoder
+from txl.kernels.backends import set_backends
+from txl.model.modeling import KVCache
 
 ALL = {**VARIANTS, "tf_same_length": {"same_length": True, "tf_same_length": True}}
 

@@ -30,11 +30,11 @@ from train_helpers import (
     train_args,
     txl_process,
 )
-from txl.checkpoint import MARKER, list_checkpoints, load_states, read_metadata
 from txl.cli import main
 from txl.config import TrainConfig, load_recipe
-from txl.optim import lr_at
-from txl.trainer import Trainer, TrainingError
+from txl.train.checkpoint import MARKER, list_checkpoints, load_states, read_metadata
+from txl.train.optim import lr_at
+from txl.train.trainer import Trainer, TrainingError
 
 # Dropout and attention dropout on (the debug preset), memory on, an evaluation and checkpoints in between.
 EXACT = dict(train__log_interval=1, train__eval_interval=4, train__checkpoint_interval=3, train__max_steps=12)
@@ -196,7 +196,7 @@ def test_exact_resume_after_signal(process_reference, sig):
 
 KILL_DURING_SAVE = """
 import os, signal, sys
-import txl.checkpoint as ck
+import txl.train.checkpoint as ck
 original = ck._write_marker
 def write_marker(folder, step):
     if step == 40:  # everything of step-40 is written except the marker: die here
@@ -327,7 +327,7 @@ def test_grad_accumulation_two_chunks_equals_one(tmp_path):
 
 
 def test_bf16_autocast_trains_close_to_fp32_or_falls_back(tmp_path):
-    from txl.runtime import native_bf16
+    from txl.kernels.runtime import native_bf16
 
     fp32 = run_inprocess(tmp_path, "fp32", **NO_DROPOUT, train__max_steps=4)
     bf16 = run_inprocess(tmp_path, "bf16", **NO_DROPOUT, train__max_steps=4, train__precision="bf16")
@@ -392,7 +392,7 @@ def test_learning_rate_schedules():
 def _reference_eval(run: Path, tgt_len: int, mem_len: int, batch: int, same_length: bool) -> float:
     """The evaluation protocol written out: batchify the test ids, read segments, carry the memory."""
     from txl.data import DataConfig, prepare_corpus
-    from txl.modeling import TransformerXLLM
+    from txl.model.modeling import TransformerXLLM
 
     cfg = json.loads((list_checkpoints(run)[-1][1] / "run.json").read_text())
     ids = torch.from_numpy(prepare_corpus(DataConfig(**cfg["data"])).splits["test"].astype("int64"))
@@ -411,7 +411,7 @@ def _reference_eval(run: Path, tgt_len: int, mem_len: int, batch: int, same_leng
 
 
 def read_best(run: Path) -> Path:
-    from txl.checkpoint import best_checkpoint
+    from txl.train.checkpoint import best_checkpoint
 
     return best_checkpoint(run)
 
@@ -449,8 +449,8 @@ def test_generate_text_and_plot(tmp_path, capsys):
     assert all(len(r["new_ids"]) == 30 and len(r["text"]) == 30 for r in records)
     assert records[0] == records[1] != records[2]  # the seed decides the sample
     from txl import Tokenizer, TransformerXLLM
-    from txl.checkpoint import resolve_model_dir
-    from txl.generation import generate
+    from txl.infer.generation import generate
+    from txl.train.checkpoint import resolve_model_dir
 
     lm, tok = TransformerXLLM.from_pretrained(run), Tokenizer.from_pretrained(run)  # the library takes a run folder
     prompt = torch.tensor([tok.encode("Ab")])
@@ -462,7 +462,7 @@ def test_generate_text_and_plot(tmp_path, capsys):
     main(["plot", str(run)])
     png = Path(capsys.readouterr().out.strip())
     assert png == run / "loss.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from txl.plot import run_figure
+    from txl.util.plot import run_figure
 
     assert [ax.get_ylabel() for ax in run_figure(run).axes] == ["loss (nats/token)", "bpc"]
     with pytest.raises(SystemExit):
@@ -471,7 +471,7 @@ def test_generate_text_and_plot(tmp_path, capsys):
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path, capsys):
-    from txl.metrics import Reporter
+    from txl.util.metrics import Reporter
 
     quiet = Reporter(tmp_path, enabled=True, progress=None, tensorboard=False, total=10)  # pytest: not a TTY
     assert quiet.bar is None
@@ -527,7 +527,7 @@ def test_every_checkpoint_file_is_written_durably(tmp_path, monkeypatch):
 
 
 def test_autocast_validates_the_precision():
-    from txl.evaluate import autocast, evaluate
+    from txl.infer.evaluate import autocast, evaluate
 
     cpu = torch.device("cpu")
     for bad in ("fp8", "bf-16", "FP32"):  # a typo once ran fp16 autocast on the CPU
@@ -542,10 +542,11 @@ def test_autocast_validates_the_precision():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN: no route to choose")
 def test_a_resumed_run_keeps_the_fp32_route_of_its_checkpoint(tmp_path, monkeypatch):
-    """Checkpoints record the fp32 GEMM route (txl.runtime) and `txl train --resume` keeps it rather than measuring
+    """Checkpoints record the fp32 GEMM route (txl.kernels.runtime) and `txl train --resume` keeps it rather than
+    measuring
     again: the two paths round differently (losses differ in the 6th digit at bench-char size), and the speed check
     is noisy enough to choose differently from one process to the next."""
-    from txl import runtime
+    from txl.kernels import runtime
 
     before = torch.backends.mkldnn.matmul.fp32_precision
     try:

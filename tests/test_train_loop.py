@@ -15,7 +15,7 @@ import yaml
 from train_helpers import ROOT, losses, tiny_corpus
 from txl.cli import main
 from txl.data import cached_corpus
-from txl.modeling import TransformerXLConfig, TransformerXLLM
+from txl.model.modeling import TransformerXLConfig, TransformerXLLM
 
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "shakespeare"
 RECIPE = ROOT / "configs" / "shakespeare_char.yaml"

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from txl.checkpoint import latest_checkpoint
 from txl.cli import main
-from txl.metrics import read_metrics
+from txl.train.checkpoint import latest_checkpoint
+from txl.util.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.yaml"

@@ -1,8 +1,22 @@
-"""txl: Transformer-XL for PyTorch (Dai et al., 2019)."""
+"""txl: Transformer-XL for PyTorch (Dai et al., 2019).
 
-from txl.backends import Backends, set_backends, use_backends
+The package is layered (docs/architecture.md): ``txl.util`` < ``txl.kernels`` < ``txl.model`` | ``txl.data`` <
+``txl.config`` < ``txl.infer`` < ``txl.train`` | ``txl.interop`` | ``txl.serve`` < ``txl.cli``. The modules stood
+flat in ``txl/`` before; their old paths (``txl.modeling``, ``txl.trainer``, ...) still import, as the same
+module objects, through the finder at the end of this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from txl.data import Tokenizer
-from txl.modeling import (
+from txl.infer.generation import generate_like_hf
+from txl.kernels.backends import Backends, set_backends, use_backends
+from txl.model.modeling import (
     TransformerXL,
     TransformerXLConfig,
     TransformerXLForSequenceClassification,
@@ -10,7 +24,7 @@ from txl.modeling import (
     TransformerXLLMOutput,
     TransformerXLModelOutput,
 )
-from txl.pretrained import CheckpointError
+from txl.util.folders import CheckpointError
 
 __all__ = [
     "Backends",
@@ -26,3 +40,58 @@ __all__ = [
     "use_backends",
 ]
 __version__ = "0.1.0"
+
+# Hugging Face's model.generate(), carried out by the inference layer: generation is built on the model, so the model
+# layer does not import it; the package puts it on the class (whatever imports any txl module runs this file first).
+TransformerXLLM.generate = generate_like_hf
+
+# Where each module of the flat layout lives now (old name -> new module).
+MOVED_MODULES = {
+    "txl.attention_maps": "txl.infer.attention_maps",
+    "txl.backends": "txl.kernels.backends",
+    "txl.checkpoint": "txl.train.checkpoint",
+    "txl.convert": "txl.interop.convert",
+    "txl.convert_original": "txl.interop.convert_original",
+    "txl.convert_tf": "txl.interop.convert_tf",
+    "txl.distributed": "txl.util.distributed",
+    "txl.engine": "txl.serve.engine",
+    "txl.evaluate": "txl.infer.evaluate",
+    "txl.export": "txl.interop.export",
+    "txl.fileio": "txl.util.fileio",
+    "txl.finetune": "txl.train.finetune",
+    "txl.generation": "txl.infer.generation",
+    "txl.hf_vocab": "txl.interop.hf_vocab",
+    "txl.lm_harness": "txl.interop.lm_harness",
+    "txl.metrics": "txl.util.metrics",
+    "txl.modeling": "txl.model.modeling",
+    "txl.native": "txl.kernels.native",
+    "txl.optim": "txl.train.optim",
+    "txl.plot": "txl.util.plot",
+    "txl.pretrained": "txl.model.pretrained",
+    "txl.recl": "txl.infer.recl",
+    "txl.runtime": "txl.kernels.runtime",
+    "txl.serve_http": "txl.serve.http",
+    "txl.static_decode": "txl.infer.static_decode",
+    "txl.tf_checkpoint": "txl.interop.tf_checkpoint",
+    "txl.trainer": "txl.train.trainer",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path as the module that lives at its new path (one object under both names, so
+    ``from txl.modeling import X`` and patching ``txl.trainer.X`` keep working)."""
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 (importlib's protocol)
+        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        module = importlib.import_module(MOVED_MODULES[spec.name])
+        self._spec = module.__spec__  # importlib writes the alias's spec onto the module; exec_module restores it
+        return module
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        module.__spec__ = self._spec
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -17,10 +17,12 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from txl.data import DataConfig
-from txl.modeling import TransformerXLConfig
+from txl.model.modeling import TransformerXLConfig
+from txl.util.folders import read_json
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Split = Literal["train", "valid", "test"]
@@ -367,3 +369,12 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, Any] | None = None
         return parser.parse_object(overrides, namespace=namespace) if overrides else namespace
 
     return _build(parse, os.fspath(path))
+
+
+RUN_CONFIG = "run.json"  # a checkpoint's run configuration
+
+
+def read_run_config(folder: Path) -> RunConfig | None:
+    """The run configuration saved in a checkpoint (``run.json``), parsed like a recipe; None for a model folder."""
+    path = Path(folder) / RUN_CONFIG
+    return RunConfig.from_dict(read_json(path), source=str(path)) if path.is_file() else None

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_steps is not None:
         train += ["--train.max_steps", str(args.max_steps)]
     txl(train)
-    from txl.checkpoint import resolve_model_dir
-    from txl.pretrained import read_json
+    from txl.model.pretrained import read_json
+    from txl.train.checkpoint import resolve_model_dir
 
     model = resolve_model_dir(args.run_dir)
     cut = budget_note(model, args.budget)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def trained_for(run_dir: Path) -> float:
     """Seconds of training in the run's latest checkpoint (0 for a new run): a demo run again gets its budget anew."""
-    from txl.checkpoint import latest_checkpoint, load_states
+    from txl.train.checkpoint import latest_checkpoint, load_states
 
     latest = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     return float(load_states(latest)[0]["elapsed"]) if latest is not None else 0.0
@@ -83,8 +83,8 @@ def trained_for(run_dir: Path) -> float:
 
 def budget_note(model: Path, budget: float) -> str | None:
     """What to expect when the time budget, not the recipe's step count, ended training (a busy or slow machine)."""
-    from txl.checkpoint import read_metadata
-    from txl.pretrained import read_json
+    from txl.model.pretrained import read_json
+    from txl.train.checkpoint import read_metadata
 
     step = read_metadata(model).get("step", 0)
     max_steps = read_json(model / "run.json")["train"]["max_steps"]

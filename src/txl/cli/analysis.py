@@ -45,11 +45,11 @@ def recl(
     """
     import numpy as np
 
-    from txl.checkpoint import read_run_config, resolve_model_dir
-    from txl.evaluate import eval_settings, eval_text
-    from txl.modeling import TransformerXLLM
-    from txl.recl import check_contexts, check_ratio, context_losses, plot_gains
-    from txl.recl import recl as compute_recl
+    from txl.infer.evaluate import eval_settings, eval_text
+    from txl.infer.recl import check_contexts, check_ratio, context_losses, plot_gains
+    from txl.infer.recl import recl as compute_recl
+    from txl.model.modeling import TransformerXLLM
+    from txl.train.checkpoint import read_run_config, resolve_model_dir
 
     if not models or len(models) < 2:
         raise ValueError("--models needs at least two models: RECL compares a group")
@@ -88,7 +88,7 @@ def recl(
     results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
     out = Path(out or ".")
     out.mkdir(parents=True, exist_ok=True)
-    from txl.fileio import write_bytes
+    from txl.util.fileio import write_bytes
 
     record = {
         "contexts": list(contexts),
@@ -144,11 +144,11 @@ def attention(
     """
     import numpy as np
 
-    from txl.attention_maps import attention_maps, plot_attention
-    from txl.checkpoint import read_run_config, resolve_model_dir
-    from txl.evaluate import eval_settings, eval_text
-    from txl.fileio import write_bytes
-    from txl.modeling import TransformerXLLM
+    from txl.infer.attention_maps import attention_maps, plot_attention
+    from txl.infer.evaluate import eval_settings, eval_text
+    from txl.model.modeling import TransformerXLLM
+    from txl.train.checkpoint import read_run_config, resolve_model_dir
+    from txl.util.fileio import write_bytes
 
     if model is None:
         raise ValueError("txl attention needs --model RUN_OR_DIR")
@@ -191,6 +191,6 @@ def plot(run: Path, out: Path | None = None) -> None:
         run: The run folder.
         out: Output PNG (default: RUN/loss.png).
     """
-    from txl.plot import plot_run
+    from txl.util.plot import plot_run
 
     print(plot_run(run, out))

@@ -186,7 +186,7 @@ def build_parser():
                     "replaced by the tokenizer's vocabulary size when training starts) and exit.",
                 )
             elif target is finetune:
-                from txl.finetune import FinetuneConfig
+                from txl.train.finetune import FinetuneConfig
 
                 child = _new_parser(prog, _description(target))
                 child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
@@ -233,7 +233,7 @@ def run(argv: list[str]) -> None:
         train(run_config_from_namespace(node, parser), resume=node["resume"], print_config=node["print_config"])
         return
     if target is finetune:
-        from txl.finetune import FinetuneConfig
+        from txl.train.finetune import FinetuneConfig
 
         finetune(FinetuneConfig(**{k: node[k] for k in FinetuneConfig.__dataclass_fields__}))
         return
@@ -255,7 +255,7 @@ def _did_you_mean(message: str, argv: list[str], parsers: dict) -> str:
     path = max((p for p in parsers if tuple(words[: len(p)]) == p), key=len, default=None)
     if not (unknown or bare) or path is None:
         return ""
-    from txl.modeling import HF_CONFIG_NAMES
+    from txl.model.modeling import HF_CONFIG_NAMES
 
     options = [o[2:] for a in parsers[path]._actions for o in a.option_strings if o.startswith("--")]
     options = [o for o in options if not o.endswith("+") and o != "help"]
@@ -311,8 +311,8 @@ def _argument_message(message: str) -> str:
 
 def _error(e: BaseException) -> tuple[int, str] | None:
     """(exit code, message) for the errors a user can act on; None for anything else (a bug: traceback)."""
-    from txl.evaluate import NonFiniteError
-    from txl.trainer import TrainingError
+    from txl.infer.evaluate import NonFiniteError
+    from txl.train.trainer import TrainingError
 
     if isinstance(e, ArgumentError):
         return 2, f"txl: error: {_argument_message(one_line(str(e)))} (--help lists the options)"
@@ -334,9 +334,9 @@ def _error(e: BaseException) -> tuple[int, str] | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["lm-eval"], ["lm_eval"]):  # EleutherAI's harness, its own command line (txl.lm_harness)
+    if argv[:1] in (["lm-eval"], ["lm_eval"]):  # EleutherAI's harness, its own command line (txl.interop.lm_harness)
         try:
-            from txl.lm_harness import cli as lm_eval_cli
+            from txl.interop.lm_harness import cli as lm_eval_cli
         except ImportError as e:
             print(f"txl: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -18,7 +18,7 @@ def _set_threads(threads: int | None) -> None:
 def _check_eval_memory(config, s, sliding_window: int | None) -> None:
     """``txl eval``'s memory estimate (the K/V cache of every layer over mem_len + tgt_len positions, and a
     segment's attention scores), checked against the free memory before anything is allocated."""
-    from txl.runtime import check_fits
+    from txl.kernels.runtime import check_fits
 
     keys = s.mem_len + s.tgt_len if sliding_window is None else sliding_window
     queries = s.tgt_len if sliding_window is None else sliding_window

@@ -16,9 +16,9 @@ def convert_hf(src: Path, out: Path, trust_pickle: bool = False, overwrite: bool
             tokenizer's vocab.pkl (with a restricted unpickler that runs no code).
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
-    from txl.convert import convert_hf_checkpoint
-    from txl.fileio import size_of, staged_folder
-    from txl.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
+    from txl.interop.convert import convert_hf_checkpoint
+    from txl.interop.hf_vocab import PICKLE_VOCAB, TEXT_VOCAB
+    from txl.util.fileio import size_of, staged_folder
 
     with staged_folder(out, overwrite=overwrite, sources=[src], command="txl convert", needed=size_of(src)) as staged:
         model = convert_hf_checkpoint(src, staged, trust_pickle=trust_pickle)
@@ -51,8 +51,8 @@ def convert_original(
             tensors and keeps every object of the original code as inert data; it runs none of their code.
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
-    from txl.convert_original import convert_original_checkpoint
-    from txl.fileio import size_of, staged_folder
+    from txl.interop.convert_original import convert_original_checkpoint
+    from txl.util.fileio import size_of, staged_folder
 
     sources = [p for p in (src, corpus) if p is not None]
     with staged_folder(out, overwrite=overwrite, sources=sources, command="txl convert", needed=size_of(src)) as staged:
@@ -96,8 +96,8 @@ def convert_tf(
         same_length: Every query attends to the same number of keys.
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
-    from txl.convert_tf import convert_tf_checkpoint
-    from txl.fileio import size_of, staged_folder
+    from txl.interop.convert_tf import convert_tf_checkpoint
+    from txl.util.fileio import size_of, staged_folder
 
     sources = [p for p in (src, corpus) if p is not None]
     with staged_folder(out, overwrite=overwrite, sources=sources, command="txl convert", needed=size_of(src)) as staged:

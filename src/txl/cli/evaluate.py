@@ -73,11 +73,11 @@ def eval(
     """
     import math
 
-    from txl.checkpoint import read_run_config, resolve_model_dir
-    from txl.distributed import World, resolve_device
-    from txl.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
-    from txl.modeling import TransformerXLLM
-    from txl.runtime import configure_allocator, effective_precision
+    from txl.infer.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
+    from txl.kernels.runtime import configure_allocator, effective_precision
+    from txl.model.modeling import TransformerXLLM
+    from txl.train.checkpoint import read_run_config, resolve_model_dir
+    from txl.util.distributed import World, resolve_device
 
     if model is None:
         raise ValueError("txl eval needs --model RUN_OR_DIR (a run folder, a step-N checkpoint or a model folder)")
@@ -89,7 +89,7 @@ def eval(
     if note:
         print(f"txl: note: --precision bf16, but {note}", file=sys.stderr)
     if dev.type == "cpu":
-        configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.runtime)
+        configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.kernels.runtime)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)
@@ -164,7 +164,7 @@ def eval(
                 flush=True,
             )
     if sweep:
-        from txl.plot import plot_memory_sweep
+        from txl.util.plot import plot_memory_sweep
 
         where = plot_memory_sweep(points, name, plot or Path("mem_len_sweep.png"), title=f"{folder} ({s.split})")
         print(f"plot: {where}", file=sys.stderr if json else sys.stdout)
@@ -172,8 +172,8 @@ def eval(
 
 def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batches, precision, dev, json) -> None:
     """`txl eval --sliding_window`: the vanilla model's evaluation, printed with its settings."""
-    from txl.distributed import World
-    from txl.evaluate import evaluate_sliding, metric_name, metric_value
+    from txl.infer.evaluate import evaluate_sliding, metric_name, metric_value
+    from txl.util.distributed import World
 
     res = evaluate_sliding(
         lm,

@@ -31,9 +31,9 @@ def export_onnx(
         tolerance: Largest |difference| from PyTorch allowed on the random-input check.
         overwrite: Replace an existing .onnx file (and its tokenizer beside it).
     """
-    from txl.checkpoint import resolve_model_dir
-    from txl.export import export_onnx as run_export
-    from txl.fileio import size_of, staged_file, write_bytes
+    from txl.interop.export import export_onnx as run_export
+    from txl.train.checkpoint import resolve_model_dir
+    from txl.util.fileio import size_of, staged_file, write_bytes
 
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")

@@ -13,7 +13,7 @@ def finetune(cfg=None) -> None:
     """Fine-tune the sequence-classification head on labelled texts (CSV or JSONL: text, label), starting from a
     trained language model. Long documents are read segment by segment with the memory carried; the run folder
     resumes exactly, like txl train's. Prints the run folder."""
-    from txl.finetune import finetune as run_finetune
+    from txl.train.finetune import finetune as run_finetune
 
     print(run_finetune(cfg))
 
@@ -33,8 +33,8 @@ def predict(
             When every row also has a label, the accuracy and F1 (or MSE) follow on stderr.
         threads: torch CPU threads.
     """
-    from txl.finetune import predict as run_predict
-    from txl.finetune import predict_labelled
+    from txl.train.finetune import predict as run_predict
+    from txl.train.finetune import predict_labelled
 
     if model is None or (text is None) == (file is None):
         raise ValueError("txl predict needs --model RUN and one of --text or --file")

@@ -64,20 +64,20 @@ def generate(
             beams the text is printed at the end, and --temperature must be 0).
         length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
         device: cpu, cuda, cuda:N or auto (the GPU if there is one). On a GPU each new token is one CUDA graph
-            replay (txl.static_decode); a seed samples differently there than on the CPU (another generator).
+            replay (txl.infer.static_decode); a seed samples differently there than on the CPU (another generator).
     """
     import torch
 
-    from txl import native
-    from txl.backends import backends
-    from txl.checkpoint import resolve_model_dir
     from txl.data import Tokenizer
-    from txl.distributed import resolve_device
-    from txl.evaluate import describe_reading, read_as, reading_settings
-    from txl.generation import Penalties, check_sampling
-    from txl.generation import stream as stream_tokens
-    from txl.modeling import TransformerXLLM
-    from txl.runtime import configure_allocator
+    from txl.infer.evaluate import describe_reading, read_as, reading_settings
+    from txl.infer.generation import Penalties, check_sampling
+    from txl.infer.generation import stream as stream_tokens
+    from txl.kernels import native
+    from txl.kernels.backends import backends
+    from txl.kernels.runtime import configure_allocator
+    from txl.model.modeling import TransformerXLLM
+    from txl.train.checkpoint import resolve_model_dir
+    from txl.util.distributed import resolve_device
 
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
@@ -130,7 +130,7 @@ def generate(
     if num_beams > 1:
         if temperature != 0:
             raise ValueError("--num_beams > 1 searches for the likeliest text: give --temperature 0 (no sampling)")
-        from txl.generation import beam_search
+        from txl.infer.generation import beam_search
 
         found = beam_search(
             lm, prompt_tensor, max_new_tokens, num_beams=num_beams,

@@ -64,7 +64,7 @@ def serve(
     try:
         import uvicorn
 
-        from txl.serve import DrainingServer, ServeLimits, create_app
+        from txl.serve.app import DrainingServer, ServeLimits, create_app
     except ImportError as e:
         raise ValueError(
             f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
@@ -100,7 +100,7 @@ def serve(
               + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
     where = "" if state.device.type == "cpu" else f", on {state.device}"
     shown = f"[{host}]" if ":" in host else host
-    from txl.evaluate import describe_reading
+    from txl.infer.evaluate import describe_reading
 
     reading = describe_reading(state.reading)
     print(f"txl serve: http://{shown}:{sock.getsockname()[1]}/ ({state.folder}{where}; reading with {reading})",

@@ -15,7 +15,7 @@ def train(cfg: RunConfig, resume: str = "auto", print_config: bool = False) -> N
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return
-    from txl.trainer import train as _train
+    from txl.train.trainer import train as _train
 
     _train(cfg, resume)
 
@@ -24,8 +24,8 @@ def _recorded_run_args(node, args: list[str]) -> list[str] | None:
     """`txl train` without --config, continuing a run (--resume auto with a --run_dir that has a checkpoint, or
     --resume PATH): the settings recorded in that checkpoint (its run.json) as the config, then the options given;
     with --resume PATH and no --run_dir, the run goes on in the checkpoint's own run folder. None: parse as given."""
-    from txl.checkpoint import RUN_CONFIG, latest_checkpoint, naming_an_earlier_checkpoint, resolve_model_dir
-    from txl.pretrained import read_json
+    from txl.model.pretrained import read_json
+    from txl.train.checkpoint import RUN_CONFIG, latest_checkpoint, naming_an_earlier_checkpoint, resolve_model_dir
 
     if node.get("config") or node["resume"] == "none":
         return None

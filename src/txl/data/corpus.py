@@ -27,10 +27,10 @@ from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
 from txl.data.rawtext import Moses, RawText, Text8
 from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_splits
-from txl.data.sources import cache_home
+from txl.data.sources import DATASETS, cache_home
 from txl.data.text import FileRange
 from txl.data.tokenizer import Kind, LineEnd, Tokenizer
-from txl.fileio import LOCK, FolderLock, check_space, write_bytes
+from txl.util.fileio import LOCK, FolderLock, check_space, write_bytes
 
 FORMAT, FORMAT_VERSION = "txl-corpus", 1
 META = "meta.json"
@@ -341,7 +341,10 @@ def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
 def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, Layout, Path]:
     cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
     settings = _settings(cfg)
-    layout = find_splits(cfg.dataset, check_data_path(cfg.path), valid_shard=cfg.valid_shard, files=cfg.files)
+    path = check_data_path(cfg.path)
+    if not path.exists() and cfg.dataset in DATASETS:
+        raise DataError(f"{path}: no such file or folder. Get it with: txl data get {cfg.dataset} --out {path}")
+    layout = find_splits(cfg.dataset, path, valid_shard=cfg.valid_shard, files=cfg.files)
     folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
     return cfg, settings, layout, folder
 

@@ -14,7 +14,7 @@ from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
 from txl.data.errors import DataError
-from txl.fileio import write_bytes
+from txl.util.fileio import write_bytes
 
 CHUNK = 1 << 20
 

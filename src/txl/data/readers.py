@@ -240,11 +240,8 @@ def find_splits(dataset: str, path: Path, *, valid_shard: int = 1, files: str = 
     """Locate the train/valid/test text of ``dataset`` under ``path`` (see the module docstring); ``files``: which
     files of a custom folder are documents."""
     path = Path(path)
-    if not path.exists():
-        from txl.data.sources import DATASETS
-
-        get = f". Get it with: txl data get {dataset} --out {path}" if dataset in DATASETS else ""
-        raise DataError(f"{path}: no such file or folder{get}")
+    if not path.exists():  # (txl.data.corpus says first how to get a dataset that `txl data get` fetches)
+        raise DataError(f"{path}: no such file or folder")
     if dataset in ("enwik8", "text8"):
         layout = _char_dataset(dataset, path, strip=dataset == "text8")
     elif dataset == "lm1b":

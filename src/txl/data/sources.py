@@ -23,7 +23,7 @@ from pathlib import Path
 from txl.data.download import _say, download, sha256_file
 from txl.data.errors import DataError
 from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS
-from txl.fileio import write_bytes
+from txl.util.fileio import write_bytes
 
 
 @dataclass(frozen=True)

@@ -605,7 +605,7 @@ class Tokenizer:
 
     def save(self, path: Path) -> Path:
         """Write ``tokenizer.json`` atomically (``path`` may be a folder)."""
-        from txl.fileio import write_bytes
+        from txl.util.fileio import write_bytes
 
         path = Path(path)
         if path.is_dir() or not path.suffix:
@@ -631,7 +631,7 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        from txl.pretrained import read_json
+        from txl.util.folders import read_json
 
         try:
             obj = read_json(path)
@@ -683,7 +683,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """The tokenizer of a model folder, run folder or checkpoint (its ``tokenizer.json``)."""
-        from txl.pretrained import resolve_model_dir
+        from txl.util.folders import resolve_model_dir
 
         path = Path(path)
         if path.is_file() or (path / "tokenizer.json").is_file():

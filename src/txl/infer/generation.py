@@ -1,0 +1,519 @@
+"""Sampling from a Transformer-XL LM with a K/V-cached memory: the prompt once, then one token per step.
+
+Each step projects only the new token: the keys and values of the memory stay in a
+:class:`~txl.model.modeling.KVCache` (the last ``mem_len`` positions, the memory the uncached model would keep), and
+W_kR R is projected once. Prompts of different lengths go in one batch with left padding (``padding``), rows stop
+at their own stop token, and :func:`stream` yields every token as soon as it is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from txl.infer import static_decode
+from txl.kernels.runtime import fp32_route
+from txl.model.modeling import KVCache, NonFiniteError, TransformerXLLM, supports_kv_cache, transposed_weights
+
+
+def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Raise ``ValueError`` naming the first sampling parameter out of range."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 0")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature = {temperature}: must be >= 0 (0 is greedy decoding)")
+    if top_k < 0:
+        raise ValueError(f"top_k = {top_k}: must be >= 0 (0 keeps every token)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p}: must be in (0, 1] (1 keeps every token)")
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What the history of a sequence does to its next token's scores (log-probabilities), before temperature and
+    filtering. ``repetition_penalty`` and ``no_repeat_ngram_size`` are Hugging Face's (CTRL's penalty on every token
+    of the prompt and the text so far: a score s < 0 becomes s * penalty, s > 0 s / penalty; no n-gram of the whole
+    sequence twice; no end of text before ``min_new_tokens``); ``presence_penalty``, ``frequency_penalty`` and
+    ``logit_bias`` are OpenAI's (subtracted once for a token the new text holds, and once per time it holds it; added
+    per token id)."""
+
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
+    """Hugging Face's: the ``eos_token_ids`` cannot come before this many new tokens."""
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty = {self.repetition_penalty}: must be > 0 (1 is none)")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens = {self.min_new_tokens}: must be >= 0")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size = {self.no_repeat_ngram_size}: must be >= 0 (0 is none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} = {getattr(self, name)}: must be a finite number")
+
+    @functools.cached_property
+    def any(self) -> bool:
+        """Whether these change anything (checked once per generated token: the history is kept only then; eos ids
+        alone, as ``generate`` always passes them, change nothing)."""
+        return bool(
+            self.repetition_penalty != 1.0 or self.no_repeat_ngram_size or self.presence_penalty
+            or self.frequency_penalty or self.logit_bias or self.min_new_tokens and self.eos_token_ids
+        )  # fmt: skip
+
+    def apply(self, scores: Tensor, history: Tensor, new_from: int, padding: Tensor | None = None) -> Tensor:
+        """``scores`` [B, V] of the token after ``history`` [B, L] (the prompt and the text so far; the new text
+        starts at column ``new_from``; ``padding`` [B, new_from], True = a prompt's left padding, not part of it)."""
+        B, V = scores.shape
+        real = torch.ones_like(history, dtype=torch.bool)  # [B, L]: the positions that are part of the sequence
+        if padding is not None:
+            real[:, : padding.shape[1]] = ~padding
+        if self.repetition_penalty != 1.0:
+            held = torch.zeros(B, V, device=scores.device).scatter_add_(1, history, real.float()) > 0  # [B, V]
+            p = self.repetition_penalty
+            scores = torch.where(held, torch.where(scores < 0, scores * p, scores / p), scores)
+        n = self.no_repeat_ngram_size
+        if n and history.shape[1] >= n:  # (a shorter history holds no n-gram to repeat)
+            grams = history.unfold(1, n, 1)  # [B, W, n]: every n-gram of the sequence
+            tail = history[:, history.shape[1] - n + 1 :]  # [B, n - 1]: the n - 1 tokens a new one would follow
+            repeat = (grams[:, :, :-1] == tail[:, None, :]).all(-1)  # [B, W]
+            repeat &= real.unfold(1, n, 1).all(-1) & real[:, history.shape[1] - n + 1 :].all(-1, keepdim=True)
+            banned = torch.zeros(B, V, device=scores.device).scatter_add_(1, grams[:, :, -1], repeat.float())
+            scores = scores.masked_fill(banned > 0, float("-inf"))
+        if self.presence_penalty or self.frequency_penalty:
+            new = history[:, new_from:]
+            ones = torch.ones_like(new, dtype=scores.dtype)
+            counts = torch.zeros(B, V, device=scores.device, dtype=scores.dtype).scatter_add_(1, new, ones)
+            scores = scores - self.frequency_penalty * counts - self.presence_penalty * (counts > 0)
+        if self.min_new_tokens and self.eos_token_ids and history.shape[1] - new_from < self.min_new_tokens:
+            scores = scores.index_fill(1, torch.tensor(self.eos_token_ids, device=scores.device), float("-inf"))
+        if self.logit_bias:
+            ids = torch.tensor([i for i, _ in self.logit_bias], device=scores.device)
+            bias = torch.tensor([b for _, b in self.logit_bias], device=scores.device, dtype=scores.dtype)
+            scores = scores.index_add(1, ids, bias.expand(B, -1))
+        return scores
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches ``top_p``; the most
+    likely token is always kept."""
+    check_sampling(top_k=top_k, top_p=top_p)
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # tokens after the nucleus is complete
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def choose(
+    log_probs: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> Tensor:
+    """The next token [B] from log-probabilities [B, V]: the arg max at temperature 0, else a sample."""
+    if temperature == 0:
+        return log_probs.argmax(-1)
+    # the best stays 0 at any temperature; one outside the dtype's normal numbers would be 0 or inf in it (0 / 0,
+    # -inf / inf: NaN), so it is clamped into them
+    finfo = torch.finfo(log_probs.dtype)
+    temperature = min(max(temperature, finfo.tiny), finfo.max)
+    scaled = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature
+    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def stream(
+    model: TransformerXLLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mem_len: int | None = None,
+    generator: torch.Generator | None = None,
+    padding: Tensor | None = None,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int | None = None,
+    mems: list[Tensor] | None = None,
+    observe: Callable[[Tensor, Tensor], None] | None = None,
+    penalties: Penalties | None = None,
+) -> Iterator[Tensor]:
+    """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
+
+    ``temperature == 0`` is greedy. ``padding`` [B, T] (True = padding) lets prompts of different lengths share
+    the batch: pad them on the left. A row that produced one of ``stop_tokens`` is finished: from then on it yields
+    ``pad_id`` (default: the first stop token), and the iteration ends when every row is finished. ``mems``: the
+    memory the prompt starts from (``n_layer`` tensors [B, M, d_model]; default: empty, as the model's forward),
+    e.g. ``[torch.zeros(B, mem_len, d_model)] * n_layer`` for Hugging Face's and the TF code's zero memory.
+    ``observe(log_probs [B, V], tokens [B])`` is called with each step's log-probabilities (the model's, before
+    temperature and filtering) and chosen tokens, before they are yielded. ``penalties`` (:class:`Penalties`) change
+    the scores by what each row holds so far (its prompt, padding included, and its new tokens).
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a non-empty [batch, seq_len] tensor")
+    mem_len = model.config.mem_len if mem_len is None else mem_len
+    if mem_len <= 0:
+        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    if padding is not None and (padding.shape != input_ids.shape or bool(padding[:, -1].any())):
+        raise ValueError("padding must be [batch, seq_len], True on the left of each prompt (its last token is real)")
+    was_training = model.training
+    model.eval()
+    try:
+        B, T = input_ids.shape
+        dtype = next(model.parameters()).dtype
+        if supports_kv_cache(model.config):
+            cache = KVCache(model.config, B, mem_len, max_segment=T, device=input_ids.device, dtype=dtype)
+            if mems:
+                model.transformer.fill_cache(cache, mems, mem_len)
+
+            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+                with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
+                    return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+
+        else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
+            if padding is not None:
+                raise ValueError(
+                    f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
+                    "give prompts of one length"
+                )
+
+            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+                nonlocal mems
+                out = model.transformer(ids, mems, mem_len=mem_len)
+                mems = out.mems
+                return out.last_hidden_state[:, -1]
+
+        with transposed_weights():  # (the weights are fixed while generating)
+            h = step(input_ids, padding)
+            decoder = None  # the later steps as one CUDA graph, where it applies
+            if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
+                decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
+                cache = None  # (the decoder's ring holds the memory now: the cache's buffers can go)
+            stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+            pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
+            done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+            history = input_ids if penalties is not None and penalties.any else None  # [B, T + new]
+            for i in range(max_new_tokens):
+                if i == 0 or decoder is None:
+                    _, log_probs = model.crit(h, return_log_probs=True)  # [B, V]
+                if not bool(torch.isfinite(log_probs).all()):
+                    raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
+                scores = log_probs if history is None else penalties.apply(log_probs, history, T, padding)
+                nxt = choose(scores, temperature, top_k, top_p, generator)  # [B]
+                if len(stops):
+                    nxt = nxt.masked_fill(done, pad_id)
+                    done |= torch.isin(nxt, stops)
+                if observe is not None:
+                    observe(log_probs, nxt)
+                yield nxt[:, None]
+                if len(stops) and bool(done.all()) or i == max_new_tokens - 1:
+                    return
+                if history is not None:
+                    history = torch.cat([history, nxt[:, None]], dim=1)  # [B, T + i + 1]
+                if decoder is None:
+                    h = step(nxt[:, None])
+                else:
+                    log_probs = decoder(nxt)
+    finally:
+        model.train(was_training)  # (a model sampled from during training goes on training with its dropout)
+
+
+def beam_search(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs: Any) -> Tensor:
+    """Beam search as Hugging Face's ``generate(num_beams=...)`` does it, on the K/V cache (reordered with the beams).
+
+    Each step extends every one of the ``num_beams`` sequences of a prompt by every token, scored by the sum of
+    their log-probabilities (after ``penalties``), and keeps the best ``num_beams`` that do not end with an
+    ``eos_token_ids`` token; one that does (among the best ``num_beams``) is a finished hypothesis, scored by its sum
+    over its new length (``eos`` included) to the power ``length_penalty``. A prompt is done when ``num_beams``
+    hypotheses are finished and (``early_stopping=False``) none of its running sequences can beat the worst of them.
+    Returns the best ``num_return_sequences`` hypotheses per prompt [B * n, T + new], the shorter ones followed by an
+    eos and then ``pad_id``. The keyword arguments are :func:`beam_steps`'.
+    """
+    steps = beam_steps(model, input_ids, max_new_tokens, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+@torch.no_grad()  # (on a generator: gradients off while it runs, the caller's own setting between its steps)
+def beam_steps(
+    model: TransformerXLLM,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    num_beams: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool = False,
+    num_return_sequences: int = 1,
+    eos_token_ids: Sequence[int] = (),
+    pad_id: int | None = None,
+    mem_len: int | None = None,
+    padding: Tensor | None = None,
+    mems: list[Tensor] | None = None,
+    penalties: Penalties | None = None,
+) -> Generator[None, None, Tensor]:
+    """:func:`beam_search` one model call at a time: the generator yields after each call (the prompt's, then one per
+    new token) and returns the result (``StopIteration.value``), so a caller can run other work between two steps
+    or stop the search (``close()``). Arguments and result as :func:`beam_search`'s. Until it ends or is closed the
+    model stays in eval mode and a :func:`~txl.model.modeling.transposed_weights` scope stays open: do not train the
+    model
+    between two steps."""
+    if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(f"beam search needs num_beams >= 2 and 1 <= num_return_sequences <= num_beams ({num_beams})")
+    if not supports_kv_cache(model.config):
+        raise ValueError(f"beam search reorders a K/V cache, which attn_type {model.config.attn_type} cannot have")
+    check_sampling(max_new_tokens)
+    B, T = input_ids.shape
+    K, dev = num_beams, input_ids.device
+    mem_len = model.config.mem_len if mem_len is None else mem_len
+    if mem_len <= 0:
+        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    eos = [int(e) for e in eos_token_ids]
+    fill = pad_id if pad_id is not None else (eos[0] if eos else 0)  # (after a hypothesis, and in done rows)
+    if max_new_tokens == 0:  # (nothing to search: every hypothesis is the prompt)
+        return input_ids.repeat_interleave(num_return_sequences, 0)
+    penalties = penalties or Penalties()
+    seq = input_ids.repeat_interleave(K, 0)  # [B * K, T + new]
+    pad = None if padding is None else padding.repeat_interleave(K, 0)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(model.config, B * K, mem_len, max_segment=T, device=dev, dtype=next(model.parameters()).dtype)
+        if mems:
+            model.transformer.fill_cache(cache, [m.repeat_interleave(K, 0) for m in mems], mem_len)
+        with transposed_weights():
+            h = model.transformer(seq, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+            yield
+            beam_scores = torch.zeros(B, K, device=dev)
+            beam_scores[:, 1:] = -1e9  # (the K copies of a prompt: only the first one's continuations at first)
+            beam_scores = beam_scores.view(-1)  # [B * K]
+            finished: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]
+            done = [False] * B
+
+            def keep(b: int, tokens: Tensor, total: float, new_len: int) -> None:
+                """A finished hypothesis of prompt b, among the best K of them."""
+                score = total / new_len**length_penalty
+                hyps = finished[b]
+                if len(hyps) < K or score > min(s for s, _ in hyps):
+                    hyps.append((score, tokens))
+                    if len(hyps) > K:
+                        hyps.remove(min(hyps, key=lambda x: x[0]))
+
+            for step in range(max_new_tokens):
+                _, log_probs = model.crit(h, return_log_probs=True)  # [B * K, V]
+                scores = F.log_softmax(log_probs.float(), dim=-1)  # (renormalised, as HF does with its logits)
+                if penalties.any:
+                    scores = penalties.apply(scores, seq, T, pad)
+                V = scores.shape[-1]
+                total = (scores + beam_scores[:, None]).view(B, K * V)
+                top_scores, top = total.topk(max(2, 1 + len(eos)) * K, dim=1)  # [B, 2K or more], best first
+                new_len = seq.shape[1] + 1 - T
+                rows, tokens, next_scores = [], [], []
+                for b in range(B):
+                    if done[b]:  # (its rows run on, unused)
+                        rows += [b * K] * K
+                        tokens += [fill] * K
+                        next_scores += [0.0] * K
+                        continue
+                    chosen = 0
+                    for rank, (flat, value) in enumerate(zip(top[b].tolist(), top_scores[b].tolist(), strict=True)):
+                        row, token = b * K + flat // V, flat % V
+                        if token in eos:
+                            if rank < K:
+                                keep(b, seq[row].clone(), value, new_len)
+                            continue
+                        rows.append(row)
+                        tokens.append(token)
+                        next_scores.append(value)
+                        chosen += 1
+                        if chosen == K:
+                            break
+                    if len(finished[b]) == K:
+                        worst = min(s for s, _ in finished[b])
+                        best = float(top_scores[b, 0]) / new_len**length_penalty
+                        done[b] = early_stopping or worst >= best
+                index = torch.tensor(rows, device=dev)
+                seq = torch.cat([seq[index], torch.tensor(tokens, device=dev)[:, None]], dim=1)
+                beam_scores = torch.tensor(next_scores, device=dev)
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                cache.select(rows)
+                with fp32_route(False):  # (products of a few rows: 3x slower routed)
+                    h = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+                yield
+    finally:
+        model.train(was_training)
+    new_len = seq.shape[1] - T
+    for b in range(B):
+        if not done[b]:
+            for k in range(K):
+                keep(b, seq[b * K + k], float(beam_scores[b * K + k]), new_len)
+    best = [hyp for b in range(B) for _, hyp in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
+    width = min(max(len(hyp) for hyp in best) + 1, T + max_new_tokens)
+    out = torch.full((len(best), width), fill, dtype=torch.long, device=dev)
+    for i, hyp in enumerate(best):
+        out[i, : len(hyp)] = hyp
+        if len(hyp) < width and eos:
+            out[i, len(hyp)] = eos[0]
+    return out
+
+
+def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+    """``input_ids`` [B, T] followed by the new tokens (see :func:`stream` for the options)."""
+    return torch.cat([input_ids, *stream(model, input_ids, max_new_tokens, **kwargs)], dim=1)
+
+
+def generate_like_hf(
+    model: TransformerXLLM,
+    input_ids: Tensor,
+    max_new_tokens: int | None = None,
+    *,
+    max_length: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    attention_mask: Tensor | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    mem_len: int | None = None,
+    generator: torch.Generator | None = None,
+    mems: list[Tensor] | None = None,
+    num_return_sequences: int = 1,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    min_new_tokens: int | None = None,
+    min_length: int | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool = False,
+    **hf_options: Any,
+) -> Tensor:
+    """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
+
+    Greedy unless ``do_sample`` (then ``temperature``, ``top_k`` = 50 and ``top_p`` as HF's defaults);
+    ``max_new_tokens``, or ``max_length`` counting the prompt (20 when neither is given, as HF);
+    ``attention_mask`` [B, T] (1 = token, 0 = left padding); ``eos_token_id`` (one id or several) ends a row,
+    which is then filled with ``pad_token_id`` (default: the first eos id); ``mems``: the starting memory (see
+    :func:`stream`; HF 4.46 started from ``mem_len`` zero vectors); ``num_return_sequences`` samples per prompt
+    (with ``do_sample``; rows grouped by prompt); ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens`` and ``min_length`` (counting the prompt) as HF's (:class:`Penalties`); ``num_beams`` > 1 is
+    HF's beam search (:func:`beam_search`, with ``length_penalty`` and ``early_stopping``; ``num_return_sequences``
+    of its best hypotheses). HF's options that change nothing here (``use_cache``, ...) are accepted at their
+    neutral value; the others are refused by name. Returns [B * num_return_sequences, T + new tokens].
+    """
+    _check_hf_options(hf_options)
+    beams = num_beams > 1
+    if beams and do_sample:
+        raise ValueError("num_beams > 1 with do_sample=True (beam sampling) is not implemented: give one of them")
+    if num_beams < 1 or beams and num_return_sequences > num_beams:
+        raise ValueError(f"num_beams = {num_beams}: must be >= 1 and >= num_return_sequences ({num_return_sequences})")
+    if num_return_sequences < 1 or num_return_sequences > 1 and not (do_sample or beams):
+        raise ValueError(
+            f"num_return_sequences = {num_return_sequences}: must be 1 for greedy decoding (its sequences would be "
+            "the same), or >= 1 with do_sample=True"
+        )
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if max_new_tokens is None:
+        max_length = 20 if max_length is None else max_length
+        if max_length <= input_ids.shape[-1]:
+            raise ValueError(
+                f"max_length = {max_length} counts the prompt of {input_ids.shape[-1]} tokens: nothing to generate; "
+                "give max_new_tokens (new tokens only) or a larger max_length"
+            )
+        max_new_tokens = max_length - input_ids.shape[-1]
+    elif max_length is not None:
+        raise ValueError("give max_new_tokens or max_length (which counts the prompt), not both")
+    padding = None
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}"
+            )
+        padding = attention_mask.to(input_ids.device) == 0
+        if not bool(padding.any()):
+            padding = None
+        elif bool(padding[:, -1].any()):
+            raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
+    stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if min_new_tokens is not None and min_length is not None:
+        raise ValueError("give min_new_tokens or min_length (which counts the prompt), not both")
+    least = min_new_tokens if min_new_tokens is not None else max(0, (min_length or 0) - input_ids.shape[-1])
+    penalties = Penalties(
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=least,
+        eos_token_ids=tuple(stops),
+    )
+    if beams:
+        return beam_search(
+            model, input_ids, max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
+            early_stopping=early_stopping, num_return_sequences=num_return_sequences, eos_token_ids=stops,
+            pad_id=pad_token_id, mem_len=mem_len, padding=padding, mems=mems, penalties=penalties,
+        )  # fmt: skip
+    if num_return_sequences > 1:  # each prompt's row repeated, as HF does
+        input_ids = input_ids.repeat_interleave(num_return_sequences, 0)
+        padding = None if padding is None else padding.repeat_interleave(num_return_sequences, 0)
+        mems = None if mems is None else [m.repeat_interleave(num_return_sequences, 0) for m in mems]
+    return generate(
+        model,
+        input_ids,
+        max_new_tokens,
+        temperature=temperature if do_sample else 0.0,
+        top_k=top_k if do_sample else 0,
+        top_p=top_p if do_sample else 1.0,
+        mem_len=mem_len,
+        generator=generator,
+        padding=padding,
+        stop_tokens=stops,
+        pad_id=pad_token_id,
+        mems=mems,
+        penalties=penalties,
+    )
+
+
+# Hugging Face generate() options: their values that change nothing here, and why the others are not honoured.
+_HF_NEUTRAL = {
+    "use_cache": True, "num_beam_groups": 1, "return_dict_in_generate": False,
+    "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "diversity_penalty": 0.0, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None, "bad_words_ids": None, "force_words_ids": None,
+    "streamer": None, "generation_config": None, "constraints": None,
+}  # fmt: skip
+_HF_WHY = {
+    "num_beam_groups": "group (diverse) beam search is not implemented; num_beams alone is beam search",
+    "streamer": "txl.infer.generation.stream(model, ...) yields each token as it is chosen",
+    "return_dict_in_generate": "generate returns the ids; txl.infer.generation.stream(..., observe=) sees the scores",
+}
+
+
+def _check_hf_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(_HF_NEUTRAL))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
+    for name, value in options.items():
+        if value != _HF_NEUTRAL[name]:
+            why = _HF_WHY.get(name, f"not supported by txl (only {_HF_NEUTRAL[name]!r}, Hugging Face's default)")
+            raise ValueError(f"{name} = {value!r}: {why}")

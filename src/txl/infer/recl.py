@@ -1,0 +1,146 @@
+"""Relative Effective Context Length (RECL, the paper's Sec. 4.3 and Appendix C).
+
+For a group of models M scored on the same tokens at context lengths c_0 < c_1 < ... (step Δ):
+
+* l_m(c, t): the loss of model m on token t with context length c (for Transformer-XL the memory length, for a
+  vanilla model the window length);
+* b(c, t) = min over m in M of l_m(c, t): the baseline, the best any model of the group does at that length;
+* T_r(c): the r-fraction of the tokens with the largest b(c, t) (the hard tokens; r = 1 is every token);
+* f_m(c, c') = mean over t in T_r(c) of min(b(c, t), l_m(c', t)): model m's relative loss at c' with the
+  baseline of c (so f(c, c) = the mean of b(c, t) over T_r(c), the same for every model);
+* g_m(c, c') = (exp f(c, c) - exp f_m(c, c')) / exp f(c, c): the relative gain in perplexity from extending the
+  context from c to c';
+* RECL_m = the first c whose gain to c + Δ is below the threshold (0.01): the context length beyond which more
+  context stops helping model m. If the gain never falls below it, RECL is at least the last length measured.
+
+RECL is relative: it depends on the group (through b), so models are compared within one group, as in the
+paper's Table 8 (r = 0.1, 0.5 and 1.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class ReclResult:
+    r: float
+    contexts: list[int]
+    recl: dict[str, int]
+    """Per model: its RECL (the last context length when the gain never falls below the threshold)."""
+    reached: dict[str, bool]
+    """Per model: whether the gain fell below the threshold within the lengths measured."""
+    gains: dict[str, list[float]]
+    """Per model: g(c_i, c_{i+1}) for every i."""
+
+
+def check_contexts(contexts: Sequence[int]) -> list[int]:
+    """The context lengths as ints: at least two, increasing, evenly spaced (else a ValueError saying so)."""
+    contexts = [int(c) for c in contexts]
+    if len(contexts) < 2 or any(b <= a for a, b in zip(contexts, contexts[1:], strict=False)):
+        raise ValueError(f"contexts {contexts}: need at least two increasing lengths")
+    if len({b - a for a, b in zip(contexts, contexts[1:], strict=False)}) != 1:
+        raise ValueError(f"contexts {contexts}: RECL steps by one Δ, so the lengths must be evenly spaced")
+    return contexts
+
+
+def check_ratio(r: float) -> None:
+    if not 0 < r <= 1:
+        raise ValueError(f"r = {r}: must be in (0, 1]")
+
+
+def relative_gains(losses: Mapping[str, np.ndarray], r: float) -> dict[str, list[float]]:
+    """g_m(c_i, c_{i+1}) for every model of the group; ``losses[m]`` is [n_contexts, n_tokens]."""
+    check_ratio(r)
+    arrays = {m: np.asarray(v, dtype=np.float64) for m, v in losses.items()}
+    shapes = {a.shape for a in arrays.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"every model needs losses of one shape [n_contexts, n_tokens], got {sorted(shapes)}")
+    n_contexts, n_tokens = next(iter(shapes))
+    base = np.min(np.stack(list(arrays.values())), axis=0)  # b(c, t), [C, N]
+    k = max(1, int(round(r * n_tokens)))
+    gains: dict[str, list[float]] = {m: [] for m in arrays}
+    for i in range(n_contexts - 1):
+        top = np.argsort(-base[i], kind="stable")[:k]  # T_r(c_i): the largest baseline losses
+        ref = np.exp(base[i, top].mean())  # exp f(c_i, c_i)
+        for m, a in arrays.items():
+            f = np.minimum(base[i, top], a[i + 1, top]).mean()  # f_m(c_i, c_{i+1})
+            gains[m].append(float((ref - np.exp(f)) / ref))
+    return gains
+
+
+def recl(losses: Mapping[str, np.ndarray], contexts: Sequence[int], r: float, threshold: float = 0.01) -> ReclResult:
+    """RECL of every model of the group at ratio ``r`` (see the module docstring)."""
+    contexts = check_contexts(contexts)
+    gains = relative_gains(losses, r)
+    n = len(contexts)
+    if any(len(g) != n - 1 for g in gains.values()):
+        raise ValueError(f"the losses have {len(next(iter(gains.values()))) + 1} context lengths, not {n}")
+    result, reached = {}, {}
+    for m, g in gains.items():
+        below = [i for i, v in enumerate(g) if v < threshold]
+        reached[m] = bool(below)
+        result[m] = contexts[below[0]] if below else contexts[-1]
+    return ReclResult(r=r, contexts=contexts, recl=result, reached=reached, gains=gains)
+
+
+def context_losses(
+    model,
+    ids: np.ndarray,
+    contexts: Sequence[int],
+    *,
+    sliding: bool,
+    tgt_len: int,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    batch_size: int = 16,
+) -> np.ndarray:
+    """[n_contexts, len(ids) - 1] per-token losses of one model: with a memory of c (Transformer-XL: segments of
+    ``tgt_len``, one column so that every token has the whole text before it) or, with ``sliding``, a window of c
+    tokens recomputed for every prediction (a vanilla model)."""
+    from txl.infer.evaluate import evaluate, evaluate_sliding
+
+    rows = []
+    for c in contexts:
+        if sliding:
+            res = evaluate_sliding(
+                model, ids, window=c, stride=1, batch_size=batch_size, clamp_len=clamp_len, return_losses=True
+            )
+        else:
+            res = evaluate(
+                model,
+                ids,
+                batch_size=1,
+                tgt_len=tgt_len,
+                mem_len=c,
+                clamp_len=clamp_len,
+                same_length=same_length,
+                return_losses=True,
+            )
+        rows.append(res.losses)
+    return np.stack(rows)
+
+
+def plot_gains(results: Sequence[ReclResult], out) -> None:
+    """One panel per r: the relative gain g(c, c + Δ) of every model against c, with the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        for m, g in res.gains.items():
+            ax.plot(res.contexts[:-1], g, "o-", markersize=3, label=f"{m} (RECL {res.recl[m]})")
+        ax.axhline(0.01, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(f"r = {res.r}")
+        ax.set_xlabel("context length c")
+        ax.set_ylabel("relative gain g(c, c + Δ)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,120 @@
+"""Which fast paths may run: the one policy that chooses the backends of txl's named operations.
+
+Every fast path computes what the model's reference code computes (up to fp32 rounding; the tests hold each one to
+it), so the choice changes speed, never meaning. :class:`Backends` names each choice; :func:`backends` is the one
+in force: the process's (:func:`set_backends`), or the one a :func:`use_backends` block gives its thread or task.
+
+    with use_backends(native_attention=False):   # the PyTorch kernels, for this block only
+        loss = model(x, y).loss
+
+``txl train`` prints the policy in its log and records it in each checkpoint's ``metadata.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+
+def _native_from_env() -> bool:
+    """``TXL_NATIVE=0`` (or false, no, off) starts a process with the native kernels off."""
+    return os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The fast paths that may run (each True: where it can; False: the reference kernels instead)."""
+
+    native_kernels: bool = field(default_factory=_native_from_env)
+    """Every kernel of :mod:`txl.kernels.native` (built with the machine's C compiler on first use); off: the PyTorch
+    path
+    everywhere. The default comes from ``TXL_NATIVE`` (``TXL_NATIVE=0``: off)."""
+    native_attention: bool = True
+    """The attention of attn_type 0 as one native call per head where it can (fp32 on the CPU, a C compiler to build
+    it): in inference (evaluation, prompts, :func:`txl.kernels.native.attention`) the (b)+(d) product, the shift, the
+    mask,
+    the softmax and the value sum without a [B, H, T, K] tensor in memory; with gradients (training) the same
+    forward keeping the probabilities, and one native backward (dropatt included). False: the PyTorch kernels."""
+    native_dropout: bool = True
+    """CPU dropout (fp32, bf16) by :mod:`txl.kernels.native`'s kernel where it is built: one pass, a Philox4x32-10
+    stream
+    keyed by a seed from torch's generator, ~5x cheaper (1.1x / 1.2x on the fp32 / bf16 bench-char training step).
+    False, or no C compiler: the PyTorch mask (a different random stream)."""
+    native_relu_dropout: bool = True
+    """The feed-forward's relu and dropout as one native pass each way in training (where the native dropout runs;
+    the same values and masks). False: relu, then the dropout."""
+    segment_projection: bool = True
+    """Training's W_q / W_kv products of a post-LN layer with one backward (no input gradient for the detached
+    memory's rows). False: ``F.linear`` per slice."""
+    half_precision_scores: bool = True
+    """Under bf16 autocast, the attention scores summed and masked in bf16 (the softmax computes in fp32 either
+    way). False: upcast to fp32 first."""
+    sdpa_training_devices: tuple[str, ...] = ("cuda",)
+    """Devices on which training's attention is one ``scaled_dot_product_attention`` call (the scores' sum, mask
+    and shift in PyTorch kernels first)."""
+    native_nll: bool = True
+    """The adaptive softmax's training and scoring loss (targets given, no log-probs asked for) as each cluster's NLL
+    straight from its logits by :mod:`txl.kernels.native` (fp32 CPU); in evaluation from the hidden states, no logits
+    stored. False: log_softmax + gather."""
+    transposed_weights: bool = True
+    """CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as inputs
+    (about 2/3 of the layer weights): generation is faster, at that memory. False saves the memory."""
+    fast_decode: bool = True
+    """A cached step of one token (generation, serving) as one loop over the layers' weights
+    (``TransformerXL._decode``) instead of the layers' general path."""
+    native_decode: bool = True
+    """``TransformerXL._decode`` as one native call where it can (fp32 on the CPU, a C compiler to build it)."""
+    graph_decode: bool = True
+    """``txl.infer.generation.stream`` replays its one-token step as a CUDA graph on a CUDA device (attn_type 0). False:
+    the K/V cache's step, launched kernel by kernel."""
+
+    def describe(self) -> str:
+        """One line for a log: which fast paths are off (all on: the default)."""
+        default = Backends()
+        off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
+        changed = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in off and getattr(self, f.name) != getattr(default, f.name)
+        ]
+        if not off and not changed:
+            return "fast paths: all that can run"
+        parts = [f"off: {', '.join(off)}"] if off else []
+        parts += [f"{n} = {getattr(self, n)!r}" for n in changed]
+        return "fast paths: " + "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        """The policy as JSON takes it (tuples as lists)."""
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+_process = [Backends()]  # the process's policy (threads without a use_backends block of their own read it)
+_block: ContextVar[Backends | None] = ContextVar("txl_backends", default=None)
+
+
+def backends() -> Backends:
+    """The policy in force here: the innermost :func:`use_backends` block's, else the process's."""
+    return _block.get() or _process[0]
+
+
+def set_backends(policy: Backends | None = None, **changes) -> Backends:
+    """Set the process's policy (``policy``, else the current one with ``changes``); returns the one it replaces."""
+    previous = _process[0]
+    _process[0] = dataclasses.replace(policy or previous, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def use_backends(policy: Backends | None = None, **changes) -> Iterator[Backends]:
+    """The policy for this block, in this thread or task only (``policy``, else the current one with ``changes``)."""
+    chosen = dataclasses.replace(policy or backends(), **changes)
+    token = _block.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _block.reset(token)

@@ -1,0 +1,285 @@
+"""5. The relative multi-head attention (Sec. 3.3): the four terms (a)-(d) and the shift."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.kernels.attention import rel_attention
+from txl.kernels.backends import backends
+from txl.kernels.dropout import Dropout
+from txl.kernels.linear import linear, segment_memory_projection
+from txl.model.config import TransformerXLConfig
+from txl.model.positions import mask_scores, mask_scores_, rel_shift, shift_padding, sinusoid_embedding
+
+if TYPE_CHECKING:
+    from txl.model.cache import KVCache
+    from txl.model.transformer import TransformerXL
+
+
+def at_least_fp32(x: Tensor) -> Tensor:
+    """At least fp32 (half-precision tensors are upcast; fp64 stays fp64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Relative multi-head attention (Sec. 3.3, Eq. for A^rel):
+#      A_ij = (a) q_i.k_j + (b) q_i.W_kR R_{i-j} + (c) u.k_j + (d) v.W_kR R_{i-j}
+#           = (q_i + u).k_j  +  (q_i + v).W_kR R_{i-j}
+#    so (a)+(c) is one matmul with q + u (r_w_bias) and (b)+(d) one matmul with q + v (r_r_bias) against the
+#    projected positions, followed by the shift. Queries are projected for the T current rows only; keys and
+#    values for [memory; segment].
+#    What every attention variant shares (projections, attend, residual) is in ``_Attention``; a variant only says
+#    how positions enter (section 10 has the ablation's: attn_type 1, 2 and 3). Each variant builds its own
+#    positional inputs once per forward (``prepare``), so the model's forward has no branch per variant.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Attention(nn.Module):
+    """Multi-head attention over [memory; segment] without the positional terms: QKV and output projections,
+    post-LN (or pre-LN), dropouts, and the attend step."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.n_head, self.d_head = cfg.n_head, cfg.d_head
+        hd = cfg.n_head * cfg.d_head
+        self.qkv_net = nn.Linear(cfg.d_model, 3 * hd, bias=False)  # rows [W_q; W_kE; W_v]
+        self.o_net = nn.Linear(hd, cfg.d_model, bias=False)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
+        self.drop = Dropout(cfg.dropout)
+        self.dropatt = Dropout(cfg.dropatt)
+        self.pre_lnorm = cfg.pre_lnorm
+        self.scale = 1.0 / math.sqrt(cfg.d_head)
+
+    def project(
+        self, h: Tensor, mem: Tensor | None, cache: KVCache | None, layer: int, pos: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | tuple[Tensor, Tensor]]:
+        """Queries [B, T, H, Dh] of the segment, keys and values [B, H, K, Dh] of [memory; segment] (with a
+        ``cache``: the cached ones of ``layer`` plus the segment's). ``pos`` [K, D] (absolute variants) is added to
+        [memory; segment] first. Returns (the residual input [B, T, D], q, kv): kv is the keys and values as one
+        [2, B, H, K, Dh] view of the projection's output, or (k, v) from a cache."""
+        B, T, _ = h.shape
+        H, Dh = self.n_head, self.d_head
+        if pos is not None:  # absolute positions of [memory; segment], added out of place (the memory stays clean)
+            h = h + pos[-T:]
+            mem = mem + pos[: mem.shape[1]] if mem is not None else None
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        if cache is not None or mem is None or mem.shape[1] == 0:  # keys and values come from the segment only
+            qkv = linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
+            q, kv = qkv[..., : H * Dh].view(B, T, H, Dh), qkv[..., H * Dh :]
+            kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
+            kv = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
+        else:
+            mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
+            K = mem.shape[1] + T
+            projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh)  # (training's fast backend)
+            if projected is not None:
+                q, kv = projected  # [B, T, HD], [B, K, 2HD]
+            else:
+                q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
+                kv = linear(torch.cat([mem, x], dim=1), self.qkv_net.weight, out=slice(H * Dh, None))  # [B, K, 2HD]
+            q = q.view(B, T, H, Dh)
+            kv = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
+        return h, q, kv
+
+    def memory_keys_values(self, mem: Tensor) -> Tensor:
+        """The keys and values [2, B, H, M, Dh] of a memory of layer inputs ``mem`` [B, M, D] (to fill a cache):
+        what :meth:`project` computes for the memory's positions."""
+        B, M, _ = mem.shape
+        H, Dh = self.n_head, self.d_head
+        x = self.layer_norm(mem) if self.pre_lnorm else mem
+        kv = linear(x, self.qkv_net.weight, out=slice(H * Dh, None))  # [B, M, 2HD]
+        return kv.view(B, M, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, M, Dh]
+
+    def forward(
+        self,
+        h: Tensor,
+        pos: Any,
+        mask: Tensor | None,
+        mem: Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The common call of every variant. ``h`` [B, T, D] segment, ``pos`` this layer's positional input (from the
+        variant's ``prepare``), ``mask`` [T, K] or [B, 1, T, K] (True = masked; None: nothing is masked), ``mem``
+        [B, M, D] memory; with a ``cache`` the memory is the cached keys/values of ``layer`` (only the segment is
+        projected; ``mem`` is not used).
+
+        Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
+        """
+        h, q, kv = self.project(h, mem, cache, layer, self.input_positions(pos))
+        dropatt = self.dropatt.p if self.training else 0.0
+        if not need_weights:  # the whole attention by a fast backend where one applies; else the reference below
+            attn_vec = self.native_attention(q, pos, kv, mask, torch.is_grad_enabled(), dropatt)  # [B, T, H*Dh]
+            if attn_vec is not None:
+                return self.output(h, attn_vec), None
+        k, v = kv  # [B, H, K, Dh] each
+        q_w, bd = self.scores(q, pos, k.shape[2])
+        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+
+    def native_attention(
+        self,
+        q: Tensor,
+        pos: Any,
+        kv: Tensor | tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        grad: bool = False,
+        dropatt: float = 0.0,
+    ) -> Tensor | None:
+        """The attention by a fast backend (``txl.kernels.attention``), [B, T, H*Dh]; ``kv`` as :meth:`project`
+        returns it; ``dropatt``: the dropout of the probabilities (with ``grad`` only). None: not for this variant,
+        these operands or this policy (``txl.kernels.backends``)."""
+        return None
+
+    def input_positions(self, pos: Any) -> Tensor | None:
+        """Positions added to the layer input [memory; segment] ([K, D]; None: none, the relative variants)."""
+        return None
+
+    def scores(self, q: Tensor, pos: Any, K: int) -> tuple[Tensor, Tensor | None]:
+        """The scaled queries of the content term [B, H, T, Dh] and the positional term in key order [B, H, T, K]
+        (None: there is none)."""
+        raise NotImplementedError
+
+    def attend(
+        self, h: Tensor, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """softmax(q_w.k + bd) v, projected and added to the residual ``h`` [B, T, D]. ``q_w`` [B, H, T, Dh] are the
+        scaled queries of the content term, ``bd`` [B, H, T, K] the positional term in key order (None: there is
+        none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is)."""
+        B, T, _ = h.shape
+        grad = torch.is_grad_enabled() and q_w.requires_grad
+        dropping = self.training and self.dropatt.p > 0
+        fused = (  # (training as one SDPA call: Backends.sdpa_training_devices)
+            grad
+            and q_w.device.type in backends().sdpa_training_devices
+            and not torch.is_autocast_enabled(q_w.device.type)
+        )
+        if need_weights or dropping or (grad and not fused):
+            ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
+            if not backends().half_precision_scores:
+                ac = at_least_fp32(ac)
+            score = ac if bd is None else ac.add_(bd)  # [B, H, T, K]
+            if mask is not None:
+                score = mask_scores(score, mask, inplace=True)
+            prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
+            attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
+        else:
+            # Inference (and training where fused): the shifted (b)+(d) term and the mask as SDPA's additive bias.
+            if bd is None:
+                bias = None if mask is None else mask_scores(q_w.new_zeros(mask.shape, dtype=torch.float32), mask)
+            elif mask is None:
+                bias = bd
+            elif not grad and bd.stride(-2) >= bd.shape[-1]:  # (no overlap: the shift of a padded row, or no shift)
+                bias = mask_scores_(bd, mask)  # [B, H, T, K], in place
+            else:
+                bias = mask_scores(bd, mask)  # [B, H, T, K]
+            bias = None if bias is None else bias.to(q_w.dtype)
+            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
+            prob = None
+        return self.output(h, attn_vec.transpose(1, 2).reshape(B, T, -1)), prob
+
+    def output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
+        """W_o of the heads' values ``attn_vec`` [B, T, H*Dh], added to the residual ``h`` (then the layer norm
+        unless pre-LN)."""
+        attn_out = self.drop(linear(attn_vec, self.o_net.weight))  # [B, T, D]
+        return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
+
+
+class RelPositions(NamedTuple):
+    """attn_type 0's positional input of one layer: R ([K, D], dropped out) or W_kR R already projected
+    (``r_k`` [H, Dh, K + SHIFT_ALIGN], from a cache), and the biases u, v ([H, Dh])."""
+
+    pos_emb: Tensor | None
+    r_k: Tensor | None
+    u: Tensor
+    v: Tensor
+
+
+class RelPartialLearnableMultiHeadAttn(_Attention):
+    """attn_type 0: the Transformer-XL relative attention."""
+
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__(cfg)
+        self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)  # W_kR
+
+    @staticmethod
+    def biases(model: TransformerXL) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's u, v ([H, Dh] each): the model's, shared by the layers, or one per layer (untie_r)."""
+        u, v = model.r_w_bias, model.r_r_bias  # [H, Dh], or [n_layer, H, Dh] (untie_r)
+        return (
+            list(zip(u.unbind(0), v.unbind(0), strict=True)) if model.config.untie_r else [(u, v)] * len(model.layers)
+        )
+
+    @staticmethod
+    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+        """R for the distances K-1, ..., 0 (shared by all layers) and each layer's u, v; with a ``cache``, W_kR R
+        of every layer, projected once for the longest span."""
+        cfg = model.config
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        biases = RelPartialLearnableMultiHeadAttn.biases(model)
+        if cache is None:
+            pos_emb = sinusoid_embedding(K, cfg.d_model, clamp_len, device, exact)  # [K, D]
+            pos_emb = model.drop(pos_emb.to(dtype))
+            return [RelPositions(pos_emb, None, u, v) for u, v in biases]
+
+        def table(attn: RelPartialLearnableMultiHeadAttn) -> Callable[[int], Tensor]:
+            def project(n: int) -> Tensor:  # W_kR R for the distances n-1, ..., 0, as [H, Dh, n]
+                pos = sinusoid_embedding(n, cfg.d_model, clamp_len, device, exact).to(dtype)  # [n, D]
+                return torch.mm(attn.r_net.weight, pos.t()).view(attn.n_head, attn.d_head, n)
+
+            return project
+
+        key = (clamp_len, dtype)
+        return [
+            RelPositions(None, cache.positions(i, K, key, table(layer.attn)), u, v)
+            for i, (layer, (u, v)) in enumerate(zip(model.layers, biases, strict=True))
+        ]
+
+    def _terms(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries of (a)+(c) and of (b)+(d), (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) ([B, T, H, Dh] each:
+        the 1/sqrt(Dh) of the scores is applied to the T x Dh queries, not the T x K scores), and W_kR R."""
+        return (q + pos.u) * self.scale, (q + pos.v) * self.scale, self._positions(pos, K)
+
+    def _positions(self, pos: RelPositions, K: int) -> Tensor:
+        """W_kR R for the distances K-1..0 ([H, Dh, >= K]; a cache's has zero columns after them)."""
+        if pos.r_k is not None:
+            return pos.r_k
+        return torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
+
+    def native_attention(
+        self,
+        q: Tensor,
+        pos: RelPositions,
+        kv: Tensor | tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        grad: bool = False,
+        dropatt: float = 0.0,
+    ) -> Tensor | None:
+        # The same terms as scores() + attend() (the kernel forms (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as
+        # _terms() does, and reads the (b)+(d) rows at their shift).
+        return rel_attention(
+            q, pos.u, pos.v, kv, functools.partial(self._positions, pos), self.scale, mask, grad, dropatt
+        )
+
+    def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
+        B, T, H, Dh = q.shape
+        q_u, q_v, r_k = self._terms(q, pos, K)
+        W = K  # the raw rows' width: in inference, padded (see shift_padding)
+        if T > 1 and not torch.is_grad_enabled() and not torch.compiler.is_exporting():
+            W = K + shift_padding(K)
+            if r_k.shape[-1] < W:  # (a cache's table has the zero columns already)
+                r_k = F.pad(r_k[..., :K], (0, W - K))
+        r_k = r_k[..., :W]  # [H, Dh, W]: the layout of the (b)+(d) GEMM
+        q_w = q_u.transpose(1, 2)  # [B, H, T, Dh]
+        q_r = q_v.permute(2, 0, 1, 3).reshape(H, B * T, Dh)
+        bd = torch.bmm(q_r, r_k).view(H, B, T, W).transpose(0, 1)  # (b)+(d) by distance, [B, H, T, W]
+        if T > 1:  # (a single query, the newest, needs no shift: its row is already in key order)
+            bd = rel_shift(bd, K)  # (b)+(d) by key, [B, H, T, K]
+        return q_w, bd

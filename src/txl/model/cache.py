@@ -1,0 +1,191 @@
+"""The memory as cached keys and values (inference: evaluation and generation), and one layer's weights as the
+cached one-token step reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.model.attention import RelPartialLearnableMultiHeadAttn
+from txl.model.config import TransformerXLConfig
+from txl.model.positions import SHIFT_ALIGN
+
+if TYPE_CHECKING:
+    from txl.model.transformer import TransformerXLLayer
+
+
+class DecodeLayer(NamedTuple):
+    """One layer's weights as ``TransformerXL._decode`` reads them (the tensors themselves: changes in place are
+    seen), and its attention (for the scores). ``norm1``/``norm2``: the arguments of ``F.layer_norm`` after the
+    input."""
+
+    attn: RelPartialLearnableMultiHeadAttn
+    qkv: Tensor
+    o: Tensor
+    norm1: tuple
+    w1: Tensor
+    b1: Tensor
+    w2: Tensor
+    b2: Tensor
+    norm2: tuple
+    pre_lnorm: bool
+
+    @classmethod
+    def of(cls, layer: TransformerXLLayer) -> DecodeLayer:
+        attn, ff = layer.attn, layer.ff
+
+        def norm(ln: nn.LayerNorm) -> tuple:
+            return ln.normalized_shape, ln.weight, ln.bias, ln.eps
+
+        return cls(
+            attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
+            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
+        )  # fmt: skip
+
+    def after_attention(self, h: Tensor, vec: Tensor, product: Callable = F.linear) -> Tensor:
+        """The rest of the layer for one position per row: W_o of the heads' values ``vec`` [B, H, 1, Dh], the
+        residual and norm, the feed-forward, the residual and norm; ``h`` [B, 1, D] is the layer's input."""
+        B, H, _, Dh = vec.shape
+        out = product(vec.transpose(1, 2).reshape(B, 1, H * Dh), self.o)  # [B, 1, D]
+        h = h + out if self.pre_lnorm else F.layer_norm(h + out, *self.norm1)
+        x = F.layer_norm(h, *self.norm2) if self.pre_lnorm else h
+        y = product(F.relu(product(x, self.w1, self.b1)), self.w2, self.b2)  # [B, 1, D]
+        return h + y if self.pre_lnorm else F.layer_norm(h + y, *self.norm2)
+
+
+class KVCache:
+    """The memory of every layer as its projected keys and values, for inference (evaluation and generation).
+
+    In the uncached model a segment projects keys/values for [memory; segment] (M + T positions), although the
+    memory's were already computed when it was the current segment, with the same weights. The cache keeps them:
+    a call projects only its T positions, appends them, attends over the window, and the window slides to the last
+    ``mem_len`` positions, which is what ``TransformerXL._update_mems`` keeps. W_kR R is projected once per layer for
+    the longest span. Keys stay in time order in one buffer per layer (``[n_layer, B, H, capacity, Dh]``); when its
+    end is reached the window is copied to the front once (every ``capacity - mem_len`` positions), so a generated
+    token costs no concatenation of the whole memory. Positions can be marked as padding (left-padded prompts of
+    different lengths): they are never attended to. For fixed weights only: a model that trains must not reuse it.
+    """
+
+    def __init__(self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, **kw):
+        if not supports_kv_cache(config):
+            raise ValueError(
+                f"attn_type {config.attn_type} has absolute positions, which move as the window slides: its keys "
+                "cannot be cached (evaluate without a cache; generation recomputes the memory)"
+            )
+        self.config = config
+        self.capacity = max(2 * (mem_len + max_segment), 16)
+        shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
+        # (zeroed now: the pages are touched once here, not on the first pass of the window, where each segment's
+        # write would fault them in one by one)
+        self.k = torch.zeros(shape, **kw)
+        self.v = torch.zeros(shape, **kw)
+        self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
+        self.padded = False  # whether any position ever written was padding
+        self.start = self.end = 0  # the memory is positions [start, end) of the buffer
+        self._r_k: list[Tensor | None] = [None] * config.n_layer
+        self._r_key: tuple | None = None
+        self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
+        self.decode_plan: tuple | None = None  # (the model, its layers' DecodeLayer, the native kernel's state)
+
+    @property
+    def length(self) -> int:
+        """Number of positions in the memory."""
+        return self.end - self.start
+
+    def begin(self, T: int, padding: Tensor | None = None) -> Tensor | None:
+        """Make room for a segment of T positions (``padding`` [B, T]: True where a position is padding); return the
+        padding of the window [B, M + T] if any position in it is padding."""
+        if self.end + T > self.capacity:
+            n = self.length
+            if n + T > self.capacity:  # a longer segment than planned: grow
+                self.capacity = 2 * (n + T)
+                grown = (*self.k.shape[:3], self.capacity, self.k.shape[4])
+                self.k = torch.cat([self.k[:, :, :, self.start : self.end], self.k.new_empty(grown)], dim=3)
+                self.v = torch.cat([self.v[:, :, :, self.start : self.end], self.v.new_empty(grown)], dim=3)
+                pad = self.padding.new_zeros(self.padding.shape[0], self.capacity)
+                pad[:, :n] = self.padding[:, self.start : self.end]
+                self.padding = pad
+            else:  # slide the window to the front (the source and destination never overlap here)
+                for t in (self.k, self.v):
+                    t[:, :, :, :n] = t[:, :, :, self.start : self.end].clone()
+                self.padding[:, :n] = self.padding[:, self.start : self.end].clone()
+            self.start, self.end = 0, n
+        if padding is not None or self.padded:  # (the buffer holds no padding until a call brings some)
+            self.padding[:, self.end : self.end + T] = False if padding is None else padding
+            self.padded = self.padded or bool(padding is not None and padding.any())
+        window = self.padding[:, self.start : self.end + T]
+        return window if self.padded and bool(window.any()) else None
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""
+        T = k.shape[2]
+        self.k[layer, :, :, self.end : self.end + T] = k
+        self.v[layer, :, :, self.end : self.end + T] = v
+        return self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
+
+    def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor:
+        """W_kR R of ``layer`` for the distances K-1, ..., 0, then ``SHIFT_ALIGN`` zero columns (the padding of the
+        shift, see ``shift_padding``): [H, Dh, K + SHIFT_ALIGN], a view of a table that ``project(n)`` made once
+        for the longest span seen (for one ``key``: clamp_len, dtype)."""
+        if key != self._r_key:
+            self._r_k, self._r_key = [None] * self.config.n_layer, key
+        view = self._r_view[layer]
+        if view is not None and view[0] == K and view[1] is self._r_k[layer]:  # (each step of a full window)
+            return view[2]
+        table = self._r_k[layer]
+        if table is None or table.shape[-1] - SHIFT_ALIGN < K:
+            table = project(max(K, self.capacity // 2))
+            table = self._r_k[layer] = F.pad(table, (0, SHIFT_ALIGN))
+        view = table[..., table.shape[-1] - SHIFT_ALIGN - K :]
+        self._r_view[layer] = (K, table, view)
+        return view
+
+    def end_segment(self, T: int, mem_len: int) -> None:
+        """The segment is now memory; keep the last ``mem_len`` positions (what ``_update_mems`` keeps)."""
+        self.end += T
+        self.start = max(self.start, self.end - max(mem_len, 0))
+
+    def select(self, rows: list[int]) -> KVCache:
+        """Keep only these batch rows, in this order (e.g. the requests that go on when others finished)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        self.padding = self.padding.index_select(0, idx)
+        return self
+
+    @classmethod
+    def merge(cls, caches: list[KVCache]) -> KVCache:
+        """One cache with the rows of all ``caches`` (one model, in this order), each row's memory right-aligned: a
+        shorter memory is preceded by padding positions, which are never attended to and, being on the left, keep
+        every row's relative distances. Each row then computes exactly what it would in its own cache."""
+        first = caches[0]
+        n = max(c.length for c in caches)
+        batch = sum(c.k.shape[1] for c in caches)
+        merged = cls.__new__(cls)
+        merged.config = first.config
+        merged.capacity = max(2 * n, first.capacity)
+        shape = (first.k.shape[0], batch, first.k.shape[2], merged.capacity, first.k.shape[4])
+        merged.k, merged.v = first.k.new_zeros(shape), first.v.new_zeros(shape)
+        merged.padding = torch.ones(batch, merged.capacity, dtype=torch.bool, device=first.k.device)
+        row = 0
+        for c in caches:
+            b, m = c.k.shape[1], c.length
+            for src, dst in ((c.k, merged.k), (c.v, merged.v)):
+                dst[:, row : row + b, :, n - m : n] = src[:, :, :, c.start : c.end]
+            merged.padding[row : row + b, n - m : n] = c.padding[:, c.start : c.end]
+            row += b
+        merged.padding[:, n:] = False
+        merged.padded = bool(merged.padding[:, :n].any())
+        merged.start, merged.end = 0, n
+        merged._r_k, merged._r_key = [None] * first.config.n_layer, None
+        merged._r_view = [None] * first.config.n_layer
+        merged.decode_plan = None
+        return merged
+
+
+def supports_kv_cache(config: TransformerXLConfig) -> bool:
+    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1)."""
+    return config.attn_type in (0, 1)

@@ -1,0 +1,347 @@
+"""6. The position-wise feed-forward and the layer; 8. the model: embedding, layers and the segment-level
+recurrence (Sec. 3.2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.kernels import native
+from txl.kernels.backends import backends
+from txl.kernels.dropout import Dropout
+from txl.kernels.linear import linear, rows_linear
+from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
+from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from txl.model.attention import RelPositions
+from txl.model.cache import DecodeLayer, KVCache
+from txl.model.config import TransformerXLConfig
+from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
+from txl.model.pretrained import PretrainedMixin
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. Position-wise feed-forward and the layer.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PositionwiseFF(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.layer_1 = nn.Linear(cfg.d_model, cfg.d_inner)
+        self.layer_2 = nn.Linear(cfg.d_inner, cfg.d_model)
+        self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
+        self.drop = Dropout(cfg.dropout)
+        self.pre_lnorm = cfg.pre_lnorm
+
+    def forward(self, h: Tensor) -> Tensor:
+        x = self.layer_norm(h) if self.pre_lnorm else h
+        y = self.drop.relu(linear(x, self.layer_1.weight, self.layer_1.bias))  # relu, dropout: [B, T, d_inner]
+        y = self.drop(linear(y, self.layer_2.weight, self.layer_2.bias))  # [B, T, D]
+        return h + y if self.pre_lnorm else self.layer_norm(h + y)
+
+
+class TransformerXLLayer(nn.Module):
+    def __init__(self, cfg: TransformerXLConfig):
+        super().__init__()
+        self.attn = attention_class(cfg.attn_type)(cfg)
+        self.ff = PositionwiseFF(cfg)
+
+    def forward(self, h: Tensor, pos: Any, mask: Tensor | None, **kw) -> tuple[Tensor, Tensor | None]:
+        out, prob = self.attn(h, pos, mask, **kw)
+        return self.ff(out), prob
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. The model: embedding, layers, and the segment-level recurrence (Sec. 3.2).
+#      h_{tau+1}^{n-1} ~ [SG(m_tau^{n-1}) ; h_{tau+1}^{n-1}]   (memory = stop-gradient of cached layer inputs)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransformerXLModelOutput:
+    last_hidden_state: Tensor
+    """[B, T, d_model] output of the last layer (after the final dropout)."""
+    mems: list[Tensor] | None
+    """Memory for the next segment: n_layer tensors [B, M', d_model] (None when mem_len == 0)."""
+    hidden_states: list[Tensor] | None = None
+    """n_layer + 1 tensors [B, T, d_model]: the input of every layer, then the final output."""
+    attentions: list[Tensor] | None = None
+    """n_layer tensors [B, H, T, K] of attention probabilities."""
+
+
+class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
+    config_class = TransformerXLConfig
+
+    def init_weights(self, modules: Iterable[nn.Module] | None = None) -> None:
+        """The original initialisation (``weights_init`` of the reference ``train.py``), of every module or of
+        ``modules``."""
+        cfg = self.config
+
+        def weight_(t: Tensor) -> None:
+            if cfg.init == "uniform":
+                nn.init.uniform_(t, -cfg.init_range, cfg.init_range)
+            else:
+                nn.init.normal_(t, 0.0, cfg.init_std)
+
+        modules = list(self.modules() if modules is None else modules)
+        for module in modules:
+            if isinstance(module, nn.Linear):
+                weight_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                weight_(module.weight)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, cfg.init_std)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, AdaptiveEmbedding):
+                for p in module.emb_projs:
+                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
+            elif isinstance(module, ProjectedAdaptiveLogSoftmax):
+                for p in module.out_projs:
+                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
+                if module.n_clusters > 0:
+                    weight_(module.cluster_weight)
+                    nn.init.zeros_(module.cluster_bias)
+            elif isinstance(module, TransformerXL) and cfg.attn_type == 0:
+                weight_(module.r_w_bias)
+                weight_(module.r_r_bias)
+            elif isinstance(module, RelLearnableMultiHeadAttn):  # as the original train.py: biases r_bias at 0
+                weight_(module.r_emb)
+                weight_(module.r_w_bias)
+                nn.init.zeros_(module.r_bias)
+            elif isinstance(module, MultiHeadAttn) and module.r_emb is not None:
+                weight_(module.r_emb)
+        # The embedding tables come last so that tied output layers carry the embedding initialisation.
+        for m in modules:
+            if isinstance(m, AdaptiveEmbedding):
+                for emb in m.emb_layers:
+                    weight_(emb.weight)
+
+
+class TransformerXL(TransformerXLPreTrainedModel):
+    """The base model: token ids -> hidden states, with explicit memories."""
+
+    def __init__(self, config: TransformerXLConfig, *, init: bool = True):
+        super().__init__()
+        self.config = config
+        if config.attn_type in (1, 3) and config.max_klen < 1:
+            raise ValueError(
+                f"TransformerXLConfig.max_klen = {config.max_klen}: attn_type {config.attn_type} learns one embedding "
+                "per position up to max_klen; set it (a training run sets tgt_len + ext_len + mem_len)"
+            )
+        self.word_emb = AdaptiveEmbedding(config, init=init)
+        self.drop = Dropout(config.dropout)
+        self.attention = attention_class(config.attn_type)  # the positional scheme: builds each layer's input
+        if config.attn_type == 0:
+            bias_shape = (
+                (config.n_layer, config.n_head, config.d_head) if config.untie_r else (config.n_head, config.d_head)
+            )
+            self.r_w_bias = nn.Parameter(torch.empty(bias_shape))  # u
+            self.r_r_bias = nn.Parameter(torch.empty(bias_shape))  # v
+        self.layers = nn.ModuleList([TransformerXLLayer(config) for _ in range(config.n_layer)])
+        if init:
+            self.init_weights()
+
+    def _check_mems(self, mems: list[Tensor], batch: int) -> int:
+        cfg = self.config
+        shapes = [tuple(m.shape) for m in mems]
+        if len(mems) != cfg.n_layer or any(
+            len(s) != 3 or s[0] != batch or s[2] != cfg.d_model or s[1] != shapes[0][1] for s in shapes
+        ):
+            raise ValueError(
+                f"mems must be {cfg.n_layer} tensors of shape [batch={batch}, M, d_model={cfg.d_model}] "
+                f"(batch-first; Hugging Face mems are time-major: transpose them), got {shapes}"
+            )
+        return shapes[0][1]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        mems: list[Tensor] | None = None,
+        *,
+        mem_len: int | None = None,
+        same_length: bool | None = None,
+        clamp_len: int | None = None,
+        ext_len: int = 0,
+        cache: KVCache | None = None,
+        padding: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        detach_mems: bool = True,
+    ) -> TransformerXLModelOutput:
+        """Run one segment ``input_ids`` [B, T] on top of the memory ``mems``.
+
+        ``mems=None`` is an empty memory (the original PyTorch code); pass ``n_layer`` zero tensors
+        ``[B, mem_len, d_model]`` to reproduce Hugging Face's / the TF code's zero memory. ``mem_len``,
+        ``same_length`` and ``clamp_len`` default to the config and can be changed per call (evaluation with a
+        longer memory). The returned memory keeps the last ``mem_len`` layer inputs, excluding the last
+        ``ext_len`` positions of the segment (they will be fed again as extended context).
+
+        For inference, the memory can instead be a ``cache`` (:class:`KVCache`) of its keys/values, updated in place
+        (``mems`` is then None in the output): the same result, without projecting the memory again.
+        ``padding`` marks positions that are never attended to (True = padding), e.g. the left padding of texts of
+        different lengths; relative distances count them, so pad on the left. With a cache it is [B, T] (the cache
+        remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
+        ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
+        tokens), as a tokenizer call gives it.
+        ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
+        e.g. fine-tuning a classifier on long documents); the paper's stop-gradient is the default.
+        """
+        cfg = self.config
+        mem_len = cfg.mem_len if mem_len is None else mem_len
+        same_length = cfg.same_length if same_length is None else same_length
+        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
+        if same_length and mem_len <= 0:
+            raise ValueError("same_length=True needs mem_len > 0")
+        window = mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        lo, hi = (0, 0) if torch.compiler.is_exporting() else map(int, torch.aminmax(input_ids))  # (none in a graph)
+        if lo < 0 or hi >= cfg.n_token:
+            raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
+        dev = input_ids.device
+        if attention_mask is not None:
+            if padding is not None:
+                raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
+            padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
+        word_emb = self.word_emb(input_ids)  # [B, T, D]
+        if cache is None:
+            mlen = self._check_mems(mems, B) if mems else 0
+            if attention_mask is not None and mlen and padding.shape[-1] == T:
+                padding = F.pad(padding, (mlen, 0), value=False)  # [B, M + T]: the memory's positions are tokens
+            mask = (
+                causal_mask(T, mlen, same_length, window, device=dev)
+                if _masks_any(T, mlen, same_length, window)
+                else None
+            )
+            if padding is not None:
+                if tuple(padding.shape) != (B, mlen + T):
+                    raise ValueError(
+                        f"padding must be [batch, M + T] = [{B}, {mlen + T}] without a cache, not {list(padding.shape)}"
+                    )
+                mask = _padding_mask(mask, padding, T, mlen)
+            dtype = word_emb.dtype
+        else:
+            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, window, ext_len)
+            dev, dtype = cache.k.device, cache.k.dtype
+        # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
+        pos = self.attention.prepare(self, mlen + T, clamp_len, dtype, dev, cache)
+        h = self.drop(word_emb)
+
+        hids, attns = [h], []
+        if (
+            cache is not None
+            and T == 1
+            and backends().fast_decode
+            and cfg.attn_type == 0
+            and not (output_attentions or output_hidden_states)
+        ):
+            h = self._decode(h, pos, mask, cache)  # (the layers' own path below computes the same)
+            hids.append(h)
+        else:
+            for i, layer in enumerate(self.layers):
+                mem = mems[i] if mems else None
+                h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+                hids.append(h)
+                attns.append(prob)
+        h = self.drop(h)
+        hids[-1] = h
+
+        if cache is not None:
+            cache.end_segment(T, mem_len)
+            new_mems = None
+        else:
+            new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len, detach=detach_mems)
+        return TransformerXLModelOutput(
+            last_hidden_state=h,
+            mems=new_mems,
+            hidden_states=hids if output_hidden_states else None,
+            attentions=attns if output_attentions else None,
+        )
+
+    def fill_cache(self, cache: KVCache, mems: list[Tensor], mem_len: int | None = None) -> None:
+        """Start an empty ``cache`` from a memory of layer inputs ``mems`` (``n_layer`` tensors [B, M, d_model], e.g.
+        Hugging Face's zero memory): its keys and values, as a segment of M positions would have left them."""
+        if cache.length:
+            raise ValueError("fill_cache starts a cache: this one already holds a memory")
+        M = self._check_mems(mems, cache.k.shape[1])
+        cache.begin(M)
+        for i, (layer, mem) in enumerate(zip(self.layers, mems, strict=True)):
+            cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
+        cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
+
+    def _decode(self, h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache) -> Tensor:
+        """Every layer for one new position per row, ``h`` [B, 1, D], with a ``cache`` (inference, attn_type 0):
+        what the layers' forward computes, as one loop over their weights. For one token the arithmetic is small
+        (about 15 MFLOP for the bench-char model) and the general path (module calls, attribute lookups, the checks
+        of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
+        EPYC (benchmarks/levers.py). The attention's own ``scores`` gives the queries and the (b)+(d) row, which for
+        the single newest query needs no shift."""
+        B = h.shape[0]
+        if cache.decode_plan is None or cache.decode_plan[0] is not self:
+            cache.decode_plan = (self, [DecodeLayer.of(layer) for layer in self.layers], {})
+        _, plan, kernel_state = cache.decode_plan
+        if (
+            backends().native_decode
+        ):  # the same loop in C, where it applies (fp32 on the CPU, a C compiler: txl.kernels.native)
+            out = native.decode_step(plan, (self.r_w_bias, self.r_r_bias), h, pos, mask, cache, kernel_state)
+            if out is not None:
+                return out
+        product = rows_linear(h, plan[0].qkv.dtype)  # = linear(x, weight, bias), its checks made once per step
+
+        for i, (lay, p) in enumerate(zip(plan, pos, strict=True)):
+            H, Dh = lay.attn.n_head, lay.attn.d_head
+            x = F.layer_norm(h, *lay.norm1) if lay.pre_lnorm else h
+            q, k, v = product(x, lay.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
+            k, v = cache.append(i, k, v)  # the window's keys and values, [B, H, K, Dh] each
+            q_w, bd = lay.attn.scores(q.transpose(1, 2), p, k.shape[2])  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
+            if mask is not None:  # (same_length's window, or padding)
+                bd = mask_scores(bd, mask, inplace=True)
+            vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
+            h = lay.after_attention(h, vec, product)  # [B, 1, D]
+        return h
+
+    def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):
+        """The memory length and the mask ([T, K], or [B, 1, T, K] with padding) of a cache about to take a segment
+        of T positions (``window``: the keys a query sees with ``same_length``)."""
+        if mems or ext_len:
+            raise ValueError("a KVCache holds the memory: pass no mems, and no ext_len (a training setting)")
+        if self.training or torch.is_grad_enabled():
+            raise ValueError("a KVCache is for inference with fixed weights: use model.eval() and torch.no_grad()")
+        if cache.k.shape[1] != B:
+            raise ValueError(f"the cache holds {cache.k.shape[1]} rows, the input {B}")
+        mlen = cache.length
+        padded = cache.begin(T, padding)  # [B, M + T] or None
+        mask = None  # [T, K]
+        if _masks_any(T, mlen, same_length, window):
+            mask = causal_mask(T, mlen, same_length, window, device=cache.k.device)
+        if padded is not None:
+            mask = _padding_mask(mask, padded, T, mlen)
+        return mlen, mask
+
+    @staticmethod
+    def _update_mems(
+        hids: list[Tensor], mems: list[Tensor] | None, mlen: int, qlen: int, mem_len: int, ext_len: int, detach=True
+    ) -> list[Tensor] | None:
+        """Keep the last ``mem_len`` layer inputs of [memory; segment], ending ``ext_len`` before the end.
+
+        (The reference code swaps ``qlen`` and ``mlen`` here; harmless only when ``ext_len == 0``.)
+        Positions are absolute: the memory covers [0, mlen), the segment [mlen, mlen + qlen).
+        """
+        if mem_len <= 0:
+            return None
+        end = mlen + max(0, qlen - ext_len)
+        beg = max(0, end - mem_len)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):  # detached: no graph is built at all
+            if mems:
+                new = [torch.cat([m, h], dim=1)[:, beg:end] for m, h in zip(mems, hids, strict=True)]
+            else:
+                new = [h[:, beg:end] for h in hids]
+        return [t.detach() for t in new] if detach else new

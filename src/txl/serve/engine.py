@@ -1,0 +1,649 @@
+"""The engine behind ``txl serve``: one thread owns the model and runs every model call, so none run concurrently.
+
+Generation requests are batched step by step (continuous batching): a new request's prompt is run alone into its
+own :class:`~txl.model.modeling.KVCache`, then the cache joins the running batch (:meth:`KVCache.merge`, each row's
+memory
+right-aligned, so each row computes what it would alone); every decoding step runs one token for every row at
+once; a finished or cancelled request leaves between two steps (:meth:`KVCache.select`). Requests with different
+memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
+seed gives the same tokens whatever else is running. Other work is a job: run whole between two steps, or (a
+scored text) one segment per step beside the generations. Models whose keys cannot be cached (absolute positions,
+attn_type 2 and 3) generate one request at a time, a token per step.
+A beam search (``num_beams`` > 1, :func:`txl.infer.generation.beam_steps`) is a batch of its own, one step of it beside
+each decoding step of the others; when it ends it emits its best text token by token, and a cancelled one stops at
+its next step.
+One cap holds for all of it: at most ``max_batch`` rows in flight (a generation is a row, a beam search one per beam,
+a scored text one), whatever their memory lengths; the rest waits, first come first served, in a queue of at most
+``max_queue`` (:class:`QueueFull` beyond).
+A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
+new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
+(``prompt_logprobs``, from the prompt's own forward pass).
+
+Failures stay with their request: whatever goes wrong in one request's step (sampling, penalties that leave no
+token, non-finite log-probabilities, a beam step, a caller whose callback raises) ends that request alone with
+``finish_reason`` error; a failing model call ends the batch it ran. :meth:`Engine.drain` ends the engine's work
+cleanly (no new work, a grace time, then finish_reason shutdown for what is left).
+
+The engine knows nothing about HTTP: tokens go to a callback, from the engine's thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from txl.infer.generation import Penalties, beam_steps, check_sampling, choose, stream
+from txl.kernels.runtime import fp32_route
+from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
+
+TokenScore = tuple[float, list[tuple[int, float]]]
+"""A token's log-probability and the most likely tokens at its place, as (id, log-probability), best first."""
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request can ask for per token."""
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is full: try again later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down (or has failed): it takes no more work."""
+
+
+class RequestError(ValueError):
+    """What ends one request (and only it) with an error: ``status`` 400 when the request asked for something that
+    cannot be done (every token ruled out by its penalties), 500 when the model failed it (non-finite scores)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Generation:
+    """One generation request. ``emit(token_id)`` is called for each new token and ``emit(None)`` once at the end
+    (``finish_reason`` is then set), from the engine's thread; ``cancel()`` may be called from any thread."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    emit: Callable[[int | None], None]
+    mem_len: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None
+    """Record each new token's log-probability and its ``logprobs`` most likely alternatives in ``scores``."""
+    prompt_logprobs: bool = False
+    """Record the log-probability of each prompt token after the first in ``prompt_scores``."""
+    penalties: Penalties = field(default_factory=Penalties)
+    """What the prompt and the text so far do to the next token's scores (repetition, presence, logit bias)."""
+    num_beams: int = 1
+    """Beam search with this many beams (greedy, ``temperature`` 0, only); 1: one token at a time."""
+    length_penalty: float = 1.0
+    """Beam search: a finished text's score is its log-probability over its length to this power."""
+    finish_reason: str | None = None
+    """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
+    error: str | None = None
+    error_status: int = 500
+    """With finish_reason error: 400 if the request asked for what cannot be done, 500 if the server failed it."""
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    generator: torch.Generator = field(init=False)
+    produced: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    """The tokens emitted so far."""
+    scores: list[TokenScore] = field(default_factory=list)
+    """One per new token, written before the token is emitted (with ``logprobs``)."""
+    prompt_scores: list[TokenScore] = field(default_factory=list)
+    """One per prompt token after the first, written before the first token is emitted (``prompt_logprobs``)."""
+
+    def __post_init__(self) -> None:
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs = {self.logprobs}: must be in [0, {MAX_LOGPROBS}]")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams = {self.num_beams}: must be >= 1")
+        if self.num_beams > 1 and self.temperature != 0:
+            raise ValueError("num_beams > 1 searches for the likeliest text: give temperature 0 (no sampling)")
+        if self.num_beams > 1 and (self.logprobs is not None or self.prompt_logprobs):
+            raise ValueError("num_beams > 1 gives no log-probabilities: ask for them without beam search")
+        self.place(torch.device("cpu"))
+
+    def place(self, device: torch.device) -> None:
+        """Sample on ``device`` (the model's): a new generator there, seeded with ``seed`` (random without)."""
+        self.generator = torch.Generator(device=device)
+        if self.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(self.seed)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+def token_scores(log_probs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[TokenScore]:
+    """The log-probability of each token [N] under ``log_probs`` [N, V], with the ``top_n`` most likely tokens."""
+    log_probs = log_probs.float()
+    chosen = log_probs.gather(-1, tokens[:, None].to(log_probs.device))[:, 0].tolist()  # [N]
+    if top_n == 0:
+        return [(c, []) for c in chosen]
+    values, ids = log_probs.topk(min(top_n, log_probs.shape[-1]), dim=-1)  # [N, top_n]
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)]
+
+
+@dataclass
+class _Batch:
+    cache: KVCache
+    rows: list[Generation]
+    last: torch.Tensor  # [B] the last token of every row
+
+
+@dataclass
+class _Job:
+    """Work other than a generation, on the engine's thread: ``fn()`` run whole between two decoding steps, or (with
+    ``stepped``) ``fn()`` making a generator that is advanced one step per engine loop and returns the result."""
+
+    fn: Callable[[], Any]
+    future: Future
+    stepped: bool
+    steps: Generator[None, None, Any] | None = None
+
+
+class Engine:
+    """Runs generation requests and jobs on one thread, at most ``max_batch`` rows in flight in all (a generation is
+    a row, a beam search one per beam, a stepped job one; a model without a K/V cache generates one request at a
+    time) and at most ``max_queue`` requests waiting for room. A failing request ends alone; if the thread itself
+    fails, every request ends with an error, ``failure`` says why, ``on_failure(failure)`` is called and no more
+    work is taken."""
+
+    def __init__(
+        self,
+        model: TransformerXLLM,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        on_failure: Callable[[str], None] | None = None,
+    ):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.batched = supports_kv_cache(model.config)
+        self.on_failure = on_failure
+        self.failure: str | None = None
+        """Why the engine's thread failed (None while it runs)."""
+        # Only the engine's thread touches these four; other threads read the published counts.
+        self._batches: dict[int, _Batch] = {}
+        self._searches: list[tuple[Generation, Generator[None, None, torch.Tensor]]] = []
+        self._solos: list[tuple[Generation, Generator[torch.Tensor, None, None]]] = []  # (no K/V cache: one at a time)
+        self._jobs: list[_Job] = []
+        # Shared, under the lock:
+        self._cond = threading.Condition()
+        self._waiting: deque[Generation | _Job] = deque()
+        self._counts = (0, 0)  # (requests, rows) in flight, as the engine's thread last published them
+        self._draining = False  # no new work is taken
+        self._cut = False  # what is left ends now (finish_reason shutdown)
+        self._stopping = False  # the thread ends once nothing is left
+        self._thread = threading.Thread(target=self._run, name="txl-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread) -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests in flight (a beam search and a scored text count once each)."""
+        with self._cond:
+            return self._counts[0]
+
+    @property
+    def rows(self) -> int:
+        """Rows in flight, of at most ``max_batch``."""
+        with self._cond:
+            return self._counts[1]
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def submit(self, request: Generation) -> None:
+        """Queue a generation; raises :class:`QueueFull` when ``max_queue`` requests already wait and
+        :class:`EngineStopped` when the engine takes no more work."""
+        if self._cost(request) > self.max_batch:
+            raise ValueError(f"num_beams = {request.num_beams}: more rows than max_batch {self.max_batch}")
+        self._put(request)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine's thread between two decoding steps; its result (or error) in the future."""
+        return self._put(_Job(fn, Future(), stepped=False))
+
+    def call_steps(self, make: Callable[[], Generator[None, None, Any]]) -> Future:
+        """Run the generator ``make()`` on the engine's thread, one step per engine loop (each generation running
+        meanwhile makes a token between two steps), as one of the ``max_batch`` rows; the value it returns (or its
+        error) in the future."""
+        return self._put(_Job(make, Future(), stepped=True))
+
+    def _put(self, item: Generation | _Job) -> Future | None:
+        with self._cond:
+            if self.failure is not None:
+                raise EngineStopped(f"the engine failed ({self.failure}); restart the server")
+            if self._draining:
+                raise EngineStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue and (self._counts[1] >= self.max_batch or self._waiting):
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+            self._waiting.append(item)
+            self._cond.notify_all()
+        return item.future if isinstance(item, _Job) else None
+
+    def drain(self, timeout: float) -> bool:
+        """Take no more work (:class:`EngineStopped`); let what was taken, running or waiting, finish for at most
+        ``timeout`` seconds, then end what is left (generations with finish_reason ``shutdown``, jobs with
+        :class:`EngineStopped`). Whether everything finished by itself in time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+            while not self._idle() and self._thread.is_alive() and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            finished = self._idle()
+            if not finished:
+                self._cut = True
+                self._cond.notify_all()
+                ends = time.monotonic() + 30  # (the next step ends every row)
+                while not self._idle() and self._thread.is_alive() and time.monotonic() < ends:
+                    self._cond.wait(0.1)
+        return finished
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """:meth:`drain` for at most ``timeout`` seconds, then stop the thread. Whether everything had finished."""
+        finished = self.drain(timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        return finished
+
+    def _idle(self) -> bool:
+        return self._counts[0] == 0 and not self._waiting
+
+    # -- the engine's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            with transposed_weights():  # (a served model's weights are fixed)
+                self._loop()
+        except BaseException as e:  # noqa: B036 - every request is ended and the failure reported below
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """The thread failed outside any one request: end everything with an error and take no more work."""
+        print(f"txl serve: the engine failed: {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
+        with self._cond:
+            self.failure = f"{type(e).__name__}: {e}"
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            rows = self._rows_running()
+            jobs = self._jobs + [w for w in waiting if isinstance(w, _Job)]
+            self._batches, self._searches, self._solos, self._jobs = {}, [], [], []
+            self._counts = (0, 0)
+            self._cond.notify_all()
+        for row in rows + [w for w in waiting if isinstance(w, Generation)]:
+            self._finish(row, "error", f"the engine failed ({self.failure})", 500)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(EngineStopped(f"the engine failed ({self.failure})"))
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
+
+    def _running(self) -> bool:
+        return bool(self._batches or self._searches or self._solos or self._jobs)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running() and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self._running() and not self._waiting:
+                    return
+                admitted = self._admit()
+                cut = self._cut
+            for item in admitted:
+                if isinstance(item, _Job):
+                    self._start_job(item)
+                elif cut:
+                    self._finish(item, "shutdown")
+                elif item.num_beams > 1:
+                    self._search(item)
+                elif not self.batched:
+                    self._solo(item)
+                else:
+                    self._start(item)
+            if cut:
+                for row in self._rows_running():
+                    row.cancel()
+            self._publish()
+            for mem_len in list(self._batches):
+                self._step(mem_len)
+            for search in list(self._searches):
+                self._search_step(*search)
+            for solo in list(self._solos):
+                self._solo_step(*solo)
+            for job in list(self._jobs):
+                self._job_step(job)
+            self._publish()
+
+    def _cost(self, item: Generation | _Job) -> int:
+        """The rows of ``max_batch`` that a request takes while it runs."""
+        if isinstance(item, _Job):
+            return int(item.stepped)
+        if item.num_beams > 1:
+            return item.num_beams
+        return 1 if self.batched else self.max_batch
+
+    def _rows_running(self) -> list[Generation]:
+        rows = [r for b in self._batches.values() for r in b.rows]
+        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos]
+
+    def _admit(self) -> list[Generation | _Job]:
+        """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
+        the engine is cut: they end at once). Called with the lock held."""
+        requests, rows = self._counts_now()
+        admitted = []
+        while self._waiting:
+            cost = 0 if self._cut else self._cost(self._waiting[0])
+            if rows + cost > self.max_batch:
+                break
+            rows += cost
+            admitted.append(self._waiting.popleft())
+        self._counts = (requests + len(admitted), rows)  # (in flight from now on: never neither waiting nor active)
+        return admitted
+
+    def _counts_now(self) -> tuple[int, int]:
+        """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
+        of all rows, a stepped job one of one row."""
+        batched = sum(len(b.rows) for b in self._batches.values())
+        requests = batched + len(self._searches) + len(self._solos) + len(self._jobs)
+        rows = batched + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
+        return requests, rows + len(self._jobs)
+
+    def _publish(self) -> None:
+        counts = self._counts_now()
+        with self._cond:
+            self._counts = counts
+            self._cond.notify_all()
+
+    def _start_job(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self._cut:
+            job.future.set_exception(EngineStopped("the server is shutting down"))
+            return
+        try:
+            if not job.stepped:
+                job.future.set_result(job.fn())
+                return
+            job.steps = job.fn()
+        except Exception as e:  # handed to the caller
+            job.future.set_exception(e)
+            return
+        self._jobs.append(job)
+
+    def _job_step(self, job: _Job) -> None:
+        """One step of a stepped job; its result or error goes to its future."""
+        if self._cut:
+            job.steps.close()
+            self._jobs.remove(job)
+            job.future.set_exception(EngineStopped("the server is shutting down"))
+            return
+        try:
+            next(job.steps)
+            return
+        except StopIteration as end:
+            job.future.set_result(end.value)
+        except Exception as e:  # handed to the caller
+            job.future.set_exception(e)
+        self._jobs.remove(job)
+
+    def _finish(self, request: Generation, reason: str, error: str | None = None, status: int = 500) -> None:
+        request.finish_reason, request.error, request.error_status = reason, error, status
+        try:
+            request.emit(None)
+        except Exception:  # noqa: S110 - the caller is gone: nothing is waiting for the end
+            pass
+
+    def _fail(self, request: Generation, e: Exception) -> None:
+        """End one request with an error (the engine and the other requests go on)."""
+        status = e.status if isinstance(e, RequestError) else 500
+        self._finish(request, "error", str(e) or type(e).__name__, status)
+
+    @property
+    def _ended(self) -> str:
+        """The finish_reason of a cancelled request: shutdown once the engine is cut, stop otherwise."""
+        return "shutdown" if self._cut else "stop"
+
+    def _emit(self, request: Generation, token: int) -> bool:
+        """Give the caller a token; whether the request goes on."""
+        request.produced += 1
+        request.output_ids.append(token)
+        request.emit(token)
+        if request.cancelled:
+            self._finish(request, self._ended)
+            return False
+        if request.produced >= request.max_new_tokens:
+            self._finish(request, "length")
+            return False
+        return True
+
+    def _sample(self, request: Generation, log_probs: torch.Tensor) -> int:
+        """The next token of a request from its log-probabilities [1, V] (recorded if it asked for them). Raises
+        :class:`RequestError` for non-finite log-probabilities and for penalties that leave no token."""
+        n = request.produced + 1
+        if not bool(torch.isfinite(log_probs).all()):
+            raise RequestError(f"the model gave non-finite log-probabilities for new token {n}", 500)
+        scores = log_probs
+        if request.penalties.any:
+            history = torch.tensor(
+                [request.prompt_ids + request.output_ids], dtype=torch.long, device=self.device
+            )  # [1, L]
+            scores = request.penalties.apply(log_probs, history, len(request.prompt_ids))
+            if not bool((scores > float("-inf")).any()):
+                raise RequestError(
+                    f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) rule out "
+                    "every one; ask for fewer tokens or relax them", 400,
+                )  # fmt: skip
+        token = choose(scores, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
+        if request.logprobs is not None:
+            request.scores += token_scores(log_probs, token, request.logprobs)
+        return int(token[0])
+
+    def _score_prompt(self, request: Generation, hidden: torch.Tensor) -> None:
+        """``prompt_scores`` from the prompt's hidden states [T, D]: position t predicts token t + 1."""
+        targets = torch.tensor(request.prompt_ids[1:], dtype=torch.long, device=self.device)
+        rows = max(1, (1 << 24) // self.model.config.n_token)  # (at most 64 MB of log-probabilities at once)
+        for start in range(0, len(targets), rows):
+            _, log_probs = self.model.crit(hidden[start : start + rows], return_log_probs=True)  # [rows, V]
+            if not bool(torch.isfinite(log_probs).all()):
+                raise RequestError("the model gave non-finite log-probabilities for the prompt", 500)
+            request.prompt_scores += token_scores(log_probs, targets[start : start + rows], request.logprobs or 0)
+
+    def _begin(self, request: Generation) -> torch.Tensor | None:
+        """The prompt's ids [1, T] on the model's device; None if the request ends before its prompt is read."""
+        if request.cancelled or request.max_new_tokens == 0 and not request.prompt_logprobs:
+            self._finish(request, self._ended if request.cancelled else "length")
+            return None
+        if request.generator.device != self.device:
+            request.place(self.device)
+        return torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+
+    def _start(self, request: Generation) -> None:
+        """Run the prompt, emit the first token, and join the batch of its memory length."""
+        try:
+            ids = self._begin(request)
+            if ids is None:
+                return
+            dtype = next(self.model.parameters()).dtype
+            cache = KVCache(
+                self.model.config, 1, request.mem_len, max_segment=ids.shape[1], dtype=dtype, device=self.device
+            )
+            hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[0]  # [T, D]
+            if request.prompt_logprobs:
+                self._score_prompt(request, hidden[:-1])
+            if request.max_new_tokens == 0:
+                self._finish(request, "length")
+                return
+            _, log_probs = self.model.crit(hidden[-1:], return_log_probs=True)  # [1, V]
+            token = self._sample(request, log_probs)
+            if not self._emit(request, token):
+                return
+            batch = self._batches.get(request.mem_len)
+            last = torch.tensor([token], device=self.device)
+            if batch is None:
+                self._batches[request.mem_len] = _Batch(cache, [request], last)
+            else:
+                merged = KVCache.merge([batch.cache, cache])
+                batch.cache, batch.last = merged, torch.cat([batch.last, last])
+                batch.rows.append(request)
+        except Exception as e:  # a bad request must not stop the engine
+            self._fail(request, e)
+
+    def _step(self, mem_len: int) -> None:
+        """One token for every row of a batch; finished rows leave it. A row that fails ends alone; a model call
+        that fails ends the batch."""
+        batch = self._batches[mem_len]
+        try:
+            with fp32_route(False):  # (products of a few rows: 3x slower routed)
+                out = self.model.transformer(batch.last[:, None], cache=batch.cache, mem_len=mem_len)
+            hidden = out.last_hidden_state[:, -1]  # [B, D]
+            _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [B, V]
+        except Exception as e:
+            del self._batches[mem_len]
+            for row in batch.rows:
+                self._fail(row, e)
+            return
+        keep, last = [], []
+        for i, row in enumerate(batch.rows):
+            if row.cancelled:
+                self._finish(row, self._ended)
+                continue
+            try:
+                token = self._sample(row, log_probs[i : i + 1])
+                if self._emit(row, token):
+                    keep.append(i)
+                    last.append(token)
+            except Exception as e:
+                self._fail(row, e)
+        kept = [batch.rows[i] for i in keep]
+        try:
+            if not keep:
+                del self._batches[mem_len]
+            elif len(keep) < len(batch.rows):
+                batch.cache.select(keep)
+                batch.rows = kept
+            batch.last = torch.tensor(last, dtype=torch.long, device=self.device)
+        except Exception as e:
+            self._batches.pop(mem_len, None)
+            for row in kept:
+                self._fail(row, e)
+
+    def _search(self, request: Generation) -> None:
+        """Start a beam search (its beams are a batch of their own): its prompt now, one step per loop after."""
+        try:
+            ids = self._begin(request)
+            if ids is None:
+                return
+            steps = beam_steps(
+                self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
+                length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
+            )  # fmt: skip
+        except Exception as e:
+            self._fail(request, e)
+            return
+        self._searches.append((request, steps))
+        self._search_step(request, steps)
+
+    def _search_step(self, request: Generation, steps: Generator[None, None, torch.Tensor]) -> None:
+        """One step of a beam search; when it ends, its best text, token by token. A cancelled one stops here."""
+        try:
+            if request.cancelled:
+                steps.close()
+                self._drop(self._searches, request)
+                self._finish(request, self._ended)
+                return
+            try:
+                next(steps)
+                return
+            except StopIteration as end:
+                found = end.value[0, len(request.prompt_ids) :].tolist()  # (no end-of-text: max_new_tokens of them)
+            self._drop(self._searches, request)
+            for token in found:
+                if not self._emit(request, token):
+                    return
+        except Exception as e:  # a bad request must not stop the engine
+            self._drop(self._searches, request)
+            self._fail(request, e)
+
+    def _solo(self, request: Generation) -> None:
+        """Start a generation without a K/V cache (absolute positions): one token per loop, alone."""
+
+        def record(log_probs: torch.Tensor, token: torch.Tensor) -> None:
+            if request.logprobs is not None:
+                request.scores += token_scores(log_probs, token, request.logprobs)
+
+        try:
+            ids = self._begin(request)
+            if ids is None:
+                return
+            if request.prompt_logprobs:
+                out = self.model.transformer(ids, mem_len=request.mem_len)
+                self._score_prompt(request, out.last_hidden_state[0, :-1])
+            if request.max_new_tokens == 0:
+                self._finish(request, "length")
+                return
+            tokens = stream(
+                self.model, ids, request.max_new_tokens, temperature=request.temperature, top_k=request.top_k,
+                top_p=request.top_p, mem_len=request.mem_len, generator=request.generator, observe=record,
+                penalties=request.penalties,
+            )  # fmt: skip
+        except Exception as e:
+            self._fail(request, e)
+            return
+        self._solos.append((request, tokens))
+        self._solo_step(request, tokens)
+
+    def _solo_step(self, request: Generation, tokens: Generator[torch.Tensor, None, None]) -> None:
+        try:
+            if request.cancelled:
+                self._drop(self._solos, request)
+                self._finish(request, self._ended)
+                return
+            if not self._emit(request, int(next(tokens))):
+                self._drop(self._solos, request)
+        except Exception as e:  # (NonFiniteError from stream among them)
+            self._drop(self._solos, request)
+            self._fail(request, e)
+
+    @staticmethod
+    def _drop(running: list, request: Generation) -> None:
+        """Take a request out of a list of (request, generator), closing its generator."""
+        for i, (r, it) in enumerate(running):
+            if r is request:
+                del running[i]
+                it.close()
+                return

@@ -1,0 +1,601 @@
+"""Fine-tuning the sequence-classification head (``txl finetune``) and predicting with it (``txl predict``).
+
+A document of any length is read segment by segment with the memory carried, as the paper evaluates; the label is
+predicted from the last position's hidden state. Documents of a batch are left-padded to a whole number of segments
+(the padding is masked out, and, being on the left, changes no relative distance), so each is read exactly as it
+would be alone. The gradient reaches the last ``grad_segments`` segments (through the memory between them); earlier
+segments only provide the memory. ``memory: false`` reads the last segment alone (the fixed-context baseline).
+
+Data: a folder with ``train.csv`` or ``train.jsonl`` (and ``valid.*``; without one, every tenth training row is held
+out), each row a ``text`` and a ``label``: a class name (``task: single``), a list of class names (``task: multi``;
+in CSV separated by ``|``) or a number (``task: regression``). A run folder holds ``finetune.json`` (this
+configuration and the label names), ``metrics.jsonl`` and ``checkpoints/step-N/`` folders (model, tokenizer, state),
+from which a run resumes exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from txl.data.download import sha256_file
+from txl.model.modeling import TransformerXLForSequenceClassification
+
+Task = Literal["single", "multi", "regression"]
+FINETUNE_CONFIG = "finetune.json"
+
+
+class FinetuneError(ValueError):
+    """Bad fine-tuning data or configuration; the message names the file and line."""
+
+
+@dataclass
+class FinetuneConfig:
+    """How to fine-tune (the options of ``txl finetune``)."""
+
+    model: str
+    """The pretrained language model (or a fine-tuned classifier, whose body starts a new one): a run folder, a
+    checkpoint or a model folder (its tokenizer reads the text)."""
+    data: str
+    """Folder with train.csv/.jsonl and valid.csv/.jsonl (rows: text, label)."""
+    run_dir: str = "runs/finetune"
+    """Run folder (metrics.jsonl, checkpoints/step-N/); an existing one is resumed."""
+    task: Task = "single"
+    """single (one class per text), multi (a set of classes), regression (a number)."""
+    tgt_len: int = 128
+    """Segment length: a document is read this many tokens at a time."""
+    mem_len: int | None = None
+    """Memory carried between segments (None: the model's mem_len, as in its training: fine-tuning trains)."""
+    clamp_len: int | None = None
+    """Relative distances beyond this are treated as this one (None: the model's; -1: no clamping). Documents far
+    longer than the language model's training window read better with its training span here."""
+    memory: bool = True
+    """Carry the memory across segments (false: only the last segment is read, the fixed-context baseline)."""
+    grad_segments: int = 1
+    """The gradient reaches the last this many segments of each document (through the memory between them)."""
+    max_tokens: int = 4096
+    """Documents longer than this are cut to their first max_tokens tokens."""
+    batch_size: int = 8
+    """Documents per step."""
+    lr: float = 2.5e-4
+    """Learning rate (AdamW, linear warm-up then constant)."""
+    head_lr: float = 1e-3
+    """Learning rate of the new classification head."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warm-up."""
+    max_steps: int = 200
+    """Optimizer steps."""
+    dropout: float | None = None
+    """Dropout while fine-tuning (None: the model's)."""
+    eval_interval: int = 50
+    """Evaluate on valid every this many steps (and at the end)."""
+    checkpoint_interval: int = 50
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (plus the best by validation loss)."""
+    seed: int = 1111
+    """Seed of the head's initialisation, dropout and the data order."""
+    threads: int | None = None
+    """torch CPU threads."""
+    from_scratch: bool = False
+    """Start from random weights of the model's configuration instead of its trained weights."""
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise FinetuneError(f"--{name} = {getattr(self, name)!r}: {why}")
+
+        for name in ("tgt_len", "grad_segments", "max_tokens", "batch_size", "max_steps", "eval_interval"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        for name in ("checkpoint_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.mem_len is not None and self.mem_len < 0:
+            bad("mem_len", "must be >= 0")
+        if self.clamp_len is not None and self.clamp_len != -1 and self.clamp_len <= 0:
+            bad("clamp_len", "must be -1 (no clamping) or > 0")
+        if self.lr <= 0 or self.head_lr <= 0:
+            bad("lr", "learning rates must be > 0")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            bad("dropout", "must be in [0, 1)")
+        if self.task not in ("single", "multi", "regression"):
+            bad("task", "must be single, multi or regression")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    label: Any
+    where: str  # "file: line N"
+
+
+def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a CSV (a header with ``columns``) or JSONL file."""
+    rows = []
+    try:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8-sig") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise FinetuneError(f"{path}: line {n}: not a JSON object ({e.msg})") from None
+                    if not isinstance(row, dict):
+                        raise FinetuneError(f"{path}: line {n}: not a JSON object")
+                    rows.append((n, row))
+        else:
+            with path.open(encoding="utf-8-sig", newline="") as f:
+                reader = csv.DictReader(f)
+                missing = set(columns) - set(reader.fieldnames or [])
+                if missing:
+                    raise FinetuneError(
+                        f"{path}: line 1: the header has no {' and no '.join(sorted(missing))} column "
+                        f"(it needs {' and '.join(columns)}, has {reader.fieldnames})"
+                    )
+                for row in reader:
+                    rows.append((reader.line_num, row))
+    except UnicodeDecodeError as e:
+        raise FinetuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return rows
+
+
+def _split_file(folder: Path, split: str) -> Path | None:
+    found = [folder / f"{split}.{ext}" for ext in ("csv", "jsonl") if (folder / f"{split}.{ext}").is_file()]
+    if len(found) > 1:
+        raise FinetuneError(f"{folder}: both {found[0].name} and {found[1].name}; keep one")
+    return found[0] if found else None
+
+
+def _parse_label(raw: Any, task: Task, where: str, csv_file: bool) -> Any:
+    if raw is None or (isinstance(raw, str) and not raw.strip()) or raw == []:
+        raise FinetuneError(f"{where}: no label")
+    if task == "regression":
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise FinetuneError(f"{where}: label {raw!r} is not a number (task regression)") from None
+        if not math.isfinite(value):
+            raise FinetuneError(f"{where}: label {raw!r} is not a finite number")
+        return value
+    if task == "multi":
+        names = raw.split("|") if csv_file and isinstance(raw, str) else raw
+        if isinstance(names, str) or not isinstance(names, list) or not all(isinstance(x, str | int) for x in names):
+            raise FinetuneError(f"{where}: label {raw!r}: task multi needs a list of class names")
+        return sorted({str(x).strip() for x in names})
+    if isinstance(raw, list | dict | float) and not (isinstance(raw, float) and raw.is_integer()):
+        raise FinetuneError(f"{where}: label {raw!r}: task single needs one class name")
+    return str(int(raw) if isinstance(raw, float) else raw).strip()
+
+
+def read_split(path: Path, task: Task, tokenizer, max_tokens: int) -> list[Example]:
+    """Rows of one file as token ids and parsed labels; any bad row is an error naming file and line."""
+    examples = []
+    for n, row in _rows(path):
+        where = f"{path}: line {n}"
+        for key in ("text", "label"):
+            if key not in row:
+                raise FinetuneError(f"{where}: no {key!r} field (each row needs text and label)")
+        text = row["text"]
+        if not isinstance(text, str) or not text.strip():
+            raise FinetuneError(f"{where}: empty text")
+        label = _parse_label(row["label"], task, where, path.suffix == ".csv")
+        try:
+            ids = tokenizer.encode(text)
+        except ValueError as e:
+            raise FinetuneError(f"{where}: {e}") from None
+        if not ids:
+            raise FinetuneError(f"{where}: the text encodes to no tokens")
+        examples.append(Example(ids[:max_tokens], label, where))
+    if not examples:
+        raise FinetuneError(f"{path}: no rows")
+    return examples
+
+
+def label_names(train: list[Example], task: Task) -> list[str]:
+    if task == "regression":
+        return []
+    names = sorted({n for e in train for n in (e.label if task == "multi" else [e.label])})
+    if task == "single" and len(names) < 2:
+        raise FinetuneError(f"the training data has {len(names)} class ({names}); single-label needs at least 2")
+    return names
+
+
+def targets(examples: list[Example], task: Task, names: list[str]) -> torch.Tensor:
+    """Labels as the loss wants them; a class missing from train is an error naming the row."""
+    index = {n: i for i, n in enumerate(names)}
+
+    def idx(name: str, e: Example) -> int:
+        if name not in index:
+            raise FinetuneError(f"{e.where}: label {name!r} does not occur in the training data ({len(names)} classes)")
+        return index[name]
+
+    if task == "regression":
+        return torch.tensor([e.label for e in examples], dtype=torch.float32)
+    if task == "single":
+        return torch.tensor([idx(e.label, e) for e in examples], dtype=torch.long)
+    out = torch.zeros(len(examples), len(names))
+    for row, e in enumerate(examples):
+        for name in e.label:
+            out[row, idx(name, e)] = 1.0
+    return out
+
+
+def batch_ids(docs: list[list[int]], tgt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad documents to a whole number of segments: ids [B, L] and padding [B, L] (True = padding)."""
+    longest = max(len(d) for d in docs)
+    length = -(-longest // tgt_len) * tgt_len
+    ids = torch.zeros(len(docs), length, dtype=torch.long)
+    pad = torch.ones(len(docs), length, dtype=torch.bool)
+    for i, d in enumerate(docs):
+        ids[i, length - len(d) :] = torch.tensor(d)
+        pad[i, length - len(d) :] = False
+    return ids, pad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model over long documents
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def document_logits(
+    model: TransformerXLForSequenceClassification,
+    ids: torch.Tensor,
+    pad: torch.Tensor,
+    *,
+    tgt_len: int,
+    mem_len: int,
+    memory: bool = True,
+    grad_segments: int = 1,
+) -> torch.Tensor:
+    """Logits [B, num_labels] of left-padded documents ``ids`` [B, L] (L a multiple of tgt_len), read segment by
+    segment with a memory of ``mem_len`` (or, without ``memory``, only the last segment)."""
+    n = ids.shape[1] // tgt_len
+    first = 0 if memory else n - 1
+    grad = torch.is_grad_enabled()
+    mems, mem_pad, out = None, None, None
+    for s in range(first, n):
+        seg, seg_pad = ids[:, s * tgt_len : (s + 1) * tgt_len], pad[:, s * tgt_len : (s + 1) * tgt_len]
+        window_pad = seg_pad if mems is None else torch.cat([mem_pad, seg_pad], dim=1)  # [B, M + T]
+        with_grad = grad and s >= n - grad_segments
+        with torch.set_grad_enabled(with_grad):
+            out = model.transformer(
+                seg, mems, mem_len=mem_len, padding=window_pad, detach_mems=not (with_grad and s < n - 1)
+            )
+        mems = out.mems
+        if mems is not None:
+            mem_pad = window_pad[:, window_pad.shape[1] - mems[0].shape[1] :]
+    return model.score(out.last_hidden_state[:, -1])  # the last position is real in every row (left padding)
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor, task: Task) -> torch.Tensor:
+    if task == "single":
+        return F.cross_entropy(logits, y)
+    if task == "multi":
+        return F.binary_cross_entropy_with_logits(logits, y)
+    return F.mse_loss(logits.squeeze(-1), y)
+
+
+def metrics(logits: torch.Tensor, y: torch.Tensor, task: Task) -> dict[str, float]:
+    """accuracy and macro-F1 (single), exact-match accuracy and micro-F1 (multi), MSE (regression)."""
+    if task == "regression":
+        return {"mse": float(F.mse_loss(logits.squeeze(-1), y))}
+    if task == "single":
+        pred = logits.argmax(-1)
+        f1s = []
+        for c in range(logits.shape[1]):
+            tp = float(((pred == c) & (y == c)).sum())
+            fp, fn = float(((pred == c) & (y != c)).sum()), float(((pred != c) & (y == c)).sum())
+            if tp + fp + fn:
+                f1s.append(2 * tp / (2 * tp + fp + fn))
+        return {"accuracy": float((pred == y).float().mean()), "f1": float(np.mean(f1s)) if f1s else 0.0}
+    pred = (logits > 0).float()
+    tp, fp, fn = float((pred * y).sum()), float((pred * (1 - y)).sum()), float(((1 - pred) * y).sum())
+    return {
+        "accuracy": float((pred == y).all(-1).float().mean()),
+        "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0,
+    }
+
+
+@torch.no_grad()
+def predict_logits(model, docs: list[list[int]], cfg: FinetuneConfig, mem_len: int, batch_size: int = 16):
+    model.eval()
+    out = []
+    for i in range(0, len(docs), batch_size):
+        ids, pad = batch_ids(docs[i : i + batch_size], cfg.tgt_len)
+        out.append(document_logits(model, ids, pad, tgt_len=cfg.tgt_len, mem_len=mem_len, memory=cfg.memory))
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def finetune(cfg: FinetuneConfig) -> Path:
+    """Fine-tune (or resume) and return the run folder, which is locked for the run (as ``txl train`` locks its
+    own: a second command on the same folder stops with one line)."""
+    from txl.train.checkpoint import RunLock
+
+    cfg.validate()
+    lock = RunLock(Path(cfg.run_dir), "txl finetune")
+    try:
+        result = _finetune(cfg)
+    except BaseException:
+        lock.release(restore=True)  # (the lock file as it was; no folder if the run made it and never began)
+        raise
+    lock.release()
+    return result
+
+
+RESUME_FIXED = ("task", "from_scratch", "tgt_len", "mem_len", "clamp_len", "memory", "grad_segments", "max_tokens",
+                "batch_size", "dropout", "weight_decay", "seed")  # fmt: skip
+"""Settings a resumed fine-tuning run must keep: they decide its model, its data order or what its optimizer state
+means (max_steps, the intervals, keep_last, threads and the learning rates may change)."""
+
+
+def _resumable(checkpoint: Path, cfg: FinetuneConfig, data_sha256: dict[str, str | None]) -> dict[str, Any]:
+    """The checkpoint's fine-tuning record, once it is known to fit ``cfg`` and its data (nothing is written
+    before: a refused resume leaves the run folder as it was)."""
+    record = checkpoint / FINETUNE_CONFIG
+    if not record.is_file():
+        raise FinetuneError(
+            f"{checkpoint}: no {FINETUNE_CONFIG} (a checkpoint of another command than txl finetune); choose another "
+            "--run_dir"
+        )
+    saved = json.loads(record.read_text())
+    changed = [f"{k}: run {saved[k]!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIXED
+               if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    if changed:
+        raise FinetuneError(
+            f"{checkpoint}: resuming needs the run's settings ({'; '.join(changed)}); give them as before, or choose "
+            "another --run_dir"
+        )
+    for split, digest in (saved.get("data_sha256") or {}).items():  # (None: a run from before it was recorded)
+        if digest != data_sha256.get(split):
+            raise FinetuneError(
+                f"{checkpoint}: the run was fine-tuned on another {split} file than {cfg.data}'s; resume with its "
+                "data, or choose another --run_dir"
+            )
+    return saved
+
+
+def _finetune(cfg: FinetuneConfig) -> Path:
+    from txl.data import Tokenizer
+    from txl.model.modeling import TransformerXL, TransformerXLConfig
+    from txl.train.checkpoint import latest_checkpoint, resolve_model_dir, save_checkpoint
+    from txl.util.distributed import World
+    from txl.util.fileio import write_bytes
+    from txl.util.metrics import Reporter, truncate_metrics
+
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.run_dir)
+    resume = latest_checkpoint(run_dir) if run_dir.exists() else None
+    source = resume or resolve_model_dir(cfg.model)
+    tok_file = source / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FinetuneError(f"{source}: no tokenizer.json to read the texts with")
+    n_token = TransformerXLForSequenceClassification.load_config(source).n_token
+    tokenizer = Tokenizer.load(tok_file).for_model(n_token, tok_file)
+    folder = Path(cfg.data)
+    train_file = _split_file(folder, "train")
+    if train_file is None:
+        raise FinetuneError(f"{folder}: no train.csv or train.jsonl")
+    train = read_split(train_file, cfg.task, tokenizer, cfg.max_tokens)
+    valid_file = _split_file(folder, "valid")
+    if valid_file is None:  # every tenth row held out
+        if len(train) < 10:
+            raise FinetuneError(
+                f"{train_file}: {len(train)} rows are too few to hold out every tenth for validation; "
+                "add a valid.csv or valid.jsonl"
+            )
+        valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
+    else:
+        valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
+    data_sha256 = {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
+    if resume is not None:
+        saved = _resumable(resume, cfg, data_sha256)
+        names = saved["labels"]
+    else:
+        names = label_names(train, cfg.task)
+    y_train, y_valid = targets(train, cfg.task, names), targets(valid, cfg.task, names)
+    num_labels = len(names) if cfg.task != "regression" else 1
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if resume is not None:
+        model = TransformerXLForSequenceClassification.from_pretrained(resume)
+    else:
+        lm_cfg = TransformerXLConfig.from_dict(
+            {
+                k: v
+                for k, v in json.loads((source / "config.json").read_text()).items()
+                if k in TransformerXLConfig.__dataclass_fields__
+            }  # fmt: skip
+        )
+        lm_cfg.num_labels = num_labels
+        if cfg.dropout is not None:
+            lm_cfg.dropout = cfg.dropout
+        if cfg.clamp_len is not None:
+            lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
+        model = TransformerXLForSequenceClassification(lm_cfg)
+        if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
+            model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
+    # Fine-tuning trains: it reads as training did (the model's config.json), not with the evaluation settings
+    # that the commands reading text with a trained model use (txl.infer.evaluate.reading_settings).
+    mem_len = model.config.mem_len if cfg.mem_len is None else cfg.mem_len
+    head = list(model.score.parameters())
+    body = [p for n, p in model.named_parameters() if not n.startswith("score.")]
+    opt = torch.optim.AdamW(
+        [{"params": body, "lr": cfg.lr}, {"params": head, "lr": cfg.head_lr}], weight_decay=cfg.weight_decay
+    )
+    base_lrs = [cfg.lr, cfg.head_lr]
+    step, epoch, position, best = 0, 0, 0, {"loss": math.inf, "step": None}
+    if resume is not None:
+        state = torch.load(resume / "train_state-rank0.pt", map_location="cpu", weights_only=True)
+        opt.load_state_dict(state["optimizer"])
+        step, epoch, position, best = state["step"], state["epoch"], state["position"], state["best"]
+        torch.set_rng_state(state["rng"]["torch"])
+        truncate_metrics(run_dir, step)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = asdict(cfg) | {
+        "labels": names,
+        "num_labels": num_labels,
+        "mem_len_used": mem_len,
+        "data_sha256": data_sha256,
+    }
+    write_bytes(run_dir / FINETUNE_CONFIG, (json.dumps(record, indent=1) + "\n").encode())
+    reporter = Reporter(run_dir, enabled=True, progress=False, tensorboard=False, total=cfg.max_steps)
+    reporter.start_at(step)
+    reporter.say(
+        f"fine-tuning {sum(p.numel() for p in model.parameters()):,} parameters ({cfg.task}, {num_labels} outputs) on "
+        f"{len(train)} documents ({len(valid)} valid); segments of {cfg.tgt_len}, memory {mem_len if cfg.memory else 0}"
+    )
+
+    def order(e: int) -> list[int]:  # the data order of epoch e (a function of the seed: resumable exactly)
+        return np.random.default_rng([cfg.seed, e]).permutation(len(train)).tolist()
+
+    def evaluate_valid() -> dict[str, float]:
+        logits = predict_logits(model, [e.ids for e in valid], cfg, mem_len)
+        return {"loss": float(loss_fn(logits, y_valid, cfg.task))} | metrics(logits, y_valid, cfg.task)
+
+    def save(final: bool = False) -> None:
+        state = {
+            "step": step, "epoch": epoch, "position": position, "best": best, "optimizer": opt.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}, "world_size": 1,
+        }  # fmt: skip
+        save_checkpoint(
+            World(), run_dir, step, model=model, state=state, tokenizer_file=tok_file, run_config=record,
+            metadata={"step": step, "valid_loss": best["loss"] if final else None, "best_step": best["step"]},
+            keep_last=cfg.keep_last, keep_steps={best["step"]} if best["step"] is not None else set(),
+            config_name=FINETUNE_CONFIG,
+        )  # fmt: skip
+
+    perm = order(epoch)
+    while step < cfg.max_steps:
+        model.train()
+        if position >= len(perm):
+            epoch, position = epoch + 1, 0
+            perm = order(epoch)
+        rows = perm[position : position + cfg.batch_size]
+        position += len(rows)
+        ids, pad = batch_ids([train[i].ids for i in rows], cfg.tgt_len)
+        logits = document_logits(
+            model, ids, pad, tgt_len=cfg.tgt_len, mem_len=mem_len, memory=cfg.memory, grad_segments=cfg.grad_segments
+        )
+        loss = loss_fn(logits, y_train[rows], cfg.task)
+        if not torch.isfinite(loss):
+            raise FinetuneError(f"the loss became {float(loss)} at step {step + 1}; try a lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        for group, lr in zip(opt.param_groups, base_lrs, strict=True):
+            group["lr"] = lr * scale
+        opt.step()
+        step += 1
+        reporter.row({"step": step, "split": "train", "loss": loss.item()} | metrics(logits.detach(), y_train[rows],
+                                                                                     cfg.task))  # fmt: skip
+        reporter.advance(1)
+        last = step == cfg.max_steps
+        if step % cfg.eval_interval == 0 or last:
+            result = evaluate_valid()
+            if result["loss"] < best["loss"]:
+                best = {"loss": result["loss"], "step": step}
+            reporter.row({"step": step, "split": "valid"} | result)
+            reporter.say(f"step {step}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        if step % cfg.checkpoint_interval == 0 or last:
+            save(final=last)
+    reporter.close()
+    return run_dir
+
+
+def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassification, Any, FinetuneConfig, dict]:
+    """A fine-tuned run or checkpoint: (model, tokenizer, its configuration, finetune.json)."""
+    from txl.data import Tokenizer
+    from txl.train.checkpoint import resolve_model_dir
+
+    folder = resolve_model_dir(path)
+    if not (folder / FINETUNE_CONFIG).is_file():
+        raise FinetuneError(f"{folder}: not a fine-tuned classifier (no {FINETUNE_CONFIG}); use txl finetune first")
+    record = json.loads((folder / FINETUNE_CONFIG).read_text())
+    fields = {k: v for k, v in record.items() if k in FinetuneConfig.__dataclass_fields__}
+    model = TransformerXLForSequenceClassification.from_pretrained(folder).eval()
+    tok_file = folder / "tokenizer.json"
+    return model, Tokenizer.load(tok_file).for_model(model.config.n_token, tok_file), FinetuneConfig(**fields), record
+
+
+def predict(path: str | Path, texts: list[str], where: list[str] | None = None) -> list[dict[str, Any]]:
+    """Predictions of a fine-tuned classifier for raw texts: label (or labels, or value) and scores.
+
+    ``where`` names each text in errors (e.g. "file: line 3"; default "text N")."""
+    return _predictions(*_classify(path, texts, where))
+
+
+def predict_labelled(path: str | Path, file: str | Path) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    """Predictions for the texts of a CSV (a text column) or JSONL file ("text" fields), and, when every row has a
+    label too, the metrics of fine-tuning's validation on them (accuracy and F1, or MSE)."""
+    file = Path(file)
+    rows = _rows(file, columns=("text",))
+    where = [f"{file}: line {n}" for n, _ in rows]
+    for (_, row), at in zip(rows, where, strict=True):
+        if not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise FinetuneError(f"{at}: no text")
+    cfg, logits, names = _classify(path, [row["text"] for _, row in rows], where)
+    labelled = all(row.get("label") not in (None, "") for _, row in rows)
+    if not labelled:
+        return _predictions(cfg, logits, names), None
+    examples = [
+        Example([], _parse_label(row["label"], cfg.task, at, file.suffix == ".csv"), at)
+        for (_, row), at in zip(rows, where, strict=True)
+    ]
+    return _predictions(cfg, logits, names), metrics(logits, targets(examples, cfg.task, names), cfg.task)
+
+
+def _classify(path, texts: list[str], where: list[str] | None) -> tuple[FinetuneConfig, torch.Tensor, list[str]]:
+    model, tok, cfg, record = load_classifier(path)
+    docs = []
+    for i, t in enumerate(texts):
+        at = where[i] if where else f"text {i + 1}"
+        try:
+            ids = tok.encode(t)[: cfg.max_tokens]
+        except ValueError as e:
+            raise FinetuneError(f"{at}: {e}") from None
+        if not ids:
+            raise FinetuneError(f"{at}: encodes to no tokens")
+        docs.append(ids)
+    return cfg, predict_logits(model, docs, cfg, record["mem_len_used"]), record["labels"]
+
+
+def _predictions(cfg: FinetuneConfig, logits: torch.Tensor, names: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for row in logits:
+        if cfg.task == "regression":
+            out.append({"value": float(row[0])})
+        elif cfg.task == "single":
+            p = row.softmax(-1)
+            out.append({"label": names[int(p.argmax())], "scores": dict(zip(names, map(float, p), strict=True))})
+        else:
+            p = row.sigmoid()
+            out.append({"labels": [n for n, x in zip(names, p, strict=True) if x > 0.5],
+                        "scores": dict(zip(names, map(float, p), strict=True))})  # fmt: skip
+    return out
