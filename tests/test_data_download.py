@@ -11,9 +11,11 @@ import tarfile
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from txl.cli import main
 from txl.data import DataError, find_splits, get_dataset, prepare_corpus, sources
 from txl.data import readers as readers_mod
 from txl.data.download import download
@@ -303,3 +305,75 @@ def test_unpinned_lm1b_vocabulary_is_checked_before_it_is_trusted(tmp_path, serv
     server.files[name] = good.replace(b"the", b"a")  # the source changed after it was first trusted
     with pytest.raises(DataError, match="sha256 .*, expected " + _sha(good)):
         download(urls, dest, check=sources.CHECKS[name], log=[].append)
+
+
+# ------------------------------------------------------------------------------------------------- sympy
+SYMPY_HELDOUT = Path(__file__).parent / "fixtures" / "sympy_heldout.tsv"
+
+
+def test_sympy_split_rule_gives_the_published_held_out_documents():
+    """The split rule (a hash of each path) puts every published held-out file of sympy-1.14.0.tar.gz in its
+    published split, and the published counts add up (the archive itself is not downloaded here)."""
+    rows = [line.split("\t") for line in SYMPY_HELDOUT.read_text().splitlines() if not line.startswith("#")]
+    assert rows and all(sources.sympy_split(path) == split for split, path, _, _ in rows)
+    counts = {s: sum(r[0] == s for r in rows) for s in ("valid", "test")}
+    assert counts == {s: sources.SYMPY_FILES[s] for s in ("valid", "test")}
+    assert all(int(size) >= sources.SYMPY_MIN_BYTES and path.endswith(".py") for _, path, size, _ in rows)
+    assert sum(sources.SYMPY_FILES.values()) == 1166 and "sympy" in sources.DATASETS
+
+
+def _path_in(split: str, stem: str) -> str:
+    """A source path of the fake archive that the split rule sends to ``split``."""
+    return next(p for i in range(10_000) if sources.sympy_split(p := f"sympy/{stem}{i}.py") == split)
+
+
+def _fake_sympy(path):
+    big = b"def f(x):\n    return x\n" * 100  # 2,400 bytes
+    docs = {
+        _path_in("train", "b"): big,
+        _path_in("train", "a"): big + b"# no last line end",
+        _path_in("valid", "v"): big,
+        _path_in("test", "t"): big + b"# test\n",
+    }
+    members = {f"sympy-1.14.0/{p}": b for p, b in docs.items()}
+    members["sympy-1.14.0/sympy/small.py"] = b"x = 1\n"  # under SYMPY_MIN_BYTES: left out
+    members["sympy-1.14.0/README.md"] = big  # not a .py file: left out
+    path.write_bytes(_tar(members))
+    end = sources.DOCUMENT_END.encode()
+    want = {s: b"" for s in ("train", "valid", "test")}
+    for p in sorted(docs):
+        text = docs[p] if docs[p].endswith(b"\n") else docs[p] + b"\n"
+        want[sources.sympy_split(p)] += text + end
+    return want
+
+
+def test_sympy_corpus_from_a_fake_archive(tmp_path, monkeypatch):
+    """Whole .py documents of >= 2,000 bytes in path order, each ending with a line end and the form-feed line; the
+    published hashes are checked before anything is written; get_dataset fetches (stubbed), verifies and reuses."""
+    want = _fake_sympy(tmp_path / "fake.tar.gz")
+    paths = sources.sympy_from_archive(tmp_path / "fake.tar.gz", tmp_path / "out", expected=None)
+    assert {s: p.read_bytes() for s, p in paths.items()} == want
+    assert want["train"].count(sources.DOCUMENT_END.encode()) == 2 and b"x = 1" not in want["train"]
+    with pytest.raises(DataError, match="the train split has sha256 .* nothing written"):
+        sources.sympy_from_archive(tmp_path / "fake.tar.gz", tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(_tar({f"sympy-1.14.0/{_path_in('test', 'x')}": b"\xff" * 3000}))
+    with pytest.raises(DataError, match=r"bad.tar.gz: sympy-1.14.0/sympy/x\d+.py is not UTF-8"):
+        sources.sympy_from_archive(bad, tmp_path / "out3", expected=None)
+
+    monkeypatch.setattr(sources, "SYMPY_SHA256", {s: _sha(b) for s, b in want.items()})
+    fetched = []
+    fake = tmp_path / "fake.tar.gz"
+    monkeypatch.setattr(sources, "fetch_sdist", lambda req, arc, cache, log: fetched.append(req) or fake)
+    get_dataset("sympy", tmp_path / "sympy", log=[].append)
+    assert {s: (tmp_path / "sympy" / f"{s}.txt").read_bytes() for s in want} == want
+    get_dataset("sympy", tmp_path / "sympy", log=[].append)  # verified: nothing fetched again
+    assert fetched == ["sympy==1.14.0"]
+
+
+def test_txl_data_get_sympy_refuses_another_archive(tmp_path, capsys):
+    _fake_sympy(tmp_path / "fake.tar.gz")
+    with pytest.raises(SystemExit):
+        main(["data", "get", "sympy", "--archive", str(tmp_path / "fake.tar.gz"), "--out", str(tmp_path / "o")])
+    assert "does not match sympy-1.14.0.tar.gz" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -216,3 +216,44 @@ def test_documents_in_a_batch_equal_each_alone_and_the_gradient_reaches_k_segmen
         document_logits(model, ids, pad, tgt_len=8, mem_len=8, grad_segments=k)[0, 0].backward()
         grad = model.transformer.word_emb.emb_layers[0].weight.grad
         assert (grad is not None and grad[early].abs().sum() > 0) == reaches, k
+
+
+def test_finetune_runs_on_the_training_loop_of_txl_train(lm, tmp_path, monkeypatch, capsys):
+    """txl finetune is a txl.train.loop.TrainingLoop, as txl train is: --clip is its clipping (it was a fixed 1.0),
+    --max_time stops it with a checkpoint that the same command resumes, and a non-finite loss stops it with
+    txl train's one line before the weights change (no checkpoint of that step)."""
+    data = make_data(tmp_path / "data", "single")
+    clips = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, m, **k: clips.append(m) or real_clip(p, m, **k))
+    main(args(lm, data, tmp_path / "clip", max_steps=2, clip=0.5))
+    main(args(lm, data, tmp_path / "noclip", max_steps=1, clip=0))
+    assert clips == [0.5, 0.5, float("inf")]
+
+    run = tmp_path / "timed"
+    main(args(lm, data, run, max_steps=4, max_time=1e-9))  # (the first step uses up the time)
+    assert "stopped at step 1 (max_time" in capsys.readouterr().out + (run / "train.log").read_text()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1"]
+    main(args(lm, data, run, max_steps=4))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("grad_norm" in r for r in rows)
+
+    import txl.train.finetune as ft
+
+    calls = []
+    real_loss = ft.loss_fn
+
+    def nan_at_third(logits, y, task):
+        loss = real_loss(logits, y, task)
+        if logits.requires_grad:
+            calls.append(1)
+            if len(calls) == 3:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(ft, "loss_fn", nan_at_third)
+    with pytest.raises(SystemExit):
+        main(args(lm, data, tmp_path / "nan", max_steps=6, checkpoint_interval=2, eval_interval=2))
+    err = capsys.readouterr().err
+    assert "txl: training stopped: non-finite training loss (nan) at step 3" in err and "lower --lr" in err
+    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-2"]

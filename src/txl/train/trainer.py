@@ -17,9 +17,6 @@ import contextlib
 import dataclasses
 import math
 import random
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +53,7 @@ from txl.train.checkpoint import (
     save_checkpoint,
     supersede_later_checkpoints,
 )
+from txl.train.loop import TrainingError, TrainingLoop  # noqa: F401  (TrainingError: re-exported)
 from txl.train.optim import build_optimizer, lr_at, set_lr
 from txl.util.distributed import World, all_reduce_sum, barrier, init_world, shutdown
 from txl.util.fileio import check_space, write_bytes
@@ -69,10 +67,6 @@ SCHEDULE = ("lr", "scheduler", "warmup_steps", "eta_min", "decay_steps", "max_st
 def scored_positions(seg_len: int, loss_fraction: float) -> int:
     """How many of a segment's last positions ``train.loss_fraction`` scores (at least one, rounded half up)."""
     return max(1, min(seg_len, int(seg_len * loss_fraction + 0.5)))
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss or gradient); the message names the step and what to do."""
 
 
 @dataclass
@@ -123,7 +117,7 @@ def regroup_mems(states: list[dict[str, Any]], world: World, n_chunks: int) -> l
     return [list(chunk) for chunk in zip(*(m.chunk(n_chunks, dim=0) for m in mine), strict=True)]
 
 
-class Trainer:
+class Trainer(TrainingLoop):
     """Train ``cfg`` in ``cfg.run_dir``; ``resume`` is ``auto`` (latest checkpoint if any), ``none`` or a path."""
 
     def __init__(self, cfg: RunConfig, resume: str = "auto", *, world: World | None = None):
@@ -212,16 +206,21 @@ class Trainer:
                 train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw
             )
         self.mems: list[list[torch.Tensor] | None] = [None] * tc.batch_chunk
-        self.step = self.tokens = 0
-        self.elapsed = 0.0
-        self.best_valid: float | None = None
-        self.best_step: int | None = None
-        self.last_valid: float | None = None
-        self.last_eval_step: int | None = None
-        self.last_saved: int | None = None
+        self.start_loop()
+        self.max_steps, self.max_time, self.clip = tc.max_steps, tc.max_time, tc.clip
+        self.eval_interval, self.checkpoint_interval, self.keep_best = (
+            tc.eval_interval,
+            tc.checkpoint_interval,
+            tc.keep_best,
+        )
+        self.retry_hint = (
+            "the weights were not updated; resume from the last checkpoint with --resume auto, e.g. with a lower "
+            "--train.lr"
+        )
+        self.tokens = 0
         self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
         self._epoch = 0
-        self._stop_signal = False
+        self._batch_tokens = 0
         if self.checkpoint_to_load is not None:
             self._check_resumable(self.checkpoint_to_load)
             with naming_an_earlier_checkpoint(self.checkpoint_to_load):
@@ -435,45 +434,43 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             self.mems[c] = out.mems
             loss_sum += loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, tc.clip if tc.clip > 0 else math.inf)
-        local_loss, norm_value = torch.stack([loss_sum, norm.float()]).tolist()  # one device-to-host transfer
-        loss_value = all_reduce_sum(w, local_loss)[0] / w.size
-        where = f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})"
-        resume_hint = (
-            "the weights were not updated; resume from the last checkpoint with --resume auto, "
-            "e.g. with a lower --train.lr"
-        )
-        if not math.isfinite(loss_value):
-            raise TrainingError(f"non-finite training loss ({loss_value}) at {where}: {resume_hint}")
-        if not math.isfinite(norm_value) and not self.scaler.is_enabled():
-            raise TrainingError(f"non-finite gradient norm ({norm_value}) at {where}: {resume_hint}")
-        self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
-        self.scaler.update()
-        return loss_value, norm_value
+        return self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
 
-    # -- the loop ---------------------------------------------------------------------------------------------
+    # -- the loop (txl.train.loop) ----------------------------------------------------------------------------
 
-    def _stop_reason(self) -> str | None:
-        tc = self.tc
-        if self.step >= tc.max_steps:
-            return f"max_steps {tc.max_steps:,}"
-        if tc.max_tokens is not None and self.tokens >= tc.max_tokens:
-            return f"max_tokens {tc.max_tokens:,}"
-        flags = all_reduce_sum(
-            self.world, float(self._stop_signal), float(tc.max_time is not None and self.elapsed >= tc.max_time)
-        )
-        if flags[0] > 0:
-            return "signal"
-        if flags[1] > 0:
-            return f"max_time {tc.max_time:g} s"
+    def stop_reason(self) -> str | None:
+        if self.tc.max_tokens is not None and self.tokens >= self.tc.max_tokens:
+            return f"max_tokens {self.tc.max_tokens:,}"
         return None
 
-    def _on_signal(self, signum, frame) -> None:
-        """SIGTERM or a first Ctrl-C: finish the step, save, stop. A second Ctrl-C interrupts at once."""
-        self._stop_signal = True
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+    def train_one(self) -> tuple[float, float]:
+        batch = next(self._batches)
+        if batch.epoch != self._epoch:  # a new pass over the data: the old memories do not precede it
+            self._epoch, self.mems = batch.epoch, [None] * self.tc.batch_chunk
+        self._batch_tokens = batch.target.numel() * self.world.size
+        return self.train_step(batch)
+
+    def after_step(self, loss: float, norm: float, seconds: float) -> None:
+        self.tokens += self._batch_tokens
+        for key, value in (("loss", loss), ("steps", 1), ("tokens", self._batch_tokens), ("time", seconds)):
+            self.acc[key] += value
+        self.reporter.advance(1, loss=f"{loss:.3f}")
+        if self.step % self.tc.log_interval == 0:
+            self._log_train(norm)
+
+    @contextlib.contextmanager
+    def around_steps(self):
+        """The checked fp32 route's checks (train.fp32_route) around every step and validation."""
+        self.route = CheckedRoute() if self.fp32_route else None
+        try:
+            with self.route if self.route is not None else contextlib.nullcontext():
+                yield
+        finally:
+            if self.route is not None:
+                self.say(f"runtime: {self.route.describe()}")
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.run_dir)
 
     def validate(self) -> float:
         tc, m = self.tc, self.cfg.model
@@ -544,49 +541,8 @@ class Trainer:
             f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {self.precision}); "
             f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
         )
-        old = {}
-        if _in_main_thread():
-            old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        self.reporter.start_at(self.step)
-        batches = self.train_iter.forever()
-        reason = None
-        self.route = CheckedRoute() if self.fp32_route else None
-        checks = contextlib.ExitStack()  # (the route's checks around every step and validation)
-        try:
-            if self.route is not None:
-                checks.enter_context(self.route)
-            while (reason := self._stop_reason()) is None:
-                t0 = time.perf_counter()
-                batch = next(batches)
-                if batch.epoch != self._epoch:  # a new pass over the data: the old memories do not precede it
-                    self._epoch, self.mems = batch.epoch, [None] * tc.batch_chunk
-                loss, norm = self.train_step(batch)
-                n_tok = batch.target.numel() * w.size
-                self.step += 1
-                self.tokens += n_tok
-                dt = time.perf_counter() - t0
-                self.elapsed += dt
-                for key, value in (("loss", loss), ("steps", 1), ("tokens", n_tok), ("time", dt)):
-                    self.acc[key] += value
-                self.reporter.advance(1, loss=f"{loss:.3f}")
-                if self.step % tc.log_interval == 0:
-                    self._log_train(norm)
-                improved = False
-                if tc.eval_interval and self.step % tc.eval_interval == 0:
-                    improved = self._evaluate_and_track()
-                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or (improved and tc.keep_best):
-                    self.save()
-            if self.step > 0 and self.last_eval_step != self.step and reason != "signal":
-                self._evaluate_and_track()
-            path = self.save() if self.last_saved != self.step else latest_checkpoint(self.run_dir)
-            self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
-        finally:
-            checks.close()
-            if self.route is not None:
-                self.say(f"runtime: {self.route.describe()}")
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            self.reporter.close()
+        self._batches = self.train_iter.forever()
+        reason, path = super().fit()
         return TrainResult(self.step, self.tokens, reason, path, self.last_valid, self.best_valid)
 
     def _log_train(self, norm: float) -> None:
@@ -610,17 +566,6 @@ class Trainer:
             f"{self.metric} {value:.4f} | grad norm {norm:.3f} | {row['tokens_per_s']:,.0f} tok/s |"
         )
         self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
-
-    def _evaluate_and_track(self) -> bool:
-        self.last_valid, self.last_eval_step = self.validate(), self.step
-        if self.best_valid is None or self.last_valid < self.best_valid:
-            self.best_valid, self.best_step = self.last_valid, self.step
-            return True
-        return False
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:

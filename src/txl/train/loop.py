@@ -1,0 +1,177 @@
+"""What every training loop of txl shares: ``txl train``'s :class:`~txl.train.trainer.Trainer` and ``txl finetune``'s
+:class:`~txl.train.finetune.Finetuner` are both a :class:`TrainingLoop`.
+
+The loop owns one optimizer update (unscale, clip, the non-finite checks, the GradScaler's step), the stop
+conditions (``max_steps``, ``max_time``, SIGTERM or a first Ctrl-C: the step finishes, a checkpoint is saved, the
+run stops; a second Ctrl-C interrupts at once), the cadence of validation and checkpoints, and the final validation
+and save. A subclass says how one step computes its loss (:meth:`train_one`), how it validates (:meth:`validate`)
+and what it saves (:meth:`save`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from txl.util.distributed import World, all_reduce_sum
+from txl.util.metrics import Reporter
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient, a checkpoint that cannot be written); the message says
+    where, what was kept and how to go on."""
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class TrainingLoop:
+    """The shared loop. A subclass's setup sets the attributes below, then :meth:`fit` runs."""
+
+    world: World
+    run_dir: Path
+    reporter: Reporter
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    scaler: torch.amp.GradScaler
+    max_steps: int
+    max_time: float | None = None
+    eval_interval: int = 0
+    checkpoint_interval: int = 0
+    keep_best: bool = False
+    clip: float = 0.0
+    retry_hint: str = "the weights were not updated"
+    """What the user can do after a non-finite loss or gradient (the subclass names its own options)."""
+
+    def start_loop(self) -> None:
+        """The loop's counters (a resumed run then sets ``step``, ``elapsed`` and the best validation)."""
+        self.step = 0
+        self.elapsed = 0.0
+        self.best_valid: float | None = None
+        self.best_step: int | None = None
+        self.last_valid: float | None = None
+        self.last_eval_step: int | None = None
+        self.last_saved: int | None = None
+        self._stop_signal = False
+
+    def say(self, text: str) -> None:
+        self.reporter.say(text)
+
+    # -- what a subclass provides ---------------------------------------------------------------------------------
+
+    def train_one(self) -> tuple[float, float]:
+        """One optimizer step (forward, backward, :meth:`update`); returns (loss, gradient norm)."""
+        raise NotImplementedError
+
+    def validate(self) -> float:
+        """The validation loss (and its rows in the log)."""
+        raise NotImplementedError
+
+    def save(self) -> Path:
+        """A checkpoint of the current step."""
+        raise NotImplementedError
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (the run's result when the last step is saved already)."""
+        raise NotImplementedError
+
+    def stop_reason(self) -> str | None:
+        """A reason of the subclass's own to stop before the next step (e.g. a token budget), or None."""
+        return None
+
+    def around_steps(self) -> contextlib.AbstractContextManager:
+        """Entered around the steps and validations (e.g. the checked fp32 route); closed before the summary."""
+        return contextlib.nullcontext()
+
+    def after_step(self, loss: float, norm: float, seconds: float) -> None:
+        """Accounting and logging after step ``self.step``."""
+
+    # -- one update -----------------------------------------------------------------------------------------------
+
+    def update(self, loss_sum: torch.Tensor, where: str) -> tuple[float, float]:
+        """After the backward pass(es) of a step: unscale, clip the global gradient norm to ``clip`` (0: no clipping;
+        the norm is still checked), refuse a non-finite loss or gradient before the weights change, and step.
+        ``loss_sum`` is this process's loss (a 0-d tensor); returns (the mean loss over processes, the norm)."""
+        w = self.world
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip > 0 else math.inf)
+        local_loss, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one device-to-host copy
+        loss_value = all_reduce_sum(w, local_loss)[0] / w.size
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"non-finite training loss ({loss_value}) at {where}: {self.retry_hint}")
+        if not math.isfinite(norm_value) and not self.scaler.is_enabled():
+            raise TrainingError(f"non-finite gradient norm ({norm_value}) at {where}: {self.retry_hint}")
+        self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
+        self.scaler.update()
+        return loss_value, norm_value
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+
+    def _stop_reason(self) -> str | None:
+        if self.step >= self.max_steps:
+            return f"max_steps {self.max_steps:,}"
+        own = self.stop_reason()
+        if own is not None:
+            return own
+        flags = all_reduce_sum(
+            self.world, float(self._stop_signal), float(self.max_time is not None and self.elapsed >= self.max_time)
+        )
+        if flags[0] > 0:
+            return "signal"
+        if flags[1] > 0:
+            return f"max_time {self.max_time:g} s"
+        return None
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ANN001 (signal's handler protocol)
+        """SIGTERM or a first Ctrl-C: finish the step, save, stop. A second Ctrl-C interrupts at once."""
+        self._stop_signal = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _evaluate_and_track(self) -> bool:
+        self.last_valid, self.last_eval_step = self.validate(), self.step
+        if self.best_valid is None or self.last_valid < self.best_valid:
+            self.best_valid, self.best_step = self.last_valid, self.step
+            return True
+        return False
+
+    def fit(self) -> tuple[str, Path | None]:
+        """Run steps until a stop condition; validate and save at the end. Returns (why it stopped, checkpoint)."""
+        old = {}
+        if _in_main_thread():
+            old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.reporter.start_at(self.step)
+        reason, path = None, None
+        try:
+            with self.around_steps():
+                while (reason := self._stop_reason()) is None:
+                    t0 = time.perf_counter()
+                    loss, norm = self.train_one()
+                    self.step += 1
+                    dt = time.perf_counter() - t0
+                    self.elapsed += dt
+                    self.after_step(loss, norm, dt)
+                    improved = False
+                    last = self.step >= self.max_steps  # (validated before its checkpoint: the best is known)
+                    if (self.eval_interval and self.step % self.eval_interval == 0) or last:
+                        improved = self._evaluate_and_track()
+                    if (self.checkpoint_interval and self.step % self.checkpoint_interval == 0) or (
+                        improved and self.keep_best
+                    ):
+                        self.save()
+                if self.step > 0 and self.last_eval_step != self.step and reason != "signal":
+                    self._evaluate_and_track()
+                path = self.save() if self.last_saved != self.step else self.latest()
+                self.say(f"stopped at step {self.step:,} ({reason}); checkpoint {path}")
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            self.reporter.close()
+        return reason, path
