@@ -97,17 +97,26 @@ def context_losses(
     clamp_len: int | None = None,
     same_length: bool | None = None,
     batch_size: int = 16,
+    world=None,
 ) -> np.ndarray:
     """[n_contexts, len(ids) - 1] per-token losses of one model: with a memory of c (Transformer-XL: segments of
     ``tgt_len``, one column so that every token has the whole text before it) or, with ``sliding``, a window of c
-    tokens recomputed for every prediction (a vanilla model)."""
+    tokens recomputed for every prediction (a vanilla model). ``world``: where the model is (default: one process on
+    the CPU)."""
     from txl.infer.evaluate import evaluate, evaluate_sliding
 
     rows = []
     for c in contexts:
         if sliding:
             res = evaluate_sliding(
-                model, ids, window=c, stride=1, batch_size=batch_size, clamp_len=clamp_len, return_losses=True
+                model,
+                ids,
+                window=c,
+                stride=1,
+                batch_size=batch_size,
+                clamp_len=clamp_len,
+                return_losses=True,
+                world=world,
             )
         else:
             res = evaluate(
@@ -119,6 +128,7 @@ def context_losses(
                 clamp_len=clamp_len,
                 same_length=same_length,
                 return_losses=True,
+                world=world,
             )
         rows.append(res.losses)
     return np.stack(rows)
