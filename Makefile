@@ -61,10 +61,12 @@ bench-vanilla: setup
 bench-vanilla-full: setup
 	$(BIN)/python benchmarks/eval_speed_vs_vanilla.py --windows 2 --write docs/benchmarks.md
 
-# The paper's experiments at CPU scale (docs/paper.md): recurrence (~8 minutes) and Table 6 (~40 minutes)
+# The paper's experiments at CPU scale (docs/paper.md): recurrence (~8 minutes), Table 6 (~40 minutes) and the
+# long-range corpus (~80 minutes; fetches sympy 1.14.0 with pip)
 experiments: setup
 	$(BIN)/python experiments/recurrence.py --steps 1500 --write docs/paper.md
 	$(BIN)/python experiments/ablation.py --budget full --write docs/paper.md
+	$(BIN)/python experiments/long_range.py --budget full --write docs/paper.md
 
 bench-serve: setup
 	$(BIN)/python benchmarks/serve_load.py --write docs/benchmarks.md

