@@ -320,7 +320,7 @@ def verdict(results: dict, recls: dict) -> list[str]:
         f"{longest['bpc']:.4f} vs {train['bpc']:.4f} bpc, {100 * gain:+.2f}% relative "
         f"({'reached' if gain >= 0.02 else 'NOT reached'}: the goal is at least 2% lower).",
         f"- Gain by position (training memory minus longest, bpc): {', '.join(f'{x:+.4f}' for x in late)} "
-        f"(late positions {'gain more' if len(late) > 1 and late[-1] > late[0] else 'do NOT gain more'}).",
+        f"(late positions {'gain more' if len(late) > 1 and late[-1] > max(late[0], 0) else 'do NOT gain more'}).",
     ]
     for r, rec in recls.items():
         ours = rec["recl"]["xl"]
@@ -390,6 +390,9 @@ def write_section(path: Path, heading: str, text: str) -> None:
         start = doc.index(f"\n{heading}\n") + 1
         nxt = doc.find("\n## ", start + len(heading))
         doc = doc[:start] + text + ("\n" + doc[nxt + 1 :] if nxt >= 0 else "")
+    elif heading == HEADING and f"\n{HEADING_GPU}\n" in doc:  # (the CPU section first)
+        at = doc.index(f"\n{HEADING_GPU}\n") + 1
+        doc = doc[:at] + text + "\n" + doc[at:]
     else:
         doc = doc.rstrip("\n") + "\n\n" + text
     path.write_text(doc, encoding="utf-8")
