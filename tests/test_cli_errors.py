@@ -437,3 +437,25 @@ def test_eval_says_what_the_columns_leave_unscored(char_run, tmp_path, capsys):
     main(["eval", "--model", str(char_run), "--data", str(f), "--batch_size", "1", "--json"])
     out = capsys.readouterr()
     assert json.loads(out.out)["tokens"] == n - 1 and "not scored" not in out.err
+
+
+def test_a_closed_output_is_one_line_not_a_folder_error(tmp_path, monkeypatch):
+    """`txl ... | head -1`: the reader exits, the next print raises BrokenPipeError (an OSError); the command stops
+    with one line saying so, not "check that folder's permissions and free space"."""
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    corpus = tiny_corpus(tmp_path / "corpus")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", Closed())
+    monkeypatch.setattr(sys, "stderr", err)
+    with pytest.raises(SystemExit) as stop:
+        main(["data", "prepare", "--data.path", str(corpus), "--data.dataset", "custom",
+              "--data.cache_dir", str(tmp_path / "cache")])  # fmt: skip
+    assert stop.value.code == 1
+    last = err.getvalue().strip().splitlines()[-1]  # (after the corpus's progress lines)
+    assert last == "txl: stopped: the output was closed before the command finished (its reader exited)"
+    assert "permissions" not in err.getvalue()

@@ -320,6 +320,8 @@ def _error(e: BaseException) -> tuple[int, str] | None:
         return 1, f"txl: training stopped: {e}"
     if isinstance(e, NonFiniteError):
         return 1, f"txl: error: {e}"
+    if isinstance(e, BrokenPipeError):  # (the reader of the output left: `txl generate ... | head -1`)
+        return 1, "txl: stopped: the output was closed before the command finished (its reader exited)"
     if isinstance(e, FileNotFoundError):
         return 2, f"txl: error: {e.filename}: {e.strerror}" if e.filename else f"txl: error: {e}"
     if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:  # a file where a folder must be
