@@ -38,19 +38,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Beyond a fixed-length context: a long-range corpus (`experiments/long_range.py`)"
 HEADING_GPU = "## Beyond a fixed-length context on a lent GPU (`experiments/long_range.py --budget gpu`)"
-ROWS = {  # name: (attn_type, recurrence, model settings of its own)
-    "xl": (0, True, {}),
-    "xl-norec": (0, False, {}),
-    "vanilla": (3, False, {}),
-    "xl-clamp": (0, True, {"clamp_len": 128}),  # (a lever: distances clamped at the segment length in training)
+ROWS = {  # name: (attn_type, recurrence)
+    "xl": (0, True),
+    "xl-norec": (0, False),
+    "vanilla": (3, False),
 }
-MAIN = ("xl", "xl-norec", "vanilla")
 DOCUMENT_END = "\f\n"  # (txl.data.sources.DOCUMENT_END)
 BUCKETS = [(0, 128), (128, 512), (512, 2048), (2048, 8192), (8192, None)]
 BUDGETS = {
     "quick": dict(
         steps=30,
-        rows=MAIN,
         model=dict(n_layer=2, d_model=64, n_head=2, d_head=32, d_inner=128, mem_len=32),
         train=dict(batch_size=8, tgt_len=32),
         memories=[0, 32, 64, 128],
@@ -63,7 +60,6 @@ BUDGETS = {
     ),
     "full": dict(
         steps=3000,
-        rows=MAIN,
         model={},
         train={},
         memories=[0, 128, 256, 512, 1024, 2048],
@@ -76,7 +72,6 @@ BUDGETS = {
     ),
     "gpu": dict(
         steps=1000,
-        rows=MAIN,
         model=dict(n_layer=8, d_model=512, n_head=8, d_head=64, d_inner=2048),
         train=dict(
             batch_size=32,
@@ -115,8 +110,8 @@ def row_options(name: str, recipe: str, budget: dict, common: list[str]) -> tupl
     from txl.config import load_recipe
     from txl.model.modeling import TransformerXLLM
 
-    attn_type, recurrence, own = ROWS[name]
-    model = dict(budget["model"]) | own
+    attn_type, recurrence = ROWS[name]
+    model = dict(budget["model"])
     model["attn_type"] = attn_type
     if not recurrence:
         model["mem_len"] = 0
@@ -134,7 +129,7 @@ def row_options(name: str, recipe: str, budget: dict, common: list[str]) -> tupl
     n, cfg = count(model)
     if abs(n - target) > 0.02 * target:
         raise SystemExit(f"row {name}: {n:,} parameters, more than 2% from {target:,}")
-    extra = flags("eval", {"clamp_len": -1}) if attn_type == 3 or own.get("clamp_len") == -1 else []
+    extra = flags("eval", {"clamp_len": -1}) if attn_type == 3 else []
     return [*common, *flags("model", model), *flags("train", budget["train"]), *extra], n, model
 
 
@@ -225,8 +220,8 @@ def evaluate_row(name: str, run: Path, docs: list[str], budget: dict, settings: 
         for m in budget["memories"]:
             t0 = time.perf_counter()
             losses = score(model, world, ids, memory=m, window=None, tgt_len=tgt_len, clamp_len=clamp)
-            result["sweep"][m] = reading(losses, positions)
-            print(f"{name}: memory {m}: bpc {result['sweep'][m]['bpc']:.4f} ({time.perf_counter() - t0:.0f} s)")
+            result["sweep"][str(m)] = reading(losses, positions)  # (str: the keys as the JSON cache holds them)
+            print(f"{name}: memory {m}: bpc {result['sweep'][str(m)]['bpc']:.4f} ({time.perf_counter() - t0:.0f} s)")
     return result
 
 
@@ -431,37 +426,33 @@ def main() -> None:
     common = ["--data.path", str(args.data), "--data.dataset", "sympy", "--train.max_steps", str(steps),
               "--train.device", args.device]  # fmt: skip
     common += ["--data.cache_dir", args.cache_dir] if args.cache_dir else []
-    rows = budget["rows"]
-    plan = {name: row_options(name, args.recipe, budget, common) for name in rows}
+    plan = {name: row_options(name, args.recipe, budget, common) for name in ROWS}
 
     def train(name: str) -> None:
         txl("train", "--config", args.recipe, "--run_dir", str(runs / name), *plan[name][0])
 
     if args.parallel:
-        with ThreadPoolExecutor(len(rows)) as pool:
-            list(pool.map(train, rows))
+        with ThreadPoolExecutor(len(ROWS)) as pool:
+            list(pool.map(train, ROWS))
     else:
-        for name in rows:
+        for name in ROWS:
             train(name)
     cfg = load_recipe(args.recipe, {"model": budget["model"], "train": budget["train"]})
     settings = {"tgt_len": cfg.train.tgt_len, "clamp_len": cfg.eval.clamp_len, "window": cfg.train.tgt_len}
     docs = documents(args.data, args.split, budget["docs"], budget["doc_chars"])
     results = {}
-    for name in rows:
+    for name in ROWS:
         cached = runs / name / "long_range.json"
         key = {"steps": steps, "split": args.split, "docs": len(docs), "memories": budget["memories"]}
         saved = json.loads(cached.read_text()) if cached.exists() else {}
         if saved.get("key") != key:
-            own = settings | {"clamp_len": ROWS[name][2].get("clamp_len", settings["clamp_len"])}
-            saved = {"key": key, **evaluate_row(name, runs / name, docs, budget, own, args.device)}
+            saved = {"key": key, **evaluate_row(name, runs / name, docs, budget, settings, args.device)}
             cached.write_text(json.dumps(saved))
         mem = plan[name][2].get("mem_len", cfg.model.mem_len)
-        clamp = ROWS[name][2].get("clamp_len", settings["clamp_len"])
         results[name] = saved | {"params": plan[name][1], "train_memory": mem, "docs": len(docs),
                                  "window_len": settings["window"], "tgt_len": settings["tgt_len"],
-                                 "clamp_len": clamp, "batch": cfg.train.batch_size}  # fmt: skip
-        results[name]["sweep"] = {str(k): v for k, v in results[name]["sweep"].items()}
-    recls = recl_of({n: runs / n for n in MAIN}, docs, budget, settings, args.device)
+                                 "clamp_len": settings["clamp_len"], "batch": cfg.train.batch_size}  # fmt: skip
+    recls = recl_of({n: runs / n for n in ROWS}, docs, budget, settings, args.device)
     sample = runs / "attention_sample.txt"
     sample.write_text(docs[0], encoding="utf-8")
     longest = max(budget["memories"])

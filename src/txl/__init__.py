@@ -86,11 +86,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):  # noqa: ANN001, ANN201
         module = importlib.import_module(MOVED_MODULES[spec.name])
-        self._spec = module.__spec__  # importlib writes the alias's spec onto the module; exec_module restores it
+        spec.loader_state = module.__spec__  # (importlib writes the alias's spec onto the module next)
         return module
 
     def exec_module(self, module) -> None:  # noqa: ANN001
-        module.__spec__ = self._spec
+        module.__spec__ = module.__spec__.loader_state  # the module's own spec back
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):

@@ -41,6 +41,8 @@ import numpy as np
 from txl.data.errors import DataError
 from txl.data.rawtext import JOINERS, Moses, RawText, Text8, raw_text_from_json, raw_text_to_json
 from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset
+from txl.util.fileio import write_bytes
+from txl.util.folders import read_json, resolve_model_dir
 
 Kind = Literal["word", "char", "byte"]
 LineEnd = Literal["none", "eos", "double"]
@@ -605,8 +607,6 @@ class Tokenizer:
 
     def save(self, path: Path) -> Path:
         """Write ``tokenizer.json`` atomically (``path`` may be a folder)."""
-        from txl.util.fileio import write_bytes
-
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path = path / "tokenizer.json"
@@ -631,8 +631,6 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        from txl.util.folders import read_json
-
         try:
             obj = read_json(path)
         except FileNotFoundError:
@@ -683,8 +681,6 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """The tokenizer of a model folder, run folder or checkpoint (its ``tokenizer.json``)."""
-        from txl.util.folders import resolve_model_dir
-
         path = Path(path)
         if path.is_file() or (path / "tokenizer.json").is_file():
             return cls.load(path)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from txl.util.distributed import World
+
 
 @dataclass
 class ReclResult:
@@ -97,7 +99,7 @@ def context_losses(
     clamp_len: int | None = None,
     same_length: bool | None = None,
     batch_size: int = 16,
-    world=None,
+    world: World | None = None,
 ) -> np.ndarray:
     """[n_contexts, len(ids) - 1] per-token losses of one model: with a memory of c (Transformer-XL: segments of
     ``tgt_len``, one column so that every token has the whole text before it) or, with ``sliding``, a window of c

@@ -555,9 +555,6 @@ class Finetuner(TrainingLoop):
         self.last_saved = self.step
         return path
 
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.run_dir)
-
 
 def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassification, Any, FinetuneConfig, dict]:
     """A fine-tuned run or checkpoint: (model, tokenizer, its configuration, finetune.json)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from txl.util.distributed import World, all_reduce_sum
+from txl.util.folders import latest_checkpoint
 from txl.util.metrics import Reporter
 
 
@@ -80,7 +81,7 @@ class TrainingLoop:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint (the run's result when the last step is saved already)."""
-        raise NotImplementedError
+        return latest_checkpoint(self.run_dir)
 
     def stop_reason(self) -> str | None:
         """A reason of the subclass's own to stop before the next step (e.g. a token budget), or None."""

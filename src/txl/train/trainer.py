@@ -207,12 +207,8 @@ class Trainer(TrainingLoop):
             )
         self.mems: list[list[torch.Tensor] | None] = [None] * tc.batch_chunk
         self.start_loop()
-        self.max_steps, self.max_time, self.clip = tc.max_steps, tc.max_time, tc.clip
-        self.eval_interval, self.checkpoint_interval, self.keep_best = (
-            tc.eval_interval,
-            tc.checkpoint_interval,
-            tc.keep_best,
-        )
+        self.max_steps, self.max_time, self.clip, self.keep_best = tc.max_steps, tc.max_time, tc.clip, tc.keep_best
+        self.eval_interval, self.checkpoint_interval = tc.eval_interval, tc.checkpoint_interval
         self.retry_hint = (
             "the weights were not updated; resume from the last checkpoint with --resume auto, e.g. with a lower "
             "--train.lr"
@@ -468,9 +464,6 @@ class Trainer(TrainingLoop):
         finally:
             if self.route is not None:
                 self.say(f"runtime: {self.route.describe()}")
-
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.run_dir)
 
     def validate(self) -> float:
         tc, m = self.tc, self.cfg.model
