@@ -159,6 +159,43 @@ def test_txl_recl_cli(tmp_path, capsys):
         assert message in captured.err and "scoring" not in captured.out
 
 
+def test_recl_reads_a_learned_position_table_no_further_than_its_length(tmp_path, capsys):
+    """A vanilla model (attn_type 3) has positions for max_klen tokens: RECL scores a longer context with its longest
+    window (the paper's vanilla Transformer is read at its training length), through the library and `txl recl`;
+    --cap_windows false scores the longer windows themselves (which differ)."""
+    from train_helpers import run_inprocess
+    from txl.cli import main
+    from txl.infer.recl import context_losses
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(attn_type=3, mem_len=0, max_klen=8)).eval()
+    ids = np.random.default_rng(2).integers(0, model.config.n_token, 40)
+    capped = context_losses(model, ids, [4, 8, 12, 16], sliding=True, tgt_len=8, max_window=8)
+    free = context_losses(model, ids, [4, 8, 12, 16], sliding=True, tgt_len=8)
+    np.testing.assert_array_equal(capped[:2], free[:2])  # (within the table: the same windows)
+    np.testing.assert_array_equal(capped[2], capped[1])
+    np.testing.assert_array_equal(capped[3], capped[1])
+    assert not np.allclose(free[3], free[1])  # (the cap is what makes them equal)
+    with pytest.raises(ValueError, match="max_window = 0"):
+        context_losses(model, ids, [4, 8], sliding=True, tgt_len=8, max_window=0)
+
+    xl = run_inprocess(tmp_path, "xl", train__max_steps=2, train__eval_interval=0)
+    vanilla = run_inprocess(tmp_path, "vanilla", train__max_steps=2, train__eval_interval=0, model__attn_type=3,
+                            model__mem_len=0, eval__clamp_len=-1)  # fmt: skip
+    span = TransformerXLLM.from_pretrained(resolve_model_dir(vanilla)).config.max_klen
+    contexts = [span // 2, span, 3 * span // 2, 2 * span]
+    base = ["recl", "--models", str(xl), str(vanilla), "--sliding", str(vanilla), "--tokens", "60"]
+    base += ["--contexts", str(contexts), "--r", "[1.0]"]
+    gains = {}
+    for cap in ("true", "false"):
+        main([*base, "--cap_windows", cap, "--out", str(tmp_path / cap)])
+        printed = capsys.readouterr().out
+        assert (f"at most {span} tokens, its learned positions" in printed) == (cap == "true")
+        gains[cap] = json.loads((tmp_path / cap / "recl.json").read_text())["results"][0]["gains"][str(vanilla)]
+    assert gains["true"][1:] == [0.0, 0.0]  # (no context beyond its table: no gain)
+    assert gains["false"][1:] != [0.0, 0.0]
+
+
 def test_memory_sweep(char_run, tmp_path, capsys):
     """`txl eval --mem_len 0,4,8,16`: one line per length, each what `--mem_len m` alone gives, and the plot. The
     run evaluates with same_length (the debug preset's eval section): it applies to every length with a memory,

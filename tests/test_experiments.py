@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from train_helpers import ROOT, tiny_corpus
 
@@ -153,7 +154,48 @@ def test_long_range_experiment_quick_mode(tmp_path):
     assert 0 < results["vanilla"]["window"]["bpc"] < 12 and not results["vanilla"]["sweep"]
     assert set(record["recl"]) == {"0.1", "0.5", "1.0"}
     assert all(v in (32, 64, 96, 128) for r in record["recl"].values() for v in r["recl"].values())
+    # the vanilla model reads no further than its 32 learned positions: no gain past the first length
+    assert all(r["recl"]["vanilla"] == 32 and r["reached"]["vanilla"] for r in record["recl"].values())
     assert record["reach"] and all(0 <= h["beyond_128"] <= 1 for h in record["reach"].values())
     assert re.search(r"^\| xl \| [\d,]+ \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{4} \| \d\.\d{4} \|$", text, re.M)
     assert "- XL at the longest memory (128) against its training memory (32):" in text
     assert (tmp_path / "long_range.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_long_range_levers_screen(tmp_path):
+    """experiments/long_range_levers.py on a corpus the test makes: one row per lever, each scored at its own
+    training memory (the doubled memory at 64) and the longest; the evaluation-only lever reuses the baseline's run
+    with its own clamp; the growing memory's run was trained with the schedule ending at the recipe's memory."""
+    data = long_range_corpus(tmp_path / "data")
+    out = tmp_path / "paper.md"
+    out.write_text("# The paper's experiments with txl\n")
+    model = '{"n_layer": 2, "d_model": 64, "n_head": 2, "d_head": 32, "d_inner": 128, "mem_len": 32}'
+    cmd = [sys.executable, str(ROOT / "experiments" / "long_range_levers.py"), "--steps", "6", "--docs", "2"]
+    cmd += ["--memories", "128", "--model", model, "--tgt_len", "32", "--batch", "4", "--data", str(data)]
+    cmd += ["--runs", str(tmp_path / "runs"), "--cache_dir", str(tmp_path / "cache"), "--write", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    text = out.read_text()
+    assert text.count("## Beyond a fixed-length context: levers screened on valid") == 1
+    for name, memory in [("baseline", 32), ("eval clamp", 32), ("clamp at memory", 32), ("half loss", 32),
+                         ("memory x2", 64), ("growing memory", 32), ("same length", 32), ("segment / 2", 32),
+                         ("steps x2", 32), ("deeper", 32)]:  # fmt: skip
+        assert re.search(
+            rf"^\| {name} \| .+ \| \d\.\d{{4}} \(memory {memory}\) \| \d\.\d{{4}} \| [+-]\d+\.\d\d% \|", text, re.M
+        ), name
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["baseline", "clamp-at-memory", "deeper", "growing-memory",
+                                                     "half-loss", "memory-x2", "same-length", "segment-2",
+                                                     "steps-x2"]  # fmt: skip
+    assert sorted(p.name for p in (runs / "baseline").glob("levers_*.json")) == ["levers_-1.json", "levers_63.json"]
+    assert "the memory grows: [[0, 8], [2, 16], [4, 32]]" in (runs / "growing-memory" / "train.log").read_text()
+    for run, field, value in [
+        ("steps-x2", "max_steps", 12),
+        ("segment-2", "tgt_len", 16),
+        ("segment-2", "batch_size", 8),
+    ]:
+        assert yaml.safe_load((runs / run / "config.yaml").read_text())["train"][field] == value
+    assert yaml.safe_load((runs / "deeper" / "config.yaml").read_text())["model"]["n_layer"] == 4
+    assert yaml.safe_load((runs / "same-length" / "config.yaml").read_text())["model"]["same_length"] is True
+    saved = json.loads((runs / "clamp-at-memory" / "levers_32.json").read_text())
+    assert sorted(saved["sweep"], key=int) == ["32", "128"]

@@ -124,6 +124,38 @@ def test_half_loss_scores_the_last_half_of_each_segment(tmp_path):
     assert (got - one_pass.mean(dim=(0, 2))).abs().max() > 1e-3  # not the full loss
 
 
+def test_a_memory_schedule_grows_the_memory_of_training(tmp_path, capsys):
+    """train.mem_len_schedule: with the weights kept as initialised, step s's loss is the NLL of its segment under
+    the memory that the schedule gives step s (none, then 30, then 90 tokens, the memory kept so far), not the
+    model's full memory from the start; a schedule that does not end at model.mem_len is refused."""
+    steps, batch, tgt, schedule = 6, 4, 30, [[0, 0], [2, 30], [4, 90]]
+    run, model, cols, got = frozen_run(tmp_path, steps, batch, tgt, 90, train__mem_len_schedule=schedule)
+    expected, full, mems, full_mems = [], [], None, None
+    with torch.no_grad():
+        for step in range(steps):
+            m = [mem for at, mem in schedule if at <= step][-1]
+            x, y = cols[:, step * tgt : (step + 1) * tgt], cols[:, step * tgt + 1 : (step + 1) * tgt + 1]
+            out = model(x, y, mems=mems, mem_len=m)
+            mems = out.mems if m > 0 else None
+            expected.append(out.loss)
+            out = model(x, y, mems=full_mems)
+            full_mems = out.mems
+            full.append(out.loss)
+    torch.testing.assert_close(got, torch.stack(expected).float(), atol=1e-5, rtol=0)
+    assert (got[1:3] - torch.stack(full)[1:3]).abs().min() > 1e-4  # (the schedule is what changed them)
+    assert "the memory grows: [[0, 0], [2, 30], [4, 90]]" in (run / "train.log").read_text()
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(RECIPE), "--train.mem_len_schedule", "[[0, 4], [10, 8]]",
+              "--run_dir", str(tmp_path / "r")])  # fmt: skip
+    assert "its last memory must be model.mem_len" in capsys.readouterr().err
+    for bad, message in [("[[5, 4]]", "the first at step 0"), ("[[0, 8], [0, 16]]", "steps must increase"),
+                         ("[[0, 16], [5, 8]]", "grow (never shrink)")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["train", "--config", str(RECIPE), "--train.mem_len_schedule", bad, "--run_dir", str(tmp_path / "r")])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_training_without_recurrence_carries_no_memory(tmp_path):
     """model.mem_len 0 in training (the ablation's "without recurrence"): every segment is scored alone, while
     evaluation may still give the model a memory."""

@@ -49,6 +49,10 @@ class TrainConfig:
     """Fraction of each segment's positions that are scored, counted from its end: 1.0 scores all of them; 0.5 is
     the paper's "half loss" ablation (Table 6), where only the last half, the positions with the longest context
     within the segment, contribute to the loss."""
+    mem_len_schedule: list[list[int]] | None = None
+    """A memory that grows during training: [[step, mem_len], ...], the first at step 0, each memory used from its
+    step on, growing to model.mem_len (the memory the model keeps and is evaluated with), e.g. [[0, 64], [1000, 128],
+    [2000, 256]]. None: model.mem_len from the first step."""
     varlen: bool = False
     """Vary the segment length per step as the reference's --varlen does (tgt_len, sometimes half, plus noise)."""
     batch_chunk: int = 1
@@ -146,6 +150,15 @@ class TrainConfig:
             bad("max_time", "must be > 0 seconds (or null)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             bad("betas", "needs two values in [0, 1)")
+        if self.mem_len_schedule is not None:
+            pairs = self.mem_len_schedule
+            if not pairs or any(len(x) != 2 for x in pairs) or pairs[0][0] != 0:
+                bad("mem_len_schedule", "needs [step, mem_len] pairs, the first at step 0, e.g. [[0, 64], [1000, 256]]")
+            steps, mems = [x[0] for x in pairs], [x[1] for x in pairs]
+            if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+                bad("mem_len_schedule", "its steps must increase")
+            if mems[0] < 0 or any(b < a for a, b in zip(mems, mems[1:], strict=False)):
+                bad("mem_len_schedule", "its memories must be >= 0 and grow (never shrink)")
         if self.scheduler == "inv_sqrt" and self.warmup_steps == 0:
             bad("warmup_steps", "inv_sqrt needs warmup_steps > 0 (the peak is at the end of the warm-up)")
 
@@ -207,6 +220,11 @@ class RunConfig:
         t, m = self.train, self.model
         if m.attn_type in (1, 3) and m.max_klen == 0:  # learned positions: the longest span of training
             m.max_klen = t.tgt_len + t.ext_len + m.mem_len
+        if t.mem_len_schedule is not None and t.mem_len_schedule[-1][1] != m.mem_len:
+            raise ConfigError(
+                f"train.mem_len_schedule = {t.mem_len_schedule!r}: its last memory must be model.mem_len = "
+                f"{m.mem_len} (the memory the trained model keeps); end it with [step, {m.mem_len}]"
+            )
         if m.attn_type in (2, 3) and self.eval.clamp_len > 0:
             raise ConfigError(
                 f"eval.clamp_len = {self.eval.clamp_len}: clamps relative distances, and model.attn_type "

@@ -20,6 +20,7 @@ def recl(
     tgt_len: int | None = None,
     batch_size: int = 16,
     threshold: float = 0.01,
+    cap_windows: bool = True,
     out: Path | None = None,
     threads: int | None = None,
 ) -> None:
@@ -40,6 +41,9 @@ def recl(
         tgt_len: Segment length of the memory models (default: each model's evaluation tgt_len).
         batch_size: Windows scored at once (sliding).
         threshold: Gain below which more context stops counting (the paper: 0.01).
+        cap_windows: A --sliding model with a learned position table (attn_type 3) reads at most that many tokens
+            (max_klen, its training span): longer contexts score its longest window, as the paper scores its vanilla
+            Transformer at its training length. false: longer windows (their oldest keys share position 0).
         out: Folder for recl.json and recl.png (default: the current folder).
         threads: torch CPU threads.
     """
@@ -80,10 +84,14 @@ def recl(
             raise ValueError(f"{path}: reads the text into other tokens than {models[0]}: RECL needs one tokenizer")
         ids_seen = ids
         name = str(path)
-        print(f"scoring {name} at {len(contexts)} context lengths ({'window' if name in sliding_set else 'memory'})")
+        how = "window" if name in sliding_set else "memory"
+        cap = lm.config.max_klen if cap_windows and name in sliding_set and lm.config.attn_type == 3 else None
+        if cap is not None and cap < contexts[-1]:
+            how += f"; at most {cap} tokens, its learned positions"
+        print(f"scoring {name} at {len(contexts)} context lengths ({how})")
         losses[name] = context_losses(
             lm, ids, contexts, sliding=name in sliding_set, tgt_len=s.tgt_len, clamp_len=s.clamp_len,
-            same_length=s.same_length, batch_size=batch_size,
+            same_length=s.same_length, batch_size=batch_size, max_window=cap,
         )  # fmt: skip
     results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
     out = Path(out or ".")

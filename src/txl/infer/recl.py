@@ -99,17 +99,27 @@ def context_losses(
     clamp_len: int | None = None,
     same_length: bool | None = None,
     batch_size: int = 16,
+    max_window: int | None = None,
     world: World | None = None,
 ) -> np.ndarray:
     """[n_contexts, len(ids) - 1] per-token losses of one model: with a memory of c (Transformer-XL: segments of
     ``tgt_len``, one column so that every token has the whole text before it) or, with ``sliding``, a window of c
-    tokens recomputed for every prediction (a vanilla model). ``world``: where the model is (default: one process on
-    the CPU)."""
+    tokens recomputed for every prediction (a vanilla model). ``max_window`` (sliding): the longest window the model
+    reads; a longer context is scored with this window (a model with a learned position table sees no further than
+    its table, as the paper scores its vanilla Transformer at its training length). ``world``: where the model is
+    (default: one process on the CPU)."""
     from txl.infer.evaluate import evaluate, evaluate_sliding
 
-    rows = []
+    if max_window is not None and max_window < 1:
+        raise ValueError(f"max_window = {max_window}: must be >= 1 (or None: no cap)")
+    rows: list[np.ndarray] = []
+    done: dict[int, np.ndarray] = {}  # window -> losses (every context beyond the cap reads the same window)
     for c in contexts:
+        if sliding and max_window is not None and min(c, max_window) in done:
+            rows.append(done[min(c, max_window)])
+            continue
         if sliding:
+            c = min(c, max_window) if max_window is not None else c
             res = evaluate_sliding(
                 model,
                 ids,
@@ -120,6 +130,7 @@ def context_losses(
                 return_losses=True,
                 world=world,
             )
+            done[c] = res.losses
         else:
             res = evaluate(
                 model,

@@ -26,7 +26,7 @@ import torch
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
-from txl.config import RunConfig
+from txl.config import RunConfig, TrainConfig
 from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
 from txl.data.download import sha256_file
 from txl.infer.evaluate import autocast, evaluate, metric_name, metric_value
@@ -62,6 +62,13 @@ from txl.util.metrics import Reporter, truncate_metrics
 # Fields that may change between a checkpoint and the run resuming it (the reference's --restart does the same).
 RESUMABLE_CHANGES = {"dropout", "dropatt"}
 SCHEDULE = ("lr", "scheduler", "warmup_steps", "eta_min", "decay_steps", "max_steps")  # what lr_at reads
+
+
+def mem_len_at(done: int, tc: TrainConfig, mem_len: int) -> int:
+    """The memory of the step after ``done`` steps: ``train.mem_len_schedule``'s from that step on, else mem_len."""
+    if tc.mem_len_schedule is None:
+        return mem_len
+    return [m for s, m in tc.mem_len_schedule if s <= done][-1]
 
 
 def scored_positions(seg_len: int, loss_fraction: float) -> int:
@@ -416,6 +423,7 @@ class Trainer(TrainingLoop):
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         n = tc.batch_chunk
+        mem = mem_len_at(self.step, tc, self.cfg.model.mem_len)
         target = batch.target
         if tc.loss_fraction < 1.0:  # score the last positions only (the model scores targets right-aligned)
             target = target[:, target.shape[1] - scored_positions(target.shape[1], tc.loss_fraction) :]
@@ -425,7 +433,7 @@ class Trainer(TrainingLoop):
             sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
             with sync:
                 with autocast(w.device, self.precision):
-                    out = self.net(inputs[c], targets[c], mems=self.mems[c], ext_len=tc.ext_len)
+                    out = self.net(inputs[c], targets[c], mems=self.mems[c], ext_len=tc.ext_len, mem_len=mem)
                 loss = out.loss.float() / n
                 self.scaler.scale(loss).backward()
             self.mems[c] = out.mems
@@ -532,7 +540,9 @@ class Trainer(TrainingLoop):
         n_params = sum(p.numel() for p in self.params)
         self.say(
             f"training {n_params:,} parameters on {w.size} process(es) ({w.device}, {self.precision}); "
-            f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}; run folder {self.run_dir}"
+            f"batch {tc.batch_size} x tgt_len {tc.tgt_len}, mem_len {self.cfg.model.mem_len}"
+            + (f" (the memory grows: {tc.mem_len_schedule})" if tc.mem_len_schedule else "")
+            + f"; run folder {self.run_dir}"
         )
         self._batches = self.train_iter.forever()
         reason, path = super().fit()
