@@ -67,6 +67,7 @@ experiments: setup
 	$(BIN)/python experiments/recurrence.py --steps 1500 --write docs/paper.md
 	$(BIN)/python experiments/ablation.py --budget full --write docs/paper.md
 	$(BIN)/python experiments/long_range.py --budget full --write docs/paper.md
+	$(BIN)/python experiments/long_range_levers.py --write docs/paper.md
 
 bench-serve: setup
 	$(BIN)/python benchmarks/serve_load.py --write docs/benchmarks.md
