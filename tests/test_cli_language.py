@@ -52,3 +52,23 @@ def test_the_options_of_one_command_work_in_the_others(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "threads: 1" in printed and "device: cpu" in printed and "seed: 7" in printed
     assert set(ALIASES) <= set(COMMANDS)
+
+
+def test_an_option_given_before_config_is_not_replaced_by_the_file(tmp_path, capsys):
+    """`txl train --run_dir A --config R`: the option wins over the recipe's value wherever --config stands (the
+    parser applies arguments in order; txl reads the recipe first), as in `--config R --run_dir A`."""
+    from pathlib import Path
+
+    import yaml
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "debug.yaml"
+    printed = []
+    for args in (["--run_dir", str(tmp_path / "a"), "--train.lr", "0.5", "--config", str(recipe)],
+                 ["--config", str(recipe), "--run_dir", str(tmp_path / "a"), "--train.lr", "0.5"],
+                 [f"--run_dir={tmp_path / 'a'}", "--train.lr=0.5", f"--config={recipe}"]):  # fmt: skip
+        main(["train", *args, "--print_config"])
+        printed.append(yaml.safe_load(capsys.readouterr().out))
+    assert printed[0] == printed[1] == printed[2]
+    assert printed[0]["run_dir"] == str(tmp_path / "a") and printed[0]["train"]["lr"] == 0.5
+    assert yaml.safe_load(recipe.read_text())["run_dir"] != str(tmp_path / "a")  # (the file says otherwise)
+    assert not (tmp_path / "a").exists()

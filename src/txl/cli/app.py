@@ -123,7 +123,23 @@ def normalize_argv(argv: list[str]) -> list[str]:
         elif prev.startswith("--") and "=" not in prev:
             arg = _number_list(prev, arg)
         out.append(arg)
-    return out
+    return _config_first(out)
+
+
+def _config_first(argv: list[str]) -> list[str]:
+    """Move every ``--config FILE`` in front of the command's other options: a recipe is read first wherever it is
+    given, so the options beside it win (the parser applies arguments in order, and an option given before
+    ``--config`` would otherwise be replaced by the file's value without a word)."""
+    at = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))  # (after the command's words)
+    configs, rest, i = [], [], at
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            configs += argv[i : i + 2]
+            i += 2
+            continue
+        (configs if argv[i].startswith("--config=") else rest).append(argv[i])
+        i += 1
+    return argv[:at] + configs + rest
 
 
 def _reading_dict(s) -> dict:
