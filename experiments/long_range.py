@@ -126,12 +126,18 @@ def row_options(name: str, recipe: str, budget: dict, common: list[str]) -> tupl
 
     target, _ = count(budget["model"])
     n, cfg = count(model)
-    model["d_inner"] = cfg.d_inner + round((target - n) / (cfg.n_layer * (2 * cfg.d_model + 1)))
+    model["d_inner"] = matched_d_inner(cfg, n, target)
     n, cfg = count(model)
     if abs(n - target) > 0.02 * target:
         raise SystemExit(f"row {name}: {n:,} parameters, more than 2% from {target:,}")
     extra = flags("eval", {"clamp_len": -1}) if attn_type == 3 else []
     return [*common, *flags("model", model), *flags("train", budget["train"]), *extra], n, model
+
+
+def matched_d_inner(cfg, n: int, target: int) -> int:
+    """The d_inner that brings a model ``cfg`` of ``n`` parameters to ``target``: each unit of d_inner is
+    2 * d_model + 1 parameters per layer (the two feed-forward matrices and a bias)."""
+    return cfg.d_inner + round((target - n) / (cfg.n_layer * (2 * cfg.d_model + 1)))
 
 
 # -- scoring whole documents ----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def lever(name: str, cfg, steps: int) -> tuple[str, dict | None, int | None]:
     third = [[0, mem // 4], [steps // 3, mem // 2], [2 * steps // 3, mem]]
     deeper = {"n_layer": 2 * m.n_layer, "d_model": 3 * m.d_model // 4, "n_head": 3 * m.n_head // 4, "d_head": m.d_head,
               "d_inner": 3 * m.d_inner // 4}  # fmt: skip
-    deeper["d_inner"] = matched_d_inner(m, deeper)
+    deeper["d_inner"] = same_parameters(m, deeper)
     return {
         "same length": ("every query sees mem_len keys in training too", {"model.same_length": "true"}, None),
         "segment / 2": (
@@ -76,17 +76,17 @@ def lever(name: str, cfg, steps: int) -> tuple[str, dict | None, int | None]:
     }[name]
 
 
-def matched_d_inner(model, shape: dict) -> int:
-    """The d_inner that gives ``shape`` (model settings over ``model``'s) the parameters of ``model`` (within 2%)."""
+def same_parameters(model, shape: dict) -> int:
+    """The d_inner that gives ``shape`` (model settings over ``model``'s) the parameters of ``model``."""
     import dataclasses
 
     from txl.model.modeling import TransformerXLLM
 
-    def count(**settings) -> int:
-        return sum(p.numel() for p in TransformerXLLM(dataclasses.replace(model, **settings), init=False).parameters())
+    def count(cfg) -> int:
+        return sum(p.numel() for p in TransformerXLLM(cfg, init=False).parameters())
 
-    target = count()
-    return shape["d_inner"] + round((target - count(**shape)) / (shape["n_layer"] * (2 * shape["d_model"] + 1)))
+    cfg = dataclasses.replace(model, **shape)
+    return lr.matched_d_inner(cfg, count(cfg), count(model))
 
 
 def main() -> None:
@@ -146,7 +146,9 @@ def main() -> None:
         cache = run / f"levers_{clamp}.json"
         scores = json.loads(cache.read_text()) if cache.exists() else {}
         if scores.get("key") != key:
-            scores = {"key": key, "sweep": score(run, docs, memories, base_cfg.train.tgt_len, clamp)}
+            settings = {"tgt_len": base_cfg.train.tgt_len, "clamp_len": clamp}
+            sweep = lr.evaluate_row("xl", run, docs, {"memories": memories}, settings, "cpu")["sweep"]
+            scores = {"key": key, "sweep": sweep}
             cache.write_text(json.dumps(scores))
         rows[name] = {"what": what, "train_memory": train_memory, "clamp_len": clamp, "sweep": scores["sweep"]}
         at_train, at_longest = scores["sweep"][str(train_memory)], scores["sweep"][str(max(longest))]
@@ -156,20 +158,6 @@ def main() -> None:
     print(text)
     if args.write:
         lr.write_section(args.write, HEADING, text)
-
-
-def score(run: Path, docs: list[str], memories: list[int], tgt_len: int, clamp: int) -> dict:
-    """bpc of the run on the documents (one stream) at each memory, also by position inside a document."""
-    import torch
-
-    model, tok, world = lr.load(run, "cpu")
-    ids, positions = lr.stream_of(tok, docs)
-    out = {}
-    with torch.no_grad():
-        for m in memories:
-            losses = lr.score(model, world, ids, memory=m, window=None, tgt_len=tgt_len, clamp_len=clamp)
-            out[str(m)] = lr.reading(losses, positions)
-    return out
 
 
 def report(args, rows: dict, docs: list[str], cfg, minutes: float) -> str:

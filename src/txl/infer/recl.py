@@ -113,37 +113,22 @@ def context_losses(
     if max_window is not None and max_window < 1:
         raise ValueError(f"max_window = {max_window}: must be >= 1 (or None: no cap)")
     rows: list[np.ndarray] = []
-    done: dict[int, np.ndarray] = {}  # window -> losses (every context beyond the cap reads the same window)
+    windows: dict[int, np.ndarray] = {}  # window -> losses (every context beyond the cap reads the same window)
     for c in contexts:
-        if sliding and max_window is not None and min(c, max_window) in done:
-            rows.append(done[min(c, max_window)])
-            continue
         if sliding:
-            c = min(c, max_window) if max_window is not None else c
-            res = evaluate_sliding(
-                model,
-                ids,
-                window=c,
-                stride=1,
-                batch_size=batch_size,
-                clamp_len=clamp_len,
-                return_losses=True,
-                world=world,
-            )
-            done[c] = res.losses
+            window = c if max_window is None else min(c, max_window)
+            if window not in windows:
+                windows[window] = evaluate_sliding(
+                    model, ids, window=window, stride=1, batch_size=batch_size, clamp_len=clamp_len,
+                    return_losses=True, world=world,
+                ).losses  # fmt: skip
+            rows.append(windows[window])
         else:
             res = evaluate(
-                model,
-                ids,
-                batch_size=1,
-                tgt_len=tgt_len,
-                mem_len=c,
-                clamp_len=clamp_len,
-                same_length=same_length,
-                return_losses=True,
-                world=world,
-            )
-        rows.append(res.losses)
+                model, ids, batch_size=1, tgt_len=tgt_len, mem_len=c, clamp_len=clamp_len, same_length=same_length,
+                return_losses=True, world=world,
+            )  # fmt: skip
+            rows.append(res.losses)
     return np.stack(rows)
 
 
