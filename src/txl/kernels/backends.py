@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
+
 
 def _native_from_env() -> bool:
     """``TXL_NATIVE=0`` (or false, no, off) starts a process with the native kernels off."""
@@ -71,6 +73,14 @@ class Backends:
     graph_decode: bool = True
     """``txl.infer.generation.stream`` replays its one-token step as a CUDA graph on a CUDA device (attn_type 0). False:
     the K/V cache's step, launched kernel by kernel."""
+    compiled_layers: tuple[str, ...] = ("cuda",)
+    """Devices on which training's layers (attention and feed-forward, forward and backward) run as one
+    ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise
+    passes fused by Inductor (the shift as an index, the mask, softmax and dropout in one kernel). The same values
+    up to rounding (tests/test_compiled.py); its first steps wait for the compiler (about a minute on a GPU)."""
+    half_precision_logits: tuple[str, ...] = ("cuda",)
+    """Devices on which the adaptive softmax's products run in the autocast dtype under autocast (bf16 products with
+    fp32 accumulation; the log-softmax, its sum and the loss stay fp32). Elsewhere, or off: the products in fp32."""
 
     def describe(self) -> str:
         """One line for a log: which fast paths are off (all on: the default)."""
@@ -97,9 +107,21 @@ _process = [Backends()]  # the process's policy (threads without a use_backends 
 _block: ContextVar[Backends | None] = ContextVar("txl_backends", default=None)
 
 
+_traced = [Backends()]  # the policy that code being compiled reads (set by txl.kernels.compiled before each call)
+
+
 def backends() -> Backends:
-    """The policy in force here: the innermost :func:`use_backends` block's, else the process's."""
+    """The policy in force here: the innermost :func:`use_backends` block's, else the process's. Code that
+    ``torch.compile`` traces reads the policy its caller fixed (:func:`traced_policy`): a graph cannot read a
+    context variable."""
+    if torch.compiler.is_compiling():
+        return _traced[0]
     return _block.get() or _process[0]
+
+
+def traced_policy(policy: Backends) -> None:
+    """Fix the policy that compiled code reads (its graphs are guarded on it: a change recompiles)."""
+    _traced[0] = policy
 
 
 def set_backends(policy: Backends | None = None, **changes) -> Backends:

@@ -61,6 +61,8 @@ _SCOPE: ContextVar[WeightCopies | None] = ContextVar("txl_weight_copies", defaul
 
 def weight_copies() -> WeightCopies | None:
     """The copies of the innermost open :func:`transposed_weights` scope of this thread (or task); None outside."""
+    if torch.compiler.is_compiling():  # (a graph cannot read a context variable; compiled code keeps no copies)
+        return None
     copies = _SCOPE.get()
     return copies if copies is not None and copies.open else None
 
@@ -209,3 +211,22 @@ def segment_memory_projection(mem: Tensor, x: Tensor, weight: Tensor, n_q: int) 
     if backends().segment_projection and torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad:
         return _SegmentMemoryProjection.apply(mem, x, weight, n_q)
     return None
+
+
+def logits_linear(h: Tensor, weight: Tensor, bias: Tensor | None, autocast: torch.dtype | None = None) -> Tensor:
+    """The output layer's product ``F.linear(h, weight, bias)`` in fp32 (the adaptive softmax's logits), a named
+    operation with two backends. The reference: fp32 operands. Where the caller runs under ``autocast`` (its dtype)
+    on a device of ``Backends.half_precision_logits``: the product of ``h`` and ``weight`` in that dtype (tensor
+    cores, fp32 accumulation), its result upcast and the bias added in fp32, so that the log-softmax, its sum and the
+    loss stay fp32 as in the reference (the rounding of bf16 operands, as every other product under autocast)."""
+    if autocast is None or h.device.type not in backends().half_precision_logits:
+        return F.linear(h, weight, bias)
+    y = F.linear(h.to(autocast), weight.to(autocast)).float()  # [N, n]
+    return y if bias is None else y.add_(bias)
+
+
+def projection(h: Tensor, proj: Tensor, autocast: torch.dtype | None = None) -> Tensor:
+    """``h @ proj`` (the adaptive softmax's input projection, fp32), by :func:`logits_linear`'s rule for its dtype."""
+    if autocast is None or h.device.type not in backends().half_precision_logits:
+        return h @ proj
+    return (h.to(autocast) @ proj.to(autocast)).float()

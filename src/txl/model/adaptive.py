@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from txl.kernels import native
 from txl.kernels.backends import backends
-from txl.kernels.linear import WeightCopies, stamp, weight_copies
+from txl.kernels.linear import WeightCopies, logits_linear, projection, stamp, weight_copies
 from txl.kernels.nll import softmax_nll
 from txl.model.attention import at_least_fp32
 from txl.model.config import TransformerXLConfig
@@ -80,7 +80,8 @@ bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: n
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
     cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
-    token) = head log-prob of its cluster + tail log-prob. Always computed in fp32."""
+    token) = head log-prob of its cluster + tail log-prob. Computed in fp32 (under autocast, the products' operands may
+be in its dtype: :func:`~txl.kernels.linear.logits_linear`)."""
 
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
@@ -117,38 +118,41 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         proj = at_least_fp32(self.out_projs[i]) if len(self.out_projs) else None
         return at_least_fp32(w), at_least_fp32(b), proj
 
-    def _project(self, h: Tensor, i: int) -> Tensor:
+    def _project(self, h: Tensor, i: int, autocast: torch.dtype | None = None) -> Tensor:
         """``h`` [N, d_model] in cluster i's input width, [N, d_i]."""
-        return h @ at_least_fp32(self.out_projs[i]) if len(self.out_projs) else h
+        return projection(h, at_least_fp32(self.out_projs[i]), autocast) if len(self.out_projs) else h
 
-    def _logits(self, h: Tensor, i: int, projected: bool = False) -> Tensor:
+    def _logits(self, h: Tensor, i: int, projected: bool = False, autocast: torch.dtype | None = None) -> Tensor:
+        """Cluster i's logits [N, n_i (+ clusters, padding: head)], fp32; ``autocast``: the caller's autocast dtype
+        (the products' precision is :func:`~txl.kernels.linear.logits_linear`'s to choose)."""
         w, b, _ = self._cluster_params(i)
-        return F.linear(h if projected else self._project(h, i), w, b)  # [N, n_i (+ clusters, padding: head)]
+        return logits_linear(h if projected else self._project(h, i, autocast), w, b, autocast)
 
-    def _log_softmax(self, h: Tensor, i: int) -> Tensor:
-        return F.log_softmax(self._logits(h, i), dim=-1)
+    def _log_softmax(self, h: Tensor, i: int, autocast: torch.dtype | None = None) -> Tensor:
+        return F.log_softmax(self._logits(h, i, autocast=autocast), dim=-1)
 
     def forward(self, hidden: Tensor, targets: Tensor | None = None, return_log_probs: bool = False):
         """``hidden`` [N, d_model], ``targets`` [N] (-100 = ignore).
 
         Returns (per-token NLL [N] in input order (0 where ignored) or None, log-probs [N, V] or None).
         """
-        autocast = torch.is_autocast_enabled(hidden.device.type)
-        with torch.autocast(hidden.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        dev = hidden.device.type
+        autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
             h = at_least_fp32(hidden)
             if targets is not None and not return_log_probs and backends().native_nll and native.nll_applies(h):
                 return self._nll_native(h, targets), None
-            head = self._log_softmax(h, 0)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
+            head = self._log_softmax(h, 0, autocast)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:
                 log_probs = head  # [N, V]
             elif return_log_probs:
                 parts = [head[:, : self.shortlist]]
                 for i in range(1, self.n_clusters + 1):
-                    parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i))
+                    parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i, autocast))
                 log_probs = torch.cat(parts, dim=-1)  # [N, V]
             if targets is not None:
-                nll = self._nll(h, head, log_probs, targets)
+                nll = self._nll(h, head, log_probs, targets, autocast)
         return nll, log_probs
 
     def _check(self, targets: Tensor) -> Tensor:
@@ -196,7 +200,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         pack = lambda: native.pack_linear(*self._cluster_params(i)[:2])  # noqa: E731
         return copies.get(layer.weight, ("crit", id(self), i), made_from, pack)
 
-    def _nll(self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor) -> Tensor:
+    def _nll(
+        self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor, autocast: torch.dtype | None = None
+    ) -> Tensor:
         valid = self._check(targets)
         t = targets.where(valid, 0)
         if log_probs is not None:
@@ -208,7 +214,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             idx = ((t >= l) & (t < r)).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
-            tail = self._log_softmax(h.index_select(0, idx), i)  # [n_i, r - l]
+            tail = self._log_softmax(h.index_select(0, idx), i, autocast)  # [n_i, r - l]
             lp_i = head[idx, self.shortlist + i - 1] + tail.gather(1, (t[idx] - l)[:, None]).squeeze(1)
             lp = lp.index_copy(0, idx, lp_i)  # stays in input order
         return -lp * valid

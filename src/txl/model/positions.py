@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,12 +84,23 @@ def rel_shift(bd_raw: Tensor, klen: int | None = None) -> Tensor:
     klen = width if klen is None else klen
     if torch.compiler.is_exporting():  # (ONNX export: strided views do not export; the same values by index)
         return rel_shift_gather(bd_raw[..., :klen])
+    if torch.compiler.is_compiling():  # (a compiled graph: the same view by padding and slicing, no as_strided)
+        return rel_shift_padded(bd_raw[..., :klen])
     if bd_raw.stride(-1) != 1 or bd_raw.stride(-2) != width:
         bd_raw = bd_raw.contiguous()
     if width == klen:
         return _RelShift.apply(bd_raw)
     stride = (*bd_raw.stride()[:-2], width - 1, 1)
     return bd_raw.as_strided((*lead, qlen, klen), stride, bd_raw.storage_offset() + qlen - 1)
+
+
+def rel_shift_padded(bd_raw: Tensor) -> Tensor:
+    """:func:`rel_shift` by one zero column and a slice of the flattened rows (the original code's trick, batch
+    first): ``bd[.., i, j] = bd_raw[.., i, j + T-1-i]`` is element ``T-1 + i*K + j`` of the rows padded to K+1
+    columns. Views and a pad, which a compiler traces and fuses into the scores' sum."""
+    *lead, qlen, klen = bd_raw.shape
+    flat = F.pad(bd_raw, (0, 1)).flatten(-2)  # [..., T * (K + 1)]
+    return flat[..., qlen - 1 : qlen - 1 + qlen * klen].view(*lead, qlen, klen)
 
 
 def rel_shift_gather(bd_raw: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from txl.kernels import native
 from txl.kernels.backends import backends
+from txl.kernels.compiled import layer_call
 from txl.kernels.dropout import Dropout
 from txl.kernels.linear import linear, rows_linear
 from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
@@ -248,7 +249,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         else:
             for i, layer in enumerate(self.layers):
                 mem = mems[i] if mems else None
-                h, prob = layer(h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+                h, prob = layer_call(layer, h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
                 hids.append(h)
                 attns.append(prob)
         h = self.drop(h)

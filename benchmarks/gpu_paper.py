@@ -1,0 +1,460 @@
+"""The paper's models on one GPU, side by side: training and evaluation tok/s, MFU and peak memory of txl (its
+default fast paths; the same without the compiled layers and half-precision logits, as before them; its reference
+path) and of Hugging Face's TransfoXL 4.46.3 where it is installed, in one process.
+
+    python benchmarks/gpu_paper.py --json benchmarks/results/gpu.json --write docs/benchmarks.md   # a CUDA machine
+    python benchmarks/gpu_paper.py --device cpu --configs tiny --steps 3 --warmup 2              # a smoke run
+
+Configurations (ids drawn from a Zipf law, so nothing is downloaded):
+* ``wt103-base-nvidia``: NVIDIA DeepLearningExamples' WT103 base (16 layers, d_model 512, 8 heads x 64, d_inner
+  2048, vocabulary 267,735 with their cutoffs 19,997 / 39,997 / 199,997, div_val 1, tied), tgt_len 192, mem_len 192,
+  batch 32; NVIDIA published 59,961 tok/s (A100, AMP) for its training and 107,082 tok/s for its evaluation.
+* ``wt103-large`` (18 layers, d_model 1024, div_val 4, tgt_len / mem_len 384, batch 16), ``enwik8-base`` (12 layers,
+  d_model 512, tgt_len / mem_len 512, batch 22), ``enwik8-large`` (24 layers, d_model 1024, 8 heads x 128, tgt_len /
+  mem_len 768, batch 8).
+
+Training rows: forward, backward and a fused Adam step, the memory carried between segments, one host read of the
+loss per step (as ``txl train``); medians over the timed steps after the warm-up (the compiler's first graphs are in
+the warm-up). Evaluation rows: tgt_len 64, mem_len 640, clamp_len 400, same_length, no gradient (txl: its K/V cache).
+MFU: FLOPs of the step's matrix products (``FlopCounterMode`` on the eager path) per second over the GEMM peak
+measured in the same run in the row's precision. ``--track`` runs 300 steps of the first configuration in bf16 (txl's
+default fast paths) and in fp32 (txl's reference path) from the same weights and data, and compares the 20-step
+moving averages of their losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from _report import replace_section
+from txl import TransformerXLLM
+from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
+from txl.kernels.backends import Backends, set_backends, use_backends
+from txl.model.modeling import KVCache
+from txl.model.pretrained import load_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## The paper's models on one GPU (`benchmarks/gpu_paper.py`)"
+COMMON = dict(
+    pre_lnorm=False, same_length=False, clamp_len=-1, untie_r=False, tie_word_embeddings=True, attn_type=0,
+    d_head=64, n_head=8, dropatt=0.0,
+)  # fmt: skip
+WORDS = dict(vocab_size=267_735, cutoffs=[19_997, 39_997, 199_997], tie_projs=[False, True, True, True])
+CONFIGS = {
+    "wt103-base-nvidia": dict(
+        hf=dict(WORDS, n_layer=16, d_model=512, d_embed=512, d_inner=2048, div_val=1, dropout=0.1),
+        batch=32, tgt=192, mem=192,
+    ),
+    "wt103-large": dict(
+        hf=dict(WORDS, n_layer=18, d_model=1024, d_embed=1024, n_head=16, d_inner=4096, div_val=4, dropout=0.2,
+                dropatt=0.2),
+        batch=16, tgt=384, mem=384,
+    ),
+    "enwik8-base": dict(
+        hf=dict(vocab_size=204, cutoffs=[], tie_projs=[False], n_layer=12, d_model=512, d_embed=512, d_inner=2048,
+                div_val=1, dropout=0.1),
+        batch=22, tgt=512, mem=512,
+    ),
+    "enwik8-large": dict(
+        hf=dict(vocab_size=204, cutoffs=[], tie_projs=[False], n_layer=24, d_model=1024, d_embed=1024, d_head=128,
+                d_inner=3072, div_val=1, dropout=0.15, dropatt=0.15),
+        batch=8, tgt=768, mem=768,
+    ),
+    "tiny": dict(  # (a smoke run on the CPU)
+        hf=dict(vocab_size=1000, cutoffs=[200, 500], tie_projs=[False, True, True], n_layer=2, d_model=64, d_embed=64,
+                n_head=4, d_head=16, d_inner=128, div_val=2, dropout=0.1),
+        batch=2, tgt=16, mem=16,
+    ),
+}  # fmt: skip
+EVAL = dict(tgt=64, mem=640, clamp_len=400, same_length=True)
+NVIDIA = {"train": 59_961, "eval": 107_082}  # A100 40GB, AMP, batch 32 (their README)
+
+FALSE = {f.name: (() if isinstance(f.default, tuple) else False) for f in dataclasses.fields(Backends)}
+POLICIES = {
+    "txl": Backends(),
+    "txl-eager": dataclasses.replace(Backends(), compiled_layers=(), half_precision_logits=()),
+    "txl-fp32-logits": dataclasses.replace(Backends(), half_precision_logits=()),
+    "txl-reference": Backends(**FALSE),
+}
+
+
+def hf_config(name: str) -> dict:
+    return {**COMMON, **CONFIGS[name]["hf"], "mem_len": CONFIGS[name]["mem"]}
+
+
+def zipf_stream(n_token: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """[batch, length] ids: half of them drawn from a Zipf law (exponent 1.1), the other half a fixed function of the
+    previous id (something to learn)."""
+    g = torch.Generator().manual_seed(seed)
+    p = 1.0 / torch.arange(1, n_token + 1, dtype=torch.float64) ** 1.1
+    draws = torch.multinomial(p.float(), batch * length, replacement=True, generator=g).view(batch, length)
+    follow = torch.randperm(n_token, generator=g)
+    coin = torch.rand(batch, length, generator=g) < 0.5
+    out = draws.clone()
+    for t in range(1, length):
+        out[:, t] = torch.where(coin[:, t], follow[out[:, t - 1]], draws[:, t])
+    return out
+
+
+def build(name: str, device: torch.device, with_hf: bool):
+    """txl's model (and HF's, with the same weights, when transformers 4.46.3 is importable)."""
+    cfg = hf_config(name)
+    torch.manual_seed(0)
+    hf = None
+    if with_hf:
+        from transformers import TransfoXLConfig
+        from transformers.utils import logging
+
+        from model_speed import patched_hf
+
+        logging.set_verbosity_error()
+        hf = patched_hf().TransfoXLLMHeadModel(TransfoXLConfig(**cfg, trainer_compatible=True))
+        ours_cfg = hf_config_to_txl(cfg)
+        ours = TransformerXLLM(ours_cfg, init=False)
+        load_weights(ours, hf_state_dict_to_txl(hf.state_dict(), ours_cfg, "transformer.", "HF model"), "HF model")
+        hf = hf.to(device)
+    else:
+        ours = TransformerXLLM(hf_config_to_txl(cfg))
+    return ours.to(device), hf
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Trainer:
+    """One implementation's training steps over a stream (the memory carried)."""
+
+    def __init__(self, impl, model, stream, tgt, mem, precision, device):
+        self.impl, self.model, self.stream, self.tgt, self.mem = impl, model, stream, tgt, mem
+        self.precision, self.device, self.pos = precision, device, 0
+        model.train()
+        fused = device.type == "cuda"
+        self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, fused=fused)
+        if impl == "hf":
+            model.reset_memory_length(mem)
+            self.mems = [torch.zeros(0, stream.shape[0], model.config.d_model, device=device)] * model.config.n_layer
+        else:
+            self.mems = None
+
+    def forward(self):
+        x = self.stream[:, self.pos : self.pos + self.tgt]
+        y = self.stream[:, self.pos + 1 : self.pos + self.tgt + 1]
+        self.pos = (self.pos + self.tgt) % (self.stream.shape[1] - self.tgt - 1)
+        with autocast(self.device, self.precision):
+            if self.impl == "hf":
+                out = self.model(input_ids=x, labels=x, mems=self.mems)
+            else:
+                out = self.model(x, y, mems=self.mems, mem_len=self.mem)
+        self.mems = out.mems
+        return out.loss
+
+    def step(self, clip: float = 0.0) -> float:
+        loss = self.forward()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)  # (one host read per step, as txl train)
+
+
+class Evaluator:
+    def __init__(self, impl, model, stream, batch, precision, device):
+        self.impl, self.model, self.stream, self.precision, self.device, self.pos = (
+            impl, model, stream, precision, device, 0,
+        )  # fmt: skip
+        model.eval()
+        e = EVAL
+        if impl == "hf":
+            model.reset_memory_length(e["mem"])
+            model.transformer.same_length, model.transformer.clamp_len = e["same_length"], e["clamp_len"]
+            self.mems = [torch.zeros(0, batch, model.config.d_model, device=device)] * model.config.n_layer
+        else:
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            self.cache = KVCache(model.config, batch, e["mem"], e["tgt"], device=device, dtype=dtype)
+
+    def step(self) -> float:
+        t = EVAL["tgt"]
+        x = self.stream[:, self.pos : self.pos + t]
+        y = self.stream[:, self.pos + 1 : self.pos + t + 1]
+        self.pos = (self.pos + t) % (self.stream.shape[1] - t - 1)
+        with torch.no_grad(), autocast(self.device, self.precision):
+            if self.impl == "hf":
+                out = self.model(input_ids=x, labels=x, mems=self.mems)
+                self.mems = out.mems
+            else:
+                e = EVAL
+                out = self.model(
+                    x, y, cache=self.cache, mem_len=e["mem"], clamp_len=e["clamp_len"], same_length=e["same_length"]
+                )
+        return float(out.loss)
+
+
+def timed(fn, warmup: int, steps: int, device: torch.device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def count_flops(fn) -> float:
+    with use_backends(POLICIES["txl-eager"]), FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of the best of 10 n^3 products (n = 8192 on a GPU, 2048 on a CPU)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = min(timed(lambda: a @ b, 2, 10, device))
+    return 2 * n**3 / best
+
+
+def memory_reset(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def run_config(name, args, device, peaks, rows, log) -> None:
+    c = CONFIGS[name]
+    B, T, M = c["batch"], c["tgt"], c["mem"]
+    need = max(T, EVAL["tgt"]) * (args.warmup + args.steps + 2) + 1
+    stream = zipf_stream(c["hf"]["vocab_size"], B, need).to(device)
+    base, hf = build(name, device, args.hf)
+    impls = [(p, impl) for p in args.precisions for impl in args.impls if impl != "hf"]
+    impls += [(p, "hf") for p in args.precisions if hf is not None and "hf" in args.impls]
+    for precision, impl in impls:
+        memory_reset(device)
+        model = hf if impl == "hf" else copy.deepcopy(base)
+        try:
+            with use_backends(POLICIES.get(impl, POLICIES["txl"])):
+                set_backends(POLICIES.get(impl, POLICIES["txl"]))
+                tr = Trainer("hf" if impl == "hf" else "txl", model, stream, T, M, precision, device)
+                times = timed(tr.step, args.warmup, args.steps, device)
+                flops = count_flops(lambda: tr.forward().backward()) if impl != "hf" else None
+                if args.profile and precision == "bf16" and impl in ("txl", "txl-eager"):
+                    profile(tr, f"{name}-{impl}", args.profile, log)
+            tr.opt.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:
+            log(f"{name} train-{precision} {impl}: out of memory")
+            continue
+        except RuntimeError as e:  # (HF's adaptive input fails under autocast where div_val > 1)
+            if impl != "hf":
+                raise
+            log(f"{name} train-{precision} hf: {str(e).splitlines()[0]}")
+            continue
+        finally:
+            set_backends(Backends())
+        tok = B * T / statistics.median(times)
+        mfu = flops / statistics.median(times) / peaks[precision] if flops else None
+        row = dict(config=name, case=f"train-{precision}", impl=impl, tokens_per_s=tok, mfu=mfu,
+                   peak_gib=peak_gib(device), min=B * T / max(times), max=B * T / min(times))  # fmt: skip
+        rows.append(row)
+        log(fmt_row(row))
+        args.save(rows)
+        del tr
+        if impl != "hf":
+            del model
+    for precision, impl in [(p, i) for p in args.precisions for i in ("txl", "hf") if i in args.impls]:
+        if impl == "hf" and hf is None:
+            continue
+        memory_reset(device)
+        model = hf if impl == "hf" else copy.deepcopy(base)
+        try:
+            ev = Evaluator(impl, model, stream, B, precision, device)
+            times = timed(ev.step, args.warmup, args.steps, device)
+            flops = count_flops(ev.step) if impl != "hf" else None
+        except torch.OutOfMemoryError:
+            log(f"{name} eval-{precision} {impl}: out of memory")
+            continue
+        except RuntimeError as e:
+            if impl != "hf":
+                raise
+            log(f"{name} eval-{precision} hf: {str(e).splitlines()[0]}")
+            continue
+        tok = B * EVAL["tgt"] / statistics.median(times)
+        row = dict(config=name, case=f"eval-{precision}", impl=impl, tokens_per_s=tok,
+                   mfu=flops / statistics.median(times) / peaks[precision] if flops else None,
+                   peak_gib=peak_gib(device), min=B * EVAL["tgt"] / max(times), max=B * EVAL["tgt"] / min(times))  # fmt: skip
+        rows.append(row)
+        log(fmt_row(row))
+        args.save(rows)
+        del ev, model
+
+
+def track(name, args, device, log) -> dict:
+    """300 steps in bf16 (txl's default fast paths) and in fp32 (the reference path) from the same weights and data:
+    the largest relative gap of their 20-step moving averages."""
+    c = CONFIGS[name]
+    stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
+    base, _ = build(name, device, False)
+    curves = {}
+    for impl, precision in (("txl", "bf16"), ("txl-reference", "fp32")):
+        model = copy.deepcopy(base)
+        with use_backends(POLICIES[impl]):
+            set_backends(POLICIES[impl])
+            torch.manual_seed(2)
+            tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
+            t0 = time.perf_counter()
+            curves[impl] = [tr.step(clip=0.25) for _ in range(args.track)]
+            log(f"track {impl} {precision}: {args.track} steps in {time.perf_counter() - t0:.1f} s")
+        set_backends(Backends())
+        del tr, model
+    ma = {k: [statistics.fmean(v[i - 20 : i]) for i in range(20, len(v) + 1)] for k, v in curves.items()}
+    gaps = [abs(a - b) / b for a, b in zip(ma["txl"], ma["txl-reference"], strict=True)]
+    return dict(config=name, steps=args.track, largest_gap=max(gaps), first=[ma[k][0] for k in ma],
+                last=[ma[k][-1] for k in ma], curves=curves)  # fmt: skip
+
+
+def profile(tr: Trainer, label: str, folder: Path, log, steps: int = 3) -> None:
+    """The kernels of ``steps`` training steps by device time (``torch.profiler``), to ``folder``/profile-label.txt."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            tr.step()
+        sync(tr.device)
+    key = "cuda_time_total" if tr.device.type == "cuda" else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile-{label}.txt").write_text(text)
+    log(f"profile of {label} ({steps} steps):\n" + "\n".join(text.splitlines()[:18] + text.splitlines()[-3:]))
+
+
+def fmt_row(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    mem = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") else "-"
+    return f"{r['config']:18} {r['case']:11} {r['impl']:14} {r['tokens_per_s']:>11,.0f} tok/s  MFU {mfu:>6}  peak {mem}"
+
+
+def table(rows: list[dict], peaks: dict, device_name: str) -> str:
+    lines = [
+        "| config | case | impl | tok/s median (min–max) | MFU | peak memory | vs txl-eager | vs HF |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        same = [o for o in rows if o["config"] == r["config"] and o["case"] == r["case"]]
+        eager = next((o["tokens_per_s"] for o in same if o["impl"] == "txl-eager"), None)
+        hf = next((o["tokens_per_s"] for o in same if o["impl"] == "hf"), None)
+        rel = lambda x: f"{r['tokens_per_s'] / x:.2f}×" if x else ""  # noqa: E731
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+        mem = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") else ""
+        lines.append(
+            f"| {r['config']} | {r['case']} | {r['impl']} | {r['tokens_per_s']:,.0f} ({r['min']:,.0f}–{r['max']:,.0f})"
+            f" | {mfu} | {mem} | {rel(eager) if r['impl'] != 'txl-eager' else ''} | "
+            f"{rel(hf) if r['impl'] != 'hf' else ''} |"
+        )
+    peak = ", ".join(f"{k} {v / 1e12:,.0f} TFLOP/s" for k, v in peaks.items())
+    return "\n".join(lines) + f"\n\nGEMM peaks measured in this run on {device_name}: {peak}.\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--configs", nargs="+", default=["wt103-base-nvidia", "wt103-large", "enwik8-base", "enwik8-large"])
+    ap.add_argument("--impls", nargs="+", default=["txl", "txl-eager", "txl-reference", "hf"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--track", type=int, default=0, help="steps of the bf16 / fp32 loss comparison (0: none)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
+    ap.add_argument("--json", type=Path, help="write the rows here (a list of objects)")
+    ap.add_argument("--profile", type=Path, help="write profiles of txl's bf16 training steps to this folder")
+    ap.add_argument("--write", type=Path, help="replace this script's section of docs/benchmarks.md")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    try:
+        import transformers  # noqa: F401
+
+        from model_speed import patched_hf
+
+        patched_hf()
+        args.hf = "hf" in args.impls
+    except (ImportError, SystemExit) as e:
+        print(f"HF TransfoXL not available ({e}): txl rows only")
+        args.hf = False
+    t_start = time.perf_counter()
+    log = lambda s: print(f"[{time.perf_counter() - t_start:6.1f} s] {s}", flush=True)  # noqa: E731
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    commit = commit.stdout.strip() or "unknown"
+    log(f"device {name}, torch {torch.__version__}, commit {commit}")
+    peaks = {"bf16": gemm_peak(device, torch.bfloat16), "fp32": gemm_peak(device, torch.float32)}
+    log(f"GEMM peaks: bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s, fp32 {peaks['fp32'] / 1e12:.1f} TFLOP/s")
+    rows: list[dict] = []
+    tracked = None
+
+    def save(rows: list[dict]) -> None:  # (after every row: a run cut short keeps what it measured)
+        for r in rows:
+            r.update(device=name, torch=torch.__version__, commit=commit)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+    args.save = save
+    if args.track:
+        tracked = track(args.configs[0], args, device, log)
+        log(f"track: largest gap of the 20-step moving averages {100 * tracked['largest_gap']:.3f}%")
+        if args.json:
+            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
+    for cfg in args.configs:
+        if time.perf_counter() - t_start > args.budget:
+            log(f"{cfg}: skipped (budget)")
+            continue
+        run_config(cfg, args, device, peaks, rows, log)
+    save(rows)
+    if args.json:
+        if tracked:
+            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
+    print(table(rows, peaks, name))
+    if args.write:
+        gap = f"{100 * tracked['largest_gap']:.2f}%" if tracked else "not run"
+        section = (
+            f"{HEADING}\n\nCommand: `python benchmarks/gpu_paper.py --track 300 --json benchmarks/results/gpu.json "
+            f"--write docs/benchmarks.md`. Machine: {name}, torch {torch.__version__}, commit {commit}. "
+            f"{__doc__.split(chr(10) + chr(10), 3)[2]}\n\n{table(rows, peaks, name)}\n"
+            f"bf16 (txl's fast paths) against fp32 (txl's reference path), {args.track} steps of {args.configs[0]}: "
+            f"largest gap of the 20-step moving averages of the loss {gap} (target 1%).\n"
+        )
+        replace_section(args.write, HEADING, section)
+    if not math.isfinite(sum(r["tokens_per_s"] for r in rows)):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The layer call, a named operation with two backends: the module's own forward (the reference) and, for training
+on the devices of ``Backends.compiled_layers``, the same forward traced by ``torch.compile`` (Inductor): one graph
+per layer shape, shared by every layer of that shape (the modules' parameters are its inputs), forward and backward.
+
+What the compiler gains on a GPU is the passes between the products: the eager step launches a kernel for every add,
+cast, mask, softmax and dropout of the [B, H, T, K] scores and for the layer norms; the graph fuses them (the shift
+of Appendix B becomes an index into the raw (b)+(d) rows), and the launches fall from hundreds per layer to tens.
+
+The traced code is the reference's: the model's own modules are called (hooks, LoRA and quantised layers are traced
+with them), the policy it reads is the caller's (:func:`txl.kernels.backends.traced_policy`, with the native CPU
+kernels off: a graph cannot call them), and nothing is cached on the modules. A memory of another length is another
+shape: the first segment (no memory) and the following ones are two graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from txl.kernels.backends import Backends, backends, traced_policy
+
+RECOMPILE_LIMIT = 16
+"""Graphs kept per layer call (Dynamo's ``recompile_limit``): shapes of segment and memory, train and eval."""
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+@functools.cache
+def _compiled():
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+    return torch.compile(_call, dynamic=False)
+
+
+@functools.cache
+def _traced(policy: Backends) -> Backends:
+    """The policy compiled code reads: the caller's, without the native CPU kernels and the SDPA call (the traced
+    scores are fused by the compiler instead)."""
+    return dataclasses.replace(policy, native_kernels=False, sdpa_training_devices=())
+
+
+def compiled_applies(h: Tensor, module: nn.Module, need_weights: bool = False, cache: Any = None) -> bool:
+    """Whether :func:`layer_call` compiles: a training call (gradients on, the module in training mode) on a device
+    of ``Backends.compiled_layers``, no attention probabilities asked for, no K/V cache, and no graph being traced,
+    compiled or exported already."""
+    return bool(
+        h.device.type in backends().compiled_layers
+        and module.training
+        and torch.is_grad_enabled()
+        and not need_weights
+        and cache is None
+        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
+    )
+
+
+def layer_call(module: nn.Module, h: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``module(h, *args, **kwargs)``: compiled where :func:`compiled_applies` (the same values up to rounding),
+    else the module's own call."""
+    if not compiled_applies(h, module, kwargs.get("need_weights", False), kwargs.get("cache")):
+        return module(h, *args, **kwargs)
+    traced_policy(_traced(backends()))
+    return _compiled()(module, h, *args, **kwargs)
