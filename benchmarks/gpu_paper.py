@@ -264,7 +264,7 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 set_backends(POLICIES.get(impl, POLICIES["txl"]))
                 tr = Trainer("hf" if impl == "hf" else "txl", model, stream, T, M, precision, device)
                 times = timed(tr.step, args.warmup, args.steps, device)
-                flops = count_flops(lambda: tr.forward().backward()) if impl != "hf" else None
+                flops = count_flops(lambda tr=tr: tr.forward().backward()) if impl != "hf" else None
                 if args.profile and precision == "bf16" and impl in ("txl", "txl-eager"):
                     profile(tr, f"{name}-{impl}", args.profile, log)
             tr.opt.zero_grad(set_to_none=True)
@@ -306,9 +306,10 @@ def run_config(name, args, device, peaks, rows, log) -> None:
             log(f"{name} eval-{precision} hf: {str(e).splitlines()[0]}")
             continue
         tok = B * EVAL["tgt"] / statistics.median(times)
+        n = B * EVAL["tgt"]
         row = dict(config=name, case=f"eval-{precision}", impl=impl, tokens_per_s=tok,
                    mfu=flops / statistics.median(times) / peaks[precision] if flops else None,
-                   peak_gib=peak_gib(device), min=B * EVAL["tgt"] / max(times), max=B * EVAL["tgt"] / min(times))  # fmt: skip
+                   peak_gib=peak_gib(device), min=n / max(times), max=n / min(times))  # fmt: skip
         rows.append(row)
         log(fmt_row(row))
         args.save(rows)
@@ -371,7 +372,7 @@ def table(rows: list[dict], peaks: dict, device_name: str) -> str:
         same = [o for o in rows if o["config"] == r["config"] and o["case"] == r["case"]]
         eager = next((o["tokens_per_s"] for o in same if o["impl"] == "txl-eager"), None)
         hf = next((o["tokens_per_s"] for o in same if o["impl"] == "hf"), None)
-        rel = lambda x: f"{r['tokens_per_s'] / x:.2f}×" if x else ""  # noqa: E731
+        rel = lambda x, r=r: f"{r['tokens_per_s'] / x:.2f}×" if x else ""  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else ""
         mem = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") else ""
         lines.append(

@@ -249,7 +249,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         else:
             for i, layer in enumerate(self.layers):
                 mem = mems[i] if mems else None
-                h, prob = layer_call(layer, h, pos[i], mask, mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+                kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+                h, prob = layer_call(layer, h, pos[i], mask, **kw)  # (the layer's forward, compiled where it pays)
                 hids.append(h)
                 attns.append(prob)
         h = self.drop(h)
