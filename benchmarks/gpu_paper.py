@@ -428,16 +428,16 @@ def main() -> None:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
 
     args.save = save
-    if args.track:
-        tracked = track(args.configs[0], args, device, log)
-        log(f"track: largest gap of the 20-step moving averages {100 * tracked['largest_gap']:.3f}%")
-        if args.json:
-            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     for cfg in args.configs:
         if time.perf_counter() - t_start > args.budget:
             log(f"{cfg}: skipped (budget)")
             continue
         run_config(cfg, args, device, peaks, rows, log)
+    if args.track:
+        tracked = track(args.configs[0], args, device, log)
+        log(f"track: largest gap of the 20-step moving averages {100 * tracked['largest_gap']:.3f}%")
+        if args.json:
+            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     save(rows)
     if args.json:
         if tracked:
