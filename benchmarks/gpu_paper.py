@@ -87,6 +87,7 @@ POLICIES = {
     "txl": Backends(),
     "txl-eager": dataclasses.replace(Backends(), compiled_layers=(), half_precision_logits=()),
     "txl-fp32-logits": dataclasses.replace(Backends(), half_precision_logits=()),
+    "txl-half-logits": dataclasses.replace(Backends(), compiled_layers=()),
     "txl-reference": Backends(**FALSE),
 }
 
@@ -148,6 +149,7 @@ class Trainer:
     def __init__(self, impl, model, stream, tgt, mem, precision, device):
         self.impl, self.model, self.stream, self.tgt, self.mem = impl, model, stream, tgt, mem
         self.precision, self.device, self.pos = precision, device, 0
+        self.norms, self.first = [], {}
         model.train()
         fused = device.type == "cuda"
         self.opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, fused=fused)
@@ -173,7 +175,9 @@ class Trainer:
         loss = self.forward()
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)))
+            if len(self.norms) == 1:  # (the first step's gradient norm of each parameter, to compare)
+                self.first = {n: float(p.grad.norm()) for n, p in self.model.named_parameters() if p.grad is not None}
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss)  # (one host read per step, as txl train)
@@ -317,27 +321,42 @@ def run_config(name, args, device, peaks, rows, log) -> None:
 
 
 def track(name, args, device, log) -> dict:
-    """300 steps in bf16 (txl's default fast paths) and in fp32 (the reference path) from the same weights and data:
-    the largest relative gap of their 20-step moving averages."""
+    """``args.track`` steps of each of ``args.track_variants`` ("impl:precision") and of the reference
+    ``args.track_reference`` from the same weights and data: for each, the largest relative gap of its 20-step moving
+    average of the loss from the reference's."""
     c = CONFIGS[name]
     stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
     base, _ = build(name, device, False)
-    curves = {}
-    for impl, precision in (("txl", "bf16"), ("txl-reference", "fp32")):
+    curves, firsts = {}, {}
+    for variant in [args.track_reference, *args.track_variants]:
+        impl, precision = variant.split(":")
         model = copy.deepcopy(base)
         with use_backends(POLICIES[impl]):
             set_backends(POLICIES[impl])
             torch.manual_seed(2)
             tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
             t0 = time.perf_counter()
-            curves[impl] = [tr.step(clip=0.25) for _ in range(args.track)]
-            log(f"track {impl} {precision}: {args.track} steps in {time.perf_counter() - t0:.1f} s")
+            curves[variant] = [tr.step(clip=0.25) for _ in range(args.track)]
+            log(f"track {variant}: {args.track} steps in {time.perf_counter() - t0:.1f} s; first losses "
+                + " ".join(f"{x:.3f}" for x in curves[variant][:6]) + "; gradient norms "
+                + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
+            firsts[variant] = tr.first
         set_backends(Backends())
         del tr, model
-    ma = {k: [statistics.fmean(v[i - 20 : i]) for i in range(20, len(v) + 1)] for k, v in curves.items()}
-    gaps = [abs(a - b) / b for a, b in zip(ma["txl"], ma["txl-reference"], strict=True)]
-    return dict(config=name, steps=args.track, largest_gap=max(gaps), first=[ma[k][0] for k in ma],
-                last=[ma[k][-1] for k in ma], curves=curves)  # fmt: skip
+    w = min(20, args.track)
+    ma = {k: [statistics.fmean(v[i - w : i]) for i in range(w, len(v) + 1)] for k, v in curves.items()}
+    ref = ma[args.track_reference]
+    gaps = {k: max(abs(a - b) / b for a, b in zip(v, ref, strict=True)) for k, v in ma.items()}
+    for k, g in gaps.items():
+        log(f"track {k}: largest gap of the {w}-step moving averages from {args.track_reference} {100 * g:.3f}%")
+    ref_first = firsts[args.track_reference]
+    for k, f in firsts.items():
+        ratios = sorted(((f[n] / (ref_first[n] + 1e-30), n) for n in f if n in ref_first), reverse=True)
+        log(f"track {k}: first step's gradient norms over the reference's, largest: "
+            + ", ".join(f"{n} {r:.3g} ({f[n]:.3g})" for r, n in ratios[:4]))  # fmt: skip
+    first = args.track_variants[0]
+    return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, largest_gap=gaps[first],
+                curves=curves)  # fmt: skip
 
 
 def profile(tr: Trainer, label: str, folder: Path, log, steps: int = 3) -> None:
@@ -393,6 +412,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--track", type=int, default=0, help="steps of the bf16 / fp32 loss comparison (0: none)")
+    ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision, compared (the first")
+    ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
     ap.add_argument("--json", type=Path, help="write the rows here (a list of objects)")
     ap.add_argument("--profile", type=Path, help="write profiles of txl's bf16 training steps to this folder")
@@ -435,7 +456,6 @@ def main() -> None:
         run_config(cfg, args, device, peaks, rows, log)
     if args.track:
         tracked = track(args.configs[0], args, device, log)
-        log(f"track: largest gap of the 20-step moving averages {100 * tracked['largest_gap']:.3f}%")
         if args.json:
             args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     save(rows)
@@ -449,7 +469,7 @@ def main() -> None:
             f"{HEADING}\n\nCommand: `python benchmarks/gpu_paper.py --track 300 --json benchmarks/results/gpu.json "
             f"--write docs/benchmarks.md`. Machine: {name}, torch {torch.__version__}, commit {commit}. "
             f"{__doc__.split(chr(10) + chr(10), 3)[2]}\n\n{table(rows, peaks, name)}\n"
-            f"bf16 (txl's fast paths) against fp32 (txl's reference path), {args.track} steps of {args.configs[0]}: "
+            f"{args.track_variants[0]} against {args.track_reference}, {args.track} steps of {args.configs[0]}: "
             f"largest gap of the 20-step moving averages of the loss {gap} (target 1%).\n"
         )
         replace_section(args.write, HEADING, section)
