@@ -6,6 +6,7 @@ each checkpoint, and no module of txl keeps a switch of its own."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def test_train_prints_the_policy_and_records_it(tmp_path, capsys):
 
     set_backends(native_relu_dropout=False)
     run = run_inprocess(tmp_path, train__max_steps=1, train__eval_interval=0)
-    assert "runtime: fast paths: off: native_relu_dropout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "runtime: fast paths: off: native_relu_dropout" in out
+    assert "runtime: training on cpu (fp32): layers eager, attention by the native kernels" in out
     recorded = read_metadata(latest_checkpoint(run))["backends"]
     assert recorded == backends().to_dict() and recorded["native_relu_dropout"] is False
 
@@ -98,3 +101,15 @@ def test_the_native_kernels_follow_the_policy_and_txl_native(monkeypatch):
     assert Backends().native_kernels is False
     monkeypatch.setenv("TXL_NATIVE", "1")
     assert Backends().native_kernels is True
+
+
+def test_the_training_log_names_the_path_of_each_device():
+    """What ``txl train`` says runs: the compiled layers and bf16 logits on CUDA by default, not on the CPU."""
+    policy = Backends()
+    cuda = policy.training_paths("cuda", "bf16")
+    assert "compiled by torch.compile" in cuda and "bf16 products" in cuda
+    assert "SDPA" not in cuda
+    cpu = policy.training_paths("cpu", "bf16")
+    assert "eager" in cpu and "fp32" in cpu.split("adaptive softmax")[1]
+    off = dataclasses.replace(policy, compiled_layers=(), half_precision_logits=())
+    assert "scaled_dot_product_attention" in off.training_paths("cuda", "fp32")

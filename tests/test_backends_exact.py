@@ -5,7 +5,8 @@ with the memory) and inference (a K/V-cached prompt with left padding, then one-
 end, so that its window wraps) - in fp32 and under bf16 autocast, on odd shapes (3 heads of 12, segments of 7,
 an adaptive softmax with div_val 2). Dropout backends are held to dropout's own definition instead (their random
 streams differ by design): every output is 0 or x / (1 - p), at a rate near p, and the backward uses the same
-mask."""
+mask. The GPU paths (a list of devices in the policy) run on the CPU here: training's layers compiled by Inductor,
+the adaptive softmax's products in bf16, the attention as one SDPA call."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ CONFIG = dict(
 
 
 def off(field: str) -> dict:
-    """The policy with ``field``'s backend off (for the device list: SDPA in training on the CPU too, the
-    non-default choice, so that the CPU runs the path a GPU takes)."""
-    return {field: ("cpu",) if field == "sdpa_training_devices" else False}
+    """The policy with ``field``'s backend off; for a list of devices (SDPA in training, the compiled layers, the
+    half-precision logits: GPU paths) the non-default choice, the CPU added, so that the CPU runs the path a GPU
+    takes and the test holds it to the CPU's default path."""
+    default = getattr(Backends(), field)
+    return {field: ("cpu",) if isinstance(default, tuple) else False}
 
 
 def train(model, x, y, precision: str):

@@ -97,6 +97,26 @@ class Backends:
         parts += [f"{n} = {getattr(self, n)!r}" for n in changed]
         return "fast paths: " + "; ".join(parts)
 
+    def training_paths(self, device: str, precision: str) -> str:
+        """One line for a training log: which backend each of training's operations takes on ``device`` ("cuda",
+        "cpu", ...) in ``precision`` ("fp32", "bf16", "fp16") under this policy (the native CPU kernels also need
+        their library: ``txl.kernels.native.status``)."""
+        half = precision != "fp32"
+        native_cpu = device == "cpu" and self.native_kernels and not half
+        if device in self.compiled_layers:
+            layers = "compiled by torch.compile (Inductor: the scores' shift, mask, softmax, dropout fused)"
+        elif native_cpu and self.native_attention:
+            layers = "eager, attention by the native kernels"
+        elif device in self.sdpa_training_devices and not half:
+            layers = "eager, attention by scaled_dot_product_attention"
+        else:
+            layers = "eager, attention by PyTorch kernels"
+        if half and device in self.half_precision_logits:
+            logits = f"{precision} products, fp32 log-softmax"
+        else:
+            logits = "native NLL" if native_cpu and self.native_nll else "fp32"
+        return f"training on {device} ({precision}): layers {layers}; adaptive softmax {logits}"
+
     def to_dict(self) -> dict:
         """The policy as JSON takes it (tuples as lists)."""
         out = dataclasses.asdict(self)

@@ -79,9 +79,9 @@ bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: n
 
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
-        cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
-        token) = head log-prob of its cluster + tail log-prob. Computed in fp32 (under autocast, the products' operands may
-    be in its dtype: :func:`~txl.kernels.linear.logits_linear`)."""
+    cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
+    token) = head log-prob of its cluster + tail log-prob. Computed in fp32 (under autocast, the products'
+    operands may be in its dtype: :func:`~txl.kernels.linear.logits_linear`)."""
 
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()

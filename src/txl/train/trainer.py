@@ -170,6 +170,9 @@ class Trainer(TrainingLoop):
         self.route: CheckedRoute | None = None  # (its checks, while fit() runs with the route)
         if w.device.type == "cpu":
             self._configure_cpu()
+        else:
+            self.say(f"runtime: {backends().describe()}")
+        self.say(f"runtime: {backends().training_paths(w.device.type, self.precision)}")  # (which backends run)
 
         # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
         corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None

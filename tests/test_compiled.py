@@ -1,0 +1,91 @@
+"""The GPU's training paths, checked on the CPU: the layers compiled by torch.compile (Inductor's CPU code stands in
+for its Triton code) trace without a graph break, take the compiled path only where they should, and compute the
+reference's values; the shift by pad-and-slice is the shift; the adaptive softmax's half-precision products keep an
+fp32 loss. (tests/test_backends_exact.py holds both paths to the reference on the whole model.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import debug_config
+from txl import TransformerXLLM, use_backends
+from txl.kernels import compiled
+from txl.kernels.linear import logits_linear
+from txl.model.positions import rel_shift, rel_shift_padded
+
+CONFIG = dict(n_token=50, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24, n_layer=2, mem_len=4, dropout=0.0)
+
+
+def two_segments(model, x):
+    model.zero_grad(set_to_none=True)
+    a = model(x[:, :5], x[:, 1:6])
+    b = model(x[:, 5:10], x[:, 6:11], mems=a.mems)
+    (a.loss + b.loss).backward()
+    return float(a.loss + b.loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_compiled_layers_trace_whole_and_compute_the_reference():
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(**CONFIG)).train()
+    x = torch.randint(0, 50, (2, 11))
+    with use_backends(native_kernels=False):
+        loss_ref, grads_ref = two_segments(model, x)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    calls = []
+    real = compiled._compiled
+
+    def spy():
+        calls.append(1)
+        return real()
+
+    compiled._compiled = spy
+    try:
+        with use_backends(compiled_layers=("cpu",)):
+            loss, grads = two_segments(model, x)
+    finally:
+        compiled._compiled = real
+    assert len(calls) == 2 * CONFIG["n_layer"]  # (every layer of both segments took the compiled path)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_compiled_path_is_for_training_calls_only():
+    model = TransformerXLLM(debug_config(**CONFIG))
+    layer = model.transformer.layers[0]
+    h = torch.zeros(1, 3, 16)
+    with use_backends(compiled_layers=("cpu",)):
+        assert compiled.compiled_applies(h, layer.train())
+        assert not compiled.compiled_applies(h, layer, need_weights=True)
+        assert not compiled.compiled_applies(h, layer, cache=object())
+        assert not compiled.compiled_applies(h, layer.eval())
+        with torch.no_grad():
+            assert not compiled.compiled_applies(h, layer.train())
+    assert not compiled.compiled_applies(h, layer.train())  # (the default: CUDA only)
+
+
+@pytest.mark.parametrize(("T", "K"), [(1, 1), (3, 3), (5, 9), (7, 19)])
+def test_the_padded_shift_is_the_shift(T, K):
+    raw = torch.randn(2, 3, T, K, requires_grad=True)
+    visible = torch.ones(T, K, dtype=torch.bool).tril(K - T)  # (query i sees keys j <= M + i: the others are masked)
+    a, b = rel_shift(raw), rel_shift_padded(raw)
+    torch.testing.assert_close(a[..., visible], b[..., visible], rtol=0, atol=0)
+    g = torch.randn(2, 3, T, K) * visible
+    (ga,) = torch.autograd.grad(a, raw, g)
+    (gb,) = torch.autograd.grad(b, raw, g)
+    torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+
+
+def test_half_precision_logits_keep_an_fp32_loss_and_apply_only_where_asked():
+    torch.manual_seed(0)
+    h, w, b = torch.randn(64, 32), torch.randn(1000, 32) / 6, torch.randn(1000)
+    ref = torch.nn.functional.linear(h, w, b)
+    with use_backends(half_precision_logits=("cpu",)):
+        half = logits_linear(h, w, b, torch.bfloat16)
+        assert logits_linear(h, w, b, None).equal(ref)  # (no autocast: fp32)
+    assert half.dtype == torch.float32 and not half.equal(ref)
+    torch.testing.assert_close(half, ref, rtol=2e-2, atol=5e-2)  # (bf16 operands)
+    assert logits_linear(h, w, b, torch.bfloat16).equal(ref)  # (the default: CUDA only)
