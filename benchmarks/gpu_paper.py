@@ -416,6 +416,7 @@ def main() -> None:
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
     ap.add_argument("--json", type=Path, help="write the rows here (a list of objects)")
+    ap.add_argument("--append", action="store_true", help="keep the --json file's rows of other configurations")
     ap.add_argument("--profile", type=Path, help="write profiles of txl's bf16 training steps to this folder")
     ap.add_argument("--write", type=Path, help="replace this script's section of docs/benchmarks.md")
     args = ap.parse_args()
@@ -433,7 +434,7 @@ def main() -> None:
     t_start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - t_start:6.1f} s] {s}", flush=True)  # noqa: E731
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
     commit = commit.stdout.strip() or "unknown"
     log(f"device {name}, torch {torch.__version__}, commit {commit}")
     peaks = {"bf16": gemm_peak(device, torch.bfloat16), "fp32": gemm_peak(device, torch.float32)}
@@ -441,12 +442,16 @@ def main() -> None:
     rows: list[dict] = []
     tracked = None
 
+    kept = []  # (--append: the file's rows that this run does not measure again)
+    if args.append and args.json and args.json.exists():
+        kept = [r for r in json.loads(args.json.read_text()) if r.get("config") not in args.configs]
+
     def save(rows: list[dict]) -> None:  # (after every row: a run cut short keeps what it measured)
         for r in rows:
             r.update(device=name, torch=torch.__version__, commit=commit)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+            args.json.write_text(json.dumps(kept + rows, indent=1) + "\n")
 
     args.save = save
     for cfg in args.configs:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of txl in one script, under 8 minutes on an H100 (run it whenever a GPU is at hand;
+# what it printed goes to docs/benchmarks.md, "The paper's models on one GPU", and benchmarks/results/).
+#
+#   bash benchmarks/gpu_suite.sh [OUT]        # OUT: where logs and JSON go (default benchmarks/results)
+#
+# HF's TransfoXL rows need transformers 4.46.3 (with tokenizers 0.20.3 and huggingface_hub 0.26.5) importable: on a
+# machine without network, carry their wheels in .whl/ (they are installed to /tmp/site first when present).
+# 1. The loss of 300 bf16 steps on the default path against the fp32 reference path (WT103 base, NVIDIA's
+#    configuration), in a fresh process: 20-step moving averages within 1%.
+# 2. Training and evaluation tok/s, MFU and peak memory of the WT103 base model (bf16, fp32; txl's paths and HF's),
+#    with profiles of txl's bf16 steps.
+# 3. The other paper models in bf16.
+# 4. Generation as a CUDA graph against HF's generate().
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-benchmarks/results}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+cd benchmarks
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+timeout 150 "$PY" gpu_paper.py --configs wt103-base-nvidia --budget 0 --track 300 \
+  --track_variants txl:bf16 txl-eager:bf16 --json "$OUT/gpu_track_run.json" 2>&1 | tee "$OUT/log_track.txt"
+timeout 180 "$PY" gpu_paper.py --configs wt103-base-nvidia --precisions bf16 fp32 \
+  --impls txl txl-eager txl-fp32-logits txl-reference hf --profile "$OUT" --json "$OUT/gpu.json" \
+  2>&1 | tee "$OUT/log_base.txt"
+timeout 140 "$PY" gpu_paper.py --configs wt103-large enwik8-base enwik8-large --precisions bf16 \
+  --impls txl txl-eager hf --json "$OUT/gpu.json" --append 2>&1 | tee "$OUT/log_others.txt"
+timeout 60 "$PY" gpu_generation.py --repeats 3 2>&1 | tee "$OUT/log_generation.txt" || true

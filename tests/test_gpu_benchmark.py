@@ -1,0 +1,41 @@
+"""The GPU benchmark script runs end to end on the CPU (its smallest configuration), writes the rows that later
+runs compare with (benchmarks/results/gpu.json's format), keeps other configurations' rows with --append, and its
+loss comparison reports each variant's gap from the reference; the committed results file has that format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"config", "case", "impl", "device", "torch", "tokens_per_s", "mfu", "commit"}
+
+
+def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps([{"config": "other", "case": "train-bf16", "impl": "txl", "tokens_per_s": 1.0}]))
+    cmd = [sys.executable, "gpu_paper.py", "--device", "cpu", "--configs", "tiny", "--impls", "txl", "txl-eager",
+           "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--track", "21", "--track_variants",
+           "txl:fp32", "--json", str(out), "--append"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert rows[0]["config"] == "other"  # (--append kept it)
+    ours = rows[1:]
+    assert {(r["case"], r["impl"]) for r in ours} == {
+        ("train-fp32", "txl"), ("train-fp32", "txl-eager"), ("eval-fp32", "txl")
+    }
+    for r in ours:
+        assert KEYS <= r.keys() and r["tokens_per_s"] > 0 and r["device"] == "cpu"
+    track = json.loads((tmp_path / "gpu_track.json").read_text())
+    assert set(track["gaps"]) == {"txl-reference:fp32", "txl:fp32"} and track["gaps"]["txl:fp32"] < 0.01
+    assert "| tiny | train-fp32 | txl |" in run.stdout
+
+
+def test_the_committed_gpu_results_have_the_format():
+    rows = json.loads((ROOT / "benchmarks" / "results" / "gpu.json").read_text())
+    assert rows and all(KEYS <= r.keys() for r in rows)
+    base = {(r["case"], r["impl"]): r for r in rows if r["config"] == "wt103-base-nvidia"}
+    assert {"train-bf16", "train-fp32", "eval-fp32"} <= {c for c, _ in base}
