@@ -25,7 +25,9 @@ def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
     assert rows[0]["config"] == "other"  # (--append kept it)
     ours = rows[1:]
     assert {(r["case"], r["impl"]) for r in ours} == {
-        ("train-fp32", "txl"), ("train-fp32", "txl-eager"), ("eval-fp32", "txl")
+        ("train-fp32", "txl"),
+        ("train-fp32", "txl-eager"),
+        ("eval-fp32", "txl"),
     }
     for r in ours:
         assert KEYS <= r.keys() and r["tokens_per_s"] > 0 and r["device"] == "cpu"

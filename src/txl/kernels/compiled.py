@@ -32,11 +32,16 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 @functools.cache
-def _compiled():
+def _compiled(launcher: str = "python"):
+    """The compiled layer call (one per ``Backends.compiled_launcher``)."""
+    if launcher not in ("python", "cpp"):
+        raise ValueError(f"Backends.compiled_launcher = {launcher!r}: 'python' or 'cpp'")
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-    return torch.compile(_call, dynamic=False)
+    # (a function of its own per launcher: Dynamo keeps one cache per code object)
+    call = (lambda module, *a, **k: module(*a, **k)) if launcher == "cpp" else _call
+    return torch.compile(call, dynamic=False, options={"cpp_wrapper": launcher == "cpp"})
 
 
 @functools.cache
@@ -67,5 +72,6 @@ def layer_call(module: nn.Module, h: Tensor, *args: Any, **kwargs: Any) -> Any:
     else the module's own call."""
     if not compiled_applies(h, module, kwargs.get("need_weights", False), kwargs.get("cache")):
         return module(h, *args, **kwargs)
-    traced_policy(_traced(backends()))
-    return _compiled()(module, h, *args, **kwargs)
+    policy = backends()
+    traced_policy(_traced(policy))
+    return _compiled(policy.compiled_launcher)(module, h, *args, **kwargs)

@@ -103,14 +103,22 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             proj_dims = dims
         self.out_projs = nn.ParameterList([nn.Parameter(torch.empty(cfg.d_model, d)) for d in proj_dims])
 
-    def _cluster_params(self, i: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Weight [n_i, d_i], bias [n_i] and projection [d_model, d_i] (or None) of cluster i, fp32."""
-        if self.div_val == 1:
-            l, r = self.ends[i], self.ends[i + 1]
-            out = self.out_layers[0]
-            w, b = (out.weight, out.bias) if r - l == self.n_token else (out.weight[l:r], out.bias[l:r])
-        else:
-            w, b = self.out_layers[i].weight, self.out_layers[i].bias
+    def _weights(self) -> list[tuple[Tensor, Tensor]]:
+        """Each cluster's output weight [n_i, d_i] and bias [n_i]. With div_val 1 the clusters are row blocks of one
+        layer, taken by one ``split`` per forward: its backward writes the blocks' gradients into one tensor (a slice
+        per cluster would each add a zero-filled gradient of the whole vocabulary)."""
+        if self.div_val > 1:
+            return [(layer.weight, layer.bias) for layer in self.out_layers]
+        out = self.out_layers[0]
+        sizes = [r - l for l, r in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        return list(zip(out.weight.split(sizes), out.bias.split(sizes), strict=True))
+
+    def _cluster_params(
+        self, i: int, weights: list[tuple[Tensor, Tensor]] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Weight [n_i, d_i], bias [n_i] and projection [d_model, d_i] (or None) of cluster i, fp32 (``weights``:
+        this forward's :meth:`_weights`)."""
+        w, b = (weights or self._weights())[i]
         if i == 0 and self.n_clusters > 0:
             pad = -(w.shape[0] + self.n_clusters) % HEAD_ALIGN if HEAD_ALIGN else 0
             w = torch.cat([w, self.cluster_weight, w.new_zeros(pad, w.shape[1])], dim=0)
@@ -122,14 +130,16 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """``h`` [N, d_model] in cluster i's input width, [N, d_i]."""
         return projection(h, at_least_fp32(self.out_projs[i]), autocast) if len(self.out_projs) else h
 
-    def _logits(self, h: Tensor, i: int, projected: bool = False, autocast: torch.dtype | None = None) -> Tensor:
+    def _logits(
+        self, h: Tensor, i: int, projected: bool = False, autocast: torch.dtype | None = None, weights=None
+    ) -> Tensor:
         """Cluster i's logits [N, n_i (+ clusters, padding: head)], fp32; ``autocast``: the caller's autocast dtype
         (the products' precision is :func:`~txl.kernels.linear.logits_linear`'s to choose)."""
-        w, b, _ = self._cluster_params(i)
+        w, b, _ = self._cluster_params(i, weights)
         return logits_linear(h if projected else self._project(h, i, autocast), w, b, autocast)
 
-    def _log_softmax(self, h: Tensor, i: int, autocast: torch.dtype | None = None) -> Tensor:
-        return F.log_softmax(self._logits(h, i, autocast=autocast), dim=-1)
+    def _log_softmax(self, h: Tensor, i: int, autocast: torch.dtype | None = None, weights=None) -> Tensor:
+        return F.log_softmax(self._logits(h, i, autocast=autocast, weights=weights), dim=-1)
 
     def forward(self, hidden: Tensor, targets: Tensor | None = None, return_log_probs: bool = False):
         """``hidden`` [N, d_model], ``targets`` [N] (-100 = ignore).
@@ -140,46 +150,51 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
             h = at_least_fp32(hidden)
+            weights = self._weights()
             if targets is not None and not return_log_probs and backends().native_nll and native.nll_applies(h):
-                return self._nll_native(h, targets), None
-            head = self._log_softmax(h, 0, autocast)  # [N, shortlist + n_clusters (+ -inf columns up to HEAD_ALIGN)]
+                return self._nll_native(h, targets, weights), None
+            head = self._log_softmax(h, 0, autocast, weights)  # [N, shortlist + n_clusters (+ -inf columns)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:
                 log_probs = head  # [N, V]
             elif return_log_probs:
                 parts = [head[:, : self.shortlist]]
                 for i in range(1, self.n_clusters + 1):
-                    parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i, autocast))
+                    parts.append(head[:, self.shortlist + i - 1, None] + self._log_softmax(h, i, autocast, weights))
                 log_probs = torch.cat(parts, dim=-1)  # [N, V]
             if targets is not None:
-                nll = self._nll(h, head, log_probs, targets, autocast)
+                nll = self._nll(h, head, log_probs, targets, autocast, weights)
         return nll, log_probs
 
-    def _check(self, targets: Tensor) -> Tensor:
-        """``targets != -100``, after checking that the others are token ids."""
+    def _clusters(self, targets: Tensor) -> tuple[Tensor, Tensor, list[tuple[int, Tensor]]]:
+        """``targets != -100``, the targets with the ignored ones at 0, and the rows [n_i] of each tail cluster i that
+        has targets, after checking that the targets are token ids: one read by the host for all of it (the check and
+        the clusters' sizes), so that a GPU waits once per loss, not once per cluster."""
         valid = targets != -100
-        if (((targets < 0) & valid) | (targets >= self.n_token)).any():
+        bad = (((targets < 0) & valid) | (targets >= self.n_token)).any()
+        t = targets.where(valid, 0)
+        cluster = sum((t >= c).long() for c in self.ends[1:-1]) if self.n_clusters else None  # [N] (0: head)
+        sizes = torch.bincount(cluster, minlength=self.n_clusters + 1)[1:] if self.n_clusters else bad.new_zeros(0)
+        bad, *sizes = torch.cat([bad.long()[None], sizes]).tolist()
+        if bad:
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
-        return valid
+        tails = [(i, torch.nonzero_static(cluster == i, size=n)[:, 0]) for i, n in enumerate(sizes, 1) if n]
+        return valid, t, tails
 
-    def _nll_native(self, h: Tensor, targets: Tensor) -> Tensor:
+    def _nll_native(self, h: Tensor, targets: Tensor, weights=None) -> Tensor:
         """``_nll`` with each cluster's loss from :mod:`txl.kernels.native` (``_cluster_nll``: no log-softmax tensor): a
         token's head term reads its own column, or its cluster's for a tail token."""
-        valid = self._check(targets)
+        valid, t, tails = self._clusters(targets)
         col = targets.where(valid, -1)  # [N] head column of each token (-1: ignored)
-        tails = []
-        for i in range(1, self.n_clusters + 1):
-            l, r = self.ends[i], self.ends[i + 1]
-            idx = ((targets >= l) & (targets < r)).nonzero().squeeze(1)
-            if idx.numel():
-                col = col.index_fill(0, idx, self.shortlist + i - 1)
-                tails.append((i, idx, targets[idx] - l))
-        nll = self._cluster_nll(h, 0, col)  # [N]
-        for i, idx, t in tails:
-            nll = nll.index_add(0, idx, self._cluster_nll(h.index_select(0, idx), i, t))
+        for i, idx in tails:
+            col = col.index_fill(0, idx, self.shortlist + i - 1)
+        nll = self._cluster_nll(h, 0, col, weights)  # [N]
+        for i, idx in tails:
+            tail = self._cluster_nll(h.index_select(0, idx), i, t[idx] - self.ends[i], weights)
+            nll = nll.index_add(0, idx, tail)
         return nll
 
-    def _cluster_nll(self, h: Tensor, i: int, target: Tensor) -> Tensor:
+    def _cluster_nll(self, h: Tensor, i: int, target: Tensor, weights=None) -> Tensor:
         """Cluster i's NLL of ``target`` [n] for the rows ``h`` [n, d_model]. Without a gradient, inside
         :func:`transposed_weights` (``txl.infer.evaluate``): :func:`txl.kernels.native.nll_linear` on the cluster's
         packed output
@@ -188,7 +203,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         copies = weight_copies()
         if copies is not None and not torch.is_grad_enabled() and hp.shape[1] <= native.LINEAR_MAX_DIM:
             return native.nll_linear(hp, self._packed(copies, i), target)  # (h is fp32 on the CPU: see _nll_native)
-        return softmax_nll(self._logits(hp, i, projected=True), target)
+        return softmax_nll(self._logits(hp, i, projected=True, weights=weights), target)
 
     def _packed(self, copies: WeightCopies, i: int) -> tuple[Tensor, Tensor]:
         """Cluster i's weight and bias as :func:`txl.kernels.native.pack_linear` packs them, kept for the scope."""
@@ -201,20 +216,22 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return copies.get(layer.weight, ("crit", id(self), i), made_from, pack)
 
     def _nll(
-        self, h: Tensor, head: Tensor, log_probs: Tensor | None, targets: Tensor, autocast: torch.dtype | None = None
+        self,
+        h: Tensor,
+        head: Tensor,
+        log_probs: Tensor | None,
+        targets: Tensor,
+        autocast: torch.dtype | None = None,
+        weights=None,
     ) -> Tensor:
-        valid = self._check(targets)
-        t = targets.where(valid, 0)
+        valid, t, tails = self._clusters(targets)
         if log_probs is not None:
             return -log_probs.gather(1, t[:, None]).squeeze(1) * valid
         # Head tokens read the head directly; a tail cluster's logits are computed only for its own targets.
         lp = head.gather(1, t.clamp(max=self.shortlist - 1)[:, None]).squeeze(1)  # [N]
-        for i in range(1, self.n_clusters + 1):
-            l, r = self.ends[i], self.ends[i + 1]
-            idx = ((t >= l) & (t < r)).nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            tail = self._log_softmax(h.index_select(0, idx), i, autocast)  # [n_i, r - l]
+        for i, idx in tails:
+            l = self.ends[i]
+            tail = self._log_softmax(h.index_select(0, idx), i, autocast, weights)  # [n_i, r - l]
             lp_i = head[idx, self.shortlist + i - 1] + tail.gather(1, (t[idx] - l)[:, None]).squeeze(1)
             lp = lp.index_copy(0, idx, lp_i)  # stays in input order
         return -lp * valid
