@@ -88,7 +88,6 @@ POLICIES = {
     "txl-eager": dataclasses.replace(Backends(), compiled_layers=(), half_precision_logits=()),
     "txl-fp32-logits": dataclasses.replace(Backends(), half_precision_logits=()),
     "txl-half-logits": dataclasses.replace(Backends(), compiled_layers=()),
-    "txl-cpp": dataclasses.replace(Backends(), compiled_launcher="cpp"),
     "txl-reference": Backends(**FALSE),
 }
 

@@ -46,8 +46,6 @@ def off(field: str) -> dict:
     half-precision logits: GPU paths) the non-default choice, the CPU added, so that the CPU runs the path a GPU
     takes and the test holds it to the CPU's default path."""
     default = getattr(Backends(), field)
-    if field == "compiled_launcher":  # (the C++ launcher of the compiled layers, compiled on the CPU)
-        return {field: "cpp", "compiled_layers": ("cpu",)}
     return {field: ("cpu",) if isinstance(default, tuple) else False}
 
 
@@ -75,10 +73,7 @@ def infer(model, prompt, padding, steps):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize(
-    "field",
-    [pytest.param(f, marks=pytest.mark.slow) if f == "compiled_launcher" else f for f in FIELDS if f not in DROPOUTS],
-)
+@pytest.mark.parametrize("field", [f for f in FIELDS if f not in DROPOUTS])
 def test_each_backend_computes_what_the_reference_computes(field, precision):
     if precision == "bf16" and not native_bf16(torch.device("cpu")):
         pytest.skip("bf16 autocast is emulated on this CPU (txl trains in fp32 there)")

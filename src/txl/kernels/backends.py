@@ -78,9 +78,6 @@ class Backends:
     ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise
     passes fused by Inductor (the shift as an index, the mask, softmax and dropout in one kernel). The same values
     up to rounding (tests/test_compiled.py); its first steps wait for the compiler (about a minute on a GPU)."""
-    compiled_launcher: str = "python"
-    """How the compiled layers launch their kernels: "python" (Inductor's Python wrapper) or "cpp" (its C++ wrapper:
-    less host time per layer call on a GPU, a longer first compile)."""
     half_precision_logits: tuple[str, ...] = ("cuda",)
     """Devices on which the adaptive softmax's products run in the autocast dtype under autocast (bf16 products with
     fp32 accumulation; the log-softmax, its sum and the loss stay fp32). Elsewhere, or off: the products in fp32."""

@@ -32,16 +32,13 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 @functools.cache
-def _compiled(launcher: str = "python"):
-    """The compiled layer call (one per ``Backends.compiled_launcher``)."""
-    if launcher not in ("python", "cpp"):
-        raise ValueError(f"Backends.compiled_launcher = {launcher!r}: 'python' or 'cpp'")
+def _compiled():
+    """The compiled layer call. (Inductor's C++ wrapper, which would launch the kernels with less host time, fails
+    to compile the layers' backward on CUDA in torch 2.11: "CudaKernelParamCache not populated", seen on an H100.)"""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-    # (a function of its own per launcher: Dynamo keeps one cache per code object)
-    call = (lambda module, *a, **k: module(*a, **k)) if launcher == "cpp" else _call
-    return torch.compile(call, dynamic=False, options={"cpp_wrapper": launcher == "cpp"})
+    return torch.compile(_call, dynamic=False)
 
 
 @functools.cache
@@ -72,6 +69,5 @@ def layer_call(module: nn.Module, h: Tensor, *args: Any, **kwargs: Any) -> Any:
     else the module's own call."""
     if not compiled_applies(h, module, kwargs.get("need_weights", False), kwargs.get("cache")):
         return module(h, *args, **kwargs)
-    policy = backends()
-    traced_policy(_traced(policy))
-    return _compiled(policy.compiled_launcher)(module, h, *args, **kwargs)
+    traced_policy(_traced(backends()))
+    return _compiled()(module, h, *args, **kwargs)
