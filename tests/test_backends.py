@@ -94,6 +94,21 @@ def test_no_module_keeps_a_switch_of_its_own():
     assert not hasattr(native, "ENABLED")  # (TXL_NATIVE now sets the process policy's native_kernels)
 
 
+def test_the_model_never_asks_which_backend_runs():
+    """The model calls named operations of txl.kernels, which choose their backend: no file of txl/model reads the
+    policy (``backends()``) or calls the native kernels (``native.*``) itself."""
+    asks = []
+    for path in (SRC / "model").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "backends":
+                asks.append(f"{path.name}:{node.lineno} backends()")
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "native":
+                asks.append(f"{path.name}:{node.lineno} native.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.module in ("txl.kernels.native", "txl.kernels.backends"):
+                asks.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+    assert asks == []
+
+
 def test_the_native_kernels_follow_the_policy_and_txl_native(monkeypatch):
     with use_backends(native_kernels=False):
         assert native.library() is None and "off" in native.status()

@@ -55,6 +55,23 @@ def test_bf16_falls_back_to_fp32_only_without_hardware_bf16(monkeypatch):
     assert runtime.effective_precision(cpu, "bf16") == ("bf16", None)
 
 
+def test_auto_precision_is_bf16_where_the_device_computes_it(monkeypatch, tmp_path, capsys):
+    """The paper's recipes say ``precision: auto``: bf16 on a GPU (or a CPU with bf16 in hardware), fp32 elsewhere,
+    and txl train says which it took."""
+    cpu = torch.device("cpu")
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(runtime, "native_bf16", lambda device, native=native: native)
+        precision, note = runtime.effective_precision(cpu, "auto")
+        assert precision == expected and expected in note
+    from train_helpers import run_inprocess
+
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: False)
+    run_inprocess(tmp_path, train__max_steps=1, train__eval_interval=0, train__precision="auto")
+    out = capsys.readouterr().out
+    assert "note: train.precision = auto: fp32 (cpu has no native bf16)" in out
+    assert "runtime: training on cpu (fp32)" in out
+
+
 def test_an_earlier_choice_is_kept_without_measuring_where_the_route_is_exact(monkeypatch):
     """A resumed run keeps the route its checkpoint used (the two paths round differently): no new measurement,
     which is noisy enough to choose the other way; a route that is not exact here is still refused."""

@@ -24,7 +24,7 @@ from txl.data import DataConfig
 from txl.model.modeling import TransformerXLConfig
 from txl.util.folders import read_json
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "auto"]
 Split = Literal["train", "valid", "test"]
 SECTIONS = ("model", "data", "train", "eval", "run_dir")
 
@@ -88,7 +88,8 @@ class TrainConfig:
     max_time: float | None = None
     """Stop after this many seconds of training (summed over resumed runs), saving a checkpoint."""
     precision: Precision = "fp32"
-    """fp32; bf16 (autocast, CPU or CUDA); fp16 (autocast + GradScaler, CUDA only). Attention softmax and the
+    """fp32; bf16 (autocast, CPU or CUDA); fp16 (autocast + GradScaler, CUDA only); auto (bf16 where the device
+    computes it natively: a CUDA GPU, a CPU with avx512_bf16 or AMX; else fp32). Attention softmax and the
     adaptive log-softmax always run in fp32."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (the local rank's GPU if there is one, else cpu)."""

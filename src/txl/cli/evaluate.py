@@ -52,7 +52,7 @@ def eval(
         same_length: Every query attends to the same number (mem_len) of keys.
         batch_size: Columns evaluated in parallel.
         max_batches: Stop after this many batches (default: the whole text).
-        precision: fp32, bf16 or fp16 (CUDA).
+        precision: fp32, bf16, fp16 (CUDA) or auto (bf16 where the device computes it natively, else fp32).
         device: cpu, cuda, cuda:N or auto.
         threads: torch CPU threads (default: torch's, one per core).
         encoding_errors: strict (a non-UTF-8 byte is an error naming file and line) or replace (read as U+FFFD);
@@ -85,9 +85,11 @@ def eval(
         raise ValueError(f"--max_batches = {max_batches}: must be >= 1 (leave it out to score the whole text)")
     _set_threads(threads)
     dev = resolve_device(device, option="--device")
+    asked = precision
     precision, note = effective_precision(dev, precision)
     if note:
-        print(f"txl: note: --precision bf16, but {note}", file=sys.stderr)
+        print(f"txl: note: --precision {asked}: {note}" if asked == "auto" else
+              f"txl: note: --precision bf16, but {note}", file=sys.stderr)  # fmt: skip
     if dev.type == "cpu":
         configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.kernels.runtime)
     folder = resolve_model_dir(model)

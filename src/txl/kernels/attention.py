@@ -1,11 +1,14 @@
-"""The native backend of the relative attention (attn_type 0), inference and training: the reference is
-``txl.model.attention`` (scores() + attend()); tests/test_backends_exact.py holds this to it."""
+"""The attention's named operations and their backends: the whole relative attention of attn_type 0 (the native
+CPU kernel, inference and training), the attend step (one SDPA call, or the model's explicit reference) and the
+sum of the scores (half precision under autocast, or the reference's fp32). The references are the model's own code
+(``txl.model.attention``: scores() + attend()); tests/test_backends_exact.py holds every backend to them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from txl.kernels import native
@@ -72,3 +75,36 @@ def rel_attention(
         return None
     drop = (dropatt, dropout_seed()) if dropatt else None
     return _NativeRelAttention.apply(q, u, v, kv, r_k, mask, drop, scale)
+
+
+def score_sum(ac: Tensor, bd: Tensor | None) -> Tensor:
+    """The attention scores (a)+(c) + (b)+(d), [B, H, T, K], summed into ``ac`` in place (``bd`` None: the content
+    term alone). The reference sums in at least fp32 (half-precision products are upcast first); under autocast, with
+    ``Backends.half_precision_scores``, the sum stays in the products' half precision (the softmax computes in fp32
+    either way)."""
+    if not backends().half_precision_scores and ac.dtype in (torch.float16, torch.bfloat16):
+        ac = ac.float()
+    return ac if bd is None else ac.add_(bd)
+
+
+def attend(
+    q_w: Tensor,
+    k: Tensor,
+    v: Tensor,
+    explicit: Callable[[], tuple[Tensor, Tensor]],
+    bias: Callable[[bool], Tensor | None],
+    probabilities: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """softmax(q_w k^T + (b)+(d), masked) v, [B, H, T, Dh], and the probabilities [B, H, T, K] where they are
+    computed. The reference is ``explicit()`` (the model's scores, mask, softmax, dropout of the probabilities and
+    value sum); it runs where the probabilities are needed (``probabilities``: asked for, or dropped out) and in
+    training except as below. Elsewhere one ``scaled_dot_product_attention`` call with ``bias(grad)`` (the (b)+(d)
+    term with the mask as -inf, additive) as its bias: in inference, and in training on the devices of
+    ``Backends.sdpa_training_devices`` without autocast (its gradient flows through the bias)."""
+    grad = torch.is_grad_enabled() and q_w.requires_grad
+    dev = q_w.device.type
+    fused = grad and dev in backends().sdpa_training_devices and not torch.is_autocast_enabled(dev)
+    if probabilities or (grad and not fused):
+        return explicit()
+    b = bias(grad)
+    return F.scaled_dot_product_attention(q_w, k, v, attn_mask=None if b is None else b.to(q_w.dtype), scale=1.0), None

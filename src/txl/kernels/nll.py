@@ -1,12 +1,19 @@
-"""The softmax NLL of a row of logits, natively (``Backends.native_nll``): the reference is
-``log_softmax`` + gather in ``txl.model.adaptive``."""
+"""The adaptive softmax's loss as named operations with native backends (``Backends.native_nll``): the loss of a
+batch (each cluster's NLL straight from its logits, or the reference's log-softmax and gather), and a cluster's NLL
+in evaluation (from the hidden states and a packed copy of the output layer, no logits stored). The references are
+in ``txl.model.adaptive``."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from txl.kernels import native
+from txl.kernels.backends import backends
+from txl.kernels.linear import stamp, weight_copies
 
 
 class _SoftmaxNLL(torch.autograd.Function):
@@ -29,3 +36,31 @@ class _SoftmaxNLL(torch.autograd.Function):
 def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
     """-log_softmax(x)[i, t_i] per row of ``x`` [N, V] (0 where t_i < 0), with its gradient."""
     return _SoftmaxNLL.apply(x, target)
+
+
+def adaptive_nll(h: Tensor, reference: Callable[[], Tensor], per_cluster: Callable[[], Tensor]) -> Tensor:
+    """The adaptive softmax's per-token NLL of the rows ``h`` [N, d_model] (fp32): ``per_cluster()`` (each cluster's
+    NLL from its logits by the native kernel, no log-softmax tensor) where ``Backends.native_nll`` is on and the
+    native kernels run for ``h`` (fp32 on the CPU), else ``reference()`` (log-softmax and gather)."""
+    if backends().native_nll and native.nll_applies(h):
+        return per_cluster()
+    return reference()
+
+
+def cluster_nll(
+    hp: Tensor,
+    target: Tensor,
+    logits: Callable[[], Tensor],
+    params: Callable[[], tuple[Tensor, Tensor]],
+    key: Any,
+    sources: list[Tensor],
+) -> Tensor:
+    """One cluster's NLL of ``target`` [n] for its projected rows ``hp`` [n, d_i]: ``softmax_nll(logits())``; in
+    inference inside :func:`~txl.kernels.linear.transposed_weights` (fixed weights), :func:`native.nll_linear` from
+    the cluster's output layer ``params()`` (weight, bias) packed once for the scope (under ``key``, remade when one of
+    ``sources``, the parameters it is made from, changes), with no logits stored."""
+    copies = weight_copies()
+    if copies is not None and not torch.is_grad_enabled() and hp.shape[1] <= native.LINEAR_MAX_DIM:
+        packed = copies.get(sources[0], key, stamp(*sources), lambda: native.pack_linear(*params()))
+        return native.nll_linear(hp, packed, target)  # (hp is fp32 on the CPU here)
+    return softmax_nll(logits(), target)

@@ -245,7 +245,12 @@ def native_bf16(device: torch.device) -> bool:
 
 def effective_precision(device: torch.device, precision: str) -> tuple[str, str | None]:
     """The precision to run: bf16 on a CPU without native bf16 is emulated (20x slower than fp32 measured on a
-    Zen 3 EPYC), so fp32 runs instead, with a note saying so."""
+    Zen 3 EPYC), so fp32 runs instead, with a note saying so. ``auto`` (the paper's recipes): bf16 where ``device``
+    computes it natively (a CUDA GPU with bf16; a CPU with avx512_bf16 or AMX), else fp32; the note says which."""
+    if precision == "auto":
+        if native_bf16(device):
+            return "bf16", f"bf16 ({device.type} computes bf16 natively)"
+        return "fp32", f"fp32 ({device.type} has no native bf16)"
     if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
         return "fp32", "this CPU has no native bf16 (avx512_bf16 or AMX): emulated bf16 is far slower, so fp32 runs"
     return precision, None

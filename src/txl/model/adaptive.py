@@ -8,10 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import native
-from txl.kernels.backends import backends
-from txl.kernels.linear import WeightCopies, logits_linear, projection, stamp, weight_copies
-from txl.kernels.nll import softmax_nll
+from txl.kernels.linear import logits_linear, projection
+from txl.kernels.nll import adaptive_nll, cluster_nll
 from txl.model.attention import at_least_fp32
 from txl.model.config import TransformerXLConfig
 
@@ -151,8 +149,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
             h = at_least_fp32(hidden)
             weights = self._weights()
-            if targets is not None and not return_log_probs and backends().native_nll and native.nll_applies(h):
-                return self._nll_native(h, targets, weights), None
+            if targets is not None and not return_log_probs:  # (the loss alone: a native backend may compute it)
+
+                def reference() -> Tensor:
+                    return self._nll(h, self._log_softmax(h, 0, autocast, weights), None, targets, autocast, weights)
+
+                return adaptive_nll(h, reference, lambda: self._nll_native(h, targets, weights)), None
             head = self._log_softmax(h, 0, autocast, weights)  # [N, shortlist + n_clusters (+ -inf columns)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:
@@ -195,25 +197,18 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return nll
 
     def _cluster_nll(self, h: Tensor, i: int, target: Tensor, weights=None) -> Tensor:
-        """Cluster i's NLL of ``target`` [n] for the rows ``h`` [n, d_model]. Without a gradient, inside
-        :func:`transposed_weights` (``txl.infer.evaluate``): :func:`txl.kernels.native.nll_linear` on the cluster's
-        packed output
-        layer, no logits stored; otherwise from the logits (:func:`~txl.kernels.nll.softmax_nll`)."""
+        """Cluster i's NLL of ``target`` [n] for the rows ``h`` [n, d_model], from its logits; in evaluation
+        :func:`txl.kernels.nll.cluster_nll` may compute it from a packed copy of the cluster's output layer (its
+        weight and bias: ``sources``, the copy remade when they change), with no logits stored."""
         hp = self._project(h, i)  # [n, d_i]
-        copies = weight_copies()
-        if copies is not None and not torch.is_grad_enabled() and hp.shape[1] <= native.LINEAR_MAX_DIM:
-            return native.nll_linear(hp, self._packed(copies, i), target)  # (h is fp32 on the CPU: see _nll_native)
-        return softmax_nll(self._logits(hp, i, projected=True, weights=weights), target)
-
-    def _packed(self, copies: WeightCopies, i: int) -> tuple[Tensor, Tensor]:
-        """Cluster i's weight and bias as :func:`txl.kernels.native.pack_linear` packs them, kept for the scope."""
         layer = self.out_layers[0 if self.div_val == 1 else i]
         sources = [layer.weight, layer.bias]
         if i == 0 and self.n_clusters > 0:
             sources += [self.cluster_weight, self.cluster_bias]
-        made_from = (*stamp(*sources), HEAD_ALIGN)
-        pack = lambda: native.pack_linear(*self._cluster_params(i)[:2])  # noqa: E731
-        return copies.get(layer.weight, ("crit", id(self), i), made_from, pack)
+        return cluster_nll(
+            hp, target, lambda: self._logits(hp, i, projected=True, weights=weights),
+            lambda: self._cluster_params(i)[:2], ("crit", id(self), i, HEAD_ALIGN), sources,
+        )  # fmt: skip
 
     def _nll(
         self,

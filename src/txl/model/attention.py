@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels.attention import rel_attention
-from txl.kernels.backends import backends
+from txl.kernels.attention import attend, rel_attention, score_sum
 from txl.kernels.dropout import Dropout
 from txl.kernels.linear import linear, segment_memory_projection
 from txl.model.config import TransformerXLConfig
@@ -152,38 +151,40 @@ class _Attention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """softmax(q_w.k + bd) v, projected and added to the residual ``h`` [B, T, D]. ``q_w`` [B, H, T, Dh] are the
         scaled queries of the content term, ``bd`` [B, H, T, K] the positional term in key order (None: there is
-        none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is)."""
+        none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is). The reference is
+        :meth:`explicit`; ``txl.kernels.attention.attend`` runs it, or one fused call where that computes the same."""
         B, T, _ = h.shape
-        grad = torch.is_grad_enabled() and q_w.requires_grad
-        dropping = self.training and self.dropatt.p > 0
-        fused = (  # (training as one SDPA call: Backends.sdpa_training_devices)
-            grad
-            and q_w.device.type in backends().sdpa_training_devices
-            and not torch.is_autocast_enabled(q_w.device.type)
-        )
-        if need_weights or dropping or (grad and not fused):
-            ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
-            if not backends().half_precision_scores:
-                ac = at_least_fp32(ac)
-            score = ac if bd is None else ac.add_(bd)  # [B, H, T, K]
-            if mask is not None:
-                score = mask_scores(score, mask, inplace=True)
-            prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
-            attn_vec = torch.matmul(prob, v)  # [B, H, T, Dh]
-        else:
-            # Inference (and training where fused): the shifted (b)+(d) term and the mask as SDPA's additive bias.
-            if bd is None:
-                bias = None if mask is None else mask_scores(q_w.new_zeros(mask.shape, dtype=torch.float32), mask)
-            elif mask is None:
-                bias = bd
-            elif not grad and bd.stride(-2) >= bd.shape[-1]:  # (no overlap: the shift of a padded row, or no shift)
-                bias = mask_scores_(bd, mask)  # [B, H, T, K], in place
-            else:
-                bias = mask_scores(bd, mask)  # [B, H, T, K]
-            bias = None if bias is None else bias.to(q_w.dtype)
-            attn_vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bias, scale=1.0)
-            prob = None
+        probabilities = need_weights or (self.training and self.dropatt.p > 0)
+        attn_vec, prob = attend(
+            q_w, k, v, lambda: self.explicit(q_w, k, v, bd, mask), lambda grad: self.bias(q_w, bd, mask, grad),
+            probabilities,
+        )  # fmt: skip
         return self.output(h, attn_vec.transpose(1, 2).reshape(B, T, -1)), prob
+
+    def explicit(
+        self, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The attention as the paper writes it: the scores, the mask, the softmax, the dropout of the probabilities,
+        the value sum. Returns the heads' values [B, H, T, Dh] and the probabilities [B, H, T, K]."""
+        ac = torch.matmul(q_w, k.transpose(-1, -2))  # (a)+(c), [B, H, T, K]
+        score = score_sum(ac, bd)  # + (b)+(d), [B, H, T, K]
+        if mask is not None:
+            score = mask_scores(score, mask, inplace=True)
+        prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
+        return torch.matmul(prob, v), prob  # [B, H, T, Dh]
+
+    @staticmethod
+    def bias(q_w: Tensor, bd: Tensor | None, mask: Tensor | None, grad: bool) -> Tensor | None:
+        """The shifted (b)+(d) term with the masked keys at -inf, as an additive bias of the scores ([B, H, T, K], or
+        [T, K] without bd; None: no term, no mask); in place where no gradient needs ``bd`` and its rows do not
+        overlap (the shift of a padded row, or no shift)."""
+        if bd is None:
+            return None if mask is None else mask_scores(q_w.new_zeros(mask.shape, dtype=torch.float32), mask)
+        if mask is None:
+            return bd
+        if not grad and bd.stride(-2) >= bd.shape[-1]:
+            return mask_scores_(bd, mask)  # [B, H, T, K], in place
+        return mask_scores(bd, mask)  # [B, H, T, K]
 
     def output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
         """W_o of the heads' values ``attn_vec`` [B, T, H*Dh], added to the residual ``h`` (then the layer norm

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import native
-from txl.kernels.backends import backends
 from txl.kernels.compiled import layer_call
+from txl.kernels.decode import native_loop, one_token_step
 from txl.kernels.dropout import Dropout
 from txl.kernels.linear import linear, rows_linear
 from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
@@ -237,22 +236,24 @@ class TransformerXL(TransformerXLPreTrainedModel):
         h = self.drop(word_emb)
 
         hids, attns = [h], []
-        if (
-            cache is not None
-            and T == 1
-            and backends().fast_decode
-            and cfg.attn_type == 0
-            and not (output_attentions or output_hidden_states)
-        ):
-            h = self._decode(h, pos, mask, cache)  # (the layers' own path below computes the same)
-            hids.append(h)
-        else:
+
+        def layers() -> Tensor:  # every layer's forward (the reference)
+            h = hids[0]
             for i, layer in enumerate(self.layers):
                 mem = mems[i] if mems else None
                 kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i)
                 h, prob = layer_call(layer, h, pos[i], mask, **kw)  # (the layer's forward, compiled where it pays)
                 hids.append(h)
                 attns.append(prob)
+            return h
+
+        one_token = cache is not None and T == 1 and cfg.attn_type == 0
+        h, looped = one_token_step(
+            one_token and not (output_attentions or output_hidden_states), layers,
+            lambda: self._decode(h, pos, mask, cache),  # (the same as layers(), one loop over their weights)
+        )  # fmt: skip
+        if looped:
+            hids.append(h)
         h = self.drop(h)
         hids[-1] = h
 
@@ -286,16 +287,19 @@ class TransformerXL(TransformerXLPreTrainedModel):
         of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
         EPYC (benchmarks/levers.py). The attention's own ``scores`` gives the queries and the (b)+(d) row, which for
         the single newest query needs no shift."""
-        B = h.shape[0]
         if cache.decode_plan is None or cache.decode_plan[0] is not self:
             cache.decode_plan = (self, [DecodeLayer.of(layer) for layer in self.layers], {})
         _, plan, kernel_state = cache.decode_plan
-        if (
-            backends().native_decode
-        ):  # the same loop in C, where it applies (fp32 on the CPU, a C compiler: txl.kernels.native)
-            out = native.decode_step(plan, (self.r_w_bias, self.r_r_bias), h, pos, mask, cache, kernel_state)
-            if out is not None:
-                return out
+        biases = (self.r_w_bias, self.r_r_bias)
+        # (the same loop in C where it applies: fp32 on the CPU, a C compiler; txl.kernels.decode)
+        loop = lambda: self._loop(plan, h, pos, mask, cache)  # noqa: E731
+        return native_loop(plan, biases, h, pos, mask, cache, kernel_state, loop)
+
+    def _loop(
+        self, plan: list[DecodeLayer], h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache
+    ) -> Tensor:
+        """:meth:`_decode`'s loop in Python."""
+        B = h.shape[0]
         product = rows_linear(h, plan[0].qkv.dtype)  # = linear(x, weight, bias), its checks made once per step
 
         for i, (lay, p) in enumerate(zip(plan, pos, strict=True)):

@@ -165,7 +165,8 @@ class Trainer(TrainingLoop):
         self.say = self.reporter.say
         self.precision, note = effective_precision(w.device, tc.precision)
         if note:
-            self.say(f"note: train.precision = bf16, but {note}")
+            self.say(f"note: train.precision = {tc.precision}: {note}" if tc.precision == "auto" else
+                     f"note: train.precision = bf16, but {note}")  # fmt: skip
         self.fp32_route: bool | None = None  # (CPU) fp32 GEMMs through oneDNN; saved with every checkpoint
         self.route: CheckedRoute | None = None  # (its checks, while fit() runs with the route)
         if w.device.type == "cpu":
