@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -377,3 +378,22 @@ def test_txl_data_get_sympy_refuses_another_archive(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["data", "get", "sympy", "--archive", str(tmp_path / "fake.tar.gz"), "--out", str(tmp_path / "o")])
     assert "does not match sympy-1.14.0.tar.gz" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_file_of_the_users_in_the_out_folder_is_never_replaced(tmp_path, monkeypatch, capsys):
+    """probes.md n37: `txl data get sympy --out DIR` over the user's own DIR/train.txt is refused before anything is
+    written (one line naming the file); a re-run over the corpus's own files is still fine."""
+    want = _fake_sympy(tmp_path / "fake.tar.gz")
+    monkeypatch.setattr(sources, "SYMPY_SHA256", {s: _sha(b) for s, b in want.items()})
+    monkeypatch.setattr(sources, "fetch_sdist", lambda req, arc, cache, log: tmp_path / "fake.tar.gz")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.txt").write_text("my precious notes")
+    with pytest.raises(SystemExit) as e:
+        main(["data", "get", "sympy", "--out", str(mine)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{mine / 'train.txt'}: the file exists" in err and err.count("\n") == 1, err
+    assert (mine / "train.txt").read_text() == "my precious notes" and sorted(os.listdir(mine)) == ["train.txt"]
+    get_dataset("sympy", tmp_path / "fresh", log=[].append)
+    again = sources._write_splits(tmp_path / "fake.tar.gz", tmp_path / "fresh", want, None)  # (its own files)
+    assert {s: p.read_bytes() for s, p in again.items()} == want

@@ -29,6 +29,8 @@ from txl.kernels import native
 from txl.kernels.backends import set_backends
 from txl.model.modeling import KVCache
 
+ROOT = Path(__file__).resolve().parents[1]
+
 needs_lib = pytest.mark.skipif(native.library() is None, reason=f"no native library: {native.status()}")
 
 SHAPES = {
@@ -240,6 +242,37 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.setattr(native, "_LIB", {})
     assert native.library() is not None and any(compiles)
     assert len(sorted(tmp_path.glob("txl-*.so"))) == 2
+
+
+@needs_lib
+def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path, monkeypatch):
+    """probes.md n85: a cached library cut short (a full disk, a copy interrupted) used to kill every command with
+    SIGBUS when loaded; its recorded sha256 no longer matches, so it is built again. Run in a child process: a
+    wrong load would kill it, not the test run."""
+    monkeypatch.setenv("TXL_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_LIB", {})
+    assert native.library() is not None
+    (built,) = tmp_path.glob("txl-*.so")
+    assert (tmp_path / f"{built.name}.sha256").is_file()
+    built.write_bytes(built.read_bytes()[:1000])
+    code = "from txl.kernels import native; print(native.status())"
+    env = {**os.environ, "TXL_NATIVE_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and ": on (" in done.stdout, (done.returncode, done.stdout, done.stderr[-500:])
+    assert built.stat().st_size > 1000  # (rebuilt whole)
+
+
+def test_a_build_in_a_temporary_folder_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """Where the cache cannot be written, the library is built in a temporary folder, which is removed once the
+    library is loaded (or the build failed): no txl-native-* folders pile up in $TMPDIR."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(native.tempfile, "tempdir", None)
+    monkeypatch.setattr(native, "cache_dir", lambda: Path("/proc/no-such-folder"))  # (cannot be created)
+    for cc in ("false", os.environ.get("CC") or "cc"):
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setattr(native, "_LIB", {})
+        native.library()
+        assert list(tmp_path.glob("txl-native-*")) == [], cc
 
 
 @needs_lib

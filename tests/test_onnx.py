@@ -98,3 +98,20 @@ def test_what_cannot_be_exported_is_one_error_naming_it(overrides, args, message
         main(["export", "onnx", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "m.onnx"), *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_an_existing_tokenizer_beside_the_output_is_not_replaced_without_overwrite(tmp_path, capsys):
+    """probes.md n50: --overwrite covers the .onnx file and its tokenizer beside it; without it, a file of the user's
+    at OUT.tokenizer.json is one error, and nothing is written."""
+    from txl.data import Tokenizer
+
+    model = tmp_path / "model"
+    TransformerXLLM(debug_config()).save_pretrained(model)
+    Tokenizer.bytes256().save(model / "tokenizer.json")
+    mine = tmp_path / "m.tokenizer.json"
+    mine.write_text("the user's own file")
+    with pytest.raises(SystemExit) as e:
+        main(["export", "onnx", "--model", str(model), "--out", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{mine}, which exists" in err and err.count("\n") == 1, err
+    assert mine.read_text() == "the user's own file" and not (tmp_path / "m.onnx").exists()

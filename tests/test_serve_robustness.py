@@ -51,6 +51,33 @@ def greedy(server, prompt: str, n: int) -> list[int]:
     return generate(server.model, ids, n, temperature=0.0)[0, ids.shape[1] :].tolist()
 
 
+def test_beam_search_and_the_library_follow_the_same_rule_for_bans(client, model):
+    """serve_attack.md: beam search used to answer 200 with banned tokens once the bans ruled out every token ("K"
+    121 times under no_repeat_ngram_size 1; logit_bias -100 on every token generated anyway). Now every mode gives
+    the same 400, through the server and in the library (NoTokenLeftError), and a ban that leaves some tokens is
+    obeyed by every beam."""
+    from txl.infer.generation import NoTokenLeftError, beam_search, stream
+
+    body = {"prompt": "ab cd", "max_new_tokens": 300, "no_repeat_ngram_size": 1, "num_beams": 3, "temperature": 0}
+    res = client.post("/v1/generate", json=body)
+    assert res.status_code == 400 and "no token is left for new token" in error_of(res), res.text
+    everything = {str(i): -100 for i in range(model.config.n_token)}  # (sv4: -100 on every token)
+    res = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 5, "logit_bias": everything})
+    assert res.status_code == 400 and "no token is left" in error_of(res), res.text
+    ids = torch.tensor([[1, 2]])
+    for run in (
+        lambda: beam_search(model, ids, 300, num_beams=3, penalties=Penalties(no_repeat_ngram_size=1), mem_len=16),
+        lambda: list(stream(model, ids, 300, temperature=0.0, penalties=Penalties(no_repeat_ngram_size=1), mem_len=16)),
+        lambda: list(stream(model, ids, 300, temperature=1.0, penalties=Penalties(no_repeat_ngram_size=1), mem_len=16)),
+    ):
+        with pytest.raises(NoTokenLeftError, match="no token is left"):
+            run()
+    n = model.config.n_token
+    out = beam_search(model, ids, n - 2, num_beams=3, penalties=Penalties(no_repeat_ngram_size=1), mem_len=16)
+    new = out[0, 2:].tolist()
+    assert len(new) == len(set(new)) and not {1, 2} & set(new)  # (every token once, the ban obeyed to the end)
+
+
 def test_penalties_that_leave_no_token_end_that_request_alone(client, model):
     """no_repeat_ngram_size 1 with sampling: once every symbol has occurred no token is left. That used to raise in
     the engine's thread, which died: the request and every later one hung while /health said ok. Now the request ends

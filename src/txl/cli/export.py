@@ -38,6 +38,12 @@ def export_onnx(
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
     tok = resolve_model_dir(model) / "tokenizer.json"
+    tok_out = Path(out).with_suffix(".tokenizer.json")
+    if tok.is_file() and tok_out.exists() and not overwrite:  # (checked before anything is written)
+        raise ValueError(
+            f"--out {out}: its tokenizer would be written to {tok_out}, which exists; give a new name, or "
+            "--overwrite true to replace both"
+        )
     # (a failed export leaves nothing at --out)
     needed = size_of(resolve_model_dir(model) / "model.safetensors")
     with staged_file(out, overwrite=overwrite, command="txl export", needed=needed) as staged:
@@ -46,7 +52,7 @@ def export_onnx(
             tolerance=tolerance,
         )  # fmt: skip
         if tok.is_file():
-            write_bytes(Path(out).with_suffix(".tokenizer.json"), tok.read_bytes())
+            write_bytes(tok_out, tok.read_bytes())
     print(
         f"exported {out} (opset {report.opset}); onnxruntime vs PyTorch on {report.checks} random inputs: "
         f"max |diff| {report.max_abs_diff:.2e} (tolerance {tolerance:g})"

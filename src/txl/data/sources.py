@@ -198,11 +198,17 @@ def _write_splits(
             got = hashlib.sha256(texts[s]).hexdigest()
             if got != expected[s]:
                 raise DataError(f"{archive}: the {s} split has sha256 {got}, expected {expected[s]}; nothing written")
+    paths = {s: out / f"{s}.txt" for s in SPLITS}
+    for s, path in paths.items():  # (files of the user's are never replaced: a re-run finds the same bytes)
+        if path.exists() and (not path.is_file() or path.stat().st_size != len(texts[s]) or
+                              path.read_bytes() != texts[s]):  # fmt: skip
+            raise DataError(
+                f"{path}: the file exists and is not this corpus's {s} split; nothing written. Give --out a new "
+                "folder, or move the file away"
+            )
     out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for s in SPLITS:
-        paths[s] = out / f"{s}.txt"
-        write_bytes(paths[s], texts[s])
+    for s, path in paths.items():
+        write_bytes(path, texts[s])
     return paths
 
 

@@ -36,6 +36,10 @@ def check_sampling(max_new_tokens: int = 0, temperature: float = 1.0, top_k: int
         raise ValueError(f"top_p = {top_p}: must be in (0, 1] (1 keeps every token)")
 
 
+BAN = -100.0
+"""A ``logit_bias`` of this or less bans its token (OpenAI's -100 "should result in a ban"): its score becomes -inf."""
+
+
 @dataclass(frozen=True)
 class Penalties:
     """What the history of a sequence does to its next token's scores (log-probabilities), before temperature and
@@ -103,6 +107,7 @@ class Penalties:
         if self.logit_bias:
             ids = torch.tensor([i for i, _ in self.logit_bias], device=scores.device)
             bias = torch.tensor([b for _, b in self.logit_bias], device=scores.device, dtype=scores.dtype)
+            bias = bias.masked_fill(bias <= BAN, float("-inf"))  # (-100: the token is banned, as OpenAI's is)
             scores = scores.index_add(1, ids, bias.expand(B, -1))
         return scores
 
@@ -121,6 +126,21 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
         drop[..., 0] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+class NoTokenLeftError(ValueError):
+    """The penalties (``no_repeat_ngram_size``, ``logit_bias``, ...) rule out every token of a row: greedy search,
+    sampling and beam search all refuse to go on (the server answers 400)."""
+
+
+def check_left(scores: Tensor, n: int) -> None:
+    """Raise :class:`NoTokenLeftError` where a row of ``scores`` [R, V] (after the penalties) has no finite entry
+    for new token ``n``."""
+    if not bool((scores > float("-inf")).any(-1).all()):
+        raise NoTokenLeftError(
+            f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) rule out every "
+            "one; ask for fewer tokens or relax them"
+        )
 
 
 def choose(
@@ -218,6 +238,8 @@ def stream(
                 if not bool(torch.isfinite(log_probs).all()):
                     raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
                 scores = log_probs if history is None else penalties.apply(log_probs, history, T, padding)
+                if history is not None:
+                    check_left(scores, i + 1)
                 nxt = choose(scores, temperature, top_k, top_p, generator)  # [B]
                 if len(stops):
                     nxt = nxt.masked_fill(done, pad_id)
@@ -322,11 +344,15 @@ def beam_steps(
 
             for step in range(max_new_tokens):
                 _, log_probs = model.crit(h, return_log_probs=True)  # [B * K, V]
+                if not bool(torch.isfinite(log_probs).all()):
+                    raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {step + 1}")
                 scores = F.log_softmax(log_probs.float(), dim=-1)  # (renormalised, as HF does with its logits)
                 if penalties.any:
                     scores = penalties.apply(scores, seq, T, pad)
                 V = scores.shape[-1]
                 total = (scores + beam_scores[:, None]).view(B, K * V)
+                live = torch.tensor([not d for d in done], device=dev)  # (a finished prompt's rows run on, unused)
+                check_left(total[live], step + 1)  # (every beam of a prompt banned: the same rule as sampling)
                 top_scores, top = total.topk(max(2, 1 + len(eos)) * K, dim=1)  # [B, 2K or more], best first
                 new_len = seq.shape[1] + 1 - T
                 rows, tokens, next_scores = [], [], []
@@ -338,6 +364,8 @@ def beam_steps(
                         continue
                     chosen = 0
                     for rank, (flat, value) in enumerate(zip(top[b].tolist(), top_scores[b].tolist(), strict=True)):
+                        if value == float("-inf"):  # (banned, or the continuation of a beam that ran out)
+                            break
                         row, token = b * K + flat // V, flat % V
                         if token in eos:
                             if rank < K:
@@ -349,6 +377,11 @@ def beam_steps(
                         chosen += 1
                         if chosen == K:
                             break
+                    first = len(rows) - chosen  # (fewer allowed continuations than beams: the others run out)
+                    for _ in range(K - chosen):
+                        rows.append(rows[first] if chosen else b * K)
+                        tokens.append(tokens[first] if chosen else fill)
+                        next_scores.append(float("-inf"))
                     if len(finished[b]) == K:
                         worst = min(s for s, _ in finished[b])
                         best = float(top_scores[b, 0]) / new_len**length_penalty

@@ -34,8 +34,12 @@ class _SoftmaxNLL(torch.autograd.Function):
 
 
 def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
-    """-log_softmax(x)[i, t_i] per row of ``x`` [N, V] (0 where t_i < 0), with its gradient."""
-    return _SoftmaxNLL.apply(x, target)
+    """-log_softmax(x)[i, t_i] per row of ``x`` [N, V] (0 where t_i < 0), with its gradient: by the native kernel
+    where it runs for ``x`` (fp32 on the CPU), else by log_softmax and gather (the reference)."""
+    if native.nll_applies(x):
+        return _SoftmaxNLL.apply(x, target)
+    valid = target >= 0
+    return -x.log_softmax(-1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
 
 
 def adaptive_nll(h: Tensor, reference: Callable[[], Tensor], per_cluster: Callable[[], Tensor]) -> Tensor:

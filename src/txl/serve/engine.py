@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from txl.infer.generation import Penalties, beam_steps, check_sampling, choose, stream
+from txl.infer.generation import NoTokenLeftError, Penalties, beam_steps, check_left, check_sampling, choose, stream
 from txl.kernels.runtime import fp32_route
 from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 
@@ -429,8 +429,9 @@ class Engine:
             pass
 
     def _fail(self, request: Generation, e: Exception) -> None:
-        """End one request with an error (the engine and the other requests go on)."""
-        status = e.status if isinstance(e, RequestError) else 500
+        """End one request with an error (the engine and the other requests go on): a :class:`RequestError`'s
+        status, 400 where the penalties leave no token (sampling and beam search alike), else 500."""
+        status = e.status if isinstance(e, RequestError) else 400 if isinstance(e, NoTokenLeftError) else 500
         self._finish(request, "error", str(e) or type(e).__name__, status)
 
     @property
@@ -463,11 +464,7 @@ class Engine:
                 [request.prompt_ids + request.output_ids], dtype=torch.long, device=self.device
             )  # [1, L]
             scores = request.penalties.apply(log_probs, history, len(request.prompt_ids))
-            if not bool((scores > float("-inf")).any()):
-                raise RequestError(
-                    f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) rule out "
-                    "every one; ask for fewer tokens or relax them", 400,
-                )  # fmt: skip
+            check_left(scores, n)  # (NoTokenLeftError: 400, the rule of every mode)
         token = choose(scores, request.temperature, request.top_k, request.top_p, request.generator)  # [1]
         if request.logprobs is not None:
             request.scores += token_scores(log_probs, token, request.logprobs)

@@ -150,6 +150,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.txl_nll_linear.restype = None
 
 
+def _verified(path: Path) -> bool:
+    """Whether the cached library ``path`` is there whole: its sha256 is the one recorded beside it at its build (a
+    truncated file would kill the process with SIGBUS when loaded)."""
+    try:
+        recorded = Path(f"{path}.sha256").read_text().strip()
+        return hashlib.sha256(path.read_bytes()).hexdigest() == recorded
+    except OSError:
+        return False
+
+
+def _remove_temporary(folder: Path, temporary: bool) -> None:
+    if temporary:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
     """Compile (or find) and load the library: (library, "" or why there is none, its path)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -165,10 +180,11 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
         key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
         name = f"txl-{platform.machine()}-{key.hexdigest()[:16]}.so"
         for folder in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
+            temporary = folder is None
             try:
-                folder = Path(tempfile.mkdtemp(prefix="txl-native-")) if folder is None else folder
+                folder = Path(tempfile.mkdtemp(prefix="txl-native-")) if temporary else folder
                 path = folder / name
-                if not path.exists():
+                if not _verified(path):  # (a missing, truncated or altered file is built again, not loaded)
                     folder.mkdir(parents=True, exist_ok=True)
                     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
                     os.close(fd)
@@ -177,12 +193,17 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
                     if done.returncode != 0:
                         os.unlink(tmp)
                         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
+                        _remove_temporary(folder, temporary)
                         break  # (the next flags)
+                    digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+                    Path(f"{path}.sha256").write_text(digest + "\n")  # (the same for a concurrent build)
                     os.replace(tmp, path)  # (atomic: a concurrent build of the same file gives the same bytes)
                 lib = ctypes.CDLL(str(path))
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{path}: {e}")
+                _remove_temporary(folder, temporary)
                 continue
+            _remove_temporary(folder, temporary)  # (a loaded library outlives its file)
             try:
                 _declare(lib)
             except AttributeError as e:  # (an inconsistent source tree: building again gives the same library)
