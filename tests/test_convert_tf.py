@@ -159,3 +159,17 @@ def test_tf_same_length_is_the_tf_codes_mask(qlen, mem_len):
     ids = torch.randint(0, cfg.n_token, (200,)).numpy()
     kw = dict(batch_size=2, tgt_len=qlen, mem_len=mem_len, zero_memory=True)
     assert evaluate(ours, ids, **kw).loss == pytest.approx(evaluate(ours, ids, cache=False, **kw).loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(8,), ()])
+def test_a_bias_of_the_wrong_rank_is_one_error(shape, monkeypatch, tmp_path, capsys):
+    """probes.md tf5/tf6: a 1-D or scalar r_w_bias in the file was an IndexError traceback."""
+    import txl.interop.convert_tf as convert_tf
+
+    variables = read_tf_checkpoint(TF / "adaptive" / "model") | {"transformer/r_w_bias": torch.zeros(shape)}
+    monkeypatch.setattr(convert_tf, "read_tf_checkpoint", lambda _: variables)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "tf", str(TF / "adaptive" / "model"), str(tmp_path / "out"), "--mem_len", "24"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"r_w_bias has shape {list(shape)}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

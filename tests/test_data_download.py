@@ -397,3 +397,13 @@ def test_a_file_of_the_users_in_the_out_folder_is_never_replaced(tmp_path, monke
     get_dataset("sympy", tmp_path / "fresh", log=[].append)
     again = sources._write_splits(tmp_path / "fake.tar.gz", tmp_path / "fresh", want, None)  # (its own files)
     assert {s: p.read_bytes() for s, p in again.items()} == want
+
+
+def test_an_archive_that_is_not_a_file_is_refused_at_once(tmp_path, capsys):
+    """probes.md n35: `txl data get sympy --archive /dev/zero` hashed the endless device forever."""
+    for bad in ("/dev/zero", str(tmp_path)):
+        with pytest.raises(SystemExit) as e:
+            main(["data", "get", "sympy", "--archive", bad, "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--archive {bad}: not a regular file" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()

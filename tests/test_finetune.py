@@ -257,3 +257,26 @@ def test_finetune_runs_on_the_training_loop_of_txl_train(lm, tmp_path, monkeypat
     err = capsys.readouterr().err
     assert "txl: training stopped: non-finite training loss (nan) at step 3" in err and "lower --lr" in err
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_a_damaged_record_and_an_empty_file_are_one_error_naming_the_file(lm, tmp_path, capsys):
+    """probes.md fr1 and pr3: a finetune.json that is not JSON, on a re-run or for txl predict, was a bare JSON error
+    naming no file; an empty file to predict was torch.cat's error. Both are one line naming the file."""
+    data = make_data(tmp_path / "data", "single")
+    run = tmp_path / "run"
+    main(args(lm, data, run, max_steps=4, checkpoint_interval=4, eval_interval=4))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "--model", str(run), "--file", str(empty)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{empty}: no texts to predict" in err and err.count("\n") == 1, err
+    record = run / "checkpoints" / "step-4" / "finetune.json"
+    record.write_text("garbage{")
+    for cmd in (args(lm, data, run, max_steps=8), ["predict", "--model", str(run), "--text", "ab cd"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{record}:1: invalid JSON" in err and err.count("\n") == 1, err
+    assert record.read_text() == "garbage{"

@@ -391,6 +391,13 @@ def test_sizes_beyond_the_machine_are_refused_before_allocation(tmp_path, capsys
     capsys.readouterr()
     err = fails(["eval", "--model", str(run), "--data", str(text), "--mem_len", "100000000"], capsys)
     assert "txl eval with mem_len 100,000,000" in err and "GiB of memory, more than the" in err
+    # probes.md u31: txl generate allocated its cache and died with a traceback after printing the prompt
+    err = fails(["generate", "--model", str(run), "--prompt", "ab", "--mem_len", "100000000"], capsys)
+    assert "txl generate with mem_len 100,000,000" in err and "GiB of memory, more than the" in err
+    # probes.md a7: txl attention sized its arrays by mem_len, not by the text, and ran for minutes
+    out = tmp_path / "att"
+    main(["attention", "--model", str(run), "--data", str(text), "--out", str(out), "--mem_len", "100000000"])
+    assert any(out.iterdir())
     args = train_args(tmp_path, "big", model__d_model=10_000_000, train__max_steps=1)
     err = fails(args, capsys)
     assert "parameters (fp32 weights, gradients and Adam's two moments) needs about" in err

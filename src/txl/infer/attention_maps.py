@@ -46,7 +46,7 @@ def attention_maps(
     model.eval()
     try:
         cfg = model.config
-        span = mem_len + tgt_len
+        span = min(mem_len, len(ids)) + tgt_len  # (no distance reaches past the text: a longer memory holds no more)
         total = np.zeros((cfg.n_layer, cfg.n_head, span), dtype=np.float64)
         counts = np.zeros(span, dtype=np.int64)
         t = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]  # [1, N]

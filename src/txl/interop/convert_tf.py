@@ -202,6 +202,11 @@ def convert_tf_checkpoint(
     d_model = int(qkv.shape[0])
     n_layer = 1 + max(int(k[len(T) :].split("/")[0].split("_")[1]) for k in tf if k.startswith(T + "layer_"))
     r_w_bias = _need(tf, T + "r_w_bias", source)
+    if r_w_bias.dim() not in (2, 3):  # (probes.md tf5/tf6: a 1-D or scalar bias was an IndexError)
+        raise CheckpointError(
+            f"{source}: {T}r_w_bias has shape {list(r_w_bias.shape)}; the TF code's is [n_head, d_head] (or "
+            "[n_layer, n_head, d_head] with untie_r)"
+        )
     untie_r = r_w_bias.dim() == 3
     fields, tensors = _adaptive(tf, d_model, source)
     tensors |= _layers(tf, n_layer, untie_r, source)

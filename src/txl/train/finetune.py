@@ -34,6 +34,7 @@ from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, 
 from txl.train.loop import TrainingLoop
 from txl.util.distributed import World
 from txl.util.fileio import write_bytes
+from txl.util.folders import CheckpointError, read_json
 from txl.util.metrics import Reporter, truncate_metrics
 
 Task = Literal["single", "multi", "regression"]
@@ -374,7 +375,7 @@ def _resumable(checkpoint: Path, cfg: FinetuneConfig, data_sha256: dict[str, str
             f"{checkpoint}: no {FINETUNE_CONFIG} (a checkpoint of another command than txl finetune); choose another "
             "--run_dir"
         )
-    saved = json.loads(record.read_text())
+    saved = _record(record)
     changed = [f"{k}: run {saved[k]!r}, now {getattr(cfg, k)!r}" for k in RESUME_FIXED
                if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
     if changed:
@@ -556,12 +557,22 @@ class Finetuner(TrainingLoop):
         return path
 
 
+def _record(path: Path) -> dict[str, Any]:
+    """A run's finetune.json, or one error naming the file (probes.md fr1: a damaged one was a bare JSON error)."""
+    try:
+        return read_json(path)
+    except CheckpointError as e:
+        raise FinetuneError(
+            f"{e}; the fine-tuning record of this run is damaged: restore it, or choose another run"
+        ) from None
+
+
 def load_classifier(path: str | Path) -> tuple[TransformerXLForSequenceClassification, Any, FinetuneConfig, dict]:
     """A fine-tuned run or checkpoint: (model, tokenizer, its configuration, finetune.json)."""
     folder = resolve_model_dir(path)
     if not (folder / FINETUNE_CONFIG).is_file():
         raise FinetuneError(f"{folder}: not a fine-tuned classifier (no {FINETUNE_CONFIG}); use txl finetune first")
-    record = json.loads((folder / FINETUNE_CONFIG).read_text())
+    record = _record(folder / FINETUNE_CONFIG)
     fields = {k: v for k, v in record.items() if k in FinetuneConfig.__dataclass_fields__}
     model = TransformerXLForSequenceClassification.from_pretrained(folder).eval()
     tok_file = folder / "tokenizer.json"
@@ -580,6 +591,8 @@ def predict_labelled(path: str | Path, file: str | Path) -> tuple[list[dict[str,
     label too, the metrics of fine-tuning's validation on them (accuracy and F1, or MSE)."""
     file = Path(file)
     rows = _rows(file, columns=("text",))
+    if not rows:  # (probes.md pr3)
+        raise FinetuneError(f"{file}: no texts to predict")
     where = [f"{file}: line {n}" for n, _ in rows]
     for (_, row), at in zip(rows, where, strict=True):
         if not isinstance(row.get("text"), str) or not row["text"].strip():
@@ -596,6 +609,8 @@ def predict_labelled(path: str | Path, file: str | Path) -> tuple[list[dict[str,
 
 
 def _classify(path, texts: list[str], where: list[str] | None) -> tuple[FinetuneConfig, torch.Tensor, list[str]]:
+    if not texts:  # (probes.md pr3: an empty file was torch.cat's error)
+        raise FinetuneError(f"{where[0] if where else 'texts'}: no texts to predict")
     model, tok, cfg, record = load_classifier(path)
     docs = []
     for i, t in enumerate(texts):

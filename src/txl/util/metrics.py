@@ -15,16 +15,21 @@ METRICS = "metrics.jsonl"
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of ``RUN/metrics.jsonl`` (a torn last line, from a killed process, is skipped)."""
+    """The rows of ``RUN/metrics.jsonl``: JSON objects with an integer ``step``. A line that is not one (a torn last
+    line from a killed process, an edit gone wrong: ``{}``, ``5``, text that is not UTF-8) is skipped, so that the
+    rows around it still resume, plot and compare."""
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            rows.append(row)
     return rows
 
 
