@@ -280,3 +280,17 @@ def test_a_damaged_record_and_an_empty_file_are_one_error_naming_the_file(lm, tm
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"{record}:1: invalid JSON" in err and err.count("\n") == 1, err
     assert record.read_text() == "garbage{"
+
+
+def test_a_whole_number_written_with_a_decimal_point_is_one_class_with_it(tmp_path):
+    """probes.md fc: a CSV column of labels 0, 1 and 1.0 (as pandas writes an integer column with a gap) made three
+    classes; '1' and '1.0' are one class now, as JSON's 1 and 1.0 are, in single- and multi-label files."""
+    from txl.data import Tokenizer
+    from txl.train.finetune import read_split
+
+    (tmp_path / "a.csv").write_text('text,label\n"ab cd",0\n"ef gh",1\n"ij kl",1.0\n"mn op",yes\n')
+    labels = [e.label for e in read_split(tmp_path / "a.csv", "single", Tokenizer.bytes256(), 64)]
+    assert labels == ["0", "1", "1", "yes"]
+    (tmp_path / "b.csv").write_text('text,label\n"ab cd",1.0|2\n"ef gh",1|2.00\n')
+    labels = [e.label for e in read_split(tmp_path / "b.csv", "multi", Tokenizer.bytes256(), 64)]
+    assert labels == [["1", "2"], ["1", "2"]]

@@ -5,6 +5,7 @@ checkpoint nor the metrics are lost: the run resumes to the same losses and weig
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -218,3 +219,27 @@ def test_a_metrics_line_that_is_not_a_row_does_not_stop_a_resume(tmp_path, garba
     steps = [r["step"] for r in read_metrics(run) if r.get("split") == "train"]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) and set(before) <= set(range(0, 7))
     assert list_checkpoints(run)[-1][0] == 6
+
+
+def test_a_bit_flipped_in_a_checkpoint_is_found_before_a_resume_trains_on_it(tmp_path, capsys):
+    """probes.md n57: a bit flipped inside the weights of a checkpoint resumed and trained on silently. Each
+    checkpoint records the sha256 of its files in metadata.json; a resume verifies them first: one error naming the
+    file and the checkpoint before it, and the run folder as it was."""
+    from train_helpers import run_inprocess
+    from txl.cli import main
+
+    run = run_inprocess(tmp_path, train__max_steps=4, train__eval_interval=0, train__checkpoint_interval=2)
+    last = run / "checkpoints" / "step-4"
+    recorded = json.loads((last / "metadata.json").read_text())["sha256"]
+    assert recorded.keys() == {"model.safetensors", "train_state-rank0.pt"}
+    weights = last / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1000] ^= 0b100
+    weights.write_bytes(bytes(data))
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", str(run), "--train.max_steps", "6"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{weights}: its sha256 differs" in err and "--resume" in err and "step-2" in err, err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before

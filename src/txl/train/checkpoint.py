@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from txl.config import RUN_CONFIG, RunConfig, read_run_config  # noqa: F401  (re-exported)
+from txl.data.download import sha256_file
 from txl.util.distributed import World, barrier
 from txl.util.fileio import FolderInUse, FolderLock, fsync_dir, save_torch, write_bytes
 from txl.util.folders import (  # noqa: F401  (re-exported: where a model is found lives in the bottom layer)
@@ -118,6 +119,7 @@ def save_checkpoint(
             model.save_pretrained(tmp)
             write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
             write_bytes(tmp / config_name, _json_bytes(run_config))
+            metadata = {**metadata, CHECKSUMS: _checksums(tmp)}  # (weights and states; resume verifies them)
             write_bytes(tmp / METADATA, _json_bytes(metadata))
             _write_marker(tmp, step)
             if final.exists():  # the same step saved again (a resumed run stopping where it started)
@@ -192,8 +194,39 @@ def supersede_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
     return moved
 
 
+CHECKSUMS = "sha256"
+"""The key of ``metadata.json`` that records the sha256 of the checkpoint's weights and training states, written
+with it and verified when a run resumes from it."""
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    """The sha256 of the checkpoint's binary files: the weights and every process's training state (the JSON files
+    are checked by reading them, and may be edited: a run's settings, a tokenizer's symbols)."""
+    files = [p for p in sorted(folder.iterdir()) if p.suffix in (".safetensors", ".pt") and p.is_file()]
+    return {p.name: sha256_file(p) for p in files}
+
+
+def verify_checksums(folder: Path) -> None:
+    """Check the files of checkpoint ``folder`` against the sha256 its metadata recorded (a checkpoint written before
+    they were recorded has none: nothing to check). A damaged file is one error naming it (probes.md n57: a flipped
+    bit in the weights trained on silently)."""
+    recorded = read_metadata(folder).get(CHECKSUMS)
+    if not isinstance(recorded, dict):
+        return
+    for name, digest in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint recorded it)")
+        if sha256_file(path) != digest:
+            raise CheckpointError(
+                f"{path}: its sha256 differs from the one recorded when the checkpoint was written ({METADATA}): "
+                "the file is damaged"
+            )
+
+
 def load_states(folder: Path) -> list[dict[str, Any]]:
-    """Every process's training state of a checkpoint, rank 0 first."""
+    """Every process's training state of a checkpoint, rank 0 first (a resume then calls :func:`verify_checksums`:
+    a file that cannot be read at all is named as such first)."""
     files = sorted(folder.glob("train_state-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
     if not files:
         raise CheckpointError(f"{folder}: no training state (train_state-rank*.pt): a model folder, not a checkpoint")

@@ -19,6 +19,7 @@ import csv
 import json
 import math
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
-from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint
+from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint, verify_checksums
 from txl.train.loop import TrainingLoop
 from txl.util.distributed import World
 from txl.util.fileio import write_bytes
@@ -194,10 +195,21 @@ def _parse_label(raw: Any, task: Task, where: str, csv_file: bool) -> Any:
         names = raw.split("|") if csv_file and isinstance(raw, str) else raw
         if isinstance(names, str) or not isinstance(names, list) or not all(isinstance(x, str | int) for x in names):
             raise FinetuneError(f"{where}: label {raw!r}: task multi needs a list of class names")
-        return sorted({str(x).strip() for x in names})
+        return sorted({_class_name(str(x)) for x in names})
     if isinstance(raw, list | dict | float) and not (isinstance(raw, float) and raw.is_integer()):
         raise FinetuneError(f"{where}: label {raw!r}: task single needs one class name")
-    return str(int(raw) if isinstance(raw, float) else raw).strip()
+    return _class_name(str(int(raw) if isinstance(raw, float) else raw))
+
+
+_INTEGRAL = re.compile(r"[+-]?\d+\.0*")
+
+
+def _class_name(name: str) -> str:
+    """A class name as written, except a whole number written with a decimal point ("1.0", as pandas writes an
+    integer column that had a gap): the number ("1"), so that "1" and "1.0" are one class (probes.md fc), as JSON's
+    1 and 1.0 already are."""
+    name = name.strip()
+    return str(int(float(name))) if _INTEGRAL.fullmatch(name) else name
 
 
 def read_split(path: Path, task: Task, tokenizer, max_tokens: int) -> list[Example]:
@@ -436,6 +448,7 @@ class Finetuner(TrainingLoop):
         random.seed(cfg.seed)
         if resume is not None:
             model = TransformerXLForSequenceClassification.from_pretrained(resume)
+            verify_checksums(resume)  # (a file that reads but was damaged: one error naming it)
         else:
             lm_cfg = TransformerXLConfig.from_dict(
                 {

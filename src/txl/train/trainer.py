@@ -52,6 +52,7 @@ from txl.train.checkpoint import (
     resolve_model_dir,
     save_checkpoint,
     supersede_later_checkpoints,
+    verify_checksums,
 )
 from txl.train.loop import TrainingError, TrainingLoop  # noqa: F401  (TrainingError: re-exported)
 from txl.train.optim import build_optimizer, lr_at, set_lr
@@ -363,7 +364,9 @@ class Trainer(TrainingLoop):
         w, tc = self.world, self.tc
         states = load_states(folder)
         mine = states[w.rank] if w.rank < len(states) else states[0]
-        load_weights(self.model, read_safetensors(folder / "model.safetensors"), str(folder / "model.safetensors"))
+        weights = read_safetensors(folder / "model.safetensors")
+        verify_checksums(folder)  # (a file that reads but was damaged: probes.md n57)
+        load_weights(self.model, weights, str(folder / "model.safetensors"))
         self.optimizer.load_state_dict(mine["optimizer"])
         self.scaler.load_state_dict(mine["scaler"])
         self.train_iter.load_state_dict(mine["iterator"])
