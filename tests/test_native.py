@@ -254,7 +254,9 @@ def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path, monkeypa
     assert native.library() is not None
     (built,) = tmp_path.glob("txl-*.so")
     assert (tmp_path / f"{built.name}.sha256").is_file()
-    built.write_bytes(built.read_bytes()[:1000])
+    cut = tmp_path / "cut.so"  # (a new file in its place: this process has the old one mapped, and cutting a
+    cut.write_bytes(built.read_bytes()[:1000])  # mapped file short would raise SIGBUS here, later)
+    os.replace(cut, built)
     code = "from txl.kernels import native; print(native.status())"
     env = {**os.environ, "TXL_NATIVE_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
