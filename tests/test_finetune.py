@@ -294,3 +294,28 @@ def test_a_whole_number_written_with_a_decimal_point_is_one_class_with_it(tmp_pa
     (tmp_path / "b.csv").write_text('text,label\n"ab cd",1.0|2\n"ef gh",1|2.00\n')
     labels = [e.label for e in read_split(tmp_path / "b.csv", "multi", Tokenizer.bytes256(), 64)]
     assert labels == [["1", "2"], ["1", "2"]]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_and_the_last_one_is_kept(lm, tmp_path, monkeypatch, capsys):
+    """Review residue of issue 47: Finetuner.save lacked Trainer.save's handling of a full disk (a traceback); it is
+    txl train's one line now, naming the folder and the complete checkpoint that is kept."""
+    import txl.train.finetune as ft
+
+    data = make_data(tmp_path / "data", "single")
+    real, calls = ft.save_checkpoint, []
+
+    def full_disk(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device", str(tmp_path / "run" / "checkpoints" / ".step-8.partial"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ft, "save_checkpoint", full_disk)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args(lm, data, tmp_path / "run", max_steps=8, checkpoint_interval=4, eval_interval=4))
+    err = capsys.readouterr().err
+    kept = tmp_path / "run" / "checkpoints" / "step-4"
+    assert e.value.code != 0 and "could not write checkpoint step-8" in err and "No space left on device" in err
+    assert f"the last complete checkpoint, {kept}, is intact" in err and "Traceback" not in err, err
+    assert kept.is_dir()

@@ -243,3 +243,21 @@ def test_a_bit_flipped_in_a_checkpoint_is_found_before_a_resume_trains_on_it(tmp
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{weights}: its sha256 differs" in err and "--resume" in err and "step-2" in err, err
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
+def test_a_run_inside_another_runs_checkpoint_is_refused(tmp_path, capsys):
+    """probes.md n69: `--run_dir runs/nest/checkpoints/step-60` started a run there, and the outer run's retention
+    later deleted it with step-60. Such a folder is refused before anything is written."""
+    from train_helpers import run_inprocess
+    from txl.cli import main
+
+    outer = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
+    step = outer / "checkpoints" / "step-2"
+    before = sorted(str(p) for p in step.rglob("*"))
+    capsys.readouterr()
+    for inner in (step, step / "deeper"):
+        with pytest.raises(SystemExit) as e:
+            main(train_args(tmp_path, str(inner), train__max_steps=2))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"inside {step}, a checkpoint of another run" in err and err.count("\n") == 1, err
+    assert sorted(str(p) for p in step.rglob("*")) == before

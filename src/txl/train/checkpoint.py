@@ -246,6 +246,12 @@ class RunLock(FolderLock):
     ``txl finetune``); a second command on the folder stops with a :class:`CheckpointError`."""
 
     def __init__(self, run_dir: Path, command: str = "txl train") -> None:
+        for folder in (Path(run_dir).resolve(), *Path(run_dir).resolve().parents):  # (probes.md n69)
+            if folder.parent.name == "checkpoints" and _STEP.match(folder.name):
+                raise CheckpointError(
+                    f"{run_dir}: inside {folder}, a checkpoint of another run, whose retention would delete this run "
+                    "with it; choose a --run_dir outside it"
+                )
         try:
             super().__init__(run_dir, command)
         except FolderInUse as e:

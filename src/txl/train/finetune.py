@@ -484,6 +484,7 @@ class Finetuner(TrainingLoop):
             "the weights were not updated; run the same command again (it resumes from the last checkpoint) "
             "with a lower --lr"
         )
+        self.resume_hint = "run the same command again (it resumes from the last checkpoint)"
         self.epoch = self.position = 0
         if resume is not None:
             state = torch.load(resume / "train_state-rank0.pt", map_location="cpu", weights_only=True)
@@ -560,12 +561,15 @@ class Finetuner(TrainingLoop):
             "elapsed": self.elapsed,
         }  # fmt: skip
         valid = self.last_valid if self.last_eval_step == self.step else None
-        path = save_checkpoint(
-            self.world, self.run_dir, self.step, model=self.model, state=state, tokenizer_file=self.tok_file,
-            run_config=self.record, metadata={"step": self.step, "valid_loss": valid, "best_step": self.best_step},
-            keep_last=self.cfg.keep_last, keep_steps={self.best_step} if self.best_step is not None else set(),
-            config_name=FINETUNE_CONFIG,
-        )  # fmt: skip
+        try:
+            path = save_checkpoint(
+                self.world, self.run_dir, self.step, model=self.model, state=state, tokenizer_file=self.tok_file,
+                run_config=self.record, metadata={"step": self.step, "valid_loss": valid, "best_step": self.best_step},
+                keep_last=self.cfg.keep_last, keep_steps={self.best_step} if self.best_step is not None else set(),
+                config_name=FINETUNE_CONFIG,
+            )  # fmt: skip
+        except OSError as e:  # (as txl train: one line, the last complete checkpoint kept)
+            raise self.checkpoint_error(e) from None
         self.last_saved = self.step
         return path
 

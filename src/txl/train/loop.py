@@ -50,6 +50,8 @@ class TrainingLoop:
     clip: float = 0.0
     retry_hint: str = "the weights were not updated"
     """What the user can do after a non-finite loss or gradient (the subclass names its own options)."""
+    resume_hint: str = "resume with --resume auto"
+    """How the user goes on after a checkpoint could not be written."""
 
     def start_loop(self) -> None:
         """The loop's counters (a resumed run then sets ``step``, ``elapsed`` and the best validation)."""
@@ -93,6 +95,17 @@ class TrainingLoop:
 
     def after_step(self, loss: float, norm: float, seconds: float) -> None:
         """Accounting and logging after step ``self.step``."""
+
+    def checkpoint_error(self, e: OSError) -> TrainingError:
+        """The one-line error of a checkpoint that could not be written (a full disk, a read-only folder): what
+        failed, that the last complete checkpoint is intact, and how to go on."""
+        last = self.latest()
+        cause = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        kept = f"the last complete checkpoint, {last}, is intact" if last else "no complete checkpoint exists yet"
+        return TrainingError(
+            f"could not write checkpoint step-{self.step} in {self.run_dir / 'checkpoints'} ({cause}); {kept}. "
+            f"Free space or fix the folder's permissions, then {self.resume_hint}"
+        )
 
     # -- one update -----------------------------------------------------------------------------------------------
 

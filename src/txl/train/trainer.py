@@ -532,13 +532,7 @@ class Trainer(TrainingLoop):
                 keep_steps=keep,
             )
         except OSError as e:
-            last = latest_checkpoint(self.run_dir)
-            cause = f"{e.filename}: {e.strerror}" if e.filename else str(e)
-            kept = f"the last complete checkpoint, {last}, is intact" if last else "no complete checkpoint exists yet"
-            raise TrainingError(
-                f"could not write checkpoint step-{self.step} in {self.run_dir / 'checkpoints'} ({cause}); {kept}. "
-                "Free space or fix the folder's permissions, then resume with --resume auto"
-            ) from None
+            raise self.checkpoint_error(e) from None
         self.last_saved = self.step
         return path
 
