@@ -319,3 +319,28 @@ def test_a_checkpoint_that_cannot_be_written_is_one_error_and_the_last_one_is_ke
     assert e.value.code != 0 and "could not write checkpoint step-8" in err and "No space left on device" in err
     assert f"the last complete checkpoint, {kept}, is intact" in err and "Traceback" not in err, err
     assert kept.is_dir()
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "word"])
+def test_only_the_kept_tokens_of_a_long_text_are_encoded(kind, monkeypatch):
+    """probes.md fbig: a 110 MB text was encoded whole (2.5 GB) before being cut to max_tokens. Only a prefix is
+    encoded now, and the tokens kept are exactly the whole text's first max_tokens."""
+    import random
+
+    from txl.data import Tokenizer
+    from txl.train.finetune import encode_prefix
+
+    rng = random.Random(kind)
+    words = ["ab", "cde", "f", "gh ij", "klmno", "pq\n", "rs"]
+    text = " ".join(rng.choice(words) for _ in range(50_000))
+    if kind == "word":
+        tok = Tokenizer("word", sorted({w for line in text.split("\n") for w in line.split()}))
+    else:
+        tok = Tokenizer.bytes256() if kind == "byte" else Tokenizer("char", sorted(set(text)))
+    full = tok.encode(text)
+    seen = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda t, **k: seen.append(len(t)) or real(t, **k), raising=False)
+    for n in (1, 7, 100, 3_000):
+        assert encode_prefix(tok, text, n) == full[:n]
+    assert max(seen) < len(text) // 5  # (prefixes, never the whole text)
