@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from _report import replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
-from txl.kernels.backends import Backends, set_backends, use_backends
+from txl.kernels.backends import Backends, use_backends
 from txl.model.modeling import KVCache
 from txl.model.pretrained import load_weights
 
@@ -265,7 +265,6 @@ def run_config(name, args, device, peaks, rows, log) -> None:
         model = hf if impl == "hf" else copy.deepcopy(base)
         try:
             with use_backends(POLICIES.get(impl, POLICIES["txl"])):
-                set_backends(POLICIES.get(impl, POLICIES["txl"]))
                 tr = Trainer("hf" if impl == "hf" else "txl", model, stream, T, M, precision, device)
                 times = timed(tr.step, args.warmup, args.steps, device)
                 flops = count_flops(lambda tr=tr: tr.forward().backward()) if impl != "hf" else None
@@ -280,8 +279,6 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 raise
             log(f"{name} train-{precision} hf: {str(e).splitlines()[0]}")
             continue
-        finally:
-            set_backends(Backends())
         tok = B * T / statistics.median(times)
         mfu = flops / statistics.median(times) / peaks[precision] if flops else None
         row = dict(config=name, case=f"train-{precision}", impl=impl, tokens_per_s=tok, mfu=mfu,
@@ -332,7 +329,6 @@ def track(name, args, device, log) -> dict:
         impl, precision = variant.split(":")
         model = copy.deepcopy(base)
         with use_backends(POLICIES[impl]):
-            set_backends(POLICIES[impl])
             torch.manual_seed(2)
             tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
             t0 = time.perf_counter()
@@ -341,7 +337,6 @@ def track(name, args, device, log) -> dict:
                 + " ".join(f"{x:.3f}" for x in curves[variant][:6]) + "; gradient norms "
                 + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
             firsts[variant] = tr.first
-        set_backends(Backends())
         del tr, model
     w = min(20, args.track)
     ma = {k: [statistics.fmean(v[i - w : i]) for i in range(w, len(v) + 1)] for k, v in curves.items()}

@@ -16,13 +16,11 @@ from txl.kernels import native
 from txl.kernels.backends import backends
 
 
-def one_token_step(applies: bool, layers: Callable[[], Tensor], loop: Callable[[], Tensor]) -> tuple[Tensor, bool]:
+def one_token_step(applies: bool, layers: Callable[[], Tensor], loop: Callable[[], Tensor]) -> Tensor:
     """Every layer for one new position: ``loop()`` where the one-token loop ``applies`` (a cached step of one token
     of attn_type 0, no per-layer outputs asked for) and ``Backends.fast_decode`` is on, else ``layers()`` (the
-    layers' forward). Returns the output and whether the loop ran (the layers' path also gives per-layer outputs)."""
-    if applies and backends().fast_decode:
-        return loop(), True
-    return layers(), False
+    layers' forward)."""
+    return loop() if applies and backends().fast_decode else layers()
 
 
 def native_loop(

@@ -247,13 +247,12 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 attns.append(prob)
             return h
 
+        def loop() -> Tensor:  # the same as layers(), as one loop over their weights
+            hids.append(self._decode(hids[0], pos, mask, cache))
+            return hids[-1]
+
         one_token = cache is not None and T == 1 and cfg.attn_type == 0
-        h, looped = one_token_step(
-            one_token and not (output_attentions or output_hidden_states), layers,
-            lambda: self._decode(h, pos, mask, cache),  # (the same as layers(), one loop over their weights)
-        )  # fmt: skip
-        if looped:
-            hids.append(h)
+        h = one_token_step(one_token and not (output_attentions or output_hidden_states), layers, loop)
         h = self.drop(h)
         hids[-1] = h
 

@@ -160,11 +160,6 @@ def _verified(path: Path) -> bool:
         return False
 
 
-def _remove_temporary(folder: Path, temporary: bool) -> None:
-    if temporary:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
     """Compile (or find) and load the library: (library, "" or why there is none, its path)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -179,10 +174,12 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
     for flags in _flag_sets():
         key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_flags().encode(), " ".join(flags).encode()]))
         name = f"txl-{platform.machine()}-{key.hexdigest()[:16]}.so"
-        for folder in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
-            temporary = folder is None
+        for cached in (cache_dir(), None):  # (a temporary folder where the cache cannot be written)
+            temporary = None
             try:
-                folder = Path(tempfile.mkdtemp(prefix="txl-native-")) if temporary else folder
+                if cached is None:
+                    temporary = Path(tempfile.mkdtemp(prefix="txl-native-"))
+                folder = cached or temporary
                 path = folder / name
                 if not _verified(path):  # (a missing, truncated or altered file is built again, not loaded)
                     folder.mkdir(parents=True, exist_ok=True)
@@ -193,7 +190,6 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
                     if done.returncode != 0:
                         os.unlink(tmp)
                         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
-                        _remove_temporary(folder, temporary)
                         break  # (the next flags)
                     digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
                     Path(f"{path}.sha256").write_text(digest + "\n")  # (the same for a concurrent build)
@@ -201,9 +197,10 @@ def _build() -> tuple[ctypes.CDLL | None, str, Path | None]:
                 lib = ctypes.CDLL(str(path))
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{path}: {e}")
-                _remove_temporary(folder, temporary)
                 continue
-            _remove_temporary(folder, temporary)  # (a loaded library outlives its file)
+            finally:  # (a temporary folder goes whatever happened: a loaded library outlives its file)
+                if temporary is not None:
+                    shutil.rmtree(temporary, ignore_errors=True)
             try:
                 _declare(lib)
             except AttributeError as e:  # (an inconsistent source tree: building again gives the same library)
