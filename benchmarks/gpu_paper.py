@@ -43,7 +43,7 @@ from _report import replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.kernels.backends import Backends, use_backends
-from txl.model.modeling import KVCache
+from txl.model.modeling import KVCache, transposed_weights
 from txl.model.pretrained import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +81,15 @@ CONFIGS = {
 }  # fmt: skip
 EVAL = dict(tgt=64, mem=640, clamp_len=400, same_length=True)
 NVIDIA = {"train": 59_961, "eval": 107_082}  # A100 40GB, AMP, batch 32 (their README)
+EVAL_IMPLS = ("txl", "txl-no-graphs", "txl-eager", "hf")
 
 FALSE = {f.name: (() if isinstance(f.default, tuple) else False) for f in dataclasses.fields(Backends)}
 POLICIES = {
     "txl": Backends(),
-    "txl-eager": dataclasses.replace(Backends(), compiled_layers=(), half_precision_logits=()),
+    "txl-eager": dataclasses.replace(Backends(), compiled_layers=(), half_precision_logits=(), graph_segments=()),
     "txl-fp32-logits": dataclasses.replace(Backends(), half_precision_logits=()),
     "txl-half-logits": dataclasses.replace(Backends(), compiled_layers=()),
+    "txl-no-graphs": dataclasses.replace(Backends(), graph_segments=()),
     "txl-reference": Backends(**FALSE),
 }
 
@@ -189,6 +191,7 @@ class Evaluator:
             impl, model, stream, precision, device, 0,
         )  # fmt: skip
         model.eval()
+        self.losses: list[float] = []
         e = EVAL
         if impl == "hf":
             model.reset_memory_length(e["mem"])
@@ -197,6 +200,9 @@ class Evaluator:
         else:
             dtype = torch.bfloat16 if precision == "bf16" else torch.float32
             self.cache = KVCache(model.config, batch, e["mem"], e["tgt"], device=device, dtype=dtype)
+        # (the inference scope that txl.evaluate opens for a whole evaluation: copies of fixed weights may be kept)
+        self.scope = contextlib.ExitStack()
+        self.scope.enter_context(transposed_weights())
 
     def step(self) -> float:
         t = EVAL["tgt"]
@@ -212,7 +218,8 @@ class Evaluator:
                 out = self.model(
                     x, y, cache=self.cache, mem_len=e["mem"], clamp_len=e["clamp_len"], same_length=e["same_length"]
                 )
-        return float(out.loss)
+        self.losses.append(float(out.loss))
+        return self.losses[-1]
 
 
 def timed(fn, warmup: int, steps: int, device: torch.device) -> list[float]:
@@ -255,11 +262,12 @@ def peak_gib(device) -> float | None:
 def run_config(name, args, device, peaks, rows, log) -> None:
     c = CONFIGS[name]
     B, T, M = c["batch"], c["tgt"], c["mem"]
-    need = max(T, EVAL["tgt"]) * (args.warmup + args.steps + 2) + 1
+    need = max(T * (args.warmup + args.steps), EVAL["tgt"] * (args.eval_warmup + args.steps)) + 2 * max(T, 64) + 1
     stream = zipf_stream(c["hf"]["vocab_size"], B, need).to(device)
     base, hf = build(name, device, args.hf)
     impls = [(p, impl) for p in args.precisions for impl in args.impls if impl != "hf"]
     impls += [(p, "hf") for p in args.precisions if hf is not None and "hf" in args.impls]
+    impls = impls if "train" in args.cases else []
     for precision, impl in impls:
         memory_reset(device)
         model = hf if impl == "hf" else copy.deepcopy(base)
@@ -269,7 +277,7 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 times = timed(tr.step, args.warmup, args.steps, device)
                 flops = count_flops(lambda tr=tr: tr.forward().backward()) if impl != "hf" else None
                 if args.profile and precision == "bf16" and impl in ("txl", "txl-eager"):
-                    profile(tr, f"{name}-{impl}", args.profile, log)
+                    profile(tr.step, device, f"{name}-{impl}", args.profile, log)
             tr.opt.zero_grad(set_to_none=True)
         except torch.OutOfMemoryError:
             log(f"{name} train-{precision} {impl}: out of memory")
@@ -289,15 +297,21 @@ def run_config(name, args, device, peaks, rows, log) -> None:
         del tr
         if impl != "hf":
             del model
-    for precision, impl in [(p, i) for p in args.precisions for i in ("txl", "hf") if i in args.impls]:
+    evals = [(p, i) for p in args.precisions for i in EVAL_IMPLS if i in args.impls and "eval" in args.cases]
+    losses = {}
+    for precision, impl in evals:
         if impl == "hf" and hf is None:
             continue
         memory_reset(device)
         model = hf if impl == "hf" else copy.deepcopy(base)
         try:
-            ev = Evaluator(impl, model, stream, B, precision, device)
-            times = timed(ev.step, args.warmup, args.steps, device)
-            flops = count_flops(ev.step) if impl != "hf" else None
+            with use_backends(POLICIES.get(impl, POLICIES["txl"])):
+                ev = Evaluator(impl, model, stream, B, precision, device)
+                times = timed(ev.step, args.eval_warmup, args.steps, device)
+                losses[precision, impl] = ev.losses
+                flops = count_flops(ev.step) if impl != "hf" else None
+                if args.profile and precision == "bf16" and impl in ("txl", "txl-no-graphs"):
+                    profile(ev.step, device, f"{name}-eval-{impl}", args.profile, log)
         except torch.OutOfMemoryError:
             log(f"{name} eval-{precision} {impl}: out of memory")
             continue
@@ -311,10 +325,22 @@ def run_config(name, args, device, peaks, rows, log) -> None:
         row = dict(config=name, case=f"eval-{precision}", impl=impl, tokens_per_s=tok,
                    mfu=flops / statistics.median(times) / peaks[precision] if flops else None,
                    peak_gib=peak_gib(device), min=n / max(times), max=n / min(times))  # fmt: skip
+        ev.scope.close()
+        same = losses.get((precision, "txl"))  # (the graphs' losses against the eager path's, step by step)
+        if impl != "txl" and impl != "hf" and same:
+            n = min(len(same), len(ev.losses))
+            row["max_dloss_vs_txl"] = max(abs(a - b) for a, b in zip(same[:n], ev.losses[:n], strict=True))
+            log(f"{name} eval-{precision}: {impl} against txl, largest |loss difference| over {n} steps "
+                f"{row['max_dloss_vs_txl']:.2e}")  # fmt: skip
         rows.append(row)
         log(fmt_row(row))
         args.save(rows)
         del ev, model
+    if ("bf16", "txl") in losses and ("fp32", "txl") in losses:  # (the same segments in both precisions)
+        a, b = losses["bf16", "txl"], losses["fp32", "txl"]
+        n = min(len(a), len(b))
+        gap = max(abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n], strict=True))
+        log(f"{name} eval: bf16 against fp32 (txl), largest relative loss difference over {n} steps {gap:.2e}")
 
 
 def track(name, args, device, log) -> dict:
@@ -354,17 +380,17 @@ def track(name, args, device, log) -> dict:
                 curves=curves)  # fmt: skip
 
 
-def profile(tr: Trainer, label: str, folder: Path, log, steps: int = 3) -> None:
-    """The kernels of ``steps`` training steps by device time (``torch.profiler``), to ``folder``/profile-label.txt."""
+def profile(step, device: torch.device, label: str, folder: Path, log, steps: int = 3) -> None:
+    """The kernels of ``steps`` calls of ``step`` by device time (``torch.profiler``), to folder/profile-label.txt."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(steps):
-            tr.step()
-        sync(tr.device)
-    key = "cuda_time_total" if tr.device.type == "cuda" else "cpu_time_total"
+            step()
+        sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     text = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"profile-{label}.txt").write_text(text)
@@ -406,6 +432,14 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--eval_warmup",
+        type=int,
+        default=40,
+        help="evaluation steps before the timed ones (the memory "
+        "fills, then the graphs of the window's offsets are captured)",
+    )
+    ap.add_argument("--cases", nargs="+", default=["train", "eval"], choices=["train", "eval"])
     ap.add_argument("--track", type=int, default=0, help="steps of the bf16 / fp32 loss comparison (0: none)")
     ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision, compared (the first")
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")

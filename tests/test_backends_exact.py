@@ -2,11 +2,12 @@
 parametrized test turns each field of txl.kernels.backends.Backends off in turn and holds what the model computes with
 every backend on to what it computes with that one off - training (loss and every gradient, over two segments
 with the memory) and inference (a K/V-cached prompt with left padding, then one-token steps past the memory's
-end, so that its window wraps) - in fp32 and under bf16 autocast, on odd shapes (3 heads of 12, segments of 7,
-an adaptive softmax with div_val 2). Dropout backends are held to dropout's own definition instead (their random
-streams differ by design): every output is 0 or x / (1 - p), at a rate near p, and the backward uses the same
-mask. The GPU paths (a list of devices in the policy) run on the CPU here: training's layers compiled by Inductor,
-the adaptive softmax's products in bf16, the attention as one SDPA call."""
+end, so that its window wraps; a cached evaluation in segments under bf16 autocast, past the memory's end) - in fp32
+and under bf16 autocast, on odd shapes (3 heads of 12, segments of 7, an adaptive softmax with div_val 2). Dropout
+backends are held to dropout's own definition instead (their random streams differ by design): every output is 0 or
+x / (1 - p), at a rate near p, and the backward uses the same mask. The GPU paths (a list of devices in the policy)
+run on the CPU here: training's layers compiled by Inductor, the adaptive softmax's products in bf16, the attention as
+one SDPA call, the graphs of cached segments (their stand-in: the step traced by make_fx, replayed)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def train(model, x, y, precision: str):
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def infer(model, prompt, padding, steps):
+def infer(model, prompt, padding, steps, stream):
     model.eval()
     with torch.no_grad(), transposed_weights():  # (as txl.infer.evaluate, generation and the server read)
         cache = KVCache(model.config, prompt.shape[0], model.config.mem_len, prompt.shape[1])
@@ -77,7 +78,15 @@ def infer(model, prompt, padding, steps):
         for t in range(steps.shape[1]):
             out.append(model(steps[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1])
         scored = model(prompt, prompt, padding=padding).losses  # (the NLL of a padded batch, no cache)
-    return torch.stack(out), scored
+        # A cached evaluation under bf16 autocast in segments of 3 past the memory's end (the window cycles through
+        # its buffer; the graphs of segments apply to half-precision steps).
+        cache = KVCache(model.config, stream.shape[0], model.config.mem_len, 3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = [
+                model(stream[:, i : i + 3], stream[:, i + 1 : i + 4], cache=cache).losses for i in range(0, 39, 3)
+            ]
+    graphs = cache.segment_graphs.graphs if cache.segment_graphs else {}
+    return torch.stack(out), scored, torch.cat(losses, dim=1), len(graphs)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -90,14 +99,17 @@ def test_each_backend_computes_what_the_reference_computes(field, precision):
     model = TransformerXLLM(debug_config(**CONFIG))
     x = torch.randint(0, 60, (3, 15))
     prompt, steps = torch.randint(0, 60, (3, 6)), torch.randint(0, 60, (3, 9))  # (9 steps: past mem_len 5)
+    stream = torch.randint(0, 60, (3, 43))
     padding = torch.zeros(3, 6, dtype=torch.bool)
     padding[1, :2] = True
     results = {}
     for name, policy in (("on", {}), ("off", off(field))):
         with use_backends(**policy):
-            results[name] = train(model, x[:, :-1], x[:, 1:], precision), infer(model, prompt, padding, steps)
-    (loss_on, grads_on), (logp_on, nll_on) = results["on"]
-    (loss_off, grads_off), (logp_off, nll_off) = results["off"]
+            results[name] = train(model, x[:, :-1], x[:, 1:], precision), infer(model, prompt, padding, steps, stream)
+    (loss_on, grads_on), (logp_on, nll_on, evaluated_on, graphs_on) = results["on"]
+    (loss_off, grads_off), (logp_off, nll_off, evaluated_off, graphs_off) = results["off"]
+    if field == "graph_segments":  # (the graphs' CPU stand-in ran: several offsets recorded, then replayed)
+        assert graphs_on == 0 and graphs_off >= 3
     tol = dict(rtol=2e-2, atol=2e-2) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
     assert loss_on == pytest.approx(loss_off, rel=tol["rtol"])
     assert grads_on.keys() == grads_off.keys() and grads_on
@@ -109,6 +121,7 @@ def test_each_backend_computes_what_the_reference_computes(field, precision):
             torch.testing.assert_close(grads_on[name], grads_off[name], **tol, msg=name)
     torch.testing.assert_close(logp_on, logp_off, rtol=1e-4, atol=1e-4)  # (inference runs in fp32)
     torch.testing.assert_close(nll_on, nll_off, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(evaluated_on, evaluated_off, rtol=2e-2, atol=2e-2)  # (bf16; a wrong window errs by O(1))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

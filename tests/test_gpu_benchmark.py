@@ -28,7 +28,10 @@ def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
         ("train-fp32", "txl"),
         ("train-fp32", "txl-eager"),
         ("eval-fp32", "txl"),
+        ("eval-fp32", "txl-eager"),
     }
+    eager_eval = next(r for r in ours if r["case"] == "eval-fp32" and r["impl"] == "txl-eager")
+    assert eager_eval["max_dloss_vs_txl"] < 1e-5  # (the same segments' losses, step by step)
     for r in ours:
         assert KEYS <= r.keys() and r["tokens_per_s"] > 0 and r["device"] == "cpu"
     track = json.loads((tmp_path / "gpu_track.json").read_text())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels.linear import logits_linear, projection
+from txl.kernels.linear import output_logits, projection
 from txl.kernels.nll import adaptive_nll, cluster_nll
 from txl.model.attention import at_least_fp32
 from txl.model.config import TransformerXLConfig
@@ -133,8 +133,15 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     ) -> Tensor:
         """Cluster i's logits [N, n_i (+ clusters, padding: head)], fp32; ``autocast``: the caller's autocast dtype
         (the products' precision is :func:`~txl.kernels.linear.logits_linear`'s to choose)."""
-        w, b, _ = self._cluster_params(i, weights)
-        return logits_linear(h if projected else self._project(h, i, autocast), w, b, autocast)
+        hp = h if projected else self._project(h, i, autocast)
+        params = lambda: self._cluster_params(i, weights)[:2]  # noqa: E731
+        return output_logits(hp, params, autocast, (id(self), i, HEAD_ALIGN), self._sources(i))
+
+    def _sources(self, i: int) -> list[Tensor]:
+        """The parameters that cluster i's output weight and bias are made from."""
+        layer = self.out_layers[0 if self.div_val == 1 else i]
+        sources = [layer.weight, layer.bias]
+        return sources + [self.cluster_weight, self.cluster_bias] if i == 0 and self.n_clusters > 0 else sources
 
     def _log_softmax(self, h: Tensor, i: int, autocast: torch.dtype | None = None, weights=None) -> Tensor:
         return F.log_softmax(self._logits(h, i, autocast=autocast, weights=weights), dim=-1)
@@ -201,13 +208,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         :func:`txl.kernels.nll.cluster_nll` may compute it from a packed copy of the cluster's output layer (its
         weight and bias: ``sources``, the copy remade when they change), with no logits stored."""
         hp = self._project(h, i)  # [n, d_i]
-        layer = self.out_layers[0 if self.div_val == 1 else i]
-        sources = [layer.weight, layer.bias]
-        if i == 0 and self.n_clusters > 0:
-            sources += [self.cluster_weight, self.cluster_bias]
         return cluster_nll(
             hp, target, lambda: self._logits(hp, i, projected=True, weights=weights),
-            lambda: self._cluster_params(i)[:2], ("crit", id(self), i, HEAD_ALIGN), sources,
+            lambda: self._cluster_params(i)[:2], ("crit", id(self), i, HEAD_ALIGN), self._sources(i),
         )  # fmt: skip
 
     def _nll(

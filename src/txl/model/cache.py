@@ -90,6 +90,7 @@ class KVCache:
         self._r_key: tuple | None = None
         self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
         self.decode_plan: tuple | None = None  # (the model, its layers' DecodeLayer, the native kernel's state)
+        self.segment_graphs = None  # (txl.kernels.graphs: a segment's layers as CUDA graphs, keyed)
 
     @property
     def length(self) -> int:
@@ -154,6 +155,7 @@ class KVCache:
         idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         self.padding = self.padding.index_select(0, idx)
+        self.segment_graphs = None
         return self
 
     @classmethod
@@ -183,6 +185,7 @@ class KVCache:
         merged._r_k, merged._r_key = [None] * first.config.n_layer, None
         merged._r_view = [None] * first.config.n_layer
         merged.decode_plan = None
+        merged.segment_graphs = None
         return merged
 
 

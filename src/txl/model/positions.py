@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 # ---------------------------------------------------------------------------------------------------------
 # 2. Relative positional encoding R (Sec. 3.3): sinusoids of the distance i - j, sin half then cos half.
@@ -159,7 +160,9 @@ def mask_scores_(score: Tensor, mask: Tensor) -> Tensor:
     touched (with the causal mask, the last T-1 columns)."""
     lo = 0
     # (elsewhere finding the column would wait for the device, or be a data-dependent shape in a graph)
-    if mask.device.type == "cpu" and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+    if mask.device.type == "cpu" and not (
+        torch.compiler.is_compiling() or torch.compiler.is_exporting() or get_proxy_mode() is not None
+    ):  # (nor in a trace: txl.kernels.graphs' CPU stand-in for a graph)
         masked = mask.reshape(-1, mask.shape[-1]).any(0)  # [K]
         lo = int(masked.to(torch.uint8).argmax()) if bool(masked.any()) else mask.shape[-1]
     if lo < mask.shape[-1]:

@@ -3,6 +3,7 @@ recurrence (Sec. 3.2)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 from txl.kernels.compiled import layer_call
 from txl.kernels.decode import native_loop, one_token_step
 from txl.kernels.dropout import Dropout
+from txl.kernels.graphs import segment_layers
 from txl.kernels.linear import linear, rows_linear
 from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
@@ -237,22 +239,32 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
         hids, attns = [h], []
 
-        def layers() -> Tensor:  # every layer's forward (the reference)
-            h = hids[0]
+        def layers(h: Tensor, record: bool = True) -> Tensor:  # every layer's forward (the reference)
             for i, layer in enumerate(self.layers):
                 mem = mems[i] if mems else None
                 kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i)
                 h, prob = layer_call(layer, h, pos[i], mask, **kw)  # (the layer's forward, compiled where it pays)
-                hids.append(h)
-                attns.append(prob)
+                if record:
+                    hids.append(h)
+                    attns.append(prob)
             return h
 
         def loop() -> Tensor:  # the same as layers(), as one loop over their weights
             hids.append(self._decode(hids[0], pos, mask, cache))
             return hids[-1]
 
+        def segment() -> Tensor:  # layers(), or with a cache the same kernels replayed (txl.kernels.graphs)
+            if cache is None:
+                return layers(hids[0])
+            graphed = (
+                T > 1 and cfg.attn_type == 0 and mask.dim() == 2 and not (output_attentions or output_hidden_states)
+            )
+            key = (T, mlen, same_length, window, clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
+            quiet = functools.partial(layers, record=False)
+            return segment_layers(graphed, key, cache, cache.start, self, hids[0], layers, quiet)
+
         one_token = cache is not None and T == 1 and cfg.attn_type == 0
-        h = one_token_step(one_token and not (output_attentions or output_hidden_states), layers, loop)
+        h = one_token_step(one_token and not (output_attentions or output_hidden_states), segment, loop)
         h = self.drop(h)
         hids[-1] = h
 

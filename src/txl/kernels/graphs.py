@@ -1,0 +1,168 @@
+"""A cached segment's pass through every layer (evaluation, scoring), a named operation with two backends: the layers'
+own forward (the reference) and, on the devices of ``Backends.graph_segments`` (CUDA), the same kernels replayed as
+CUDA graphs.
+
+Why: on a GPU a cached evaluation step in bf16 is bound by launching its kernels from Python, not by running them.
+The WT103 base model at NVIDIA's evaluation setting (batch 32, tgt_len 64, mem_len 640; 16 layers of ~30 kernels)
+runs ~4 ms of kernels per step, and launched one by one took 17 ms (117,214 tok/s on an H200, 3.4% MFU); replayed as
+graphs, 7.9 ms (258,887 tok/s; docs/benchmarks.md).
+
+When: a step of T > 1 positions on a K/V cache whose window has the same length as at the step before (once the
+memory is full, every step does), no padding in it, no per-layer output asked for, attn_type 0, its products in half
+precision (under autocast, or a half-precision model). The same step in fp32 is bound by its arithmetic (45% of the
+fp32 GEMM peak), and graphs made it 4-6% slower on the H200: it runs eagerly.
+
+A graph replays fixed kernels on fixed addresses, so it is keyed by everything they read from the host: the
+segment's and the memory's lengths, the mask's settings, clamp_len, the input's shape and dtype, autocast, the cache's
+buffers, the parameters' addresses and dtypes, and the hooks (with a forward hook registered anywhere in the model,
+e.g. after a capture, the reference runs). The cache moves its window along its buffer (``KVCache.begin``) through a
+cycle of offsets: one graph per offset, all sharing one memory pool (at most ``MAX_GRAPHS``; a step at another offset
+runs the reference). The first step of a key runs the reference; from the next one on, the first step at each offset
+runs the layers (the warm-up a capture needs; its result is this step's) and then records them; later steps at that
+offset replay the graph.
+
+Exactness: the graph runs the reference's kernels on the same operands (the keys at another place of the buffer):
+the same values, checked on the GPU by benchmarks/gpu_paper.py (the losses of both paths, step by step: equal). On
+the CPU, where tests run, the stand-in for a graph is the step traced by ``make_fx`` (every host-side value, every
+offset and length, fixed at the trace, as a graph fixes them), replayed on the same static input:
+tests/test_backends_exact.py holds it to the reference. Under autocast the weights' casts are part of the graph (the
+capture runs with autocast's cache off, as CUDA graphs require), so weights changed in place are read at each replay.
+A capture that fails (another thread's CUDA work can break one, see ``txl.infer.static_decode``) leaves the cache's
+steps on the reference."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from txl.kernels.backends import backends, use_backends
+
+MAX_GRAPHS = 32
+"""Graphs per cache (one per offset of the window in the cache's buffer; 12 for tgt_len 64, mem_len 640)."""
+
+
+class _Graph:
+    """One recorded step: its static input and output, the recorded function (kept alive with everything it read:
+    the mask, the positional tables) and the CUDA graph (None on the CPU, where the function runs again)."""
+
+    def __init__(self, run: Callable[[Tensor], Tensor], static_in: Tensor):
+        self.run, self.input = run, static_in
+        self.output: Tensor | None = None
+        self.graph: Any = None
+
+    def replay(self, h: Tensor) -> Tensor:
+        self.input.copy_(h)
+        if isinstance(self.graph, torch.fx.GraphModule):  # (the CPU's stand-in: the traced step, static buffers)
+            self.output = self.graph(self.input)
+        else:
+            self.graph.replay()
+        return self.output.clone()  # (the next replay overwrites the output buffer)
+
+
+class SegmentGraphs:
+    """A cache's graphs for one key (``KVCache.segment_graphs``)."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.graphs: dict[int, _Graph] = {}
+        self.pool: Any = None
+        self.failed = False
+
+
+def module_state(module: nn.Module) -> tuple:
+    """What a graph of ``module``'s kernels depends on besides the inputs: its parameters' and buffers' addresses and
+    dtypes, and whether any forward hook (the module's, its submodules', or a global one) is registered."""
+    tensors = tuple((t.data_ptr(), t.dtype) for t in (*module.parameters(), *module.buffers()))
+    g = torch.nn.modules.module
+    hooked = bool(g._global_forward_hooks or g._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks for m in module.modules()
+    )
+    return tensors, hooked
+
+
+def _autocast(dev: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+
+
+def _capturing(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def segment_layers(
+    applies: bool,
+    key: tuple,
+    holder: Any,
+    offset: int,
+    module: nn.Module,
+    h: Tensor,
+    layers: Callable[[Tensor], Tensor],
+    run: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """Every layer for a cached segment from its input ``h`` [B, T, D]: ``layers(h)`` (the reference, which records
+    what the caller asked for), or where this step ``applies`` (a cached step of T > 1 positions, no padding, no
+    per-layer outputs; see the module's note) on a device of ``Backends.graph_segments``, ``run(h)`` (the same
+    computation, recording nothing) replayed as a graph. ``key``: the caller's part of what the kernels read from the
+    host (lengths, mask settings, the cache's buffers); ``holder``: the cache (its ``segment_graphs``); ``offset``: the
+    window's place in the cache's buffer; ``module``: whose parameters and hooks the layers read."""
+    dev = h.device
+    if not applies or dev.type not in backends().graph_segments or _capturing(dev) or torch.compiler.is_compiling():
+        return layers(h)
+    if _autocast(dev) is None and h.dtype not in (torch.float16, torch.bfloat16):
+        return layers(h)  # (fp32 steps are bound by their arithmetic here: see the module's note)
+    state, hooked = module_state(module)
+    if hooked:
+        return layers(h)
+    key = (key, tuple(h.shape), h.dtype, _autocast(dev), state)
+    graphs = holder.segment_graphs
+    if graphs is None or graphs.key != key:
+        holder.segment_graphs = SegmentGraphs(key)  # (a new key's first step: the reference, no capture)
+        return layers(h)
+    entry = graphs.graphs.get(offset)
+    if entry is not None:
+        return entry.replay(h)
+    if graphs.failed or len(graphs.graphs) >= MAX_GRAPHS:
+        return layers(h)
+    return _record(graphs, offset, h, run)
+
+
+def _record(graphs: SegmentGraphs, offset: int, h: Tensor, layers: Callable[[Tensor], Tensor]) -> Tensor:
+    """Run this step (the warm-up a capture needs) and record it as the graph of ``offset``; returns the step's
+    output."""
+    dev = h.device
+    entry = _Graph(layers, h.clone())
+    if dev.type != "cuda":  # (the CPU's stand-in, for tests: the step traced, every host-side value fixed)
+        out = layers(entry.input)
+        with use_backends(native_kernels=False):  # (a trace, like a graph, records torch's kernels only)
+            entry.graph = make_fx(layers)(entry.input)  # (runs the step again: the same writes to the cache)
+        graphs.graphs[offset] = entry
+        return out
+    dtype = _autocast(dev)
+
+    def casts():  # (autocast's cache of cast weights off: a graph casts them itself at each replay, CUDA graphs' rule)
+        return torch.autocast("cuda", dtype=dtype, cache_enabled=False) if dtype else contextlib.nullcontext()
+
+    current = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(current)
+    with torch.cuda.stream(side), casts():  # this step, computed: the warm-up (libraries set up their workspaces)
+        out = layers(entry.input)
+    current.wait_stream(side)
+    out = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    if graphs.pool is None:
+        graphs.pool = torch.cuda.graph_pool_handle()
+    try:
+        # (thread_local: other threads' unsafe calls are not made errors; their work can still break the capture)
+        with casts(), torch.cuda.graph(graph, pool=graphs.pool, capture_error_mode="thread_local"):
+            entry.output = layers(entry.input)  # (recorded, not run: the cache is as the warm-up left it)
+    except RuntimeError:
+        graphs.failed = True
+        return out
+    entry.graph = graph
+    graphs.graphs[offset] = entry
+    return out
