@@ -9,9 +9,10 @@
 # 1. The loss of 300 bf16 steps on the default path against the fp32 reference path (WT103 base, NVIDIA's
 #    configuration), in a fresh process: 20-step moving averages within 1%.
 # 2. Training and evaluation tok/s, MFU and peak memory of the WT103 base model (bf16, fp32; txl's paths and HF's),
-#    with profiles of txl's bf16 steps.
+#    with profiles of txl's bf16 steps; evaluation with and without the graphs of segments, their losses compared.
 # 3. The other paper models in bf16.
 # 4. Generation as a CUDA graph against HF's generate().
+# (The user's path, txl train and txl eval with the WT103 base recipe, is benchmarks/gpu_e2e.sh: ~2 more minutes.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/results}"
@@ -30,8 +31,8 @@ timeout 150 "$PY" gpu_paper.py --configs wt103-base-nvidia --budget 0 --track 30
 # after the rows' variants had compiled their graphs, gave a 5.1% gap where a fresh process gives 0.5%: watch its
 # "first losses" line; see docs/benchmarks.md)
 timeout 200 "$PY" gpu_paper.py --configs wt103-base-nvidia --precisions bf16 fp32 \
-  --impls txl txl-eager txl-fp32-logits txl-reference hf --profile "$OUT" --json "$OUT/gpu.json" \
+  --impls txl txl-eager txl-fp32-logits txl-reference txl-no-graphs hf --profile "$OUT" --json "$OUT/gpu.json" \
   --track 40 --track_variants txl:bf16 2>&1 | tee "$OUT/log_base.txt"
 timeout 140 "$PY" gpu_paper.py --configs wt103-large enwik8-base enwik8-large --precisions bf16 \
-  --impls txl txl-eager hf --json "$OUT/gpu.json" --append 2>&1 | tee "$OUT/log_others.txt"
+  --impls txl txl-eager txl-no-graphs hf --json "$OUT/gpu.json" --append 2>&1 | tee "$OUT/log_others.txt"
 timeout 60 "$PY" gpu_generation.py --repeats 3 2>&1 | tee "$OUT/log_generation.txt" || true

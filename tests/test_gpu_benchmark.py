@@ -5,6 +5,7 @@ loss comparison reports each variant's gap from the reference; the committed res
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,14 @@ def test_the_committed_gpu_results_have_the_format():
     assert rows and all(KEYS <= r.keys() for r in rows)
     base = {(r["case"], r["impl"]): r for r in rows if r["config"] == "wt103-base-nvidia"}
     assert {"train-bf16", "train-fp32", "eval-fp32"} <= {c for c, _ in base}
+
+
+def test_the_gpu_end_to_end_script_runs_the_users_commands_on_the_cpu(tmp_path):
+    """benchmarks/gpu_e2e.sh's smoke mode: txl train with the WT103 base recipe on a synthetic corpus, then txl eval of
+    its checkpoint in bf16 and fp32 (the same commands as on a GPU, a small model)."""
+    env = {**os.environ, "E2E_SMALL": "1", "E2E_DIR": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "benchmarks/gpu_e2e.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:] + run.stdout[-2000:]
+    assert "stopped at step 6 (max_steps 6)" in run.stdout
+    assert run.stdout.count("valid: loss") == 2 and "tgt_len 64, mem_len 640, clamp_len 400" in run.stdout
