@@ -161,7 +161,7 @@ def test_openai_completions_equal_txl_generate(client, run):
         ("best_of", 3, "best_of: not supported (give n"),
         ("logprobs", 21, "logprobs: Input should be less than or equal to 20"),
         ("n", 0, "n: Input should be greater than or equal to 1"),
-        ("n", 65, "65 completions, more than the server's queue of 64"),
+        ("n", 65, "65 completions, more than the server's max_queue of 64"),
         ("presence_penalty", 3, "presence_penalty: Input should be less than or equal to 2"),
         ("logit_bias", {"10000": 1}, "logit_bias: token ids must be in [0, "),
         ("logit_bias", {"1": 200}, "logit_bias: a bias must be in [-100, 100]"),
@@ -172,12 +172,12 @@ def test_openai_completions_equal_txl_generate(client, run):
         ("temperature", 2.5, "temperature: Input should be less than or equal to 2"),  # (OpenAI's range, 0 to 2)
         ("stop", ["x"] * 17, "stop: 17 stop strings, more than the limit of 16"),
         ("stop", "x" * 300, "stop: a stop string of 300 characters, more than the limit 256"),
-        ("n", 129, "n: Input should be less than or equal to 128"),
+        ("n", 129, "n: n = 129 with 1 prompt(s) is 129 completions, more than the server's max_queue of 64"),
     ]:
         res = client.post("/v1/completions", json=body | {field: value})
         assert message in error_of(res), (field, res.text)
-        param = res.json()["error"]["param"]  # (n's limit counts the prompts too: prompt)
-        assert param.split(".")[0].split("[")[0] in (field, "prompt" if field == "n" else field), res.json()
+        param = res.json()["error"]["param"]
+        assert param.split(".")[0].split("[")[0] == field, res.json()
     res = client.post("/v1/completions", json=body | {"model": "gpt-4"})  # (not echoed back as if served)
     assert "'gpt-4' is not served here" in error_of(res, 404) and res.json()["error"]["code"] == "model_not_found"
 
@@ -382,7 +382,7 @@ def test_score_equals_txl_eval(client, run, tmp_path, capsys):
         ({"prompt_ids": [1, 10_000]}, "prompt_ids: ids must be in [0, "),
         ({"prompt": "ab", "max_new_tokens": 201}, "max_new_tokens: 201 is more than the limit 200"),
         ({"prompt": "a" * 51}, "prompt: 51 tokens, more than the limit of 50"),
-        ({"prompt": "ab", "stop": [""]}, "stop: a stop string must not be empty"),
+        ({"prompt": "ab", "stop": [""]}, "stop.0: String should have at least 1 character"),
         ({"prompt": "ab", "mem_len": 0}, "mem_len: Input should be greater than or equal to 1"),
         ({"prompt": "ab", "mem_len": 10**9}, "mem_len: 1000000000 is more than the limit 8192"),
     ],
@@ -492,6 +492,45 @@ def test_http_limits_disconnect_and_api_key(run):
             time.sleep(0.05)
         assert c.get("/health").json()["active"] == 0
         assert c.post("/v1/generate", json={"prompt": "ab", "max_new_tokens": 3}, headers=key).status_code == 200
+        # The schema declares the key; the public pages show nothing of where the model lives.
+        schema = c.get("/openapi.json").json()
+        assert schema["components"]["securitySchemes"]["bearer"] == {
+            "type": "http", "scheme": "bearer", "description": "Authorization: Bearer KEY"
+        }  # fmt: skip
+        assert schema["paths"]["/v1/generate"]["post"]["security"] == [{"bearer": []}]
+        assert "security" not in schema["paths"]["/health"]["get"]
+        for public in ("/openapi.json", "/docs", "/"):  # (the description named the checkpoint's folder)
+            assert str(run) not in c.get(public).text, public
+
+
+def test_the_schema_states_what_the_server_refuses(client):
+    """An empty prompt or stop string, a score of fewer than 2 ids, a negative id: refused by the schema (400 naming
+    the field), as /openapi.json says (a client, or a fuzzer, reads there what is accepted)."""
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    gen, score = schema["GenerateRequest"]["properties"], schema["ScoreRequest"]["properties"]
+    assert gen["prompt"]["anyOf"][0]["minLength"] == 1 and gen["stop"]["items"]["minLength"] == 1
+    assert gen["prompt_ids"]["anyOf"][0]["items"]["minimum"] == 0
+    assert score["ids"]["anyOf"][0]["minItems"] == 2
+    assert schema["CompletionRequest"]["properties"]["n"]["maximum"] == 64  # (max_queue: the one statement of it)
+    for path, body, field in [
+        ("/v1/generate", {"prompt": ""}, "prompt"),
+        ("/v1/generate", {"prompt_ids": []}, "prompt_ids"),
+        ("/v1/generate", {"prompt_ids": [-1]}, "prompt_ids.0"),
+        ("/v1/generate", {"prompt": "ab", "stop": [""]}, "stop.0"),
+        ("/v1/score", {"ids": [1]}, "ids"),
+        ("/v1/score", {"ids": [1, -2]}, "ids.1"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ]:
+        res = client.post(path, json=body)
+        error_of(res, 400)
+        assert res.json()["error"]["param"] == field, (path, body, res.json())
+    for path, raw in [  # (JSON escapes: a client library refuses to encode a lone surrogate itself)
+        ("/v1/generate", rb'{"prompt": "ab\ud800"}'),
+        ("/tokenize", rb'{"prompt": "\udfff", "unknown": "replace"}'),
+        ("/v1/completions", rb'{"prompt": ["ab", "\udfff"]}'),
+    ]:
+        message = error_of(client.post(path, content=raw, headers={"Content-Type": "application/json"}))
+        assert "codec" not in message and ("a lone surrogate" in message or "valid string" in message), message
 
 
 @pytest.mark.slow

@@ -27,6 +27,11 @@ def serve(
     max_stop_chars: int = 256,
     max_body_bytes: int = 8 << 20,
     drain_timeout: float = 30.0,
+    stream_buffer_tokens: int = 256,
+    stream_timeout: float = 30.0,
+    header_timeout: float = 10.0,
+    body_timeout: float = 30.0,
+    keep_alive_timeout: float = 5.0,
     unknown: Literal["error", "replace"] = "error",
     served_model_name: list[str] | None = None,
     threads: int | None = None,
@@ -55,6 +60,14 @@ def serve(
         max_body_bytes: Largest request body, in bytes (413 beyond).
         drain_timeout: Seconds that SIGTERM (or Ctrl-C) lets the requests in flight run before ending them with
             finish_reason shutdown; the exit code is 0 when everything ended cleanly.
+        stream_buffer_tokens: Tokens of one generation made ahead of what its client has read, at most (a client that
+            reads slowly slows its own generation, whose row waits for it meanwhile).
+        stream_timeout: Seconds a response may wait for its client to read before the connection is closed and the
+            request cancelled.
+        header_timeout: Seconds a client has to send a request's headers (from the connection's start, or the
+            first byte of the request): then 408 and the connection is closed.
+        body_timeout: Seconds a client has to send a request's body, from the end of its headers.
+        keep_alive_timeout: Seconds an idle connection stays open between two requests.
         unknown: Characters outside the model's vocabulary in a prompt or scored text: error (a 400 naming the
             first) or replace (the tokenizer's replacement symbol); a request's own "unknown" field overrides it.
         served_model_name: The names OpenAI's "model" field may give (default: the folder's name and txl).
@@ -65,6 +78,7 @@ def serve(
         import uvicorn
 
         from txl.serve.app import DrainingServer, ServeLimits, create_app
+        from txl.serve.http import ConnectionLimits, timed_protocol
     except ImportError as e:
         raise ValueError(
             f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
@@ -80,7 +94,10 @@ def serve(
                              ("max_score_tokens", max_score_tokens, 2), ("max_mem_len", max_mem_len, 1),
                              ("max_tgt_len", max_tgt_len, 1), ("max_stops", max_stops, 0),
                              ("max_stop_chars", max_stop_chars, 1), ("max_body_bytes", max_body_bytes, 1024),
-                             ("drain_timeout", drain_timeout, 0)]:  # fmt: skip
+                             ("drain_timeout", drain_timeout, 0), ("stream_buffer_tokens", stream_buffer_tokens, 1),
+                             ("stream_timeout", stream_timeout, 0.1), ("header_timeout", header_timeout, 0.1),
+                             ("body_timeout", body_timeout, 0.1),
+                             ("keep_alive_timeout", keep_alive_timeout, 0.1)]:  # fmt: skip
         if not value >= low:
             raise ValueError(f"--{name} = {value}: must be >= {low}")
     if served_model_name is not None and (not served_model_name or "" in served_model_name):
@@ -91,8 +108,10 @@ def serve(
     limits = ServeLimits(
         max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_batch=max_batch, max_queue=max_queue,
         max_score_tokens=max_score_tokens, max_mem_len=max_mem_len, max_tgt_len=max_tgt_len, max_stops=max_stops,
-        max_stop_chars=max_stop_chars, max_body_bytes=max_body_bytes,
+        max_stop_chars=max_stop_chars, max_body_bytes=max_body_bytes, stream_buffer_tokens=stream_buffer_tokens,
+        stream_timeout=stream_timeout,
     )  # fmt: skip
+    connections = ConnectionLimits(header_timeout, body_timeout, keep_alive_timeout)
     app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name)
     state = app.state.server
     if host not in ("127.0.0.1", "localhost", "::1"):
@@ -105,7 +124,10 @@ def serve(
     reading = describe_reading(state.reading)
     print(f"txl serve: http://{shown}:{sock.getsockname()[1]}/ ({state.folder}{where}; reading with {reading})",
           file=sys.stderr, flush=True)  # fmt: skip
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=5, http=timed_protocol(connections),
+        timeout_keep_alive=connections.keep_alive_timeout,
+    )  # fmt: skip
     import signal
 
     # uvicorn raises a caught SIGTERM / SIGINT again for the handler it found once it has stopped: a no-op one makes

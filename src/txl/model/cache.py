@@ -3,6 +3,7 @@ cached one-token step reads them."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -157,6 +158,14 @@ class KVCache:
         self.padding = self.padding.index_select(0, idx)
         self.segment_graphs = None
         return self
+
+    def take(self, rows: list[int]) -> KVCache:
+        """A new cache of only these batch rows, in this order (copies: this one is unchanged), e.g. a request set
+        aside while the others go on."""
+        part = copy.copy(self)
+        part._r_k, part._r_view = list(self._r_k), list(self._r_view)
+        part.decode_plan = None
+        return part.select(rows)
 
     @classmethod
     def merge(cls, caches: list[KVCache]) -> KVCache:

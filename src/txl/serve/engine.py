@@ -51,6 +51,9 @@ TokenScore = tuple[float, list[tuple[int, float]]]
 MAX_LOGPROBS = 20
 """The most alternatives a request can ask for per token."""
 
+PARKED_POLL = 0.02
+"""Seconds between two looks at the parked generations when nothing else runs."""
+
 
 class QueueFull(RuntimeError):
     """The engine's waiting queue is full: try again later."""
@@ -100,6 +103,9 @@ class Generation:
     _cancelled: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator = field(init=False)
     produced: int = 0
+    read: int = 0
+    """Tokens the caller has taken so far (``took()``, from its own thread): a request with ``Engine.max_unread``
+    tokens not taken waits, its row given to others, until the caller takes half of them."""
     output_ids: list[int] = field(default_factory=list)
     """The tokens emitted so far."""
     scores: list[TokenScore] = field(default_factory=list)
@@ -130,6 +136,14 @@ class Generation:
     def cancel(self) -> None:
         self._cancelled.set()
 
+    def took(self, n: int = 1) -> None:
+        """The caller has taken ``n`` more tokens (from whatever thread reads them: the only one that writes this)."""
+        self.read += n
+
+    @property
+    def unread(self) -> int:
+        return self.produced - self.read
+
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
@@ -153,6 +167,15 @@ class _Batch:
 
 
 @dataclass
+class _Parked:
+    """A generation waiting for its caller to take its tokens: its own memory (one row) and its last token."""
+
+    request: Generation
+    cache: KVCache
+    last: int
+
+
+@dataclass
 class _Job:
     """Work other than a generation, on the engine's thread: ``fn()`` run whole between two decoding steps, or (with
     ``stepped``) ``fn()`` making a generator that is advanced one step per engine loop and returns the result."""
@@ -161,6 +184,8 @@ class _Job:
     future: Future
     stepped: bool
     steps: Generator[None, None, Any] | None = None
+    cancelled: threading.Event | None = None
+    """Set by the caller (e.g. its client left): a stepped job stops at its next step (EngineStopped)."""
 
 
 class Engine:
@@ -176,10 +201,14 @@ class Engine:
         *,
         max_batch: int = 8,
         max_queue: int = 64,
+        max_unread: int = 256,
         on_failure: Callable[[str], None] | None = None,
     ):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if max_batch < 1 or max_queue < 0 or max_unread < 1:
+            raise ValueError("max_batch and max_unread must be >= 1, max_queue >= 0")
+        self.max_unread = max_unread
+        """Tokens of one generation that its caller has not taken yet, at most: with as many, the generation waits
+        (parked: its memory kept apart, its row given to others) until the caller has taken half of them."""
         self.model = model.eval()
         self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -192,6 +221,7 @@ class Engine:
         self._searches: list[tuple[Generation, Generator[None, None, torch.Tensor]]] = []
         self._solos: list[tuple[Generation, Generator[torch.Tensor, None, None]]] = []  # (no K/V cache: one at a time)
         self._jobs: list[_Job] = []
+        self._parked: list[_Parked] = []  # (waiting for their callers to take their tokens)
         # Shared, under the lock:
         self._cond = threading.Condition()
         self._waiting: deque[Generation | _Job] = deque()
@@ -232,11 +262,13 @@ class Engine:
         """Run ``fn()`` on the engine's thread between two decoding steps; its result (or error) in the future."""
         return self._put(_Job(fn, Future(), stepped=False))
 
-    def call_steps(self, make: Callable[[], Generator[None, None, Any]]) -> Future:
+    def call_steps(
+        self, make: Callable[[], Generator[None, None, Any]], cancelled: threading.Event | None = None
+    ) -> Future:
         """Run the generator ``make()`` on the engine's thread, one step per engine loop (each generation running
         meanwhile makes a token between two steps), as one of the ``max_batch`` rows; the value it returns (or its
-        error) in the future."""
-        return self._put(_Job(make, Future(), stepped=True))
+        error) in the future. Setting ``cancelled`` stops it at its next step (its row freed; EngineStopped)."""
+        return self._put(_Job(make, Future(), stepped=True, cancelled=cancelled))
 
     def _put(self, item: Generation | _Job) -> Future | None:
         with self._cond:
@@ -301,7 +333,7 @@ class Engine:
             self._waiting.clear()
             rows = self._rows_running()
             jobs = self._jobs + [w for w in waiting if isinstance(w, _Job)]
-            self._batches, self._searches, self._solos, self._jobs = {}, [], [], []
+            self._batches, self._searches, self._solos, self._jobs, self._parked = {}, [], [], [], []
             self._counts = (0, 0)
             self._cond.notify_all()
         for row in rows + [w for w in waiting if isinstance(w, Generation)]:
@@ -315,12 +347,28 @@ class Engine:
     def _running(self) -> bool:
         return bool(self._batches or self._searches or self._solos or self._jobs)
 
+    def _stepping(self) -> bool:
+        """Whether anything would advance at the next step (parked generations, and solo ones whose callers have
+        not taken their tokens, wait for their callers)."""
+        return bool(
+            self._batches
+            or self._searches
+            or self._jobs
+            or any(not self._held(r) for r, _ in self._solos)
+            or any(self._resumable(p.request) for p in self._parked)
+        )
+
+    def _held(self, request: Generation) -> bool:
+        """A generation whose caller has not taken ``max_unread`` of its tokens (it waits; a cancelled one ends)."""
+        return request.unread >= self.max_unread and not request.cancelled
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._running() and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._running() and not self._waiting:
+                while not self._waiting and not self._stepping() and not self._stopping:
+                    # (generations waiting for their callers: look again soon)
+                    self._cond.wait(PARKED_POLL if self._parked or self._solos else None)
+                if self._stopping and not self._running() and not self._parked and not self._waiting:
                     return
                 admitted = self._admit()
                 cut = self._cut
@@ -338,6 +386,7 @@ class Engine:
             if cut:
                 for row in self._rows_running():
                     row.cancel()
+            self._unpark()
             self._publish()
             for mem_len in list(self._batches):
                 self._step(mem_len)
@@ -359,7 +408,7 @@ class Engine:
 
     def _rows_running(self) -> list[Generation]:
         rows = [r for b in self._batches.values() for r in b.rows]
-        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos]
+        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos] + [p.request for p in self._parked]
 
     def _admit(self) -> list[Generation | _Job]:
         """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
@@ -378,7 +427,7 @@ class Engine:
     def _counts_now(self) -> tuple[int, int]:
         """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
         of all rows, a stepped job one of one row."""
-        batched = sum(len(b.rows) for b in self._batches.values())
+        batched = sum(len(b.rows) for b in self._batches.values()) + len(self._parked)  # (a parked one holds its row)
         requests = batched + len(self._searches) + len(self._solos) + len(self._jobs)
         rows = batched + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
         return requests, rows + len(self._jobs)
@@ -407,10 +456,11 @@ class Engine:
 
     def _job_step(self, job: _Job) -> None:
         """One step of a stepped job; its result or error goes to its future."""
-        if self._cut:
+        left = job.cancelled is not None and job.cancelled.is_set()
+        if self._cut or left:
             job.steps.close()
             self._jobs.remove(job)
-            job.future.set_exception(EngineStopped("the server is shutting down"))
+            job.future.set_exception(EngineStopped("the server is shutting down" if self._cut else "cancelled"))
             return
         try:
             next(job.steps)
@@ -425,13 +475,18 @@ class Engine:
         request.finish_reason, request.error, request.error_status = reason, error, status
         try:
             request.emit(None)
-        except Exception:  # noqa: S110 - the caller is gone: nothing is waiting for the end
-            pass
+        except Exception as e:  # (the caller is gone, e.g. its event loop closed: nothing waits for the end)
+            print(f"txl serve: a request's end could not be handed to its caller: {type(e).__name__}: {e}",
+                  file=sys.stderr)  # fmt: skip
 
     def _fail(self, request: Generation, e: Exception) -> None:
         """End one request with an error (the engine and the other requests go on): a :class:`RequestError`'s
-        status, 400 where the penalties leave no token (sampling and beam search alike), else 500."""
+        status, 400 where the penalties leave no token (sampling and beam search alike), else 500. A failure of the
+        server's (500, not a request's own fault) also goes to the log with its traceback."""
         status = e.status if isinstance(e, RequestError) else 400 if isinstance(e, NoTokenLeftError) else 500
+        if status >= 500 and not isinstance(e, RequestError):
+            print(f"txl serve: a request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exception(e, file=sys.stderr)
         self._finish(request, "error", str(e) or type(e).__name__, status)
 
     @property
@@ -509,16 +564,42 @@ class Engine:
             token = self._sample(request, log_probs)
             if not self._emit(request, token):
                 return
-            batch = self._batches.get(request.mem_len)
-            last = torch.tensor([token], device=self.device)
-            if batch is None:
-                self._batches[request.mem_len] = _Batch(cache, [request], last)
-            else:
-                merged = KVCache.merge([batch.cache, cache])
-                batch.cache, batch.last = merged, torch.cat([batch.last, last])
-                batch.rows.append(request)
+            self._join(request, cache, token)
         except Exception as e:  # a bad request must not stop the engine
             self._fail(request, e)
+
+    def _join(self, request: Generation, cache: KVCache, token: int) -> None:
+        """Put a generation (its one-row memory ``cache``, its last ``token``) in the batch of its memory length (or,
+        if its caller has not taken ``max_unread`` of its tokens, aside until it does)."""
+        if request.unread >= self.max_unread:
+            self._parked.append(_Parked(request, cache, token))
+            return
+        batch = self._batches.get(request.mem_len)
+        last = torch.tensor([token], device=self.device)
+        if batch is None:
+            self._batches[request.mem_len] = _Batch(cache, [request], last)
+        else:
+            merged = KVCache.merge([batch.cache, cache])
+            batch.cache, batch.last = merged, torch.cat([batch.last, last])
+            batch.rows.append(request)
+
+    def _resumable(self, request: Generation) -> bool:
+        """Whether a parked generation goes on: its caller took half of what waited (or it was cancelled)."""
+        return request.cancelled or request.unread <= self.max_unread // 2
+
+    def _unpark(self) -> None:
+        """Parked generations whose callers took their tokens join their batches again (the same memory, so the
+        same tokens as if they had never waited); cancelled ones end."""
+        for parked in [p for p in self._parked if self._resumable(p.request)]:
+            self._parked.remove(parked)
+            request = parked.request
+            if request.cancelled:
+                self._finish(request, self._ended)
+                continue
+            try:
+                self._join(request, parked.cache, parked.last)
+            except Exception as e:
+                self._fail(request, e)
 
     def _step(self, mem_len: int) -> None:
         """One token for every row of a batch; finished rows leave it. A row that fails ends alone; a model call
@@ -534,7 +615,7 @@ class Engine:
             for row in batch.rows:
                 self._fail(row, e)
             return
-        keep, last = [], []
+        keep, park, tokens = [], [], {}
         for i, row in enumerate(batch.rows):
             if row.cancelled:
                 self._finish(row, self._ended)
@@ -542,10 +623,16 @@ class Engine:
             try:
                 token = self._sample(row, log_probs[i : i + 1])
                 if self._emit(row, token):
-                    keep.append(i)
-                    last.append(token)
+                    (park if row.unread >= self.max_unread else keep).append(i)
+                    tokens[i] = token
             except Exception as e:
                 self._fail(row, e)
+        for i in park:  # (their callers are not taking their tokens: each one's memory waits apart)
+            try:
+                self._parked.append(_Parked(batch.rows[i], batch.cache.take([i]), tokens[i]))
+            except Exception as e:
+                self._fail(batch.rows[i], e)
+        last = [tokens[i] for i in keep]
         kept = [batch.rows[i] for i in keep]
         try:
             if not keep:
@@ -625,6 +712,8 @@ class Engine:
         self._solo_step(request, tokens)
 
     def _solo_step(self, request: Generation, tokens: Generator[torch.Tensor, None, None]) -> None:
+        if self._held(request):  # (alone, it simply waits for its caller)
+            return
         try:
             if request.cancelled:
                 self._drop(self._solos, request)

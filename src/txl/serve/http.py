@@ -8,10 +8,12 @@ busy, 500 the server failed the request, 503 shutting down or failed), so OpenAI
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import html
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -88,8 +90,10 @@ async def send_json(send: Callable[[dict], Awaitable[None]], status: int, body: 
 class Gate:
     """ASGI middleware in front of the app. Checks the API key (``Authorization: Bearer KEY`` only: a key in the URL
     would leak into history, Referer headers and proxy logs) on every path but ``public``; refuses a body larger
-    than ``max_body_bytes()`` with a 413 before the app reads it; and counts the responses in flight
-    (``on_start()``/``on_end(complete)``: complete when the response's last byte was sent)."""
+    than ``max_body_bytes()`` with a 413 before the app reads it; answers HEAD as GET without the body; closes a
+    response whose client has read nothing for ``stall_timeout()`` seconds (a send that waits that long for room in
+    the connection's buffer: the connection is closed, and the request's work cancelled); and counts the responses
+    in flight (``on_start()``/``on_end(complete)``: complete when the response's last byte was sent)."""
 
     def __init__(
         self,
@@ -100,14 +104,17 @@ class Gate:
         public: frozenset[str],
         on_start: Callable[[], None],
         on_end: Callable[[bool], None],
+        stall_timeout: Callable[[], float] = lambda: 30.0,
     ):
         self.app, self.api_key, self.max_body_bytes, self.public = app, api_key, max_body_bytes, public
-        self.on_start, self.on_end = on_start, on_end
+        self.on_start, self.on_end, self.stall_timeout = on_start, on_end, stall_timeout
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":  # (the server sends no body for HEAD: uvicorn drops it)
+            scope = dict(scope, method="GET")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refused = self._refused(scope, headers)
         if refused is not None:
@@ -133,17 +140,26 @@ class Gate:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()  # (then the client's disconnect, which a streaming response listens for)
 
-        complete = False
+        complete = stalled = False
 
         async def sending(message: dict) -> None:
-            nonlocal complete
-            await send(message)
+            nonlocal complete, stalled
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout())
+            except TimeoutError:
+                stalled = True
+                raise _Stalled() from None
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
 
         self.on_start()
         try:
             await self.app(scope, replay, sending)
+        except Exception:
+            if not stalled:
+                raise
+            # (returning without the response's end makes the server close the connection; the app's stream was
+            # closed on the way out, which cancelled its generation)
         finally:
             self.on_end(complete)
 
@@ -170,6 +186,10 @@ class Gate:
         return ApiError(
             413, f"the request body is larger than the server's limit of {limit:,} bytes (--max_body_bytes)"
         )
+
+
+class _Stalled(Exception):
+    """A response's client read nothing for the stall timeout."""
 
 
 def docs_page(schema: dict[str, Any]) -> str:
@@ -216,3 +236,86 @@ def _type_name(field: dict[str, Any]) -> str:
     bounds = [f"{op} {field[k]}" for k, op in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
                                                ("exclusiveMaximum", "<")) if k in field]  # fmt: skip
     return field.get("type", "any") + (f" ({', '.join(bounds)})" if bounds else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Connection timeouts. uvicorn (0.54, h11) closes a connection idle between requests after its keep-alive timeout,
+# but waits for ever for a request's headers and body: one connection sending a header byte per second ("slowloris")
+# is held open as long as it likes. Its HTTP protocol class is a documented option (uvicorn.Config(http=...)); this
+# one adds the missing deadlines and is otherwise uvicorn's.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a client may take to send a request (each a `txl serve` option)."""
+
+    header_timeout: float = 10.0
+    """Seconds from a connection's start (or the end of its previous response) to the end of a request's headers."""
+    body_timeout: float = 30.0
+    """Seconds from the end of a request's headers to the end of its body."""
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle connection stays open between two requests."""
+
+
+REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def timed_protocol(limits: ConnectionLimits) -> type:
+    """uvicorn's h11 protocol with ``limits``' header and body deadlines: a request whose headers (or body) are not
+    all in by then gets a 408 and its connection is closed."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _deadline = None  # (the timer of the part of a request being waited for)
+        _waiting_for = None  # ("headers" or "body")
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._expect("headers")
+
+        def connection_lost(self, exc) -> None:
+            self._expect(None)
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # (its keep-alive timer runs until the next request's first byte)
+            self._follow()
+
+        def _follow(self) -> None:
+            """Which part of a request the connection waits for now, by h11's state of the client's side."""
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                self._expect("body")
+            elif state is h11.IDLE and self.conn.trailing_data[0]:  # (part of the next request's headers)
+                self._expect("headers")
+            elif state is h11.IDLE and self.timeout_keep_alive_task is None and self.cycle is None:
+                self._expect("headers")  # (a new connection that sent nothing yet)
+            else:
+                self._expect(None)
+
+        def _expect(self, part: str | None) -> None:
+            if part == self._waiting_for and part is not None:
+                return  # (the deadline runs from when this part began)
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._waiting_for = part
+            if part is not None:
+                seconds = limits.header_timeout if part == "headers" else limits.body_timeout
+                self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self._waiting_for == "headers" or self.cycle is None or not self.cycle.response_started:
+                self.transport.write(REQUEST_TIMEOUT)
+            self.transport.close()
+
+    return TimedH11Protocol

@@ -1,0 +1,257 @@
+"""What a client that does not read, sends slowly or leaves can hold in a real `txl serve` process (the attacks of
+../shared/research/serve_attack.md, B9, B10 and sv15, with their clients): streams nobody reads stay within their
+memory bound and are closed after --stream_timeout; headers and bodies sent a byte at a time are cut off after
+--header_timeout / --body_timeout with a 408; an idle connection closes after --keep_alive_timeout; a client that
+leaves a score or a whole generation frees its row within a second."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import start_server
+from test_serve_fuzz import rss_mib
+
+STREAM_TIMEOUT, HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE = 6.0, 2.0, 2.0, 2.0
+BUFFER_TOKENS = 32
+CLIENTS = 16
+NEVER_READ_MIB = 48
+"""The bound on what CLIENTS streams that are never read add to the server's resident memory (docs/serving.md: a
+stream holds at most --stream_buffer_tokens tokens ahead of its client, with their log-probabilities, and its row's
+memory; the rest of what it would send is never made)."""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from train_helpers import run_inprocess
+
+    run = run_inprocess(tmp_path_factory.mktemp("conn"), train__max_steps=3, train__eval_interval=0)
+    proc, url = start_server(
+        run, "--max_batch", "140", "--max_queue", "140", "--max_prompt_tokens", "4096", "--max_new_tokens", "1024",
+        "--stream_timeout", str(STREAM_TIMEOUT), "--header_timeout", str(HEADER_TIMEOUT),
+        "--body_timeout", str(BODY_TIMEOUT), "--keep_alive_timeout", str(KEEP_ALIVE),
+        "--stream_buffer_tokens", str(BUFFER_TOKENS),
+    )  # fmt: skip
+    yield proc, url
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+def connect(url: str, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect((host, int(port)))
+    return s
+
+
+def post(s: socket.socket, path: str, body: dict) -> None:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    s.sendall(head.encode() + data)
+
+
+def closed_within(s: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closed the connection within ``seconds`` (and what it sent before)."""
+    s.settimeout(0.2)
+    got, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True, got
+        if not chunk:
+            return True, got
+        got += chunk
+    return False, got
+
+
+def idle(url: str, seconds: float = 20.0) -> float:
+    """Seconds until /health shows nothing in flight."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if httpx.get(url + "/health").json()["active"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"still busy after {seconds} s: {httpx.get(url + '/health').json()}")
+
+
+def unread_streams(url: str, body: dict, clients: int) -> list[socket.socket]:
+    """``clients`` streamed completions whose clients never read (a 4 KiB receive buffer, as the attack's)."""
+    out = [connect(url, 4096) for _ in range(clients)]
+    for s in out:
+        post(s, "/v1/completions", body | {"stream": True})
+    return out
+
+
+def test_streams_nobody_reads_hold_bounded_memory(served):
+    """B10: CLIENTS streams of the attack's shape (n 8, logprobs 20, echo, max_tokens 1024) that nobody reads. The
+    server's memory stays within the bound and stops growing (before: +5 MiB/s, every token's alternatives kept and
+    every chunk queued); the clients leaving frees every row."""
+    proc, url = served
+    body = {"prompt": "ab cd", "n": 8, "logprobs": 20, "echo": True, "max_tokens": 1024}
+    for s in unread_streams(url, body, 2):  # (a warm-up: the allocator's pools reach their size)
+        time.sleep(1.5)
+        s.close()
+    idle(url)
+    before = rss_mib(proc.pid)
+    clients = unread_streams(url, body, CLIENTS)
+    time.sleep(3)
+    early = rss_mib(proc.pid) - before
+    assert httpx.get(url + "/health").json()["active"] == 8 * CLIENTS
+    time.sleep(5)
+    late = rss_mib(proc.pid) - before
+    assert late < NEVER_READ_MIB, f"{CLIENTS} unread streams grew the server by {late:.0f} MiB"
+    assert late - early < 6, f"the server kept growing: {early:.0f} -> {late:.0f} MiB in 5 s"
+    for s in clients:
+        s.close()
+    assert idle(url, 10) < 3
+
+
+def test_a_stream_nobody_reads_is_closed_after_the_stream_timeout(served):
+    """Chunks larger than the connection's buffers (the echo of a long prompt with its log-probabilities): the send
+    waits, and after --stream_timeout the connection is closed and its rows freed."""
+    _, url = served
+    idle(url)
+    body = {"prompt": "ab cd " * 600, "n": 4, "logprobs": 20, "echo": True, "max_tokens": 1024}
+    clients = unread_streams(url, body, 2)
+    time.sleep(STREAM_TIMEOUT - 2)
+    assert httpx.get(url + "/health").json()["active"] == 8  # (waiting for their clients)
+    time.sleep(5)  # (nothing read meanwhile: reading would let the stream go on)
+    assert httpx.get(url + "/health").json()["active"] == 0  # (cut off, their rows freed)
+    for s in clients:
+        assert closed_within(s, 5)[0]  # (what was in the buffers, then the end)
+    ok = httpx.post(url + "/v1/generate", json={"prompt": "ab", "max_new_tokens": 3}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_slow_reader_gets_every_token(served):
+    """A client that reads slowly (its generation waits for it, again and again) still gets the whole stream."""
+    _, url = served
+    body = {"prompt": "ab cd", "max_new_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        whole = client.post("/v1/generate", json=body | {"stream": False}).json()["token_ids"]
+        got = []
+        with client.stream("POST", "/v1/generate", json=body) as res:
+            for k, line in enumerate(res.iter_lines()):
+                if k % 40 == 0:
+                    time.sleep(0.3)
+                if line.startswith("data: {") and '"token_id"' in line:
+                    got.append(json.loads(line[6:])["token_id"])
+    assert got == whole
+
+
+def test_slow_headers_and_bodies_are_cut_off(served):
+    _, url = served
+    slow_headers = [connect(url) for _ in range(40)]
+    for s in slow_headers:
+        s.sendall(b"POST /v1/generate HTTP/1.1\r\n")
+    slow_body = connect(url)
+    slow_body.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+    silent = connect(url)  # (connects and sends nothing)
+    t0 = time.monotonic()
+    for _ in range(3):  # (a byte now and then: each connection keeps trickling)
+        time.sleep(0.5)
+        for s in slow_headers:
+            s.sendall(b"X")
+    for s in [*slow_headers, silent]:
+        closed, got = closed_within(s, HEADER_TIMEOUT + 2 - (time.monotonic() - t0))
+        assert closed and got.startswith(b"HTTP/1.1 408"), got[:80]
+    closed, got = closed_within(slow_body, BODY_TIMEOUT + 2)
+    assert closed and b"408" in got.split(b"\r\n")[0]
+    assert time.monotonic() - t0 < max(HEADER_TIMEOUT, BODY_TIMEOUT) + 2
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(served):
+    _, url = served
+    s = connect(url)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    t0 = time.monotonic()
+    closed, got = closed_within(s, KEEP_ALIVE + 3)
+    assert got.startswith(b"HTTP/1.1 200") and closed
+    assert KEEP_ALIVE - 0.5 < time.monotonic() - t0 < KEEP_ALIVE + 2
+
+
+@pytest.mark.parametrize("what", ["score", "generate"])
+def test_a_client_that_leaves_frees_its_row_within_a_second(served, what):
+    _, url = served
+    idle(url)
+    s = connect(url)
+    if what == "score":
+        post(s, "/v1/score", {"text": "ab cd ef " * 3000, "tgt_len": 4, "mem_len": 4})
+    else:
+        post(s, "/v1/generate", {"prompt": "ab", "max_new_tokens": 1024})
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health").json()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    s.close()
+    assert idle(url, 5) < 1.0
+
+
+def test_head_is_get_without_the_body(served):
+    _, url = served
+    res = httpx.head(url + "/health")
+    assert res.status_code == 200 and res.content == b""
+
+
+def test_a_generation_whose_caller_takes_nothing_waits_and_then_gives_the_same_tokens():
+    """The engine's backpressure: a generation whose caller has not taken max_unread tokens is parked (its memory
+    kept apart, its row freed for others) and makes nothing more; once the caller takes half of them it rejoins the
+    batch and goes on with exactly the tokens it gives alone (greedy), and so do the requests beside it."""
+    import threading
+
+    import torch
+
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+    from txl.infer.generation import generate
+    from txl.serve.engine import Engine, Generation
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(n_token=40, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24,
+                                         n_layer=2, mem_len=8)).eval()  # fmt: skip
+    engine = Engine(model, max_batch=4, max_unread=6)
+    got, ended = {"a": [], "b": []}, {"a": threading.Event(), "b": threading.Event()}
+    gens = {}
+
+    def emit(name, takes):
+        def f(tok):
+            if tok is None:
+                ended[name].set()
+            else:
+                got[name].append(tok)
+                if takes:
+                    gens[name].took()
+
+        return f
+
+    gens["a"] = Generation([1, 2, 3], 40, emit("a", True), mem_len=8, temperature=0.0)
+    gens["b"] = Generation([4, 5], 30, emit("b", False), mem_len=8, temperature=0.0)
+    for g in gens.values():
+        engine.submit(g)
+    assert ended["a"].wait(30)  # (a goes on beside b, which waits)
+    time.sleep(0.3)
+    assert len(got["b"]) == 6 and gens["b"].unread == 6 and not ended["b"].is_set()
+    assert engine.active == 1 and engine.rows == 1  # (parked, it still counts: it holds its memory)
+    gens["b"].took(2)  # (not yet half)
+    time.sleep(0.3)
+    assert len(got["b"]) == 6
+    gens["b"].took(1)  # (3 left unread: half of 6)
+    deadline = time.monotonic() + 30
+    while not ended["b"].is_set():  # (now a caller that keeps up)
+        gens["b"].took(gens["b"].unread)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    engine.shutdown()
+    for name, prompt, n in (("a", [1, 2, 3], 40), ("b", [4, 5], 30)):
+        alone = generate(model, torch.tensor([prompt]), n, temperature=0.0, mem_len=8)[0, len(prompt) :].tolist()
+        assert got[name] == alone, name
