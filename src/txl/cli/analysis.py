@@ -80,6 +80,11 @@ def recl(
         if isinstance(text.ids, list):
             raise ValueError(f"{path}: RECL scores one token stream; sentence shards (lm1b) are not one")
         ids = np.asarray(text.ids[: tokens + 1], dtype=np.int64)
+        if contexts[0] >= len(ids) - 1:  # (probes.md r8: every context past the text gave RECL = the largest)
+            raise ValueError(
+                f"--contexts {contexts}: the shortest is {contexts[0]:,} tokens, but {len(ids) - 1:,} are scored "
+                "(--tokens, or the text's length): give shorter contexts or more tokens"
+            )
         if ids_seen is not None and not np.array_equal(ids, ids_seen):
             raise ValueError(f"{path}: reads the text into other tokens than {models[0]}: RECL needs one tokenizer")
         ids_seen = ids

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from txl.cli.common import _utf8_text
+from txl.data.text import universal_newlines
 
 
 def tokenize(
@@ -31,10 +32,13 @@ def tokenize(
 
     if model is None:
         raise ValueError("txl tokenize needs --model (a model folder, run folder or checkpoint)")
+    if ids and decode:  # (probes.md k05: --ids was ignored)
+        raise ValueError("--ids prints a text's ids, --decode reads ids: give one of them")
     tok = Tokenizer.from_pretrained(model)
     if unknown is not None:
         tok = tok.with_unknown(unknown)
     raw = _utf8_text(sys.stdin.buffer.read() if text is None else text, "standard input" if text is None else "--text")
+    raw = universal_newlines(raw.removeprefix("\ufeff"))  # (read as a training file is: no byte order mark, LF)
     if decode:
         try:
             numbers = [int(x) for x in raw.split()]

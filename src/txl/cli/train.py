@@ -31,8 +31,15 @@ def _recorded_run_args(node, args: list[str]) -> list[str] | None:
         return None
     explicit = node["resume"] != "auto"
     folder = resolve_model_dir(node["resume"], prefer="latest") if explicit else latest_checkpoint(node["run_dir"])
-    if folder is None or not (folder / RUN_CONFIG).is_file():
+    if folder is None:
         return None
+    if not (folder / RUN_CONFIG).is_file():  # (probes.md n59, t28: compared with txl train's defaults instead)
+        if (folder / "finetune.json").is_file():
+            raise ValueError(f"{folder}: a checkpoint of txl finetune (finetune.json): continue it with txl finetune")
+        raise ValueError(
+            f"{folder}: no {RUN_CONFIG} (the settings of the run that wrote it); give them with --config (the run's "
+            "config.yaml), or resume a checkpoint that has its run.json"
+        )
     with naming_an_earlier_checkpoint(folder):
         read_json(folder / RUN_CONFIG)
     extra = []

@@ -42,6 +42,8 @@ class ReclResult:
 def check_contexts(contexts: Sequence[int]) -> list[int]:
     """The context lengths as ints: at least two, increasing, evenly spaced (else a ValueError saying so)."""
     contexts = [int(c) for c in contexts]
+    if any(c < 1 for c in contexts):  # (probes.md r3, r4: a memory of 0 or less was a message about same_length)
+        raise ValueError(f"contexts {contexts}: each length must be >= 1 (a context of {min(contexts)} tokens)")
     if len(contexts) < 2 or any(b <= a for a, b in zip(contexts, contexts[1:], strict=False)):
         raise ValueError(f"contexts {contexts}: need at least two increasing lengths")
     if len({b - a for a, b in zip(contexts, contexts[1:], strict=False)}) != 1:

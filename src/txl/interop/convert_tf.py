@@ -198,6 +198,11 @@ def convert_tf_checkpoint(
     tf = _Read(
         {k: v for k, v in read_tf_checkpoint(prefix).items() if k.startswith(T) and not k.endswith(("Adam", "Adam_1"))}
     )
+    whole = [k for k, v in tf.items() if not v.is_floating_point()]
+    if whole:  # (probes.md tf11: an integer r_w_bias was converted, its values truncated)
+        raise CheckpointError(
+            f"{source}: {whole[0]} holds {tf[whole[0]].dtype} values; the model's variables are floating-point"
+        )
     qkv = _need(tf, T + "layer_0/rel_attn/qkv/kernel", source)
     d_model = int(qkv.shape[0])
     n_layer = 1 + max(int(k[len(T) :].split("/")[0].split("_")[1]) for k in tf if k.startswith(T + "layer_"))

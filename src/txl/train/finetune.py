@@ -151,9 +151,11 @@ def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tupl
                     if not line.strip():
                         continue
                     try:
-                        row = json.loads(line)
+                        row = json.loads(line, object_pairs_hook=_unique_keys)
                     except json.JSONDecodeError as e:
                         raise FinetuneError(f"{path}: line {n}: not a JSON object ({e.msg})") from None
+                    except _DuplicateKey as e:  # (probes.md fl: the last one silently won)
+                        raise FinetuneError(f"{path}: line {n}: the key {e.args[0]!r} is given twice") from None
                     if not isinstance(row, dict):
                         raise FinetuneError(f"{path}: line {n}: not a JSON object")
                     rows.append((n, row))
@@ -166,11 +168,33 @@ def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tupl
                         f"{path}: line 1: the header has no {' and no '.join(sorted(missing))} column "
                         f"(it needs {' and '.join(columns)}, has {reader.fieldnames})"
                     )
+                width = len(reader.fieldnames)
                 for row in reader:
+                    extra, short = row.get(None), None in row.values()
+                    if extra or short:  # (probes.md f12: extra fields were dropped silently)
+                        count = width + len(extra or []) - sum(v is None for v in row.values())
+                        raise FinetuneError(
+                            f"{path}: line {reader.line_num}: {count} fields, the header has {width} "
+                            "(a text with commas must be in double quotes)"
+                        )
                     rows.append((reader.line_num, row))
     except UnicodeDecodeError as e:
         raise FinetuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return rows
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _split_file(folder: Path, split: str) -> Path | None:
@@ -241,7 +265,9 @@ def read_split(path: Path, task: Task, tokenizer, max_tokens: int) -> list[Examp
             if key not in row:
                 raise FinetuneError(f"{where}: no {key!r} field (each row needs text and label)")
         text = row["text"]
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):  # (probes.md fg: a number was reported as an empty text)
+            raise FinetuneError(f"{where}: the text must be a string, not {type(text).__name__} ({text!r:.40})")
+        if not text.strip():
             raise FinetuneError(f"{where}: empty text")
         label = _parse_label(row["label"], task, where, path.suffix == ".csv")
         try:

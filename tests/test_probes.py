@@ -1,0 +1,129 @@
+"""The outside probes of ../shared/research/probes.md that found a defect, as regressions, through the CLI as the
+prober typed them (each test names its probe ids). Each one failed on the code the probes ran against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_finetune import make_data
+from tests.test_input_safety import fails, tree_digest
+from txl.cli import main
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    from train_helpers import run_inprocess
+
+    return run_inprocess(tmp_path_factory.mktemp("probes"), train__max_steps=2, train__eval_interval=0)
+
+
+def finetune_args(lm, data, run) -> list[str]:
+    return ["finetune", "--model", str(lm), "--data", str(data), "--run_dir", str(run), "--max_steps=2",
+            "--eval_interval=2", "--checkpoint_interval=2", "--tgt_len=16", "--threads=1"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "probe, fmt, row, message",
+    [
+        ("fg", "jsonl", '{"text": 12345, "label": "yes"}', "the text must be a string, not int (12345)"),
+        ("fl", "jsonl", '{"text": "ab cd", "label": "yes", "label": "nö"}', "the key 'label' is given twice"),
+        ("f12", "csv", '"ab cd",yes,extra,fields', "4 fields, the header has 2"),
+        ("f12", "csv", '"ab cd"', "1 fields, the header has 2"),
+    ],
+)
+def test_finetune_rows_that_were_read_wrong_are_one_error(probe, fmt, row, message, lm, tmp_path, capsys):
+    data = make_data(tmp_path / "data", "single", fmt=fmt, n_train=20)
+    train = data / f"train.{fmt}"
+    lines = train.read_text(encoding="utf-8").splitlines()
+    train.write_text("\n".join([*lines[:5], row, *lines[5:]]) + "\n", encoding="utf-8")
+    err = fails(finetune_args(lm, data, tmp_path / "ft"), capsys)
+    assert f"train.{fmt}: line 6: {message}" in err, err
+    assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
+def test_predict_refuses_a_ragged_csv(lm, tmp_path, capsys):
+    """pr1: a row with an extra field and one without its label were scored silently."""
+    data = make_data(tmp_path / "data", "single", fmt="csv", n_train=20)
+    main(finetune_args(lm, data, tmp_path / "ft"))
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text('text,label\n"ab cd",yes\n"ef gh",nö,extra\n', encoding="utf-8")
+    err = fails(["predict", "--model", str(tmp_path / "ft"), "--file", str(ragged)], capsys)
+    assert "ragged.csv: line 3: 3 fields, the header has 2" in err
+
+
+def test_tokenize_reads_standard_input_as_a_training_file(lm, monkeypatch, capsys):
+    """tk4: a byte order mark on standard input was a character 'not in the vocabulary'; k05: --ids with --decode
+    was ignored."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbfab\r\ncd")))
+    main(["tokenize", "--model", str(lm)])
+    assert json.loads(capsys.readouterr().out) == ["a", "b", "\n", "c", "d"]
+    err = fails(["tokenize", "--model", str(lm), "--text", "3 4", "--ids", "true", "--decode", "true"], capsys)
+    assert "--ids prints a text's ids, --decode reads ids: give one of them" in err
+
+
+@pytest.mark.parametrize(
+    "contexts, message",
+    [
+        ("[0, 16, 32]", "each length must be >= 1 (a context of 0 tokens)"),  # r3
+        ("[-16, 0, 16]", "each length must be >= 1 (a context of -16 tokens)"),  # r4
+        ("[100000, 200000]", "the shortest is 100,000 tokens, but 200 are scored"),  # r8
+        ("[16, 32, 48.5]", "--contexts = [16, 32, 48.5]: 48.5 is not an int (expected list[int])"),  # r9
+    ],
+)
+def test_recl_contexts_are_checked_against_the_text(contexts, message, lm, tmp_path, capsys):
+    args = ["recl", "--models", str(lm), str(lm), "--contexts", contexts, "--tokens", "200", "--out", str(tmp_path)]
+    assert message in fails(args, capsys)
+    assert not (tmp_path / "recl.json").exists()
+
+
+@pytest.mark.parametrize("value", ["[[0, 8.5], [10, 16]]", '[[0, "a"], [10, 16]]', "[[0, true], [10, 16]]"])
+def test_a_bad_item_of_a_list_option_is_named(value, tmp_path, capsys):
+    """n19, n23, n26: '--train.mem_len_schedule = "8.5 - Expected a <class 'NoneType'>": expected an int'."""
+    from train_helpers import train_args
+
+    err = fails([*train_args(tmp_path), "--train.mem_len_schedule", value], capsys)
+    bad = value.split(", ")[1].rstrip("]").strip('"').replace("true", "True")
+    assert "--train.mem_len_schedule = [[0, " in err and f": {bad} is not an int (expected list[list[int]])" in err, err
+    assert "NoneType" not in err
+
+
+def test_an_integer_tf_variable_is_refused(tmp_path, monkeypatch):
+    """tf11: an int64 r_w_bias was converted, its values truncated to integers."""
+    import txl.interop.convert_tf as convert_tf
+    from txl import CheckpointError
+    from txl.interop.tf_checkpoint import read_tf_checkpoint
+
+    src = Path(__file__).parent / "fixtures" / "tf" / "adaptive-untied" / "model"
+    tensors = dict(read_tf_checkpoint(src))
+    tensors["transformer/r_w_bias"] = tensors["transformer/r_w_bias"].long()
+    monkeypatch.setattr(convert_tf, "read_tf_checkpoint", lambda _: tensors)
+    with pytest.raises(CheckpointError, match="transformer/r_w_bias holds torch.int64 values"):
+        convert_tf.convert_tf_checkpoint(src, tmp_path / "out", mem_len=24, corpus=None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_a_checkpoint_without_its_settings_names_what_is_missing(lm, tmp_path, capsys):
+    """n59: a checkpoint without run.json was compared with txl train's defaults ("d_model: checkpoint 32, config
+    64 ... change the config back"); t28: a txl finetune checkpoint likewise, without saying what it is."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lm, run)
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    (step / "run.json").unlink()
+    before = tree_digest(run)
+    err = fails(["train", "--resume", str(step)], capsys)
+    assert f"{step}: no run.json (the settings of the run that wrote it)" in err
+    assert tree_digest(run) == before
+    data = make_data(tmp_path / "data", "single", n_train=20)
+    main(finetune_args(lm, data, tmp_path / "ft"))
+    ft_step = sorted((tmp_path / "ft" / "checkpoints").iterdir())[-1]
+    assert "a checkpoint of txl finetune (finetune.json): continue it with txl finetune" in fails(
+        ["train", "--resume", str(ft_step)], capsys
+    )
