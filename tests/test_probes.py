@@ -127,3 +127,93 @@ def test_resuming_a_checkpoint_without_its_settings_names_what_is_missing(lm, tm
     assert "a checkpoint of txl finetune (finetune.json): continue it with txl finetune" in fails(
         ["train", "--resume", str(ft_step)], capsys
     )
+
+
+def test_small_cli_defects_are_one_clear_line(lm, tmp_path, capsys, monkeypatch):
+    """u38: `txl attention --text ''` read the current folder as a data set; e05: --mem_len -3 reported as 0; e03:
+    --tolerance -1 taken (the export then failed after its work); u36: a malformed --stop list read as one text;
+    d16: the advice named --unknown, which generate lacked; k08: a metrics file of bad lines was "no metrics yet";
+    d09: a link to nothing among the splits was not named."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train", "valid", "test"):
+        (tmp_path / f"{name}.txt").write_text("ab cd\n" * 50)
+    err = fails(["attention", "--model", str(lm), "--text", "", "--out", str(tmp_path / "att")], capsys)
+    assert "--text is empty" in err and not (tmp_path / "att").exists()
+    onnx = tmp_path / "m.onnx"
+    assert "mem_len = -3: the exported step carries a memory" in fails(
+        ["export", "onnx", "--model", str(lm), "--out", str(onnx), "--mem_len", "-3"], capsys
+    )
+    assert "--tolerance = -1.0: must be >= 0" in fails(
+        ["export", "onnx", "--model", str(lm), "--out", str(onnx), "--tolerance", "-1"], capsys
+    )
+    assert not onnx.exists()
+    assert "--stop '[\"a\",': not a list" in fails(
+        ["generate", "--model", str(lm), "--prompt", "ab", "--stop", '["a",', "--max_new_tokens", "2"], capsys
+    )
+    main(["generate", "--model", str(lm), "--prompt", "ab ☃", "--unknown", "replace", "--max_new_tokens", "2"])
+    capsys.readouterr()
+    assert "not in the vocabulary" in fails(["generate", "--model", str(lm), "--prompt", "ab ☃"], capsys)
+    bad = tmp_path / "k08"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text("{bad\n5\n")
+    assert "none of its 3 line(s) is a metrics row" in fails(["plot", str(bad)], capsys)
+    links = tmp_path / "d09"
+    links.mkdir()
+    (links / "train.txt").write_text("ab\n")
+    (links / "valid.txt").write_text("ab\n")
+    (links / "test.txt").symlink_to(links / "nowhere.txt")
+    err = fails(["data", "prepare", "--data.path", str(links), "--data.dataset", "custom"], capsys)
+    assert "test.txt is a link to a file that does not exist" in err
+
+
+def test_checkpoint_and_model_files_that_mislead_are_named(lm, tmp_path, capsys):
+    """c06: a config.json without d_model filled in the default and listed ~20 mis-shaped tensors; s02: a pickle that
+    weights_only refuses printed torch's multi-line text, advice to load it unsafely included; t15: a resume with
+    another batch size was the iterator's "batch_size=4, but this iterator has batch_size=8"."""
+    import os
+    import shutil
+
+    import torch
+
+    from train_helpers import train_args
+
+    model = tmp_path / "c06"
+    shutil.copytree(sorted((lm / "checkpoints").iterdir())[-1], model)
+    config = json.loads((model / "config.json").read_text())
+    del config["d_model"]
+    (model / "config.json").write_text(json.dumps(config))
+    assert "config.json: no d_model (a model's config.json gives its shape" in fails(
+        ["generate", "--model", str(model), "--prompt", "ab"], capsys
+    )
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo PWNED",))
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    torch.save({"a": Evil()}, hf / "pytorch_model.bin")
+    (hf / "config.json").write_text('{"model_type": "transfo-xl"}')
+    err = fails(["convert", "hf", "--trust_pickle", "true", str(hf), str(tmp_path / "out")], capsys)
+    assert "refused it: Trying to load unsupported GLOBAL posix.system); it is not loaded" in err
+    assert "weights_only set to False" not in err and "will likely succeed" not in err
+
+    run = tmp_path / "t15"
+    main([*train_args(tmp_path, "t15"), "--train.max_steps", "2", "--train.eval_interval", "0"])
+    before = tree_digest(run)
+    err = fails([*train_args(tmp_path, "t15"), "--train.max_steps", "4", "--train.batch_size", "8"], capsys)
+    assert "trained with a batch of 4 columns, this run asks for 8 (--train.batch_size" in err
+    assert tree_digest(run) == before
+
+
+def test_permission_and_disk_errors_say_what_to_check():
+    """d14: a file the user cannot read exited 1 with "check that folder's permissions and free space"."""
+    import errno
+
+    from txl.cli.app import _error
+
+    assert _error(PermissionError(errno.EACCES, "Permission denied", "data/valid.txt")) == (
+        2, "txl: error: data/valid.txt: Permission denied (check its permissions)"
+    )  # fmt: skip
+    code, message = _error(OSError(errno.ENOSPC, "No space left on device", "run/x"))
+    assert code == 1 and message.endswith("(check free space on that disk)")

@@ -126,7 +126,7 @@ def recl(
 def attention(
     model: Path | None = None,
     data: str | None = None,
-    text: Path | None = None,
+    text: str | None = None,
     out: Path = Path("attention"),
     tokens: int = 2000,
     tgt_len: int | None = None,
@@ -169,6 +169,8 @@ def attention(
         raise ValueError(f"--tokens = {tokens}: must be >= 2")
     if data is not None and text is not None:
         raise ValueError("txl attention: give the text once, with --data (--text is its former name)")
+    if text is not None and not text.strip():  # (probes.md u38: '' was read as '.', the current folder)
+        raise ValueError("--text is empty: give a text file or a folder of text (--data)")
     _set_threads(threads)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)

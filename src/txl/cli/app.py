@@ -9,6 +9,7 @@ folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that can
 from __future__ import annotations
 
 import difflib
+import errno
 import inspect
 import json as _json
 import os
@@ -351,9 +352,17 @@ def _error(e: BaseException) -> tuple[int, str] | None:
         return 2, f"txl: error: {e.filename}: {e.strerror}" if e.filename else f"txl: error: {e}"
     if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:  # a file where a folder must be
         return 2, f"txl: error: {e.filename}: {e.strerror} (a file is in the way of a folder: choose another path)"
+    if isinstance(e, PermissionError):  # (probes.md d14: a file the user cannot read is the user's to fix: 2)
+        where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        return 2, f"txl: error: {where} (check its permissions)"
     if isinstance(e, OSError):
         where = f"{e.filename}: {e.strerror}" if e.filename else str(e)
-        return 1, f"txl: error: {where} (check that folder's permissions and free space)"
+        advice = (
+            "free space on that disk"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "that folder's permissions and free space"
+        )
+        return 1, f"txl: error: {where} (check {advice})"
     if isinstance(e, ValueError):  # ConfigError, DataError, CheckpointError and bad values
         return 2, f"txl: error: {e}"
     return None

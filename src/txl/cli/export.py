@@ -37,6 +37,8 @@ def export_onnx(
 
     if model is None or out is None:
         raise ValueError("txl export onnx needs --model RUN_OR_DIR and --out FILE.onnx")
+    if not tolerance >= 0:  # (probes.md e03: -1 was taken, and the export failed after its work)
+        raise ValueError(f"--tolerance = {tolerance}: must be >= 0 (the largest |difference| from PyTorch allowed)")
     tok = resolve_model_dir(model) / "tokenizer.json"
     tok_out = Path(out).with_suffix(".tokenizer.json")
     if tok.is_file() and tok_out.exists() and not overwrite:  # (checked before anything is written)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as _json
 import sys
 from pathlib import Path
+from typing import Literal
 
 from txl.cli.common import DEFAULT_GENERATE_THREADS, _check_generate_memory, _reading_dict, _set_threads
 
@@ -32,6 +33,7 @@ def generate(
     num_beams: int = 1,
     length_penalty: float = 1.0,
     device: str = "auto",
+    unknown: Literal["error", "replace"] | None = None,
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -65,6 +67,8 @@ def generate(
         length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
         device: cpu, cuda, cuda:N or auto (the GPU if there is one). On a GPU each new token is one CUDA graph
             replay (txl.infer.static_decode); a seed samples differently there than on the CPU (another generator).
+        unknown: Characters outside the vocabulary in the prompt or a stop: error (one line naming the
+            first) or replace (the tokenizer's replacement symbol); default: the tokenizer's.
     """
     import torch
 
@@ -98,6 +102,8 @@ def generate(
     read_as(lm, reading)
     tok_file = folder / "tokenizer.json"
     tok = Tokenizer.load(tok_file).for_model(lm.config.n_token, tok_file) if tok_file.exists() else None
+    if tok is not None and unknown is not None:  # (probes.md d16: the error advised an option generate lacked)
+        tok = tok.with_unknown(unknown)
     if prompt is not None:
         if tok is None:
             raise ValueError(f"{folder}: no tokenizer.json to encode --prompt; use --prompt_ids")
@@ -109,6 +115,8 @@ def generate(
         if tok is None:
             raise ValueError(f"{folder}: no tokenizer.json to encode --stop; use --stop_ids")
         hint = " (a line break is --stop $'\\n' in bash, or its id with --stop_ids)" if "\\n" in text else ""
+        if text.lstrip().startswith("[") and len(text.strip()) > 1:  # (probes.md u36: a malformed list, as one text)
+            raise ValueError(f'--stop {text!r}: not a list (a list is JSON, e.g. \'["a", "b"]\')')
         try:
             ids = tok.encode(text)
         except ValueError as e:

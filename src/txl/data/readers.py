@@ -157,6 +157,9 @@ def hold_out(files: list[Path], folder: Path, pattern: str = DOCUMENTS) -> dict[
     """A flat folder of documents: sorted, the last ~5% (at least one) test, the ~5% before them valid."""
     if len(files) < 3:
         other = "" if pattern != DOCUMENTS else "; documents of another kind: --data.files, e.g. '**/*.md'"
+        broken = [p.name for p in sorted(folder.glob(pattern)) if p.is_symlink() and not p.exists()]
+        if broken:  # (probes.md d09: a link to nothing was left unnamed)
+            other += f"; {', '.join(broken)} is a link to a file that does not exist"
         raise DataError(
             f"{folder}: {len(files)} file(s) match {pattern!r}; a folder dataset needs train.txt, valid.txt and "
             f"test.txt, train/ valid/ test/ subfolders, or at least 3 documents{other}"

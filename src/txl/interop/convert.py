@@ -131,12 +131,23 @@ def read_hf_weights(src: Path, trust_pickle: bool = False) -> tuple[dict[str, to
             state = torch.load(binary, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only refuses any non-tensor object
             raise CheckpointError(
-                f"{binary}: not a plain tensor state dict, refused by torch.load(weights_only=True): {e}"
+                f"{binary}: not a plain tensor state dict ({_refusal(e)}); it is not loaded"
             ) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{binary}: expected a dict of tensors")
         return dict(state), str(binary)
     raise CheckpointError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _refusal(e: Exception) -> str:
+    """What torch.load(weights_only=True) refused, in one line, without its advice to load the file unsafely
+    (probes.md s02: "Re-running torch.load with weights_only set to False will likely succeed")."""
+    text = " ".join(str(e).split())
+    found = re.search(
+        r"(Trying to load unsupported GLOBAL [\w.]+|Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+)", text
+    )
+    what = found.group(1).strip() if found else type(e).__name__
+    return f"torch.load(weights_only=True) refused it: {what}"
 
 
 _LAYER_RENAMES = [

@@ -72,8 +72,8 @@ class ExportReport:
 
 def _refuse_unexportable(lm: TransformerXLLM, mem_len: int) -> None:
     cfg = lm.config
-    if mem_len <= 0:
-        raise ExportError("mem_len = 0: the exported step carries a memory; give --mem_len > 0")
+    if mem_len <= 0:  # (probes.md e05: a negative one was reported as 0)
+        raise ExportError(f"mem_len = {mem_len}: the exported step carries a memory; give --mem_len > 0")
     if cfg.attn_type != 0:
         raise ExportError(
             f"attn_type {cfg.attn_type} (absolute positions, an ablation variant) cannot be exported: "

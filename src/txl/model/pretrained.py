@@ -259,6 +259,14 @@ def read_config(config_class: type, directory: str | os.PathLike):
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {version} is not supported (expected {FORMAT_VERSION})")
     data.pop("architecture", None)
+    shape = ("n_token", "d_model", "n_layer", "n_head", "d_head", "d_inner")
+    fields = getattr(config_class, "__dataclass_fields__", {})
+    missing = [k for k in shape if k in fields and k not in data]
+    if missing:  # (probes.md c06: defaults filled in, then ~20 mis-shaped tensors listed)
+        raise CheckpointError(
+            f"{path}: no {', '.join(missing)} (a model's config.json gives its shape; save_pretrained writes every "
+            "field)"
+        )
     try:
         return config_class.from_dict(data)
     except (TypeError, ValueError) as e:

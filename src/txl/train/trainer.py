@@ -369,6 +369,12 @@ class Trainer(TrainingLoop):
         load_weights(self.model, weights, str(folder / "model.safetensors"))
         self.optimizer.load_state_dict(mine["optimizer"])
         self.scaler.load_state_dict(mine["scaler"])
+        saved, ours = mine["iterator"].get("batch_size"), getattr(self.train_iter, "batch_size", None)
+        if saved is not None and ours is not None and saved != ours:  # (probes.md t15: the iterator's own words)
+            raise ValueError(
+                f"{folder}: trained with a batch of {saved} columns, this run asks for {ours} (--train.batch_size, "
+                "per process): the data order goes on only with the checkpoint's; keep it, or start a new --run_dir"
+            )
         self.train_iter.load_state_dict(mine["iterator"])
         self.step, self.tokens, self.elapsed = mine["step"], mine["tokens"], mine["elapsed"]
         self.best_valid, self.best_step = mine["best_valid"], mine["best_step"]

@@ -31,7 +31,14 @@ def run_figure(run_dir: str | Path):
     train = [r for r in rows if r.get("split") == "train"]
     valid = [r for r in rows if r.get("split") == "valid"]
     if not train and not valid:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no metrics yet (is this a run folder of `txl train`?)")
+        path = run_dir / "metrics.jsonl"
+        lines = path.read_bytes().count(b"\n") + 1 if path.is_file() and path.stat().st_size else 0
+        if lines:  # (probes.md k08: a file of bad lines was "no metrics yet")
+            raise ValueError(
+                f"{path}: none of its {lines} line(s) is a metrics row (a JSON object with an integer step, as "
+                "txl train writes)"
+            )
+        raise ValueError(f"{path}: no metrics yet (is this a run folder of `txl train`?)")
     metric = next((m for m in ("bpc", "ppl", "accuracy", "mse") if m in (train or valid)[0]), None)
     per = "document" if metric in ("accuracy", "mse") else "token"  # (txl finetune's runs: a loss per document)
     fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(11 if metric else 6, 4), squeeze=False)
