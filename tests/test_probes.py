@@ -217,3 +217,47 @@ def test_permission_and_disk_errors_say_what_to_check():
     )  # fmt: skip
     code, message = _error(OSError(errno.ENOSPC, "No space left on device", "run/x"))
     assert code == 1 and message.endswith("(check free space on that disk)")
+
+
+def test_a_finished_finetune_run_again_changes_nothing(lm, tmp_path, capsys):
+    """n03: re-running a finished fine-tuning with another --lr rewrote finetune.json with an lr never used; n04: the
+    same command again appended the final validation row again."""
+    data = make_data(tmp_path / "data", "single", n_train=20)
+    run = tmp_path / "ft"
+    main(finetune_args(lm, data, run))
+    before = tree_digest(run)
+    capsys.readouterr()
+    main([*finetune_args(lm, data, run), "--lr=0.05"])
+    assert "finished at step 2 (max_steps 2): nothing to do" in capsys.readouterr().out
+    main(finetune_args(lm, data, run))
+    assert tree_digest(run) == before
+
+
+def test_safetensors_files_are_the_same_bytes_from_every_process(tmp_path):
+    """kc2: the same tensors saved by two processes differed (the metadata's keys in hash-map order)."""
+    import subprocess
+    import sys
+
+    from train_helpers import ROOT
+
+    code = (
+        "import sys, torch; from txl.util.fileio import save_safetensors; "
+        "save_safetensors({'b': torch.ones(3, 4), 'a': torch.arange(5)}, sys.argv[1], "
+        "metadata={'format': 'pt', 'txl_format_version': '1', 'other': 'x'})"
+    )
+    files = [tmp_path / f"{i}.safetensors" for i in range(4)]
+    for f in files:
+        subprocess.run([sys.executable, "-c", code, str(f)], check=True, env={"PYTHONPATH": str(ROOT / "src")})
+    assert len({f.read_bytes() for f in files}) == 1
+
+
+def test_a_corpus_build_killed_while_writing_leaves_no_temporary_file(tmp_path):
+    """n42: a killed build's .train.bin.<hex>.tmp stayed in the cache folder for good."""
+    from train_helpers import train_args
+
+    main([*train_args(tmp_path), "--train.max_steps", "1", "--train.eval_interval", "0"])
+    cache = tmp_path / "cache"
+    (cache / ".train.bin.0123456789ab.tmp").write_bytes(b"\0" * 1000)
+    (cache / "meta.json").unlink()  # (so that the next command rebuilds)
+    main([*train_args(tmp_path, "again"), "--train.max_steps", "1", "--train.eval_interval", "0"])
+    assert not list(cache.glob(".*.tmp"))

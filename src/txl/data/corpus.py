@@ -12,6 +12,7 @@ interrupted) is never used.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -407,6 +408,9 @@ def _prepare(
         meta_path.unlink()
     elif any(p.name != LOCK for p in folder.iterdir()):
         reason = "an earlier build did not finish"
+    for stale in folder.glob(".*.tmp"):  # (a build killed while writing: its lock is ours now, probes.md n42)
+        with contextlib.suppress(OSError):
+            stale.unlink()
     log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")  # (its lock made the folder)
     tok = _build_tokenizer(cfg, settings, layout)
     text_bytes = sum(r.stop() - r.start for ranges in layout.splits.values() for r in ranges)

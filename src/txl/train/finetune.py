@@ -409,7 +409,8 @@ def finetune(cfg: FinetuneConfig) -> Path:
     lock = RunLock(Path(cfg.run_dir), "txl finetune")
     try:
         loop = Finetuner(cfg)
-        loop.fit()
+        if not loop.finished:
+            loop.fit()
         result = loop.run_dir
     except BaseException:
         lock.release(restore=True)  # (the lock file as it was; no folder if the run made it and never began)
@@ -461,6 +462,7 @@ class Finetuner(TrainingLoop):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.world = World()
+        self.finished = False  # (a resumed run that had already reached max_steps: nothing is done or written)
         self.run_dir = run_dir = Path(cfg.run_dir)
         resume = latest_checkpoint(run_dir) if run_dir.exists() else None
         source = resume or resolve_model_dir(cfg.model)
@@ -541,6 +543,11 @@ class Finetuner(TrainingLoop):
             self.best_step = best["step"]
             self.elapsed = state.get("elapsed", 0.0)
             torch.set_rng_state(state["rng"]["torch"])
+            self.finished = self.step >= cfg.max_steps
+            if self.finished:  # (probes.md n03, n04: the record rewritten with options never used, a row again)
+                print(f"{run_dir}: finished at step {self.step} (max_steps {cfg.max_steps}): nothing to do")
+                self.run_dir = run_dir
+                return
             truncate_metrics(run_dir, self.step)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.record = asdict(cfg) | {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import io
+import json
 import os
 import re
 import shutil
@@ -124,6 +125,27 @@ def save_safetensors(tensors: dict, dest: str | os.PathLike, metadata: dict[str,
                 raise
             errno = int(code.group(1))
             raise OSError(errno, os.strerror(errno)) from None
+        _sort_metadata(tmp)
+
+
+def _sort_metadata(path: Path) -> None:
+    """The safetensors header's ``__metadata__`` in sorted key order (the writer emits it in its hash map's order,
+    which differs from one process to the next: the same tensors gave files with other bytes, probes.md kc2). The
+    header keeps its length, and the tensors' order and offsets; a header this does not reproduce is left as is."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+        header = json.loads(raw)
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict) or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        same = json.dumps(json.loads(raw), separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n or same != raw.rstrip(b" "):  # (a layout this does not write back exactly)
+            return
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))
 
 
 LOCK = ".lock"
