@@ -225,12 +225,16 @@ def test_a_finished_finetune_run_again_changes_nothing(lm, tmp_path, capsys):
     data = make_data(tmp_path / "data", "single", n_train=20)
     run = tmp_path / "ft"
     main(finetune_args(lm, data, run))
-    before = tree_digest(run)
+
+    def files() -> dict[str, bytes]:  # (but the lock file, which names the last command that held the folder)
+        return {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    before = files()
     capsys.readouterr()
     main([*finetune_args(lm, data, run), "--lr=0.05"])
     assert "finished at step 2 (max_steps 2): nothing to do" in capsys.readouterr().out
     main(finetune_args(lm, data, run))
-    assert tree_digest(run) == before
+    assert files() == before
 
 
 def test_safetensors_files_are_the_same_bytes_from_every_process(tmp_path):
@@ -261,3 +265,38 @@ def test_a_corpus_build_killed_while_writing_leaves_no_temporary_file(tmp_path):
     (cache / "meta.json").unlink()  # (so that the next command rebuilds)
     main([*train_args(tmp_path, "again"), "--train.max_steps", "1", "--train.eval_interval", "0"])
     assert not list(cache.glob(".*.tmp"))
+
+
+def test_a_changed_memory_schedule_on_resume_is_said(tmp_path, capsys):
+    """n28: resuming with another --train.mem_len_schedule trained on with memory 4 after 16, and said nothing (a
+    changed learning-rate schedule gets a note)."""
+    from train_helpers import train_args
+
+    main([*train_args(tmp_path), "--train.max_steps", "4", "--train.eval_interval", "0",
+          "--train.mem_len_schedule", "[[0, 16]]"])  # fmt: skip
+    capsys.readouterr()
+    main([*train_args(tmp_path), "--train.max_steps", "6", "--train.eval_interval", "0",
+          "--train.mem_len_schedule", "[[0, 4], [100, 16]]"])  # fmt: skip
+    out = capsys.readouterr()
+    assert (
+        "note: the memory schedule changed ([[0, 16]] -> [[0, 4], [100, 16]]): step 5 carries a memory of 4 where "
+        "the checkpoint's run would have used 16" in out.out + out.err
+    )
+
+
+def test_export_to_a_folder_that_takes_no_file_is_refused_before_the_export(lm, tmp_path, capsys, monkeypatch):
+    """n43: a read-only --out folder was found after the 18-s export, naming a hidden temporary file."""
+    import errno
+    import time
+
+    def read_only(self, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "touch", read_only)
+    out = tmp_path / "ro" / "m.onnx"
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["export", "onnx", "--model", str(lm), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and f"{out}: Read-only file system" in err and ".partial-" not in err, err
+    assert time.monotonic() - t0 < 5

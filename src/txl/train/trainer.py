@@ -394,6 +394,7 @@ class Trainer(TrainingLoop):
         """Say so when the learning rate from here on is not the one the checkpoint's run would have used (a longer
         --train.max_steps re-plans a cosine schedule: the rate goes back up to where the longer one has it)."""
         saved = read_json(folder / RUN_CONFIG).get("train", {})
+        self._memory_note(saved)
         fields = [f for f in SCHEDULE if f in saved and saved[f] != getattr(self.tc, f)]
         if not fields:
             return
@@ -404,6 +405,21 @@ class Trainer(TrainingLoop):
             self.say(
                 f"note: the learning-rate schedule changed ({changed}): step {self.step + 1:,} gets lr {now:.3g} "
                 f"where the checkpoint's run would have used {then:.3g}"
+            )
+
+    def _memory_note(self, saved: dict[str, Any]) -> None:
+        """Say so when the memory from here on is not the one the checkpoint's run would have used (a changed
+        --train.mem_len_schedule, probes.md n28: a memory shrinking from 16 to 4 went unsaid)."""
+        plain = lambda sched: None if sched is None else [list(x) for x in sched]  # noqa: E731
+        if "mem_len_schedule" not in saved or plain(saved["mem_len_schedule"]) == plain(self.tc.mem_len_schedule):
+            return
+        mem_len = self.cfg.model.mem_len
+        before = dataclasses.replace(self.tc, mem_len_schedule=saved["mem_len_schedule"])
+        now, then = mem_len_at(self.step, self.tc, mem_len), mem_len_at(self.step, before, mem_len)
+        if now != then:
+            self.say(
+                f"note: the memory schedule changed ({saved['mem_len_schedule']} -> {self.tc.mem_len_schedule}): "
+                f"step {self.step + 1:,} carries a memory of {now} where the checkpoint's run would have used {then}"
             )
 
     def _state(self) -> dict[str, Any]:

@@ -344,6 +344,10 @@ def staged_file(
     with _unless_in_use(out.resolve().parent, command, f"--{option}"):
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.with_name(f".{out.stem}.partial-{uuid.uuid4().hex[:12]}{out.suffix}")
+        try:  # (before the work: a folder that takes no file is said at once, naming --out, probes.md n43)
+            staged.touch(exist_ok=False)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(out)) from None
         try:
             yield staged
             os.replace(staged, out)
