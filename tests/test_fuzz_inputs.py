@@ -264,3 +264,103 @@ def test_nvidia_checkpoints_of_any_layout_convert_or_are_one_checkpoint_error(tm
         convert_original_checkpoint(path, trust_pickle=True)
     except CheckpointError as e:
         assert str(path) in str(e) and "\n" not in str(e)
+
+
+# --- Classes of inputs the outside probes found that the strategies above missed (probes.md mt1-4, fg, fl, f12,
+# n19, r9): metrics lines of any JSON shape, fine-tuning rows of any shape, and bad items in list-valued options.
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["step", "split", "loss", "x"]), inner, max_size=4)
+    ),  # fmt: skip
+    max_leaves=8,
+)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(JSON_VALUES.map(lambda v: __import__("json").dumps(v)), st.text(max_size=20)), max_size=8))
+def test_metrics_files_of_any_lines_read_as_their_rows(tmp_path_factory, lines):
+    """Every line of metrics.jsonl that is an object with an integer step is a row, in order; any other line is
+    skipped; dropping rows after a step (a resume that rewinds) keeps the others and never fails."""
+    import json
+
+    from txl.util.metrics import read_metrics, truncate_metrics
+
+    run = tmp_path_factory.mktemp("metrics")
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rows = read_metrics(run)
+    expected = []
+    for line in lines:
+        try:
+            v = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(v, dict) and type(v.get("step")) is int:
+            expected.append(v)
+    assert rows == expected
+    truncate_metrics(run, 100)
+    assert read_metrics(run) == [r for r in expected if r["step"] <= 100]
+
+
+ROW_FIELDS = st.dictionaries(st.sampled_from(["text", "label", "extra"]), JSON_VALUES, max_size=3)
+
+
+@SETTINGS
+@given(st.lists(ROW_FIELDS, min_size=1, max_size=5), st.sampled_from(["jsonl", "csv"]), st.booleans())
+def test_finetune_rows_of_any_shape_read_or_name_their_line(tmp_path_factory, rows, fmt, twice):
+    """A fine-tuning file of rows of any shape (any JSON value as text or label, fields missing or extra, a key twice,
+    CSV rows of any width): its examples, or one FinetuneError naming the file and line."""
+    import csv
+    import io
+    import json
+
+    from txl.train.finetune import FinetuneError, read_split
+
+    folder = tmp_path_factory.mktemp("rows")
+    path = folder / f"train.{fmt}"
+    if fmt == "jsonl":
+        lines = [json.dumps(r) for r in rows]
+        if twice:
+            lines[0] = lines[0][:-1] + (', "label": 1}' if len(lines[0]) > 2 else '"label": 1}')
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    else:
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["text", "label"])
+        for r in rows:
+            writer.writerow([str(v) for v in r.values()])
+        path.write_text(out.getvalue(), encoding="utf-8")
+    try:
+        examples = read_split(path, "single", Tokenizer.bytes256(), max_tokens=64)
+    except FinetuneError as e:
+        assert str(e).startswith(f"{path}") and "\n" not in str(e), str(e)
+        return
+    assert examples and all(e.ids and e.where.startswith(f"{path}: line ") for e in examples)
+
+
+LIST_ITEMS = st.one_of(st.integers(-3, 50), st.floats(allow_nan=False, width=16), st.text("ab", max_size=2),
+                       st.booleans(), st.none())  # fmt: skip
+
+
+@SETTINGS
+@given(st.lists(LIST_ITEMS, min_size=1, max_size=4))
+def test_list_options_parse_or_name_the_bad_item(items):
+    """A list-valued option (recl's --contexts) with items of any type: parsed, or one line naming the option and,
+    for a bad item, that item (never the garbled 'Expected a <class 'NoneType'>')."""
+    import json
+
+    from txl.cli import build_parser, normalize_argv
+    from txl.cli.app import _error
+
+    top, _ = build_parser()
+    argv = ["recl", "--models", "a", "b", "--contexts", json.dumps(items)]
+    try:
+        top.parse_args(normalize_argv(argv))
+    except Exception as e:  # (ArgumentError; the CLI prints _error's line)
+        found = _error(e)
+        assert found is not None and found[0] == 2, repr(e)
+        assert "--contexts" in found[1] and "NoneType" not in found[1] and "\n" not in found[1], found[1]
+    except SystemExit:
+        pass

@@ -315,13 +315,16 @@ def _argument_message(message: str) -> str:
     if key is None:
         return message
     option = f"--{key.group(1)}"
-    union = re.search(r"Subtypes: \[(.*?)\] Errors: - Expected an? <class '(\w+)'>\.? Got value: (.*?) - ", message)
+    union = re.search(
+        r"Subtypes: \[(.*?)\] Errors: - Expected an? <class '(\w+)'>\.? Got value: ?(.*?) ?- Expected", message
+    )
     whole = re.search(r"Given value: (.*)$", message)
     if union and whole:  # (a list option with a bad item: name the item and the list's type, probes.md n19, r9)
         wanted = union.group(1).split(", <class 'NoneType'>")[0]
         article = "an" if union.group(2)[0] in "aeiou" else "a"
         return (
-            f"{option} = {whole.group(1).strip()}: {union.group(3).strip()} is not {article} {union.group(2)} "
+            f"{option} = {whole.group(1).strip()}: {union.group(3).strip() or repr('')} is not {article} "
+            f"{union.group(2)} "
             f"(expected {wanted})"
         )
     choices = re.search(r"Literal\[([^\]]+)\]", message)
