@@ -255,3 +255,29 @@ def test_a_generation_whose_caller_takes_nothing_waits_and_then_gives_the_same_t
     for name, prompt, n in (("a", [1, 2, 3], 40), ("b", [4, 5], 30)):
         alone = generate(model, torch.tensor([prompt]), n, temperature=0.0, mem_len=8)[0, len(prompt) :].tolist()
         assert got[name] == alone, name
+
+
+def test_requests_read_two_ways_are_refused_and_the_connection_closed(served):
+    """serve_attack.md B7: with two Authorization headers the last one won; B8: a body framed by both Content-Length
+    and Transfer-Encoding was read by its chunks and the bytes after it served as a second request (a proxy reading
+    the length would see one). B3: JSON with trailing garbage named a character offset as the field; B5: /docs/
+    redirected."""
+    _, url = served
+    s = connect(url)
+    s.sendall(b"GET /v1/model HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n")
+    closed, got = closed_within(s, 5)
+    assert closed and got.startswith(b"HTTP/1.1 400") and b"two Authorization headers" in got
+    smuggled = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b'{"prompt": "ab", "max_new_tokens": 1}'
+    s = connect(url)
+    s.sendall(
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n" + smuggled
+    )
+    closed, got = closed_within(s, 5)
+    assert closed and got.startswith(b"HTTP/1.1 400") and b"Content-Length and Transfer-Encoding" in got
+    assert got.count(b"HTTP/1.1") == 1  # (the request after it was never served)
+    res = httpx.post(url + "/v1/generate", content=b'{"prompt": "ab"} 42', headers={"Content-Type": "application/json"})
+    assert res.status_code == 400 and res.json()["error"]["param"] is None
+    assert "not valid JSON" in res.json()["error"]["message"]
+    assert httpx.get(url + "/docs/").status_code == 404 and httpx.get(url + "/v1/model/").status_code == 404

@@ -86,7 +86,7 @@ def create_app(
 
     app = FastAPI(
         title="txl serve", description=f"Transformer-XL model {server.served_names[0]}", lifespan=lifespan,
-        docs_url=None, redoc_url=None, responses=ERROR_RESPONSES,
+        docs_url=None, redoc_url=None, responses=ERROR_RESPONSES, redirect_slashes=False,  # (B5: /docs/ is a 404)
     )  # fmt: skip
     app.state.server = server
     app.add_middleware(

@@ -80,9 +80,13 @@ def sse_error(error: dict[str, Any]) -> str:
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
-async def send_json(send: Callable[[dict], Awaitable[None]], status: int, body: dict[str, Any]) -> None:
+async def send_json(
+    send: Callable[[dict], Awaitable[None]], status: int, body: dict[str, Any], close: bool = False
+) -> None:
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
@@ -115,10 +119,12 @@ class Gate:
             return
         if scope["method"] == "HEAD":  # (the server sends no body for HEAD: uvicorn drops it)
             scope = dict(scope, method="GET")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refused = self._refused(scope, headers)
+        raw = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+        headers = dict(raw)
+        refused = self._ambiguous(raw) or self._refused(scope, headers)
         if refused is not None:
-            await send_json(send, refused.status, refused.body())
+            close = refused.code == "ambiguous_request"  # (nothing after it on this connection is read)
+            await send_json(send, refused.status, refused.body(), close=close)
             return
         limit = self.max_body_bytes()
         body, more = bytearray(), True
@@ -162,6 +168,19 @@ class Gate:
             # closed on the way out, which cancelled its generation)
         finally:
             self.on_end(complete)
+
+    @staticmethod
+    def _ambiguous(raw: list[tuple[str, str]]) -> ApiError | None:
+        """A request whose headers can be read two ways (serve_attack.md B7, B8): two Authorization headers (the
+        last one won), or a body framed by both Content-Length and Transfer-Encoding (a proxy that reads the length
+        and this server, which reads the chunks, would see different requests). Refused, and the connection closed."""
+        names = [k for k, _ in raw]
+        if names.count("authorization") > 1:
+            return ApiError(400, "two Authorization headers: send the key once", code="ambiguous_request")
+        if "content-length" in names and "transfer-encoding" in names:
+            return ApiError(400, "both Content-Length and Transfer-Encoding: frame the body one way",
+                            code="ambiguous_request")  # fmt: skip
+        return None
 
     def _refused(self, scope: dict, headers: dict[str, str]) -> ApiError | None:
         key = self.api_key()

@@ -16,6 +16,8 @@ MAX_SEED = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0)]
 """A token id (below the model's vocabulary size, which the server checks)."""
 StopString = Annotated[str, Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
 
 
 def _whole_numbers(value: Any) -> Any:
@@ -149,7 +151,7 @@ class CompletionRequest(OpenAIPenalties):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models); default: that model.")
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Ids | Annotated[list[Ids], Field(min_length=1)] = Field(
         ..., description="Text or token ids; a list of them for several prompts (a choice each, in order)."
     )
     max_tokens: int | None = Field(16, ge=0, description="Tokens to generate (OpenAI's default: 16).")
@@ -227,7 +229,8 @@ def field_error(e: RequestValidationError) -> tuple[str, str | None]:
     for err in e.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
-            parts.append("the request body is not valid JSON")
+            parts.append(f"the request body is not valid JSON ({err.get('msg', 'invalid')})")
+            continue  # (its location is a character offset, not a field: serve_attack.md B3)
         elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
             why = "a JSON object, sent with Content-Type: application/json (curl: -H 'Content-Type: application/json')"
             parts.append(f"the request body must be {why}")
