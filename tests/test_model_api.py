@@ -474,3 +474,33 @@ def test_config_takes_hugging_faces_names_and_saves_alone(tmp_path):
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "config.json").write_text('{"vocab_size": 10}')
         TransformerXLConfig.from_pretrained(tmp_path / "hf")
+
+
+def test_inputs_embeds_equals_feeding_the_embeddings_output():
+    """``inputs_embeds`` (Hugging Face's argument) in place of ids: the word embedding's output gives the same losses,
+    memories and classification logits as the ids; its gradient reaches the embeddings (soft prompts); exactly one
+    of the two is taken, of the model's width."""
+    torch.manual_seed(0)
+    cfg = debug_config(n_token=60, d_model=24, d_embed=24, n_head=3, d_head=8, d_inner=32, n_layer=2, mem_len=5,
+                       cutoffs=[20, 40], div_val=2, num_labels=3)  # fmt: skip
+    lm = TransformerXLLM(cfg).eval()
+    x = torch.randint(0, 60, (2, 7))
+    by_ids = lm(x, labels=x)
+    embeds = lm.transformer.word_emb(x).detach().requires_grad_()
+    by_embeds = lm(inputs_embeds=embeds, labels=x)
+    torch.testing.assert_close(by_embeds.losses, by_ids.losses, rtol=0, atol=0)
+    for a, b in zip(by_embeds.mems, by_ids.mems, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    by_embeds.loss.backward()
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0
+    nxt = torch.randint(0, 60, (2, 4))
+    follow = lm(inputs_embeds=lm.transformer.word_emb(nxt), mems=by_ids.mems, labels=nxt).losses
+    torch.testing.assert_close(follow, lm(nxt, mems=by_ids.mems, labels=nxt).losses, rtol=0, atol=0)
+    clf = TransformerXLForSequenceClassification(cfg).eval()
+    torch.testing.assert_close(clf(inputs_embeds=clf.transformer.word_emb(x)).logits, clf(x).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="give input_ids or inputs_embeds"):
+        lm(x, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="give input_ids or inputs_embeds"):
+        lm()
+    with pytest.raises(ValueError, match=r"inputs_embeds must be \[batch, seq_len, d_model=24\]"):
+        lm(inputs_embeds=torch.zeros(2, 7, 5))

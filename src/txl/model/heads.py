@@ -71,7 +71,7 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None = None,
         targets: Tensor | None = None,
         mems: list[Tensor] | None = None,
         return_log_probs: bool = False,
@@ -145,23 +145,26 @@ class TransformerXLForSequenceClassification(TransformerXLPreTrainedModel):
             self.init_weights()
 
     def forward(
-        self, input_ids: Tensor, labels: Tensor | None = None, mems: list[Tensor] | None = None, **kwargs: Any
-    ) -> SequenceClassifierOutput:
+        self, input_ids: Tensor | None = None, labels: Tensor | None = None, mems: list[Tensor] | None = None,
+        **kwargs: Any,
+    ) -> SequenceClassifierOutput:  # fmt: skip
         """``labels``: [B] class ids (num_labels > 1), [B] floats (num_labels == 1, regression) or
-        [B, num_labels] floats (multi-label)."""
+        [B, num_labels] floats (multi-label). ``inputs_embeds`` (a keyword) may replace ``input_ids``; without ids
+        the pooled position is the last one unless an ``attention_mask`` or ``padding`` says otherwise."""
         out = self.transformer(input_ids, mems, **kwargs)
-        B, T = input_ids.shape
-        last = torch.full((B,), T - 1, device=input_ids.device)
+        B, T = out.last_hidden_state.shape[:2]
+        dev = out.last_hidden_state.device
+        last = torch.full((B,), T - 1, device=dev)
         mask, padding = kwargs.get("attention_mask"), kwargs.get("padding")
         real = None
         if mask is not None or padding is not None:
-            real = (mask != 0 if mask is not None else ~padding)[:, -T:].to(input_ids.device)  # [B, T]
-        elif self.config.pad_token_id is not None:
+            real = (mask != 0 if mask is not None else ~padding)[:, -T:].to(dev)  # [B, T]
+        elif self.config.pad_token_id is not None and input_ids is not None:
             real = input_ids != self.config.pad_token_id  # [B, T]
         if real is not None:
             # index of the last non-padding token (T-1 - position of the first real token from the right)
             last = torch.where(real.any(1), T - 1 - real.flip(1).int().argmax(1), last)
-        pooled = out.last_hidden_state[torch.arange(B, device=input_ids.device), last]  # [B, D]
+        pooled = out.last_hidden_state[torch.arange(B, device=dev), last]  # [B, D]
         logits = self.score(pooled)  # [B, num_labels]
         loss = None
         if labels is not None:

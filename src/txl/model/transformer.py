@@ -163,9 +163,10 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None = None,
         mems: list[Tensor] | None = None,
         *,
+        inputs_embeds: Tensor | None = None,
         mem_len: int | None = None,
         same_length: bool | None = None,
         clamp_len: int | None = None,
@@ -192,6 +193,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
         ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
         tokens), as a tokenizer call gives it.
+        ``inputs_embeds`` [B, T, d_model] replaces ``input_ids``: the word embedding's output (``model.word_emb(ids)``,
+        its scale included, as Hugging Face's TransfoXL takes it), e.g. soft prompts or embeddings edited.
         ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
         e.g. fine-tuning a classifier on long documents); the paper's stop-gradient is the default.
         """
@@ -202,18 +205,28 @@ class TransformerXL(TransformerXLPreTrainedModel):
         if same_length and mem_len <= 0:
             raise ValueError("same_length=True needs mem_len > 0")
         window = mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        lo, hi = (0, 0) if torch.compiler.is_exporting() else map(int, torch.aminmax(input_ids))  # (none in a graph)
-        if lo < 0 or hi >= cfg.n_token:
-            raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
-        dev = input_ids.device
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give input_ids or inputs_embeds (the word embedding's output), one of them")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.d_model:
+                raise ValueError(
+                    f"inputs_embeds must be [batch, seq_len, d_model={cfg.d_model}], got {tuple(inputs_embeds.shape)}"
+                )
+            B, T = inputs_embeds.shape[:2]
+            dev = inputs_embeds.device
+        else:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+            B, T = input_ids.shape
+            lo, hi = (0, 0) if torch.compiler.is_exporting() else map(int, torch.aminmax(input_ids))  # (not in a graph)
+            if lo < 0 or hi >= cfg.n_token:
+                raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
+            dev = input_ids.device
         if attention_mask is not None:
             if padding is not None:
                 raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
             padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
-        word_emb = self.word_emb(input_ids)  # [B, T, D]
+        word_emb = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         if cache is None:
             mlen = self._check_mems(mems, B) if mems else 0
             if attention_mask is not None and mlen and padding.shape[-1] == T:
