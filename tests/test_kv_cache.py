@@ -631,3 +631,31 @@ def test_sampling_during_training_leaves_the_model_training():
     assert model.training
     attention_maps(model, np.arange(30) % 97, tgt_len=10, mem_len=10)
     assert model.training
+
+
+def test_head_mask_silences_heads_as_hugging_face_does(tmp_path, monkeypatch):
+    """``head_mask`` ([n_head] or [n_layer, n_head], Hugging Face's): HF 4.46's log-probabilities with the same mask,
+    from its zero memory, on converted checkpoints (through the explicit attention: the fused paths decline a mask); a
+    head of 0 gets no weights; all ones changes nothing."""
+    for hf, _, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        torch.manual_seed(0)
+        x = torch.randint(0, cfg.n_token, (2, 9))
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        masks = [
+            torch.ones(cfg.n_layer, cfg.n_head),
+            torch.rand(cfg.n_head).round(),
+            torch.rand(cfg.n_layer, cfg.n_head),
+        ]
+        masks[0][0, 1] = 0.0
+        with torch.no_grad():
+            for hm in masks:
+                theirs = hf(x, head_mask=hm).prediction_scores  # [B, T, V], log-probabilities
+                out = ours(x, mems=zeros, head_mask=hm, return_log_probs=True, output_attentions=True)
+                torch.testing.assert_close(out.log_probs, theirs, rtol=1e-5, atol=1e-5)
+            silenced = ours(x, head_mask=masks[0], output_attentions=True).attentions
+            assert silenced[0][:, 1].abs().max() == 0 and silenced[0][:, 0].abs().max() > 0
+            plain, ones = ours(x, x), ours(x, x, head_mask=torch.ones(cfg.n_head))
+            torch.testing.assert_close(ones.losses, plain.losses)
+        with pytest.raises(ValueError, match="head_mask must be"):
+            ours(x, head_mask=torch.ones(cfg.n_head + 1))

@@ -105,23 +105,25 @@ class _Attention(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
         layer: int = 0,
+        head_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The common call of every variant. ``h`` [B, T, D] segment, ``pos`` this layer's positional input (from the
         variant's ``prepare``), ``mask`` [T, K] or [B, 1, T, K] (True = masked; None: nothing is masked), ``mem``
         [B, M, D] memory; with a ``cache`` the memory is the cached keys/values of ``layer`` (only the segment is
         projected; ``mem`` is not used).
 
+        ``head_mask`` [1, H, 1, 1] multiplies each head's probabilities (Hugging Face's: 0 silences a head).
         Returns the layer output [B, T, D] and the attention probabilities [B, H, T, K] when ``need_weights``.
         """
         h, q, kv = self.project(h, mem, cache, layer, self.input_positions(pos))
         dropatt = self.dropatt.p if self.training else 0.0
-        if not need_weights:  # the whole attention by a fast backend where one applies; else the reference below
+        if not need_weights and head_mask is None:  # the whole attention by a fast backend where one applies
             attn_vec = self.native_attention(q, pos, kv, mask, torch.is_grad_enabled(), dropatt)  # [B, T, H*Dh]
             if attn_vec is not None:
                 return self.output(h, attn_vec), None
         k, v = kv  # [B, H, K, Dh] each
         q_w, bd = self.scores(q, pos, k.shape[2])
-        return self.attend(h, q_w, k, v, bd, mask, need_weights)
+        return self.attend(h, q_w, k, v, bd, mask, need_weights, head_mask)
 
     def native_attention(
         self,
@@ -147,22 +149,30 @@ class _Attention(nn.Module):
         raise NotImplementedError
 
     def attend(
-        self, h: Tensor, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, need_weights: bool
+        self,
+        h: Tensor,
+        q_w: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bd: Tensor | None,
+        mask: Tensor | None,
+        need_weights: bool,
+        head_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """softmax(q_w.k + bd) v, projected and added to the residual ``h`` [B, T, D]. ``q_w`` [B, H, T, Dh] are the
         scaled queries of the content term, ``bd`` [B, H, T, K] the positional term in key order (None: there is
         none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is). The reference is
         :meth:`explicit`; ``txl.kernels.attention.attend`` runs it, or one fused call where that computes the same."""
         B, T, _ = h.shape
-        probabilities = need_weights or (self.training and self.dropatt.p > 0)
+        probabilities = need_weights or (self.training and self.dropatt.p > 0) or head_mask is not None
         attn_vec, prob = attend(
-            q_w, k, v, lambda: self.explicit(q_w, k, v, bd, mask), lambda grad: self.bias(q_w, bd, mask, grad),
-            probabilities,
+            q_w, k, v, lambda: self.explicit(q_w, k, v, bd, mask, head_mask),
+            lambda grad: self.bias(q_w, bd, mask, grad), probabilities,
         )  # fmt: skip
         return self.output(h, attn_vec.transpose(1, 2).reshape(B, T, -1)), prob
 
     def explicit(
-        self, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None
+        self, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, head_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """The attention as the paper writes it: the scores, the mask, the softmax, the dropout of the probabilities,
         the value sum. Returns the heads' values [B, H, T, Dh] and the probabilities [B, H, T, K]."""
@@ -171,6 +181,8 @@ class _Attention(nn.Module):
         if mask is not None:
             score = mask_scores(score, mask, inplace=True)
         prob = self.dropatt(score.softmax(dim=-1).to(v.dtype))  # [B, H, T, K]
+        if head_mask is not None:
+            prob = prob * head_mask.to(prob.dtype)  # [1, H, 1, 1]: a head's weights scaled (0: silenced)
         return torch.matmul(prob, v), prob  # [B, H, T, Dh]
 
     @staticmethod

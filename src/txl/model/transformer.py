@@ -167,6 +167,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         mems: list[Tensor] | None = None,
         *,
         inputs_embeds: Tensor | None = None,
+        head_mask: Tensor | None = None,
         mem_len: int | None = None,
         same_length: bool | None = None,
         clamp_len: int | None = None,
@@ -193,6 +194,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
         ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
         tokens), as a tokenizer call gives it.
+        ``head_mask`` ([n_head], or [n_layer, n_head] for each layer; Hugging Face's) multiplies each head's attention
+        probabilities: 1 keeps a head, 0 silences it (its weights, as returned with ``output_attentions``, too).
         ``inputs_embeds`` [B, T, d_model] replaces ``input_ids``: the word embedding's output (``model.word_emb(ids)``,
         its scale included, as Hugging Face's TransfoXL takes it), e.g. soft prompts or embeddings edited.
         ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
@@ -226,6 +229,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             if padding is not None:
                 raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
             padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
+        heads = self._head_masks(head_mask)  # (per layer: [1, H, 1, 1] or None)
         word_emb = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         if cache is None:
             mlen = self._check_mems(mems, B) if mems else 0
@@ -256,6 +260,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
             for i, layer in enumerate(self.layers):
                 mem = mems[i] if mems else None
                 kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i)
+                if heads[i] is not None:
+                    kw["head_mask"] = heads[i]
                 h, prob = layer_call(layer, h, pos[i], mask, **kw)  # (the layer's forward, compiled where it pays)
                 if record:
                     hids.append(h)
@@ -269,14 +275,13 @@ class TransformerXL(TransformerXLPreTrainedModel):
         def segment() -> Tensor:  # layers(), or with a cache the same kernels replayed (txl.kernels.graphs)
             if cache is None:
                 return layers(hids[0])
-            graphed = (
-                T > 1 and cfg.attn_type == 0 and mask.dim() == 2 and not (output_attentions or output_hidden_states)
-            )
+            graphed = T > 1 and cfg.attn_type == 0 and mask.dim() == 2 and head_mask is None
+            graphed = graphed and not (output_attentions or output_hidden_states)
             key = (T, mlen, same_length, window, clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
             quiet = functools.partial(layers, record=False)
             return segment_layers(graphed, key, cache, cache.start, self, hids[0], layers, quiet)
 
-        one_token = cache is not None and T == 1 and cfg.attn_type == 0
+        one_token = cache is not None and T == 1 and cfg.attn_type == 0 and head_mask is None
         h = one_token_step(one_token and not (output_attentions or output_hidden_states), segment, loop)
         h = self.drop(h)
         hids[-1] = h
@@ -292,6 +297,21 @@ class TransformerXL(TransformerXLPreTrainedModel):
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
         )
+
+    def _head_masks(self, head_mask: Tensor | None) -> list[Tensor | None]:
+        """Each layer's head mask as [1, H, 1, 1] (None: every head kept), from [n_head] (all layers) or [n_layer,
+        n_head] (Hugging Face's shapes)."""
+        cfg = self.config
+        if head_mask is None:
+            return [None] * cfg.n_layer
+        if head_mask.dim() == 1 and head_mask.shape[0] == cfg.n_head:
+            head_mask = head_mask.expand(cfg.n_layer, -1)
+        if tuple(head_mask.shape) != (cfg.n_layer, cfg.n_head):
+            raise ValueError(
+                f"head_mask must be [n_head={cfg.n_head}] or [n_layer={cfg.n_layer}, n_head={cfg.n_head}], got "
+                f"{tuple(head_mask.shape)}"
+            )
+        return [m.view(1, cfg.n_head, 1, 1) for m in head_mask.unbind(0)]
 
     def fill_cache(self, cache: KVCache, mems: list[Tensor], mem_len: int | None = None) -> None:
         """Start an empty ``cache`` from a memory of layer inputs ``mems`` (``n_layer`` tensors [B, M, d_model], e.g.
