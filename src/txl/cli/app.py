@@ -324,8 +324,7 @@ def _argument_message(message: str) -> str:
         article = "an" if union.group(2)[0] in "aeiou" else "a"
         return (
             f"{option} = {whole.group(1).strip()}: {union.group(3).strip() or repr('')} is not {article} "
-            f"{union.group(2)} "
-            f"(expected {wanted})"
+            f"{union.group(2)} (expected {wanted})"
         )
     choices = re.search(r"Literal\[([^\]]+)\]", message)
     given = re.search(r"(?:Given value|Got value): (.*?)(?: Given value type|$)", message)

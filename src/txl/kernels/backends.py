@@ -76,8 +76,8 @@ class Backends:
     graph_segments: tuple[str, ...] = ("cuda",)
     """Devices on which a cached segment of several positions (evaluation, scoring) runs its layers as a replayed
     CUDA graph once the window's length repeats (``txl.kernels.graphs``: one graph per offset of the window in the
-    cache's buffer, captured at its first step). The same kernels on the same operands; on the CPU (tests) the
-    recorded step's code runs again instead of a graph."""
+    cache's buffer, captured at its first step), for half-precision steps. The same kernels on the same operands; on
+    the CPU (tests) the step traced by ``make_fx`` stands in for the graph."""
     compiled_layers: tuple[str, ...] = ("cuda",)
     """Devices on which training's layers (attention and feed-forward, forward and backward) run as one
     ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise

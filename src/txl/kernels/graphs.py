@@ -48,7 +48,7 @@ MAX_GRAPHS = 32
 
 class _Graph:
     """One recorded step: its static input and output, the recorded function (kept alive with everything it read:
-    the mask, the positional tables) and the CUDA graph (None on the CPU, where the function runs again)."""
+    the mask, the positional tables) and its graph (a CUDA graph; on the CPU, the step traced by ``make_fx``)."""
 
     def __init__(self, run: Callable[[Tensor], Tensor], static_in: Tensor):
         self.run, self.input = run, static_in
@@ -112,12 +112,13 @@ def segment_layers(
     dev = h.device
     if not applies or dev.type not in backends().graph_segments or _capturing(dev) or torch.compiler.is_compiling():
         return layers(h)
-    if _autocast(dev) is None and h.dtype not in (torch.float16, torch.bfloat16):
+    autocast = _autocast(dev)
+    if autocast is None and h.dtype not in (torch.float16, torch.bfloat16):
         return layers(h)  # (fp32 steps are bound by their arithmetic here: see the module's note)
     state, hooked = module_state(module)
     if hooked:
         return layers(h)
-    key = (key, tuple(h.shape), h.dtype, _autocast(dev), state)
+    key = (key, tuple(h.shape), h.dtype, autocast, state)
     graphs = holder.segment_graphs
     if graphs is None or graphs.key != key:
         holder.segment_graphs = SegmentGraphs(key)  # (a new key's first step: the reference, no capture)
@@ -130,15 +131,15 @@ def segment_layers(
     return _record(graphs, offset, h, run)
 
 
-def _record(graphs: SegmentGraphs, offset: int, h: Tensor, layers: Callable[[Tensor], Tensor]) -> Tensor:
+def _record(graphs: SegmentGraphs, offset: int, h: Tensor, run: Callable[[Tensor], Tensor]) -> Tensor:
     """Run this step (the warm-up a capture needs) and record it as the graph of ``offset``; returns the step's
     output."""
     dev = h.device
-    entry = _Graph(layers, h.clone())
+    entry = _Graph(run, h.clone())
     if dev.type != "cuda":  # (the CPU's stand-in, for tests: the step traced, every host-side value fixed)
-        out = layers(entry.input)
+        out = run(entry.input)
         with use_backends(native_kernels=False):  # (a trace, like a graph, records torch's kernels only)
-            entry.graph = make_fx(layers)(entry.input)  # (runs the step again: the same writes to the cache)
+            entry.graph = make_fx(run)(entry.input)  # (runs the step again: the same writes to the cache)
         graphs.graphs[offset] = entry
         return out
     dtype = _autocast(dev)
@@ -150,7 +151,7 @@ def _record(graphs: SegmentGraphs, offset: int, h: Tensor, layers: Callable[[Ten
     side = torch.cuda.Stream(device=dev)
     side.wait_stream(current)
     with torch.cuda.stream(side), casts():  # this step, computed: the warm-up (libraries set up their workspaces)
-        out = layers(entry.input)
+        out = run(entry.input)
     current.wait_stream(side)
     out = out.clone()
     graph = torch.cuda.CUDAGraph()
@@ -159,7 +160,7 @@ def _record(graphs: SegmentGraphs, offset: int, h: Tensor, layers: Callable[[Ten
     try:
         # (thread_local: other threads' unsafe calls are not made errors; their work can still break the capture)
         with casts(), torch.cuda.graph(graph, pool=graphs.pool, capture_error_mode="thread_local"):
-            entry.output = layers(entry.input)  # (recorded, not run: the cache is as the warm-up left it)
+            entry.output = run(entry.input)  # (recorded, not run: the cache is as the warm-up left it)
     except RuntimeError:
         graphs.failed = True
         return out

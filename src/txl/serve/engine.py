@@ -571,7 +571,7 @@ class Engine:
     def _join(self, request: Generation, cache: KVCache, token: int) -> None:
         """Put a generation (its one-row memory ``cache``, its last ``token``) in the batch of its memory length (or,
         if its caller has not taken ``max_unread`` of its tokens, aside until it does)."""
-        if request.unread >= self.max_unread:
+        if self._held(request):
             self._parked.append(_Parked(request, cache, token))
             return
         batch = self._batches.get(request.mem_len)
@@ -623,7 +623,7 @@ class Engine:
             try:
                 token = self._sample(row, log_probs[i : i + 1])
                 if self._emit(row, token):
-                    (park if row.unread >= self.max_unread else keep).append(i)
+                    (park if self._held(row) else keep).append(i)
                     tokens[i] = token
             except Exception as e:
                 self._fail(row, e)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,6 @@ from txl.serve.schemas import STREAMED, GenerateRequest, ScoreRequest
 from txl.serve.state import Server
 from txl.serve.streams import (
     ClientLeft,
-    cancel_event,
     finished,
     pieces,
     sse,
@@ -58,7 +58,7 @@ def router(server: Server) -> APIRouter:
         from txl.infer.evaluate import metric_value
 
         job = server.score(req)
-        left = cancel_event()
+        left = threading.Event()  # (set when the client leaves: the engine stops the job at its next step)
         future = submitted(lambda: server.engine.call_steps(job["steps"], cancelled=left))
         try:
             res = await unless_disconnected(request, asyncio.wrap_future(future), left.set)

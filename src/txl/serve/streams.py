@@ -15,7 +15,6 @@ events, and the bounds that keep a client that does not read (or has left) from 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -209,11 +208,6 @@ async def unless_disconnected(request: Request, work: Awaitable, on_leave: Calla
 
 class ClientLeft(Exception):
     """The client left before its answer was ready (nothing is sent)."""
-
-
-def cancel_event() -> threading.Event:
-    """An event the engine reads to stop a job whose client left."""
-    return threading.Event()
 
 
 def token_pieces(server: Server, ids: list[int]) -> list[str]:

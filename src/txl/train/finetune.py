@@ -546,7 +546,6 @@ class Finetuner(TrainingLoop):
             self.finished = self.step >= cfg.max_steps
             if self.finished:  # (probes.md n03, n04: the record rewritten with options never used, a row again)
                 print(f"{run_dir}: finished at step {self.step} (max_steps {cfg.max_steps}): nothing to do")
-                self.run_dir = run_dir
                 return
             truncate_metrics(run_dir, self.step)
         run_dir.mkdir(parents=True, exist_ok=True)

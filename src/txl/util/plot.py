@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from txl.util.metrics import read_metrics
+from txl.util.metrics import METRICS, read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -31,7 +31,7 @@ def run_figure(run_dir: str | Path):
     train = [r for r in rows if r.get("split") == "train"]
     valid = [r for r in rows if r.get("split") == "valid"]
     if not train and not valid:
-        path = run_dir / "metrics.jsonl"
+        path = run_dir / METRICS
         lines = path.read_bytes().count(b"\n") + 1 if path.is_file() and path.stat().st_size else 0
         if lines:  # (probes.md k08: a file of bad lines was "no metrics yet")
             raise ValueError(
