@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test test-all lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+.PHONY: setup setup-hf5 demo test test-all lint format browser bench bench-data bench-train bench-levers bench-vanilla \
 	bench-vanilla-full bench-serve experiments clean
 
 $(STAMP): pyproject.toml
@@ -13,14 +13,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve,lmeval,onnx]'
 	touch $(STAMP)
 
+# The environment of the txl.hf suite (tests_hf): transformers 5, which cannot share one with the 4.46.3 above.
+HF5_VENV  ?= .venv-hf5
+HF5_BIN   := $(HF5_VENV)/bin
+HF5_STAMP := $(HF5_VENV)/.installed-stamp
+
+$(HF5_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(HF5_VENV)
+	$(HF5_BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(HF5_BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[hf-test]'
+	touch $(HF5_STAMP)
+
 setup: $(STAMP)
+
+setup-hf5: $(HF5_STAMP)
 
 demo: setup
 	$(BIN)/python -m txl.demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks experiments examples
-	$(BIN)/ruff format --check src tests benchmarks experiments examples
+	$(BIN)/ruff check src tests tests_hf benchmarks experiments examples
+	$(BIN)/ruff format --check src tests tests_hf benchmarks experiments examples
 	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml: [tool.importlinter])
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
@@ -31,15 +44,17 @@ browser:
 
 # `make test` skips the tests marked slow (processes: torchrun, signals, full disks, the browser); `make test-all`
 # and CI (.ci/run: make test SLOW=1) run every test, the browser test included (it installs Chromium first).
-test: lint $(if $(SLOW),browser,)
+# Then the txl.hf suite in its transformers-5 environment (it compares with 4.46.3 through the main one).
+test: lint $(if $(SLOW),browser,) setup-hf5
 	$(if $(SLOW),TXL_REQUIRE_BROWSER=1,) $(BIN)/python -m pytest -q $(if $(SLOW),,-m "not slow")
+	$(HF5_BIN)/python -m pytest -q -p no:cacheprovider tests_hf
 
 test-all:
 	$(MAKE) test SLOW=1
 
 format: setup
-	$(BIN)/ruff format src tests benchmarks experiments examples
-	$(BIN)/ruff check --fix src tests benchmarks experiments examples
+	$(BIN)/ruff format src tests tests_hf benchmarks experiments examples
+	$(BIN)/ruff check --fix src tests tests_hf benchmarks experiments examples
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
@@ -76,4 +91,4 @@ bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF5_VENV) runs .pytest_cache .ruff_cache

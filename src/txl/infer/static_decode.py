@@ -53,6 +53,7 @@ def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -
         and device.type == "cuda"
         and model.config.attn_type == 0
         and max_new_tokens >= MIN_NEW_TOKENS
+        and DecodeLayer.plain(model.transformer.layers)  # (the step reads the weights: plain modules only)
         and not torch.is_autocast_enabled(device.type)
     )
 

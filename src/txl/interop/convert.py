@@ -253,7 +253,36 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
         raise CheckpointError(
             f"{src}: the tokenizer has {tokenizer.vocab_size:,} symbols but the model {config.n_token:,} tokens"
         )
-    hf, source = read_hf_weights(src, trust_pickle)
+    model, source = load_hf_weights(src, config, trust_pickle)
+    return load_converted(model, {}, source, tokenizer, out)
+
+
+def is_hf_layout(src: Path) -> bool:
+    """Whether the folder ``src`` holds weights in Hugging Face 4.x's TransfoXL layout (``dec_attn``, ``pos_ff``
+    names; a ``pytorch_model.bin`` without a safetensors file counts too), as opposed to txl's own names."""
+    single, index = src / "model.safetensors", src / "model.safetensors.index.json"
+    if single.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(single, "pt") as f:
+                keys = list(f.keys())
+        except Exception:  # (an unreadable file is reported by whoever reads it)
+            return False
+    elif index.is_file():
+        keys = list(read_json(index).get("weight_map", {}))
+    else:
+        return (src / "pytorch_model.bin").is_file()
+    return any(".dec_attn." in k or ".pos_ff." in k or k.endswith("pos_emb.inv_freq") for k in keys)
+
+
+def load_hf_weights(
+    src: str | Path, config: TransformerXLConfig, trust_pickle: bool = False
+) -> tuple[TransformerXL | TransformerXLLM, str]:
+    """The txl model (``TransformerXLLM``, or ``TransformerXL`` for a bare ``TransfoXLModel`` checkpoint) of ``config``
+    with the weights of the Hugging Face TransfoXL folder ``src`` (renamed, tied copies checked equal, every key
+    checked), in eval mode; and the file they came from."""
+    hf, source = read_hf_weights(Path(src), trust_pickle)
     is_lm = any(k.startswith("transformer.") or k.startswith("crit.") for k in hf)
     prefix = "transformer." if is_lm else ""
     tensors = hf_state_dict_to_txl(hf, config, prefix, source)
@@ -261,13 +290,15 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path | None = None, trust_
         tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     model = (TransformerXLLM if is_lm else TransformerXL)(config, init=False)
     _check_hf_ties(model, tensors, source)
-    return load_converted(model, tensors, source, tokenizer, out)
+    load_weights(model, tensors, source)
+    return model.eval(), source
 
 
 def load_converted(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, tokenizer, out) -> Any:
     """``model`` with ``tensors`` loaded (all checked together), in eval mode; saved with ``tokenizer`` (if any) to
     ``out`` if given."""
-    load_weights(model, tensors, source)
+    if tensors:
+        load_weights(model, tensors, source)
     model.eval()
     if out is not None:
         model.save_pretrained(out)

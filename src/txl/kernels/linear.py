@@ -1,8 +1,9 @@
-"""The linear layers' product, a named operation with two backends: ``F.linear`` (the reference) and, for the few
-rows of CPU inference inside :func:`transposed_weights`, a product from transposed copies of the weights
-(``Backends.transposed_weights``); and training's projections of [memory; segment] with one backward
-(``Backends.segment_projection``). The copies belong to the scope that made them (:class:`WeightCopies`), never to
-the module."""
+"""The linear layers' product, a named operation: :func:`project` calls the model's ``nn.Linear`` module (the
+reference: hooks fire, a LoRA adapter, a quantised or replaced layer is used); for a plain ``nn.Linear`` (exactly
+that class, no hooks) its backends may read the weight instead: ``F.linear``, and for the few rows of CPU inference
+inside :func:`transposed_weights` a product from transposed copies of the weights (``Backends.transposed_weights``);
+and training's projections of [memory; segment] with one backward (``Backends.segment_projection``). The copies
+belong to the scope that made them (:class:`WeightCopies`), never to the module."""
 
 from __future__ import annotations
 
@@ -15,9 +16,47 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from txl.kernels.backends import backends
+
+# ---------------------------------------------------------------------------------------------------------
+# 4a. A linear layer is called as a module; its weight is read directly only where the module is plain.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def hooks_anywhere(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs any hook: its own forward, forward-pre or backward hooks, or the global
+    module hooks (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
+    g = torch.nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` (exactly that class: not a LoRA wrapper, a quantised or
+    parametrized layer, or a subclass) with no hooks: one whose call is ``F.linear(x, module.weight,
+    module.bias)``, so that a backend may read its weight instead of calling it."""
+    return type(module) is nn.Linear and not hooks_anywhere(module)
+
+
+def project(module: nn.Module, x: Tensor, out: slice | None = None) -> Tensor:
+    """``module(x)[..., out]``: the model's linear layers are called through this. A plain ``nn.Linear``
+    (:func:`plain_linear`) takes :func:`linear` (its backends, computing only the ``out`` columns); any other module
+    is called (its hooks fire, an adapter or a quantised layer computes), and its output sliced."""
+    if plain_linear(module):
+        return linear(x, module.weight, module.bias, out)
+    y = module(x)
+    return y if out is None else y[..., out]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # 4b. The linear layers' product, with a form for the few rows of generation (one token per step).

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels.linear import output_logits, projection
+from txl.kernels.linear import output_logits, plain_linear, projection
 from txl.kernels.nll import adaptive_nll, cluster_nll
 from txl.model.attention import at_least_fp32
 from txl.model.config import TransformerXLConfig
@@ -134,8 +134,29 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """Cluster i's logits [N, n_i (+ clusters, padding: head)], fp32; ``autocast``: the caller's autocast dtype
         (the products' precision is :func:`~txl.kernels.linear.logits_linear`'s to choose)."""
         hp = h if projected else self._project(h, i, autocast)
+        if not self.plain():
+            return self._called_logits(hp, i)
         params = lambda: self._cluster_params(i, weights)[:2]  # noqa: E731
         return output_logits(hp, params, autocast, (id(self), i, HEAD_ALIGN), self._sources(i))
+
+    def plain(self) -> bool:
+        """Whether the output layers are plain ``nn.Linear`` with no hooks: then their weights are read (one row
+        block per cluster, packed copies in inference); any other layer (an adapter, a quantised one) is called."""
+        return all(plain_linear(layer) for layer in self.out_layers)
+
+    def _called_logits(self, hp: Tensor, i: int) -> Tensor:
+        """Cluster i's logits from a call of its output layer (the whole layer with div_val 1, its rows sliced):
+        what :meth:`_logits` computes from the weights, for a layer that is not plain. fp32 [N, n_i (+ clusters,
+        padding: head)]."""
+        layer = self.out_layers[0 if self.div_val == 1 else i]
+        y = layer(hp.to(layer.weight.dtype)).float()  # [N, n] (the whole vocabulary with div_val 1)
+        if self.div_val == 1:
+            y = y[:, self.ends[i] : self.ends[i + 1]]
+        if i == 0 and self.n_clusters > 0:
+            pad = -(y.shape[1] + self.n_clusters) % HEAD_ALIGN if HEAD_ALIGN else 0
+            heads = F.linear(hp, at_least_fp32(self.cluster_weight), at_least_fp32(self.cluster_bias))
+            y = torch.cat([y, heads, y.new_full((y.shape[0], pad), float("-inf"))], dim=1)
+        return y
 
     def _sources(self, i: int) -> list[Tensor]:
         """The parameters that cluster i's output weight and bias are made from."""
@@ -155,12 +176,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
             h = at_least_fp32(hidden)
-            weights = self._weights()
+            weights = self._weights() if self.plain() else None  # (a layer that is not plain is called)
             if targets is not None and not return_log_probs:  # (the loss alone: a native backend may compute it)
 
                 def reference() -> Tensor:
                     return self._nll(h, self._log_softmax(h, 0, autocast, weights), None, targets, autocast, weights)
 
+                if not self.plain():  # (the native backends read the weights)
+                    return reference(), None
                 return adaptive_nll(h, reference, lambda: self._nll_native(h, targets, weights)), None
             head = self._log_softmax(h, 0, autocast, weights)  # [N, shortlist + n_clusters (+ -inf columns)]
             nll = log_probs = None

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from txl.kernels.attention import attend, rel_attention, score_sum
 from txl.kernels.dropout import Dropout
-from txl.kernels.linear import linear, segment_memory_projection
+from txl.kernels.linear import plain_linear, project, segment_memory_projection
 from txl.model.config import TransformerXLConfig
 from txl.model.positions import mask_scores, mask_scores_, rel_shift, shift_padding, sinusoid_embedding
 
@@ -70,20 +70,25 @@ class _Attention(nn.Module):
             mem = mem + pos[: mem.shape[1]] if mem is not None else None
         x = self.layer_norm(h) if self.pre_lnorm else h
         if cache is not None or mem is None or mem.shape[1] == 0:  # keys and values come from the segment only
-            qkv = linear(x, self.qkv_net.weight)  # [B, T, 3*H*Dh]: one GEMM
+            qkv = project(self.qkv_net, x)  # [B, T, 3*H*Dh]: one GEMM
             q, kv = qkv[..., : H * Dh].view(B, T, H, Dh), qkv[..., H * Dh :]
             kv = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
             kv = cache.append(layer, *kv) if cache is not None else kv  # [B, H, K, Dh] each
         else:
             mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
             K = mem.shape[1] + T
-            projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh)  # (training's fast backend)
+            projected = None
+            if plain_linear(self.qkv_net):  # (training's fast backend reads the weight)
+                projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh)
             if projected is not None:
                 q, kv = projected  # [B, T, HD], [B, K, 2HD]
-            else:
-                q = linear(x, self.qkv_net.weight, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
-                kv = linear(torch.cat([mem, x], dim=1), self.qkv_net.weight, out=slice(H * Dh, None))  # [B, K, 2HD]
-            q = q.view(B, T, H, Dh)
+            elif plain_linear(self.qkv_net):
+                q = project(self.qkv_net, x, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
+                kv = project(self.qkv_net, torch.cat([mem, x], dim=1), out=slice(H * Dh, None))  # [B, K, 2HD]
+            else:  # a module of its own (an adapter, hooks): called once, on [memory; segment]
+                qkv = self.qkv_net(torch.cat([mem, x], dim=1))  # [B, K, 3HD]
+                q, kv = qkv[:, K - T :, : H * Dh], qkv[..., H * Dh :]
+            q = q.reshape(B, T, H, Dh)
             kv = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
         return h, q, kv
 
@@ -93,7 +98,7 @@ class _Attention(nn.Module):
         B, M, _ = mem.shape
         H, Dh = self.n_head, self.d_head
         x = self.layer_norm(mem) if self.pre_lnorm else mem
-        kv = linear(x, self.qkv_net.weight, out=slice(H * Dh, None))  # [B, M, 2HD]
+        kv = project(self.qkv_net, x, out=slice(H * Dh, None))  # [B, M, 2HD]
         return kv.view(B, M, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, M, Dh]
 
     def forward(
@@ -201,7 +206,7 @@ class _Attention(nn.Module):
     def output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
         """W_o of the heads' values ``attn_vec`` [B, T, H*Dh], added to the residual ``h`` (then the layer norm
         unless pre-LN)."""
-        attn_out = self.drop(linear(attn_vec, self.o_net.weight))  # [B, T, D]
+        attn_out = self.drop(project(self.o_net, attn_vec))  # [B, T, D]
         return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
 
 
@@ -245,7 +250,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         def table(attn: RelPartialLearnableMultiHeadAttn) -> Callable[[int], Tensor]:
             def project(n: int) -> Tensor:  # W_kR R for the distances n-1, ..., 0, as [H, Dh, n]
                 pos = sinusoid_embedding(n, cfg.d_model, clamp_len, device, exact).to(dtype)  # [n, D]
-                return torch.mm(attn.r_net.weight, pos.t()).view(attn.n_head, attn.d_head, n)
+                return attn.project_positions(pos)
 
             return project
 
@@ -264,7 +269,15 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         """W_kR R for the distances K-1..0 ([H, Dh, >= K]; a cache's has zero columns after them)."""
         if pos.r_k is not None:
             return pos.r_k
-        return torch.mm(self.r_net.weight, pos.pos_emb.t()).view(self.n_head, self.d_head, K)
+        return self.project_positions(pos.pos_emb)
+
+    def project_positions(self, pos_emb: Tensor) -> Tensor:
+        """W_kR R: the positions ``pos_emb`` [K, D] projected by ``r_net``, laid out [H, Dh, K] for the (b)+(d)
+        product (a plain layer: one product straight into that layout; any other is called)."""
+        K = pos_emb.shape[0]
+        if plain_linear(self.r_net):
+            return torch.mm(self.r_net.weight, pos_emb.t()).view(self.n_head, self.d_head, K)
+        return self.r_net(pos_emb).t().reshape(self.n_head, self.d_head, K)
 
     def native_attention(
         self,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.linear import hooks_anywhere
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
 from txl.model.positions import SHIFT_ALIGN
@@ -34,6 +35,26 @@ class DecodeLayer(NamedTuple):
     b2: Tensor
     norm2: tuple
     pre_lnorm: bool
+
+    @staticmethod
+    def plain(layers: nn.ModuleList) -> bool:
+        """Whether the loop over the layers' weights computes what their forward does: every linear layer a plain
+        ``nn.Linear`` and every layer norm a plain ``nn.LayerNorm`` (not an adapter, a quantised or replaced layer),
+        and no hook on any of them or on the modules that hold them (hooks fire only when modules are called)."""
+        if hooks_anywhere(layers):
+            return False
+        for layer in layers:
+            attn, ff = layer.attn, layer.ff
+            for m in (layer, attn, ff):
+                if m._forward_hooks or m._forward_pre_hooks:
+                    return False
+            for m in (attn.qkv_net, attn.o_net, attn.r_net, ff.layer_1, ff.layer_2):
+                if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+                    return False
+            for m in (attn.layer_norm, ff.layer_norm):
+                if type(m) is not nn.LayerNorm or m._forward_hooks or m._forward_pre_hooks:
+                    return False
+        return True
 
     @classmethod
     def of(cls, layer: TransformerXLLayer) -> DecodeLayer:

@@ -16,7 +16,7 @@ from txl.kernels.compiled import layer_call
 from txl.kernels.decode import native_loop, one_token_step
 from txl.kernels.dropout import Dropout
 from txl.kernels.graphs import segment_layers
-from txl.kernels.linear import linear, rows_linear
+from txl.kernels.linear import project, rows_linear
 from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
@@ -41,8 +41,8 @@ class PositionwiseFF(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         x = self.layer_norm(h) if self.pre_lnorm else h
-        y = self.drop.relu(linear(x, self.layer_1.weight, self.layer_1.bias))  # relu, dropout: [B, T, d_inner]
-        y = self.drop(linear(y, self.layer_2.weight, self.layer_2.bias))  # [B, T, D]
+        y = self.drop.relu(project(self.layer_1, x))  # relu, dropout: [B, T, d_inner]
+        y = self.drop(project(self.layer_2, y))  # [B, T, D]
         return h + y if self.pre_lnorm else self.layer_norm(h + y)
 
 
@@ -282,6 +282,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             return segment_layers(graphed, key, cache, cache.start, self, hids[0], layers, quiet)
 
         one_token = cache is not None and T == 1 and cfg.attn_type == 0 and head_mask is None
+        one_token = one_token and DecodeLayer.plain(self.layers)  # (the loop reads weights: plain modules only)
         h = one_token_step(one_token and not (output_attentions or output_hidden_states), segment, loop)
         h = self.drop(h)
         hids[-1] = h

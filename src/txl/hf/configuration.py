@@ -1,0 +1,102 @@
+"""``TransfoXLConfig``: Hugging Face's TransfoXL configuration (its field names and defaults, the WikiText-103
+model's), as a transformers-5 ``PreTrainedConfig``; :func:`txl_config` turns it into txl's own."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+from txl.interop.convert import hf_config_to_txl
+from txl.model.modeling import TransformerXLConfig
+
+
+@strict
+class TransfoXLConfig(PreTrainedConfig):
+    r"""Hugging Face's ``TransfoXLConfig`` (transformers 4.x; removed in 5), field for field, defaults included.
+    Two fields are txl's:
+
+    mem_init (`str`, defaults to `"zeros"`):
+        The memory a first segment (``mems=None``) attends to. ``"zeros"``: ``mem_len`` zero vectors per layer, as
+        Hugging Face's TransfoXL (and the original TensorFlow code) started; ``"empty"``: no memory, as the original
+        PyTorch code started. The two give different outputs for the first ``mem_len`` tokens.
+    keep_order (`bool`, defaults to `False`):
+        ``losses`` in the order of the positions. By default they are in Hugging Face 4.x's order: its adaptive
+        softmax (``keep_order=False``) returned them grouped by cluster (the head's positions, then each tail
+        cluster's) whenever ``cutoffs`` is not empty: the same values, reordered.
+    """
+
+    model_type = "transfo-xl"
+    keys_to_ignore_at_inference = ["mems"]
+    attribute_map = {
+        "n_token": "vocab_size",
+        "hidden_size": "d_model",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    }
+
+    vocab_size: int = 267735
+    cutoffs: list[int] = field(default_factory=lambda: [20000, 40000, 200000])
+    d_model: int = 1024
+    d_embed: int = 1024
+    n_head: int = 16
+    d_head: int = 64
+    d_inner: int = 4096
+    div_val: int = 4
+    pre_lnorm: bool = False
+    n_layer: int = 18
+    mem_len: int = 1600
+    clamp_len: int = 1000
+    same_length: bool = True
+    proj_share_all_but_first: bool = True
+    tie_projs: list[bool] | None = None
+    attn_type: int = 0
+    sample_softmax: int = -1
+    adaptive: bool = True
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    untie_r: bool = True
+    init: str = "normal"
+    init_range: float = 0.01
+    proj_init_std: float = 0.01
+    init_std: float = 0.02
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: int | list[int] | None = 0
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    tie_word_embeddings: bool = True
+    mem_init: Literal["zeros", "empty"] = "zeros"
+    keep_order: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.tie_projs is None:  # Hugging Face derived it from proj_share_all_but_first
+            self.tie_projs = [False] + [bool(self.proj_share_all_but_first)] * len(self.cutoffs)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of ``@strict``'s validation: what txl's model accepts (one clear error at construction)."""
+        if self.mem_init not in ("zeros", "empty"):
+            raise ValueError(f"mem_init = {self.mem_init!r}: 'zeros' (Hugging Face's) or 'empty' (the original's)")
+        self.to_txl()
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return -1  # (relative positions: no limit on the sequence length)
+
+    def to_txl(self) -> TransformerXLConfig:
+        """txl's configuration of the same model."""
+        return txl_config(self)
+
+
+def txl_config(config: TransfoXLConfig) -> TransformerXLConfig:
+    """txl's :class:`~txl.model.modeling.TransformerXLConfig` of a Hugging Face TransfoXL configuration."""
+    fields = {k: getattr(config, k) for k in (
+        "vocab_size", "cutoffs", "d_model", "d_embed", "n_head", "d_head", "d_inner", "div_val", "pre_lnorm",
+        "n_layer", "mem_len", "clamp_len", "same_length", "tie_projs", "attn_type", "dropout", "dropatt", "untie_r",
+        "init", "init_range", "proj_init_std", "init_std", "layer_norm_epsilon", "pad_token_id",
+        "tie_word_embeddings", "num_labels",
+    )}  # fmt: skip
+    fields["model_type"] = "transfo-xl"
+    return hf_config_to_txl(fields, "TransfoXLConfig")

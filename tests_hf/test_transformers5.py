@@ -1,0 +1,293 @@
+"""txl.hf under transformers 5 (issue 48): Hugging Face's TransfoXL classes through transformers' own Auto classes,
+generation, pipeline, Trainer and PEFT, against transformers 4.46.3's outputs (the oracle folders in ../shared, and
+4.46.3 itself, run by the main environment: tests_hf/hf4_reference.py). Run in the environment `make test` builds
+for it (.venv-hf5); the main suite cannot import transformers 5."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import txl.hf  # noqa: F401  (registers model_type "transfo-xl")
+from txl.hf import TransfoXLConfig, TransfoXLForSequenceClassification, TransfoXLLMHeadModel, TransfoXLTokenizer
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    pipeline,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = ROOT.parent / "shared" / "oracle" / "hf"
+FOLDERS = sorted(p.name for p in ORACLE.iterdir() if p.is_dir()) if ORACLE.is_dir() else []
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"  # (the main environment: transformers 4.46.3)
+PROMPTS = ["the king is dead , long live the king .", "a horse ! a horse ! my kingdom for a horse"]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Within 1e-5 (absolute, or relative to values such as log-probabilities of -30)."""
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_twelve_reference_folders_have_transformers_4_outputs():
+    assert len(FOLDERS) == 12, f"expected the 12 reference folders in {ORACLE}"
+    for name in FOLDERS:
+        folder = ORACLE / name
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert type(model) is TransfoXLLMHeadModel and model.config.model_type == "transfo-xl"
+        assert not model.training
+        inp, ref = load_file(folder / "inputs.safetensors"), load_file(folder / "outputs.safetensors")
+        mems = None
+        with torch.no_grad():
+            for s in range(3):
+                ids, labels = inp[f"seg{s}.input_ids"], inp[f"seg{s}.labels"]
+                out = model(input_ids=ids, mems=mems, output_hidden_states=True)
+                close(out.prediction_scores, ref[f"seg{s}.log_probs"])
+                close(out.logits, ref[f"seg{s}.log_probs"])
+                for i, h in enumerate(out.hidden_states):
+                    close(h, ref[f"seg{s}.hidden_states.{i}"])
+                for layer, m in enumerate(out.mems):
+                    assert m.shape == ref[f"seg{s}.mems.{layer}"].shape  # [mem_len, batch, d_model]
+                    close(m, ref[f"seg{s}.mems.{layer}"])
+                scored = model(input_ids=ids, mems=mems, labels=labels)
+                assert scored.prediction_scores is None
+                close(scored.losses, ref[f"seg{s}.losses"])  # (4.x's order: grouped by cluster)
+                close(scored.loss, ref[f"seg{s}.loss"])
+                mems = out.mems
+
+
+@pytest.mark.parametrize("name", ["word-adaptive-sharp", "same-length-clamp-sharp"])
+def test_the_original_empty_memory_and_positional_losses_on_request(name):
+    folder = ORACLE / name
+    inp = load_file(folder / "inputs.safetensors")
+    empty, ref = load_file(folder / "outputs_empty_init.safetensors"), load_file(folder / "outputs.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(folder, mem_init="empty", keep_order=True)
+    mems = None
+    with torch.no_grad():
+        for s in range(3):
+            out = model(input_ids=inp[f"seg{s}.input_ids"], mems=mems)
+            close(out.prediction_scores, empty[f"seg{s}.log_probs"])
+            mems = out.mems
+        ordered = AutoModelForCausalLM.from_pretrained(folder, keep_order=True)
+        scored = ordered(input_ids=inp["seg0.input_ids"], labels=inp["seg0.labels"])
+        close(scored.losses, ref["seg0.losses_ordered"])
+
+
+def test_auto_classes_and_a_base_model_from_a_language_model_folder():
+    folder = ORACLE / "untied-sharp"
+    assert type(AutoConfig.from_pretrained(folder)) is TransfoXLConfig
+    base = AutoModel.from_pretrained(folder)
+    assert type(base).__name__ == "TransfoXLModel"
+    inp, ref = load_file(folder / "inputs.safetensors"), load_file(folder / "outputs.safetensors")
+    with torch.no_grad():
+        out = base(inp["seg0.input_ids"])
+        close(out.last_hidden_state, ref["seg0.last_hidden_state"])
+        assert base(inp["seg0.input_ids"], return_dict=False)[0].shape == out.last_hidden_state.shape
+    with pytest.warns(UserWarning, match="score of TransfoXLForSequenceClassification is newly initialised"):
+        cls = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3)
+    assert cls(inp["seg0.input_ids"][:1]).logits.shape == (1, 3)
+
+
+def test_save_pretrained_then_from_pretrained_round_trips(tmp_path):
+    for name in ["word-adaptive-sharp", "untied-sharp", "char-sharp"]:
+        model = AutoModelForCausalLM.from_pretrained(ORACLE / name)
+        model.save_pretrained(tmp_path / name)
+        assert (tmp_path / name / "model.safetensors").is_file()
+        assert not list((tmp_path / name).glob("*.bin"))  # (no pickle)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        emb = again.transformer.core.word_emb
+        if again.config.tie_word_embeddings:  # the ties survive the round trip (one parameter, not two copies)
+            assert again.crit.out_layers[0].weight is emb.emb_layers[0].weight
+        x = load_file(ORACLE / name / "inputs.safetensors")["seg0.input_ids"]
+        with torch.no_grad():
+            a, b = model(x), again(x)
+        assert torch.equal(a.prediction_scores, b.prediction_scores)
+        assert all(torch.equal(m, n) for m, n in zip(a.mems, b.mems, strict=True))
+
+
+def test_inputs_embeds_head_mask_and_hooks_on_every_linear():
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "word-adaptive-div4-sharp")
+    x = load_file(ORACLE / "word-adaptive-div4-sharp" / "inputs.safetensors")["seg0.input_ids"]
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(x)
+        close(model(inputs_embeds=embeds).prediction_scores, model(x).prediction_scores)
+        H = model.config.n_head
+        head_mask = torch.ones(model.config.n_layer, H)
+        head_mask[0, 1] = head_mask[1, 3] = 0
+        out = model(x, head_mask=head_mask, output_attentions=True)
+        assert out.attentions[0][:, 1].abs().sum() == 0 and out.attentions[1][:, 3].abs().sum() == 0
+        assert out.attentions[0][:, 0].abs().sum() > 0
+        assert not torch.allclose(out.prediction_scores, model(x).prediction_scores, atol=1e-3)
+    seen: set[str] = set()
+    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(lambda mod, args, out, n=n: seen.add(n))
+    model(x, labels=x).loss.backward()
+    assert names and seen == names
+
+
+def reference_generation(tmp_path: Path) -> tuple[Path, dict]:
+    """A word-level oracle folder with a vocabulary, and transformers 4.46.3's tokens on it (main environment)."""
+    folder = tmp_path / "model"
+    shutil.copytree(ORACLE / "word-adaptive-sharp", folder)
+    words = ["<eos>", "<unk>", "<formula>", *sorted(set(" ".join(PROMPTS).split()))]
+    words += [f"w{i}" for i in range(1000 - len(words))]  # (the model's 1,000 tokens)
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (transformers 4.46.3); run `make setup`"
+    run = subprocess.run(
+        [str(MAIN_PYTHON), str(ROOT / "tests_hf" / "hf4_reference.py"), str(folder), str(folder / "vocab.txt"),
+         json.dumps(PROMPTS)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return folder, json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_tokenizer_generation_and_pipeline_give_transformers_4_tokens(tmp_path):
+    folder, ref = reference_generation(tmp_path)
+    tok = AutoTokenizer.from_pretrained(folder)  # (4.x's layout: config.json + vocab.txt)
+    assert type(tok) is TransfoXLTokenizer and len(tok) == 1000
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for prompt, ids, greedy, beam, sample in zip(
+        PROMPTS, ref["ids"], ref["greedy"], ref["beam"], ref["sample"], strict=True
+    ):
+        assert tok(prompt)["input_ids"] == ids
+        x = torch.tensor([ids])
+        assert model.generate(x, max_new_tokens=12, do_sample=False)[0].tolist() == greedy
+        assert model.generate(x, max_new_tokens=8, num_beams=3, do_sample=False)[0].tolist() == beam
+        torch.manual_seed(7)
+        assert model.generate(x, max_new_tokens=8, do_sample=True, top_k=20)[0].tolist() == sample
+    generator = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+    for prompt, expected in zip(PROMPTS, ref["pipeline"], strict=True):
+        out = generator(prompt, max_new_tokens=10, do_sample=False, return_tensors=True)
+        assert out[0]["generated_token_ids"] == expected
+    text = generator(PROMPTS[0], max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith(PROMPTS[0].split()[0])
+    # the tokenizer saves txl's vocabulary file (JSON) and loads from it: the same ids and text
+    tok.save_pretrained(tmp_path / "tok")
+    assert (tmp_path / "tok" / "vocab.json").is_file() and not list((tmp_path / "tok").glob("*.pkl"))
+    again = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert type(again) is TransfoXLTokenizer
+    assert again(PROMPTS[1])["input_ids"] == tok(PROMPTS[1])["input_ids"]
+    assert again.decode(tok(PROMPTS[0])["input_ids"]) == tok.decode(tok(PROMPTS[0])["input_ids"])
+
+
+def write_csv(path: Path, n: int, seed: int) -> None:
+    """A small sentiment-like task: label 1 if the text has more 'good' than 'bad' words."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["good", "bad", "film", "the", "a", "plot", "actor", "was"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for _ in range(n):
+            text = [words[int(i)] for i in torch.randint(0, len(words), (8,), generator=g)]
+            w.writerow([" ".join(text), int(text.count("good") > text.count("bad"))])
+
+
+def test_trainer_fine_tunes_a_sequence_classifier_on_a_csv(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    words = ["<eos>", "<unk>", "<pad>", "good", "bad", "film", "the", "a", "plot", "actor", "was"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = TransfoXLTokenizer(vocab_txt=str(tmp_path / "vocab.txt"))
+    config = TransfoXLConfig(
+        vocab_size=len(words), cutoffs=[], d_model=32, d_embed=32, n_head=4, d_head=8, d_inner=64, n_layer=2,
+        div_val=1, mem_len=0, same_length=False, clamp_len=-1, untie_r=False, dropout=0.0, num_labels=2,
+        pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TransfoXLForSequenceClassification(config)
+    write_csv(tmp_path / "train.csv", 256, 0)
+    write_csv(tmp_path / "test.csv", 128, 1)
+
+    def rows(name: str) -> list[dict]:
+        with open(tmp_path / name) as f:
+            return [
+                {"input_ids": torch.tensor(tok(r["text"])["input_ids"]), "labels": torch.tensor(int(r["label"]))}
+                for r in csv.DictReader(f)
+            ]
+
+    train, test = rows("train.csv"), rows("test.csv")
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            x = torch.stack([r["input_ids"] for r in test])
+            return float((model.eval()(x).logits.argmax(-1) == torch.stack([r["labels"] for r in test])).float().mean())
+
+    before = accuracy()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), num_train_epochs=6, per_device_train_batch_size=16, learning_rate=3e-3,
+        report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, seed=0,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=train).train()
+    after = accuracy()
+    print(f"accuracy {before:.3f} -> {after:.3f}")
+    assert after > max(before + 0.1, 0.75), (before, after)
+
+
+def test_peft_lora_trains_only_the_adapters_and_saves_them(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    folder = ORACLE / "word-adaptive-sharp"
+    x = load_file(folder / "inputs.safetensors")["seg0.input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_net", "o_net", "r_net", "layer_1", "layer_2"])
+    model = get_peft_model(base, lora)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    model.train()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]  # the adapters are used (the base model's linear layers call them)
+    for n, p in model.base_model.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, frozen[n.replace(".base_layer", "")]), n
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=x).prediction_scores
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).prediction_scores, expected)
+        plain = AutoModelForCausalLM.from_pretrained(folder)(input_ids=x).prediction_scores
+    assert not torch.allclose(plain, expected, atol=1e-3)
+
+
+def test_a_pickle_checkpoint_is_read_only_when_trusted(tmp_path):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(ORACLE / "char-sharp" / "config.json", folder)
+    torch.save(load_file(ORACLE / "char-sharp" / "model.safetensors"), folder / "pytorch_model.bin")
+    with pytest.raises(OSError, match="pickle"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_pickle=True)
+    ref = load_file(ORACLE / "char-sharp" / "outputs.safetensors")
+    with torch.no_grad():
+        x = load_file(ORACLE / "char-sharp" / "inputs.safetensors")["seg0.input_ids"]
+        close(model(x).prediction_scores, ref["seg0.log_probs"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
