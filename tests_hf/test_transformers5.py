@@ -136,7 +136,7 @@ def test_inputs_embeds_head_mask_and_hooks_on_every_linear():
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear):
             m.register_forward_hook(lambda mod, args, out, n=n: seen.add(n))
-    model(x, labels=x).loss.backward()
+    model.train()(x, labels=x).loss.backward()
     assert names and seen == names
 
 
@@ -258,7 +258,7 @@ def test_peft_lora_trains_only_the_adapters_and_saves_them(tmp_path):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]  # the adapters are used (the base model's linear layers call them)
     for n, p in model.base_model.model.named_parameters():
         if "lora_" not in n:

@@ -48,6 +48,7 @@ class TransfoXLTokenizer(PreTrainedTokenizer):
         extra = [t for t in (additional_special_tokens or ["<formula>"]) if t in present]
         kwargs.pop("extra_special_tokens", None)
         super().__init__(**specials, additional_special_tokens=extra, **kwargs)
+        self.init_kwargs.pop("trust_pickle", None)  # (a permission for this load, not a setting to save)
 
     @property
     def vocab_size(self) -> int:
@@ -100,11 +101,11 @@ def _read(vocab_file: str | None, vocab_txt: str | None, vocab_pkl: str | None, 
     try:
         if vocab_file is not None:
             return Tokenizer.load(Path(vocab_file))
-        for hf in (vocab_txt, vocab_pkl):
-            if hf is not None:
-                tok = convert_hf_tokenizer(Path(os.fspath(hf)).parent, trust_pickle)
-                if tok is not None:
-                    return tok
+        if vocab_txt is not None or vocab_pkl is not None:
+            txt, pkl = (None if f is None else Path(os.fspath(f)) for f in (vocab_txt, vocab_pkl))
+            tok = convert_hf_tokenizer((txt or pkl).parent, trust_pickle, (txt, pkl))
+            if tok is not None:
+                return tok
     except CheckpointError as e:
         raise OSError(str(e)) from None
     raise OSError(

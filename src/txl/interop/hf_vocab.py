@@ -138,14 +138,18 @@ def _symbols_from_text(path: Path) -> list[str]:
     return symbols
 
 
-def convert_hf_tokenizer(src: str | Path, trust_pickle: bool = False) -> Tokenizer | None:
-    """The txl tokenizer of an HF TransfoXL folder (``vocab.txt``, or ``vocab.pkl`` with ``trust_pickle``).
+def convert_hf_tokenizer(
+    src: str | Path, trust_pickle: bool = False, files: tuple[Path | None, Path | None] | None = None
+) -> Tokenizer | None:
+    """The txl tokenizer of an HF TransfoXL folder (``vocab.txt``, or ``vocab.pkl`` with ``trust_pickle``; ``files``:
+    (text, pickle) vocabulary files of other names or places, either None).
 
     Returns None when the folder has no vocabulary file. A ``vocab.pkl`` without ``trust_pickle`` is an error
     that says how to proceed.
     """
     src = Path(src)
-    text, pkl = src / TEXT_VOCAB, src / PICKLE_VOCAB
+    text, pkl = files if files is not None else (src / TEXT_VOCAB, src / PICKLE_VOCAB)
+    text, pkl = text or src / TEXT_VOCAB, pkl or src / PICKLE_VOCAB
     state: dict[str, Any] = {}
     if text.is_file():
         symbols = _symbols_from_text(text)
