@@ -173,6 +173,14 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         device)."""
         raise NotImplementedError
 
+    def _body(self, *args: Any) -> tuple[TransfoXLModelOutput, bool]:
+        """A head's call of its base model ``self.transformer`` with the forward's arguments (input_ids, mems,
+        head_mask, inputs_embeds, output_attentions, output_hidden_states, return_dict, attention_mask): its output
+        as a dataclass, and whether the head returns one."""
+        *first, return_dict, attention_mask = args
+        out = self.transformer(*first, True, attention_mask)
+        return out, self.config.return_dict if return_dict is None else return_dict
+
     def _fresh(self, name: str, module: nn.Module, source: str) -> nn.Module:
         """``module`` (a head the checkpoint does not have) initialised anew, with Hugging Face's warning."""
         module = module.to_empty(device="cpu")
@@ -237,7 +245,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         cfg = self.config
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
-        return_dict = cfg.use_return_dict if return_dict is None else return_dict
+        return_dict = cfg.return_dict if return_dict is None else return_dict
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if mems is None and cfg.mem_init == "zeros":
             mems = self.init_mems(batch)
@@ -308,10 +316,10 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
         """Hugging Face's forward: with ``labels`` (usually ``input_ids``; -100 = not scored) the position t predicts
         ``labels[:, t + 1]`` (``losses`` [batch, seq_len - 1], ``loss`` their mean over the scored positions),
         else ``prediction_scores`` [batch, seq_len, vocab_size] (log-probabilities)."""
-        return_dict = self.config.use_return_dict if return_dict is None else return_dict
-        out = self.transformer(
-            input_ids, mems, head_mask, inputs_embeds, output_attentions, output_hidden_states, True, attention_mask
-        )
+        out, return_dict = self._body(
+            input_ids, mems, head_mask, inputs_embeds, output_attentions, output_hidden_states, return_dict,
+            attention_mask,
+        )  # fmt: skip
         h = out.last_hidden_state  # [B, T, D]
         B, T, D = h.shape
         losses = loss = scores = None
@@ -395,10 +403,10 @@ class TransfoXLForSequenceClassification(TransfoXLPreTrainedModel):
         """``labels``: [batch] class ids, [batch] floats (``num_labels`` 1: regression) or [batch, num_labels] floats
         (multi-label); ``config.problem_type`` decides where it is set."""
         cfg = self.config
-        return_dict = cfg.use_return_dict if return_dict is None else return_dict
-        out = self.transformer(
-            input_ids, mems, head_mask, inputs_embeds, output_attentions, output_hidden_states, True, attention_mask
-        )
+        out, return_dict = self._body(
+            input_ids, mems, head_mask, inputs_embeds, output_attentions, output_hidden_states, return_dict,
+            attention_mask,
+        )  # fmt: skip
         h = out.last_hidden_state  # [B, T, D]
         B, T = h.shape[:2]
         if input_ids is None or cfg.pad_token_id is None:
