@@ -77,12 +77,11 @@ class _Attention(nn.Module):
         else:
             mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
             K = mem.shape[1] + T
-            projected = None
-            if plain_linear(self.qkv_net):  # (training's fast backend reads the weight)
-                projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh)
+            plain = plain_linear(self.qkv_net)  # (the fast paths read its weight)
+            projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh) if plain else None
             if projected is not None:
                 q, kv = projected  # [B, T, HD], [B, K, 2HD]
-            elif plain_linear(self.qkv_net):
+            elif plain:
                 q = project(self.qkv_net, x, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
                 kv = project(self.qkv_net, torch.cat([mem, x], dim=1), out=slice(H * Dh, None))  # [B, K, 2HD]
             else:  # a module of its own (an adapter, hooks): called once, on [memory; segment]
