@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT.parent / "shared" / "oracle" / "hf"
 FOLDERS = sorted(p.name for p in ORACLE.iterdir() if p.is_dir()) if ORACLE.is_dir() else []
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"  # (the main environment: transformers 4.46.3)
+# The suite reads transformers 4.46.3's outputs from ../shared (CI has it beside the clone); a clone without it skips
+# the suite, saying why.
+pytestmark = pytest.mark.skipif(not FOLDERS, reason=f"the reference folders of {ORACLE} (../shared) are not here")
 PROMPTS = ["the king is dead , long live the king .", "a horse ! a horse ! my kingdom for a horse"]
 
 
