@@ -659,3 +659,26 @@ def test_head_mask_silences_heads_as_hugging_face_does(tmp_path, monkeypatch):
             torch.testing.assert_close(ones.losses, plain.losses)
         with pytest.raises(ValueError, match="head_mask must be"):
             ours(x, head_mask=torch.ones(cfg.n_head + 1))
+
+
+def test_inputs_embeds_and_head_mask_on_the_base_model_as_hugging_face(tmp_path, monkeypatch):
+    """The base model (no softmax head), fed vectors (``inputs_embeds``, as an agent's observations) with a
+    ``head_mask``: HF 4.46's TransfoXLModel's last hidden state, hidden states and memories, from its zero memory,
+    over two segments, on converted checkpoints."""
+    for hf, _, ours in hf_and_converted(tmp_path, monkeypatch):
+        cfg = ours.config
+        torch.manual_seed(0)
+        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+        hm = torch.rand(cfg.n_layer, cfg.n_head)
+        theirs_mems, ours_mems = None, zeros
+        with torch.no_grad():
+            for _ in range(2):
+                e = torch.randn(2, 7, cfg.d_model)
+                theirs = hf.transformer(inputs_embeds=e, mems=theirs_mems, head_mask=hm, output_hidden_states=True)
+                out = ours.transformer(inputs_embeds=e, mems=ours_mems, head_mask=hm, output_hidden_states=True)
+                torch.testing.assert_close(out.last_hidden_state, theirs.last_hidden_state, rtol=1e-5, atol=1e-5)
+                for a, b in zip(out.hidden_states, theirs.hidden_states, strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                for a, b in zip(out.mems, theirs.mems, strict=True):
+                    torch.testing.assert_close(a, b.transpose(0, 1), rtol=1e-5, atol=1e-5)
+                theirs_mems, ours_mems = theirs.mems, out.mems

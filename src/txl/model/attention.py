@@ -15,6 +15,7 @@ from txl.kernels.attention import attend, rel_attention, score_sum
 from txl.kernels.dropout import Dropout
 from txl.kernels.linear import plain_linear, project, segment_memory_projection
 from txl.model.config import TransformerXLConfig
+from txl.model.gating import make_gate
 from txl.model.positions import mask_scores, mask_scores_, rel_shift, shift_padding, sinusoid_embedding
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class _Attention(nn.Module):
         self.drop = Dropout(cfg.dropout)
         self.dropatt = Dropout(cfg.dropatt)
         self.pre_lnorm = cfg.pre_lnorm
+        self.identity_map = cfg.identity_map  # (GTrXL: a ReLU on the output before it joins the residual stream)
+        self.gate = make_gate(cfg)  # (None: the residual sum)
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
     def project(
@@ -204,9 +207,12 @@ class _Attention(nn.Module):
 
     def output(self, h: Tensor, attn_vec: Tensor) -> Tensor:
         """W_o of the heads' values ``attn_vec`` [B, T, H*Dh], added to the residual ``h`` (then the layer norm
-        unless pre-LN)."""
+        unless pre-LN); with GTrXL's options, through a ReLU and joined by the gate (txl.model.gating)."""
         attn_out = self.drop(project(self.o_net, attn_vec))  # [B, T, D]
-        return h + attn_out if self.pre_lnorm else self.layer_norm(h + attn_out)
+        if not self.pre_lnorm:
+            return self.layer_norm(h + attn_out)
+        attn_out = F.relu(attn_out) if self.identity_map else attn_out
+        return h + attn_out if self.gate is None else self.gate(h, attn_out)
 
 
 class RelPositions(NamedTuple):

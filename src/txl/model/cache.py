@@ -47,7 +47,8 @@ class DecodeLayer(NamedTuple):
         """Whether the loop over the layers' weights computes what their forward does: every linear layer a plain
         ``nn.Linear`` and every layer norm a plain ``nn.LayerNorm`` (not an adapter, a quantised or replaced layer),
         and no forward hook on any of them, on the modules that hold them, or global (hooks fire only when modules are
-        called). Checked at every step through the modules' own dicts (``nn.Module`` attribute lookups would cost
+        called); and none of GTrXL's options (identity_map, gates), which the loop declines. Checked at every step
+        through the modules' own dicts (``nn.Module`` attribute lookups would cost
         ~50 us per step for six layers)."""
         g = torch.nn.modules.module
         if g._global_forward_hooks or g._global_forward_pre_hooks or layers._forward_hooks or layers._forward_pre_hooks:
@@ -56,8 +57,8 @@ class DecodeLayer(NamedTuple):
             if layer._forward_hooks or layer._forward_pre_hooks:
                 return False
             for part, names in zip(layer._modules.values(), _DECODED, strict=True):  # attn, ff
-                if part._forward_hooks or part._forward_pre_hooks:
-                    return False
+                if part._forward_hooks or part._forward_pre_hooks or part.identity_map or part.gate is not None:
+                    return False  # (GTrXL's options: the loop has the residual sum only)
                 modules = part._modules
                 for name, kind in names:
                     m = modules[name]
@@ -151,6 +152,12 @@ class KVCache:
             self.padded = self.padded or bool(padding is not None and padding.any())
         window = self.padding[:, self.start : self.end + T]
         return window if self.padded and bool(window.any()) else None
+
+    def forget(self, rows: Tensor) -> None:
+        """Mark the whole memory of the rows where ``rows`` [B] (bool) is True as padding, in place: none of it is
+        attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged."""
+        self.padding[:, self.start : self.end] |= rows[:, None]
+        self.padded = self.padded or bool(rows.any())
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""

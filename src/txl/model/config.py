@@ -58,6 +58,14 @@ class TransformerXLConfig:
     """Dropout on the attention probabilities."""
     pre_lnorm: bool = False
     """Pre-LayerNorm layers (x + f(LN(x))) instead of the paper's post-LayerNorm (LN(x + f(x)))."""
+    identity_map: bool = False
+    """GTrXL's identity-map reordering (TrXL-I, Parisotto et al. 2020): a ReLU on each sub-module's output before it
+    joins the residual stream, which no LayerNorm touches (needs pre_lnorm, the LayerNorm at the sub-module's input)."""
+    gate: Literal["residual", "gru", "input", "output", "highway", "sigmoid_tanh"] = "residual"
+    """How a sub-module's output y joins the residual stream x: "residual" x + y; GTrXL's gating layers (its Table 2,
+    with identity_map): "gru" (GTrXL), "input", "output", "highway", "sigmoid_tanh" (txl.model.gating)."""
+    gate_bias: float = 2.0
+    """b_g, the initial bias of the gates that have one: the larger, the closer each block starts to the identity."""
     untie_r: bool = False
     """One pair of position biases u (r_w_bias), v (r_r_bias) per layer instead of one shared by all layers."""
     same_length: bool = False
@@ -155,6 +163,19 @@ class TransformerXLConfig:
                 "unties Transformer-XL's biases u, v (attn_type 0); attn_type 1 always has one pair per "
                 "layer and 2, 3 have none",
             )
+        if self.identity_map and not self.pre_lnorm:
+            bad("identity_map", "reorders the pre-LN layer (LayerNorm at each sub-module's input): set pre_lnorm: true")
+        gates = ("residual", "gru", "input", "output", "highway", "sigmoid_tanh")
+        if self.gate not in gates:
+            bad("gate", f"must be one of {', '.join(gates)}")
+        if self.gate != "residual" and not self.identity_map:
+            bad("gate", "gates the identity-map reordered layer (GTrXL): set identity_map: true (and pre_lnorm: true)")
+        if (
+            isinstance(self.gate_bias, bool)
+            or not isinstance(self.gate_bias, (int, float))
+            or self.gate_bias != self.gate_bias
+        ):
+            bad("gate_bias", "must be a number")
         if self.num_labels < 1:
             bad("num_labels", "must be >= 1")
 

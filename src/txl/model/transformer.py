@@ -22,6 +22,7 @@ from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
 from txl.model.cache import DecodeLayer, KVCache
 from txl.model.config import TransformerXLConfig
+from txl.model.gating import make_gate
 from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
 from txl.model.pretrained import PretrainedMixin
 
@@ -38,12 +39,17 @@ class PositionwiseFF(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon)
         self.drop = Dropout(cfg.dropout)
         self.pre_lnorm = cfg.pre_lnorm
+        self.identity_map = cfg.identity_map  # (GTrXL: a ReLU on the output before it joins the residual stream)
+        self.gate = make_gate(cfg)  # (None: the residual sum)
 
     def forward(self, h: Tensor) -> Tensor:
         x = self.layer_norm(h) if self.pre_lnorm else h
         y = self.drop.relu(project(self.layer_1, x))  # relu, dropout: [B, T, d_inner]
         y = self.drop(project(self.layer_2, y))  # [B, T, D]
-        return h + y if self.pre_lnorm else self.layer_norm(h + y)
+        if not self.pre_lnorm:
+            return self.layer_norm(h + y)
+        y = F.relu(y) if self.identity_map else y
+        return h + y if self.gate is None else self.gate(h, y)
 
 
 class TransformerXLLayer(nn.Module):
@@ -175,6 +181,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         cache: KVCache | None = None,
         padding: Tensor | None = None,
         attention_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
         detach_mems: bool = True,
@@ -194,6 +201,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
         ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
         tokens), as a tokenizer call gives it.
+        ``key_mask`` [B, T, M + T] (True = that query never attends that key) masks keys per query, on top of the
+        causal mask: e.g. an agent's episode boundaries within a segment (``txl.rl``: block-diagonal in time).
         ``head_mask`` ([n_head], or [n_layer, n_head] for each layer; Hugging Face's) multiplies each head's attention
         probabilities: 1 keeps a head, 0 silences it (its weights, as returned with ``output_attentions``, too).
         ``inputs_embeds`` [B, T, d_model] replaces ``input_ids``: the word embedding's output (``model.word_emb(ids)``,
@@ -250,6 +259,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         else:
             mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, window, ext_len)
             dev, dtype = cache.k.device, cache.k.dtype
+        if key_mask is not None:
+            mask = self._with_key_mask(mask, key_mask, B, T, mlen)  # [B, 1, T, K]
         # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
         pos = self.attention.prepare(self, mlen + T, clamp_len, dtype, dev, cache)
         h = self.drop(word_emb)
@@ -298,6 +309,17 @@ class TransformerXL(TransformerXLPreTrainedModel):
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
         )
+
+    @staticmethod
+    def _with_key_mask(mask: Tensor | None, key_mask: Tensor, B: int, T: int, mlen: int) -> Tensor:
+        """The causal ``mask`` ([T, K], [B, 1, T, K] or None) with ``key_mask`` [B, T, K] masked too: [B, 1, T, K]."""
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, T, mlen + T):
+            raise ValueError(
+                f"key_mask must be a bool tensor [batch, T, M + T] = [{B}, {T}, {mlen + T}], got "
+                f"{key_mask.dtype} {list(key_mask.shape)}"
+            )
+        causal = mask if mask is not None else causal_mask(T, mlen, False, 0, device=key_mask.device)
+        return causal | key_mask[:, None]  # [B, 1, T, K]
 
     def _head_masks(self, head_mask: Tensor | None) -> list[Tensor | None]:
         """Each layer's head mask as [1, H, 1, 1] (None: every head kept), from [n_head] (all layers) or [n_layer,

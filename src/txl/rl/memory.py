@@ -1,0 +1,258 @@
+"""Memory for agents: Transformer-XL (or GTrXL) over any vectors, the memory of N parallel environments with their
+episode boundaries, a one-step acting path and a window path for training.
+
+- ``step(x [N, d_input], reset [N])`` acts for every environment at once, against a cache of each layer's keys and
+  values that is updated in place (``AgentMemory``). A reset masks that environment's whole memory: nothing from
+  before its episode's start is attended (a zero memory would still be).
+- ``window(x [N, T, d_input], resets [N, T], state)`` replays T steps with gradients from the memory at the window's
+  start (``MemoryState``: each layer's input at the last M steps, what a rollout stores once per window). Each query
+  sees the last M steps and itself, never a key from an earlier episode (block-diagonal in time). It computes what T
+  calls of ``step`` compute (tests/test_rl_memory.py).
+
+Memory cost per environment (L layers, memory M, width D, H heads of Dh, b bytes per value):
+- acting (``AgentMemory``): the cache's keys and values and the layer inputs, for 2 (M + 1) positions (the buffer
+  slides to its front once every M + 1 steps instead of shifting every step): 2 (M + 1) L (2 H Dh + D) b bytes;
+- a training window's start (``MemoryState``): L M D b bytes and M flags, once per window of T steps: L M D b / T
+  bytes per stored sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.model.cache import KVCache
+from txl.model.config import TransformerXLConfig
+from txl.model.transformer import TransformerXL
+
+
+@dataclass
+class MemoryState:
+    """The memory of N environments at one moment: what a training window starts from."""
+
+    hidden: Tensor
+    """[N, L, M, D]: each layer's input at the last M steps, oldest first."""
+    invalid: Tensor
+    """[N, M] bool: True where a step is never attended (before the episode's start, or before the first step)."""
+
+    def to(self, *args, **kwargs) -> MemoryState:
+        """The state with ``hidden`` moved or cast (``Tensor.to``'s arguments; the flags keep their dtype)."""
+        hidden = self.hidden.to(*args, **kwargs)
+        return MemoryState(hidden, self.invalid.to(hidden.device))
+
+    def index(self, rows: Tensor) -> MemoryState:
+        """The state of these environments (``rows``: indices or a bool mask over N)."""
+        return MemoryState(self.hidden[rows], self.invalid[rows])
+
+    @staticmethod
+    def stack(states: list[MemoryState]) -> MemoryState:
+        """The states of several windows as one batch (their environments one after another)."""
+        return MemoryState(torch.cat([s.hidden for s in states]), torch.cat([s.invalid for s in states]))
+
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size() + self.invalid.numel()
+
+
+def _bytes_free(device: torch.device) -> int | None:
+    """Memory the process can still take on ``device`` (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+class AgentMemory:
+    """The memory of N parallel environments for acting: each layer's keys and values (a ``KVCache``, updated in
+    place) and each layer's inputs (what a training window starts from, ``state()``), over the last ``mem_len``
+    steps. Made by ``MemoryTransformer.initial_memory``; every environment starts with an empty memory."""
+
+    def __init__(self, config: TransformerXLConfig, n_envs: int, mem_len: int, device, dtype: torch.dtype):
+        L, D = config.n_layer, config.d_model
+        self.n_envs, self.mem_len = n_envs, mem_len
+        need = self.bytes_per_env(config, mem_len, torch.empty((), dtype=dtype).element_size()) * n_envs
+        free = _bytes_free(torch.device(device))
+        if free is not None and need > free:
+            raise ValueError(
+                f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
+                f"{torch.device(device)} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
+            )
+        self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
+        self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
+        self.steps = 0
+
+    @staticmethod
+    def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
+        """Bytes one environment's acting memory takes: keys, values and layer inputs of 2 (mem_len + 1) positions,
+        and a flag each."""
+        capacity = max(2 * (mem_len + 1), 16)
+        per_position = config.n_layer * (2 * config.n_head * config.d_head + config.d_model) * element_size + 1
+        return capacity * per_position
+
+    def _begin(self, reset: Tensor) -> None:
+        """Before a step: forget the memory of the environments that start an episode, and slide the layer inputs
+        as the cache is about to slide its keys (to the front of the buffer, once every mem_len + 1 steps)."""
+        c = self.cache
+        if c.length:
+            c.forget(reset)
+        if c.end + 1 > c.capacity:  # (KVCache.begin slides its window to the front now: the same here)
+            n = c.length
+            self.hidden[:, :, :n] = self.hidden[:, :, c.start : c.end].clone()
+
+    def _record(self, inputs: list[Tensor]) -> None:
+        """After a step: each layer's input at it ([N, 1, D] each) at the position the cache wrote."""
+        self.hidden[:, :, self.cache.end - 1] = torch.stack(inputs)[:, :, 0]  # [L, N, D]
+        self.steps += 1
+
+    def state(self, dtype: torch.dtype | None = None) -> MemoryState:
+        """A copy of the memory now, ``mem_len`` steps per environment (fewer steps than that: the first ones are
+        invalid), each layer's input stored as ``dtype`` (e.g. torch.bfloat16 halves a rollout's memory)."""
+        c, M = self.cache, self.mem_len
+        m = c.length
+        hidden = self.hidden[:, :, c.start : c.end].transpose(0, 1)  # [N, L, m, D]
+        invalid = c.padding[:, c.start : c.end]  # [N, m]
+        hidden = F.pad(hidden, (0, 0, M - m, 0)).to(dtype or hidden.dtype, copy=True)  # [N, L, M, D]
+        invalid = F.pad(invalid, (M - m, 0), value=True)  # [N, M]
+        return MemoryState(hidden, invalid)
+
+
+class MemoryTransformer(nn.Module):
+    """Transformer-XL as an agent's memory: observations (any vectors) in, one feature vector per step out.
+
+    ``config`` is a ``TransformerXLConfig``; GTrXL is ``pre_lnorm=True, identity_map=True, gate="gru"`` (see
+    :func:`gtrxl_config`). A linear layer maps ``d_input`` to ``d_model``; the model itself takes them as
+    ``inputs_embeds`` (no vocabulary, no softmax)."""
+
+    def __init__(self, config: TransformerXLConfig, d_input: int):
+        super().__init__()
+        if config.attn_type != 0:
+            raise ValueError(
+                f"MemoryTransformer needs attn_type 0 (relative positions, cached), not {config.attn_type}"
+            )
+        self.config, self.d_input = config, d_input
+        self.embed = nn.Linear(d_input, config.d_model)
+        self.core = TransformerXL(config)
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    def initial_memory(
+        self, n_envs: int, mem_len: int | None = None, device=None, dtype: torch.dtype | None = None
+    ) -> AgentMemory:
+        """An empty memory for ``n_envs`` environments (``mem_len``: the config's by default); device and dtype
+        of the model's weights by default. Raises ValueError if it does not fit the device's free memory."""
+        mem_len = self.config.mem_len if mem_len is None else mem_len
+        if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
+            raise ValueError(f"n_envs must be a positive integer, got {n_envs!r}")
+        if isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 1:
+            raise ValueError(f"mem_len must be a positive integer (steps remembered), got {mem_len!r}")
+        w = self.embed.weight
+        return AgentMemory(self.config, n_envs, mem_len, device or w.device, dtype or w.dtype)
+
+    def _inputs(self, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
+        if not isinstance(x, Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{what} must be {list(shape)} (environments, [steps,] d_input), got {got}")
+        return x.to(self.embed.weight.dtype)
+
+    @staticmethod
+    def _resets(reset: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
+        if not isinstance(reset, Tensor) or tuple(reset.shape) != shape:
+            got = list(reset.shape) if isinstance(reset, Tensor) else type(reset).__name__
+            raise ValueError(f"{what} must be {list(shape)} (one flag per environment [and step]), got {got}")
+        return reset.to(torch.bool)
+
+    @torch.no_grad()
+    def step(self, x: Tensor, reset: Tensor, memory: AgentMemory) -> Tensor:
+        """Act: one step of every environment, ``x`` [N, d_input] (observations), ``reset`` [N] (True: this step
+        starts the environment's episode, its memory is masked). Updates ``memory`` in place; returns the features
+        [N, d_model]. No gradient, no dropout (acting)."""
+        N = memory.n_envs
+        x = self._inputs(x, (N, self.d_input), "step: x")
+        reset = self._resets(reset, (N,), "step: reset").to(memory.cache.padding.device)
+        memory._begin(reset)
+        with _evaluating(self):
+            out = self.core(
+                inputs_embeds=self.embed(x)[:, None], cache=memory.cache, mem_len=memory.mem_len,
+                output_hidden_states=True,
+            )  # fmt: skip
+        memory._record(out.hidden_states[:-1])
+        return out.last_hidden_state[:, 0]  # [N, D]
+
+    def window(self, x: Tensor, resets: Tensor, state: MemoryState) -> tuple[Tensor, MemoryState]:
+        """Replay T steps of N environments with gradients: ``x`` [N, T, d_input], ``resets`` [N, T] (True: the step
+        starts an episode), ``state`` the memory at the window's start (``AgentMemory.state()``, detached). Returns
+        the features [N, T, d_model], what T calls of :meth:`step` return, and the memory at the window's end."""
+        if x.dim() != 3:
+            raise ValueError(f"window: x must be [N, T, d_input={self.d_input}], got {tuple(x.shape)}")
+        N, T = x.shape[:2]
+        x = self._inputs(x, (N, T, self.d_input), "window: x")
+        resets = self._resets(resets, (N, T), "window: resets").to(x.device)
+        L, D = self.config.n_layer, self.config.d_model
+        if state.hidden.dim() != 4 or tuple(state.hidden.shape[:2]) != (N, L) or state.hidden.shape[3] != D:
+            raise ValueError(f"window: state.hidden must be [N={N}, L={L}, M, D={D}], got {tuple(state.hidden.shape)}")
+        M = state.hidden.shape[2]
+        if tuple(state.invalid.shape) != (N, M):
+            raise ValueError(f"window: state.invalid must be [N={N}, M={M}], got {tuple(state.invalid.shape)}")
+        blocked = self.window_mask(resets, state.invalid.to(x.device))  # [N, T, M + T]
+        mems = list(state.hidden.to(x).detach().unbind(1))  # L x [N, M, D]
+        out = self.core(inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M)
+        episode = resets.long().cumsum(1)  # [N, T]
+        later = F.pad(episode, (M, 0)) != episode[:, -1:]  # [N, M + T]: keys before the last episode's start
+        invalid = (F.pad(state.invalid, (0, T), value=False) | later)[:, -M:]
+        return out.last_hidden_state, MemoryState(torch.stack(out.mems, 1), invalid)
+
+    @staticmethod
+    def window_mask(resets: Tensor, invalid: Tensor) -> Tensor:
+        """[N, T, M + T] bool, True = not attended: for each query, the keys more than M steps back, the memory's
+        invalid steps and every key of an earlier episode (block-diagonal in time; built without a loop)."""
+        N, T = resets.shape
+        M = invalid.shape[1]
+        episode = resets.long().cumsum(1)  # [N, T]: the episode of each step (0: the memory's)
+        keys = F.pad(episode, (M, 0))  # [N, M + T]
+        i = torch.arange(T, device=resets.device)[:, None] + M
+        j = torch.arange(M + T, device=resets.device)[None, :]
+        too_old = j < i - M  # [T, M + T]
+        other = keys[:, None, :] != episode[:, :, None]  # [N, T, M + T]
+        unfilled = F.pad(invalid, (0, T), value=False)[:, None, :]  # [N, 1, M + T]
+        return other | too_old | unfilled
+
+
+@contextlib.contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block (acting: no dropout), its mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+def gtrxl_config(
+    d_model: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    d_head: int | None = None,
+    d_inner: int | None = None,
+    mem_len: int = 64,
+    gate: str = "gru",
+    gate_bias: float = 2.0,
+    dropout: float = 0.0,
+    **overrides,
+) -> TransformerXLConfig:
+    """A GTrXL configuration (identity-map reordering, pre-LN, gates; ``gate="residual"``: TrXL-I) over vectors;
+    ``overrides``: any other ``TransformerXLConfig`` field."""
+    return TransformerXLConfig(
+        n_token=1, d_model=d_model, n_layer=n_layer, n_head=n_head, d_head=d_head or d_model // n_head,
+        d_inner=d_inner or 4 * d_model, mem_len=mem_len, pre_lnorm=True, identity_map=True, gate=gate,
+        gate_bias=gate_bias, dropout=dropout, dropatt=0.0, untie_r=True, **overrides,
+    )  # fmt: skip

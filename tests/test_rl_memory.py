@@ -1,0 +1,208 @@
+"""Memory for agents (txl.rl, GTrXL): the acting step and the training window compute the same features with resets
+anywhere, no attention crosses an episode boundary, the gates start as the identity, TrXL-I is the plain reordering,
+the memory costs what the docs say, and bad input gets one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from txl.model.config import TransformerXLConfig
+from txl.model.gating import GRUGate
+from txl.model.positions import causal_mask
+from txl.model.transformer import TransformerXL
+from txl.rl import AgentMemory, MemoryState, MemoryTransformer, gtrxl_config
+
+GATES = ["gru", "residual", "input", "output", "highway", "sigmoid_tanh"]
+
+
+def rollout(model: MemoryTransformer, x: torch.Tensor, resets: torch.Tensor, start: int, mem_len: int | None = None):
+    """Step every environment through ``x`` [N, S, d]; return the features [N, S, D], the memory's state at step
+    ``start`` and at the end."""
+    memory = model.initial_memory(x.shape[0], mem_len)
+    feats, state = [], None
+    for t in range(x.shape[1]):
+        if t == start:
+            state = memory.state()
+        feats.append(model.step(x[:, t], resets[:, t], memory))
+    return torch.stack(feats, 1), state, memory.state()
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_step_equals_window_with_resets_anywhere(gate):
+    """T calls of ``step`` (the cached acting path, its buffer sliding) = one ``window`` from the memory at its start,
+    token for token within 1e-5, with resets at random places (several per window, one at the window's first step
+    in some environments); two windows in a row chain through the returned memory."""
+    torch.manual_seed(1)
+    cfg = gtrxl_config(d_model=32, n_layer=3, n_head=4, mem_len=5, gate=gate, gate_bias=0.5, init_std=0.2)
+    model = MemoryTransformer(cfg, 7)
+    N, pre, T = 5, 13, 11
+    x = torch.randn(N, pre + 2 * T, 7)
+    resets = torch.rand(N, pre + 2 * T) < 0.2
+    resets[:, 0] = True
+    resets[1, pre] = True  # an episode starting at the window's first step
+    resets[2, pre:] = False  # one environment whose episode spans both windows and the memory
+    steps, state, end = rollout(model, x, resets, pre)
+    a, mid = model.window(x[:, pre : pre + T], resets[:, pre : pre + T], state)
+    b, last = model.window(x[:, pre + T :], resets[:, pre + T :], mid)
+    torch.testing.assert_close(torch.cat([a, b], 1), steps[:, pre:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(last.invalid, end.invalid)
+    valid = ~last.invalid[:, None, :, None]  # (invalid steps hold whatever was there)
+    torch.testing.assert_close(last.hidden * valid, end.hidden * valid, rtol=1e-5, atol=1e-5)
+    assert steps[:, pre:].std() > 0.1  # (features that vary: the comparison means something)
+
+
+def test_window_with_gradients_from_a_memory_longer_than_the_episode_so_far():
+    """The training window (train mode, gradients on) from a state whose memory is partly unfilled: the same features
+    as acting, and gradients reach every weight of the gates and the input layer."""
+    torch.manual_seed(2)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=8), 3).train()
+    x, resets = torch.randn(2, 6, 3), torch.zeros(2, 6, dtype=torch.bool)
+    resets[:, 0] = True
+    steps, state, _ = rollout(model, x, resets, 3)
+    assert state.invalid[:, :5].all() and not state.invalid[:, 5:].any()
+    feats, _ = model.window(x[:, 3:], resets[:, 3:], state)
+    torch.testing.assert_close(feats, steps[:, 3:], rtol=1e-5, atol=1e-5)
+    feats.square().sum().backward()
+    for name, p in model.named_parameters():
+        if "word_emb" not in name:  # (vectors in: the token table is not used)
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_nothing_is_attended_across_an_episode_boundary():
+    """Perturbing the inputs of an environment's previous episode changes nothing from its reset on, in the acting
+    path and in the window (the memory state and the window's earlier steps both); before the reset it does change
+    the features (the memory is used). The step after a reset equals a fresh memory's first step: the old memory is
+    masked, not zeroed (a zero memory is still attended)."""
+    torch.manual_seed(3)
+    model = MemoryTransformer(gtrxl_config(d_model=24, n_layer=2, n_head=3, mem_len=10), 4)
+    N, S, cut = 3, 20, 12
+    x = torch.randn(N, S, 4)
+    resets = torch.zeros(N, S, dtype=torch.bool)
+    resets[:, 0] = True
+    resets[:, cut] = True
+    y = x.clone()
+    y[:, :cut] += torch.randn(N, cut, 4)  # the previous episode, changed
+    fx, sx, _ = rollout(model, x, resets, 8)
+    fy, sy, _ = rollout(model, y, resets, 8)
+    assert (fx[:, 1:cut] - fy[:, 1:cut]).abs().max() > 1e-3
+    torch.testing.assert_close(fx[:, cut:], fy[:, cut:], rtol=0, atol=1e-6)
+    wx, _ = model.window(x[:, 8:], resets[:, 8:], sx)
+    wy, _ = model.window(y[:, 8:], resets[:, 8:], sy)
+    torch.testing.assert_close(wx[:, cut - 8 :], wy[:, cut - 8 :], rtol=0, atol=1e-6)
+    fresh = model.step(x[:, cut], torch.ones(N, dtype=torch.bool), model.initial_memory(N))
+    torch.testing.assert_close(fx[:, cut], fresh, rtol=1e-5, atol=1e-6)
+    # what RLlib does: a zero memory, attended, gives other features
+    zero = MemoryState(torch.zeros(N, 2, 10, 24), torch.zeros(N, 10, dtype=torch.bool))
+    attended, _ = model.window(x[:, cut : cut + 1], torch.ones(N, 1, dtype=torch.bool), zero)
+    torch.testing.assert_close(attended[:, 0], fresh, rtol=1e-5, atol=1e-6)  # (a reset masks even a zero memory)
+    zero_attended, _ = model.window(x[:, cut : cut + 1], torch.zeros(N, 1, dtype=torch.bool), zero)
+    assert (zero_attended[:, 0] - fresh).abs().max() > 1e-4
+
+
+def test_window_mask_is_block_diagonal_in_time():
+    """The window's mask from resets (with the model's causal mask): a query sees its own episode's keys only, the
+    last M steps and itself."""
+    resets = torch.tensor([[False, False, True, False, True]])
+    invalid = torch.tensor([[True, False, False]])
+    seen = ~(MemoryTransformer.window_mask(resets, invalid)[0] | causal_mask(5, 3, False, 0))  # [T, M + T]
+    expected = torch.tensor(
+        [  # keys: memory m0 m1 m2, then steps 0..4
+            [0, 1, 1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 1, 1, 0, 0, 0],
+            [0, 0, 0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(seen, expected)
+
+
+def test_gru_gate_matches_its_formula_and_passes_the_input_with_a_large_bias():
+    """GTrXL's GRU gate against its formula written out; with b_g -> inf it returns x unchanged, so every block of a
+    gated model starts as the identity: the model's output is its input (the other gates with a b_g too)."""
+    torch.manual_seed(4)
+    cfg = gtrxl_config(d_model=8, n_layer=2, n_head=2, gate_bias=0.7)
+    gate = GRUGate(cfg)
+    x, y = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+    Wr, Wz, Wg = gate.w.weight.chunk(3, 0)
+    Ur, Uz = gate.u.weight.chunk(2, 0)
+    r = torch.sigmoid(y @ Wr.T + x @ Ur.T)
+    z = torch.sigmoid(y @ Wz.T + x @ Uz.T - 0.7)
+    h = torch.tanh(y @ Wg.T + (r * x) @ gate.u_g.weight.T)
+    torch.testing.assert_close(gate(x, y), (1 - z) * x + z * h)
+    with torch.no_grad():
+        gate.b_g.fill_(1e4)
+    assert torch.equal(gate(x, y), x)
+    for name in ("gru", "output", "highway", "sigmoid_tanh"):
+        model = TransformerXL(gtrxl_config(d_model=8, n_layer=3, n_head=2, gate=name, gate_bias=1e4))
+        e = torch.randn(2, 5, 8)
+        out = model(inputs_embeds=e, mems=[torch.randn(2, 4, 8)] * 3)
+        assert torch.equal(out.last_hidden_state, e), name
+        assert all(torch.equal(h, e) for h in model(inputs_embeds=e, output_hidden_states=True).hidden_states)
+    small = TransformerXL(gtrxl_config(d_model=8, n_layer=3, n_head=2, gate="gru", gate_bias=2.0))
+    assert (small(inputs_embeds=e).last_hidden_state - e).abs().max() > 1e-4  # (b_g = 2: near, not at, identity)
+
+
+def test_without_gates_the_model_is_trxl_i():
+    """gate="residual" with identity_map is TrXL-I: the pre-LN Transformer-XL with a ReLU on each sub-module's output
+    before the residual sum (built here from the pre-LN model by ReLU hooks on W_o and the feed-forward's output)."""
+    torch.manual_seed(5)
+    cfg = gtrxl_config(d_model=16, n_layer=2, n_head=2, gate="residual", mem_len=4)
+    trxl_i = TransformerXL(cfg)
+    plain_cfg = TransformerXLConfig(**{**cfg.to_dict(), "identity_map": False})
+    pre_ln = TransformerXL(plain_cfg)
+    pre_ln.load_state_dict(trxl_i.state_dict())
+    for layer in pre_ln.layers:
+        layer.attn.o_net.register_forward_hook(lambda m, i, o: F.relu(o))
+        layer.ff.layer_2.register_forward_hook(lambda m, i, o: F.relu(o))
+    e, mems = torch.randn(2, 6, 16), [torch.randn(2, 4, 16)] * 2
+    torch.testing.assert_close(trxl_i(inputs_embeds=e, mems=mems).last_hidden_state,
+                               pre_ln(inputs_embeds=e, mems=mems).last_hidden_state, rtol=0, atol=1e-6)  # fmt: skip
+    unhooked = TransformerXL(plain_cfg)
+    unhooked.load_state_dict(trxl_i.state_dict())
+    assert (unhooked(inputs_embeds=e, mems=mems).last_hidden_state - trxl_i(inputs_embeds=e, mems=mems)
+            .last_hidden_state).abs().max() > 1e-4  # fmt: skip
+
+
+def test_memory_cost_is_as_documented():
+    """``AgentMemory.bytes_per_env`` (the docs' formula, 2 (M + 1) L (2 H Dh + D) b plus a flag per position) is what
+    the acting memory holds per environment; a stored window start is L M D b bytes and M flags."""
+    for dtype, b in ((torch.float32, 4), (torch.bfloat16, 2)):
+        cfg = gtrxl_config(d_model=32, n_layer=3, n_head=4, d_head=6, mem_len=64)
+        model = MemoryTransformer(cfg, 5).to(dtype)
+        N, M = 7, 64
+        mem = model.initial_memory(N, M)
+        held = sum(t.numel() * t.element_size() for t in (mem.cache.k, mem.cache.v, mem.hidden, mem.cache.padding))
+        assert held == N * AgentMemory.bytes_per_env(cfg, M, b) == N * 2 * (M + 1) * (3 * (2 * 4 * 6 + 32) * b + 1)
+        state = mem.state()
+        assert state.nbytes() == N * (3 * M * 32 * b + M)
+        assert mem.state(torch.bfloat16).nbytes() == N * (3 * M * 32 * 2 + M)
+
+
+def test_bad_input_gets_one_clear_error():
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=1, n_head=2, mem_len=4), 3)
+    mem = model.initial_memory(4)
+    with pytest.raises(ValueError, match=r"step: x must be \[4, 3\]"):
+        model.step(torch.zeros(4, 5), torch.zeros(4, dtype=torch.bool), mem)
+    with pytest.raises(ValueError, match=r"step: reset must be \[4\]"):
+        model.step(torch.zeros(4, 3), torch.zeros(3, dtype=torch.bool), mem)
+    state = mem.state()
+    with pytest.raises(ValueError, match=r"window: resets must be \[4, 2\]"):
+        model.window(torch.zeros(4, 2, 3), torch.zeros(4, 3, dtype=torch.bool), state)
+    with pytest.raises(ValueError, match=r"window: x must be \[N, T, d_input=3\]"):
+        model.window(torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool), state)
+    with pytest.raises(ValueError, match=r"window: state.hidden must be \[N=2"):
+        model.window(torch.zeros(2, 2, 3), torch.zeros(2, 2, dtype=torch.bool), state)
+    with pytest.raises(ValueError, match=r"needs .* GiB and cpu has .* GiB free: use fewer environments"):
+        model.initial_memory(10**9, 4096)
+    with pytest.raises(ValueError, match="mem_len must be a positive integer"):
+        model.initial_memory(4, 0)
+    with pytest.raises(ValueError, match="identity_map = True: reorders the pre-LN layer"):
+        TransformerXLConfig(identity_map=True)
+    with pytest.raises(ValueError, match="gate = 'gru': gates the identity-map reordered layer"):
+        TransformerXLConfig(gate="gru", pre_lnorm=True)
+    with pytest.raises(ValueError, match="must be one of residual, gru"):
+        TransformerXLConfig(gate="lstm", pre_lnorm=True, identity_map=True)
