@@ -206,3 +206,27 @@ def test_bad_input_gets_one_clear_error():
         TransformerXLConfig(gate="gru", pre_lnorm=True)
     with pytest.raises(ValueError, match="must be one of residual, gru"):
         TransformerXLConfig(gate="lstm", pre_lnorm=True, identity_map=True)
+
+
+def test_acting_after_an_update_equals_the_replay():
+    """The weights change between rollouts (an optimizer step, in place): the next steps equal the window replayed
+    from the stored layer inputs with the new weights (the cached keys, values and W_kR R are recomputed), not the
+    stale cache's."""
+    torch.manual_seed(6)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=6, init_std=0.2), 3)
+    N = 2
+    x, resets = torch.randn(N, 14, 3), torch.zeros(N, 14, dtype=torch.bool)
+    resets[:, 0] = True
+    memory = model.initial_memory(N)
+    for t in range(8):
+        model.step(x[:, t], resets[:, t], memory)
+    state = memory.state()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    feats, _ = model.window(x[:, 8:], resets[:, 8:], state)
+    feats.square().sum().backward()
+    opt.step()
+    after = torch.stack([model.step(x[:, t], resets[:, t], memory) for t in range(8, 14)], 1)
+    with torch.no_grad():
+        replay, _ = model.window(x[:, 8:], resets[:, 8:], state)
+    torch.testing.assert_close(after, replay, rtol=1e-5, atol=1e-5)
+    assert (replay - feats).abs().max() > 1e-3  # (the update changed the features)

@@ -87,6 +87,7 @@ class AgentMemory:
         self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
         self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
         self.steps = 0
+        self.weights: tuple | None = None  # (the weights' versions the cached keys and values were computed with)
 
     @staticmethod
     def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
@@ -179,6 +180,7 @@ class MemoryTransformer(nn.Module):
         x = self._inputs(x, (N, self.d_input), "step: x")
         reset = self._resets(reset, (N,), "step: reset").to(memory.cache.padding.device)
         memory._begin(reset)
+        self._refresh(memory)
         with _evaluating(self):
             out = self.core(
                 inputs_embeds=self.embed(x)[:, None], cache=memory.cache, mem_len=memory.mem_len,
@@ -186,6 +188,20 @@ class MemoryTransformer(nn.Module):
             )  # fmt: skip
         memory._record(out.hidden_states[:-1])
         return out.last_hidden_state[:, 0]  # [N, D]
+
+    def _refresh(self, memory: AgentMemory) -> None:
+        """If the weights changed since the memory's keys and values were cached (an update, a loaded state), cache
+        them again from its layer inputs, and W_kR R too: acting then computes what the window replays."""
+        versions = tuple(p._version for p in self.core.parameters())  # (optimizers and loading write in place)
+        if memory.weights == versions:
+            return
+        c = memory.cache
+        c._r_k, c._r_key, c._r_view = [None] * len(c._r_k), None, [None] * len(c._r_k)
+        if c.length:
+            for i, layer in enumerate(self.core.layers):
+                kv = layer.attn.memory_keys_values(memory.hidden[i, :, c.start : c.end])  # [2, N, H, m, Dh]
+                c.k[i, :, :, c.start : c.end], c.v[i, :, :, c.start : c.end] = kv[0], kv[1]
+        memory.weights = versions
 
     def window(self, x: Tensor, resets: Tensor, state: MemoryState) -> tuple[Tensor, MemoryState]:
         """Replay T steps of N environments with gradients: ``x`` [N, T, d_input], ``resets`` [N, T] (True: the step

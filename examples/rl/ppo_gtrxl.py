@@ -1,0 +1,366 @@
+"""PPO with a memory (txl's GTrXL) on POPGym's memory tasks: one file, CleanRL-style.
+
+    python examples/rl/ppo_gtrxl.py --env repeat_first --memory gtrxl --steps 400000 --seed 1 --out runs/rf-gtrxl
+
+Memories (``--memory``): ``gtrxl`` (txl.rl.MemoryTransformer, GRU gates), ``trxl`` (the same without gates: TrXL-I),
+``gru`` (a GRU of similar size) and ``mlp`` (no memory: the floor). Acting runs every environment one step at a time
+(``step``: the cached path, memory updated in place); the update replays windows of ``--window`` steps with gradients
+from the memory stored at each window's start (``window``: block-diagonal in time, equal to the steps). The run writes
+``curve.csv`` (env steps, wall-clock seconds, mean episodic return of the episodes that ended) and ``summary.json``.
+Needs the ``rl`` extra (gymnasium, popgym).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.rl import MemoryState, MemoryTransformer, gtrxl_config
+
+ENVS = {
+    "repeat_first": "popgym.envs.repeat_first:RepeatFirstEasy",
+    "repeat_previous": "popgym.envs.repeat_previous:RepeatPreviousEasy",
+    "count_recall": "popgym.envs.count_recall:CountRecallEasy",
+    "autoencode": "popgym.envs.autoencode:AutoencodeEasy",
+    "stateless_cartpole": "popgym.envs.stateless_cartpole:StatelessCartPoleEasy",
+}
+
+
+@dataclass
+class Args:
+    env: str = "repeat_first"
+    memory: str = "gtrxl"
+    steps: int = 400_000
+    seed: int = 1
+    num_envs: int = 32
+    rollout: int = 128
+    window: int = 32
+    mem_len: int = 64
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    gru_hidden: int = 128
+    lr: float = 3e-4
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    epochs: int = 4
+    minibatches: int = 4
+    clip: float = 0.2
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    threads: int = 1
+    out: str = ""
+
+
+def make_env(name: str):
+    module, cls = ENVS[name].split(":")
+    env_cls = getattr(__import__(module, fromlist=[cls]), cls)
+    return lambda: env_cls()
+
+
+def one_hot_space(space: gym.Space) -> int:
+    if isinstance(space, gym.spaces.Discrete):
+        return int(space.n)
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return int(space.nvec.sum())
+    if isinstance(space, gym.spaces.Box):
+        return int(np.prod(space.shape))
+    raise ValueError(f"observation space {space} is not supported (Discrete, MultiDiscrete or Box)")
+
+
+def encode(obs: np.ndarray, space: gym.Space) -> Tensor:
+    """Observations of N environments as vectors [N, d]: one-hot for discrete spaces."""
+    if isinstance(space, gym.spaces.Discrete):
+        return F.one_hot(torch.as_tensor(obs, dtype=torch.long), int(space.n)).float()
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        parts = [F.one_hot(torch.as_tensor(obs[:, i], dtype=torch.long), int(n)) for i, n in enumerate(space.nvec)]
+        return torch.cat(parts, -1).float()
+    return torch.as_tensor(obs, dtype=torch.float32).reshape(obs.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memories: step(x [N, d], reset [N], state) acts; window(x [N, T, d], resets [N, T], start) replays with gradients.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TransformerMemory(nn.Module):
+    def __init__(self, args: Args, d_input: int, gate: str):
+        super().__init__()
+        cfg = gtrxl_config(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, mem_len=args.mem_len, gate=gate)
+        self.net = MemoryTransformer(cfg, d_input)
+        self.d_out = args.d_model
+
+    def initial(self, n: int):
+        return self.net.initial_memory(n)
+
+    def step(self, x: Tensor, reset: Tensor, memory) -> Tensor:
+        return self.net.step(x, reset, memory)
+
+    def snapshot(self, memory) -> MemoryState:
+        return memory.state()
+
+    def window(self, x: Tensor, resets: Tensor, start: MemoryState) -> Tensor:
+        return self.net.window(x, resets, start)[0]
+
+    @staticmethod
+    def stack(starts: list) -> MemoryState:
+        return MemoryState.stack(starts)
+
+    @staticmethod
+    def index(start: MemoryState, rows: Tensor) -> MemoryState:
+        return start.index(rows)
+
+
+class GRUMemory(nn.Module):
+    def __init__(self, args: Args, d_input: int):
+        super().__init__()
+        self.inp = nn.Linear(d_input, args.gru_hidden)
+        self.gru = nn.GRU(args.gru_hidden, args.gru_hidden, batch_first=True)
+        self.d_out = args.gru_hidden
+
+    def initial(self, n: int) -> list[Tensor]:
+        return [torch.zeros(1, n, self.d_out)]
+
+    @torch.no_grad()
+    def step(self, x: Tensor, reset: Tensor, memory: list[Tensor]) -> Tensor:
+        h = memory[0] * (~reset).float()[None, :, None]  # a reset starts from zero
+        out, memory[0] = self.gru(self.inp(x)[:, None], h)
+        return out[:, 0]
+
+    def snapshot(self, memory: list[Tensor]) -> Tensor:
+        return memory[0][0].clone()  # [N, H]
+
+    def window(self, x: Tensor, resets: Tensor, start: Tensor) -> Tensor:
+        h, outs = start[None], []
+        e = self.inp(x)
+        for t in range(x.shape[1]):  # (a loop over time, not environments: the resets cut the recurrence)
+            h = h * (~resets[:, t]).float()[None, :, None]
+            o, h = self.gru(e[:, t : t + 1], h)
+            outs.append(o)
+        return torch.cat(outs, 1)
+
+    @staticmethod
+    def stack(starts: list) -> Tensor:
+        return torch.cat(starts)
+
+    @staticmethod
+    def index(start: Tensor, rows: Tensor) -> Tensor:
+        return start[rows]
+
+
+class MLPMemory(nn.Module):
+    def __init__(self, args: Args, d_input: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_input, args.d_model), nn.ReLU(), nn.Linear(args.d_model, args.d_model))
+        self.d_out = args.d_model
+
+    def initial(self, n: int):
+        return None
+
+    @torch.no_grad()
+    def step(self, x: Tensor, reset: Tensor, memory) -> Tensor:
+        return self.net(x)
+
+    def snapshot(self, memory) -> Tensor:
+        return torch.zeros(0)
+
+    def window(self, x: Tensor, resets: Tensor, start) -> Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def stack(starts: list) -> Tensor:
+        return torch.zeros(0)
+
+    @staticmethod
+    def index(start, rows: Tensor):
+        return start
+
+
+def make_memory(args: Args, d_input: int) -> nn.Module:
+    if args.memory == "gtrxl":
+        return TransformerMemory(args, d_input, "gru")
+    if args.memory == "trxl":
+        return TransformerMemory(args, d_input, "residual")
+    if args.memory == "gru":
+        return GRUMemory(args, d_input)
+    if args.memory == "mlp":
+        return MLPMemory(args, d_input)
+    raise ValueError(f"--memory must be gtrxl, trxl, gru or mlp, got {args.memory!r}")
+
+
+class Agent(nn.Module):
+    def __init__(self, args: Args, d_input: int, n_actions: int):
+        super().__init__()
+        self.memory = make_memory(args, d_input)
+        self.actor = nn.Linear(self.memory.d_out, n_actions)
+        self.critic = nn.Linear(self.memory.d_out, 1)
+        nn.init.orthogonal_(self.actor.weight, 0.01)
+        nn.init.zeros_(self.actor.bias)
+
+    def heads(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        return self.actor(features), self.critic(features).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PPO
+# ---------------------------------------------------------------------------------------------------------
+
+
+def train(args: Args) -> dict:
+    if args.rollout % args.window:
+        raise ValueError(f"--rollout ({args.rollout}) must be a multiple of --window ({args.window})")
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env) for _ in range(args.num_envs)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
+    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
+    space = envs.single_observation_space
+    agent = Agent(args, one_hot_space(space), int(envs.single_action_space.n))
+    opt = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
+    N, R, W = args.num_envs, args.rollout, args.window
+    obs_np, _ = envs.reset(seed=args.seed)
+    obs = encode(obs_np, space)
+    reset = torch.ones(N, dtype=torch.bool)
+    memory = agent.memory.initial(N)
+    iterations = max(1, args.steps // (N * R))
+    curve, recent, t0, env_steps = [], [], time.perf_counter(), 0
+    act_s = update_s = 0.0
+    for it in range(iterations):
+        lr = args.lr * (1 - it / iterations)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        xs, rs, acts, logps, vals, rews, dones, starts = [], [], [], [], [], [], [], []
+        a0 = time.perf_counter()
+        for t in range(R):
+            if t % W == 0:
+                starts.append(agent.memory.snapshot(memory))
+            with torch.no_grad():
+                feats = agent.memory.step(obs, reset, memory)
+                logits, value = agent.heads(feats)
+                dist = torch.distributions.Categorical(logits=logits)
+                action = dist.sample()
+            xs.append(obs)
+            rs.append(reset)
+            acts.append(action)
+            logps.append(dist.log_prob(action))
+            vals.append(value)
+            obs_np, reward, term, trunc, info = envs.step(action.numpy())
+            done = np.logical_or(term, trunc)
+            rews.append(torch.as_tensor(reward, dtype=torch.float32))
+            dones.append(torch.as_tensor(done))
+            obs, reset = encode(obs_np, space), torch.as_tensor(done)
+            if "episode" in info:
+                recent.extend(info["episode"]["r"][info["_episode"]].tolist())
+        with torch.no_grad():
+            next_value = agent.heads(agent.memory.step(obs, reset, _peek(agent.memory, memory)))[1]
+        act_s += time.perf_counter() - a0
+        env_steps += N * R
+        u0 = time.perf_counter()
+        x, rs_t = torch.stack(xs, 1), torch.stack(rs, 1)  # [N, R, d], [N, R]
+        act_t, logp_t, val_t = torch.stack(acts, 1), torch.stack(logps, 1), torch.stack(vals, 1)
+        rew_t, done_t = torch.stack(rews, 1), torch.stack(dones, 1).float()
+        adv = torch.zeros(N, R)
+        last = torch.zeros(N)
+        for t in reversed(range(R)):  # GAE (a done at t ends the episode: no bootstrap across it)
+            nv = next_value if t == R - 1 else val_t[:, t + 1]
+            delta = rew_t[:, t] + args.gamma * nv * (1 - done_t[:, t]) - val_t[:, t]
+            last = delta + args.gamma * args.gae_lambda * (1 - done_t[:, t]) * last
+            adv[:, t] = last
+        ret = adv + val_t
+        # windows: [N * R/W] sequences of W steps, each with the memory stored at its start
+        nw = R // W
+
+        def windows(t: Tensor) -> Tensor:
+            return t.reshape(N, nw, W, *t.shape[2:]).reshape(N * nw, W, *t.shape[2:])
+
+        wx, wr, wa, wl, wadv, wret = map(windows, (x, rs_t, act_t, logp_t, adv, ret))
+        wstart = agent.memory.stack([starts[j] for j in range(nw)])  # [nw * N, ...] window-major
+        order = torch.arange(N * nw).reshape(nw, N).t().reshape(-1)  # env-major window index -> window-major
+        for _ in range(args.epochs):
+            perm = torch.randperm(N * nw)
+            for mb in perm.chunk(args.minibatches):
+                start = agent.memory.index(wstart, order[mb])
+                feats = agent.memory.window(wx[mb], wr[mb], start)
+                logits, value = agent.heads(feats)
+                dist = torch.distributions.Categorical(logits=logits)
+                logp = dist.log_prob(wa[mb])
+                ratio = (logp - wl[mb]).exp()
+                a = wadv[mb]
+                a = (a - a.mean()) / (a.std() + 1e-8)
+                pg = torch.max(-a * ratio, -a * ratio.clamp(1 - args.clip, 1 + args.clip)).mean()
+                vloss = 0.5 * (value - wret[mb]).square().mean()
+                loss = pg + args.vf_coef * vloss - args.ent_coef * dist.entropy().mean()
+                opt.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                opt.step()
+        update_s += time.perf_counter() - u0
+        mean_ret = float(np.mean(recent)) if recent else float("nan")
+        curve.append((env_steps, time.perf_counter() - t0, mean_ret))
+        recent = []
+    envs.close()
+    final = [r for _, _, r in curve[-max(1, len(curve) // 10) :]]
+    summary = {
+        "args": asdict(args),
+        "final_mean_return": float(np.nanmean(final)),
+        "env_steps": env_steps,
+        "wall_s": time.perf_counter() - t0,
+        "act_s": act_s,
+        "update_s": update_s,
+        "params": sum(p.numel() for p in agent.parameters()),
+    }
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "curve.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["env_steps", "wall_s", "mean_return"])
+            w.writerows(curve)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _peek(memory_module: nn.Module, memory):
+    """A copy of the acting memory to take one more step with (the bootstrap value), leaving the real one as is."""
+    if isinstance(memory_module, TransformerMemory):
+        import copy
+
+        peek = copy.copy(memory)
+        peek.cache = copy.copy(memory.cache)
+        c = peek.cache
+        c.k, c.v, c.padding = c.k.clone(), c.v.clone(), c.padding.clone()
+        peek.hidden = memory.hidden.clone()
+        return peek
+    if isinstance(memory_module, GRUMemory):
+        return [memory[0].clone()]
+    return memory
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in asdict(Args()).items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    args = Args(**vars(p.parse_args()))
+    if args.env not in ENVS:
+        p.error(f"--env must be one of {', '.join(ENVS)}, got {args.env!r}")
+    s = train(args)
+    print(json.dumps({k: v for k, v in s.items() if k != "args"}))
+
+
+if __name__ == "__main__":
+    main()
