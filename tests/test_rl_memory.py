@@ -230,3 +230,26 @@ def test_acting_after_an_update_equals_the_replay():
         replay, _ = model.window(x[:, 8:], resets[:, 8:], state)
     torch.testing.assert_close(after, replay, rtol=1e-5, atol=1e-5)
     assert (replay - feats).abs().max() > 1e-3  # (the update changed the features)
+
+
+def test_window_gives_the_memory_after_every_step():
+    """``every_step=True``: the memory after each step of the window is what the acting memory holds then."""
+    torch.manual_seed(7)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4, init_std=0.2), 3)
+    N, pre, T = 3, 5, 7
+    x, resets = torch.randn(N, pre + T, 3), torch.rand(N, pre + T) < 0.25
+    resets[:, 0] = True
+    memory = model.initial_memory(N)
+    states = []
+    for t in range(pre + T):
+        if t == pre:
+            start = memory.state()
+        model.step(x[:, t], resets[:, t], memory)
+        states.append(memory.state())
+    with torch.no_grad():
+        _, every = model.window(x[:, pre:], resets[:, pre:], start, every_step=True)
+    for t in range(T):
+        acted = states[pre + t]
+        assert torch.equal(every.invalid[:, t], acted.invalid), t
+        valid = ~acted.invalid[:, None, :, None]
+        torch.testing.assert_close(every.hidden[:, t] * valid, acted.hidden * valid, rtol=1e-5, atol=1e-5)

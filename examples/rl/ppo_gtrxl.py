@@ -33,7 +33,7 @@ ENVS = {
     "repeat_previous": "popgym.envs.repeat_previous:RepeatPreviousEasy",
     "count_recall": "popgym.envs.count_recall:CountRecallEasy",
     "autoencode": "popgym.envs.autoencode:AutoencodeEasy",
-    "stateless_cartpole": "popgym.envs.stateless_cartpole:StatelessCartPoleEasy",
+    "position_only_cartpole": "popgym.envs.position_only_cartpole:PositionOnlyCartPoleEasy",
 }
 
 

@@ -151,7 +151,11 @@ def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
     """-inf where ``mask`` is True, added as a bias: a vectorized broadcast add (masked_fill with a broadcast mask
     is ~5x slower on the CPU) whose backward is the identity. The scores are the same, and so is the gradient: a
     masked entry's probability is exactly 0, so the softmax gives it exactly 0 gradient."""
-    bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device).masked_fill_(mask, float("-inf"))
+    bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device)
+    if torch._C._functorch.is_functorch_wrapped_tensor(mask):  # (under vmap, e.g. TorchRL's value estimators)
+        bias = bias.masked_fill(mask, float("-inf"))
+    else:
+        bias.masked_fill_(mask, float("-inf"))
     return score.add_(bias) if inplace else score + bias
 
 
@@ -161,8 +165,11 @@ def mask_scores_(score: Tensor, mask: Tensor) -> Tensor:
     lo = 0
     # (elsewhere finding the column would wait for the device, or be a data-dependent shape in a graph)
     if mask.device.type == "cpu" and not (
-        torch.compiler.is_compiling() or torch.compiler.is_exporting() or get_proxy_mode() is not None
-    ):  # (nor in a trace: txl.kernels.graphs' CPU stand-in for a graph)
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or get_proxy_mode() is not None
+        or torch._C._functorch.is_functorch_wrapped_tensor(mask)
+    ):  # (nor in a trace: txl.kernels.graphs' CPU stand-in for a graph; nor under vmap)
         masked = mask.reshape(-1, mask.shape[-1]).any(0)  # [K]
         lo = int(masked.to(torch.uint8).argmax()) if bool(masked.any()) else mask.shape[-1]
     if lo < mask.shape[-1]:

@@ -203,10 +203,13 @@ class MemoryTransformer(nn.Module):
                 c.k[i, :, :, c.start : c.end], c.v[i, :, :, c.start : c.end] = kv[0], kv[1]
         memory.weights = versions
 
-    def window(self, x: Tensor, resets: Tensor, state: MemoryState) -> tuple[Tensor, MemoryState]:
+    def window(
+        self, x: Tensor, resets: Tensor, state: MemoryState, every_step: bool = False
+    ) -> tuple[Tensor, MemoryState]:
         """Replay T steps of N environments with gradients: ``x`` [N, T, d_input], ``resets`` [N, T] (True: the step
         starts an episode), ``state`` the memory at the window's start (``AgentMemory.state()``, detached). Returns
-        the features [N, T, d_model], what T calls of :meth:`step` return, and the memory at the window's end."""
+        the features [N, T, d_model], what T calls of :meth:`step` return, and the memory at the window's end
+        (``every_step``: after each step, hidden [N, T, L, M, D] and invalid [N, T, M], views where they can be)."""
         if x.dim() != 3:
             raise ValueError(f"window: x must be [N, T, d_input={self.d_input}], got {tuple(x.shape)}")
         N, T = x.shape[:2]
@@ -220,11 +223,21 @@ class MemoryTransformer(nn.Module):
             raise ValueError(f"window: state.invalid must be [N={N}, M={M}], got {tuple(state.invalid.shape)}")
         blocked = self.window_mask(resets, state.invalid.to(x.device))  # [N, T, M + T]
         mems = list(state.hidden.to(x).detach().unbind(1))  # L x [N, M, D]
-        out = self.core(inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M)
+        out = self.core(
+            inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M, output_hidden_states=every_step
+        )
         episode = resets.long().cumsum(1)  # [N, T]
-        later = F.pad(episode, (M, 0)) != episode[:, -1:]  # [N, M + T]: keys before the last episode's start
-        invalid = (F.pad(state.invalid, (0, T), value=False) | later)[:, -M:]
-        return out.last_hidden_state, MemoryState(torch.stack(out.mems, 1), invalid)
+        keys = F.pad(episode, (M, 0))  # [N, M + T]: the episode of every key (0: the memory's)
+        unfilled = F.pad(state.invalid.to(x.device), (0, T), value=False)  # [N, M + T]
+        if not every_step:
+            invalid = (unfilled | (keys != episode[:, -1:]))[:, -M:]
+            return out.last_hidden_state, MemoryState(torch.stack(out.mems, 1), invalid)
+        # after step t the memory is keys t + 1 .. t + M of [memory; window]: windows of M over the keys
+        layer_inputs = torch.stack(out.hidden_states[:-1], 1).detach()  # [N, L, T, D]
+        every = torch.cat([state.hidden.to(x).detach(), layer_inputs], 2)  # [N, L, M + T, D]
+        hidden = every.unfold(2, M, 1)[:, :, 1:].permute(0, 2, 1, 4, 3)  # [N, T, L, M, D]
+        invalid = unfilled.unfold(1, M, 1)[:, 1:] | (keys.unfold(1, M, 1)[:, 1:] != episode[:, :, None])  # [N, T, M]
+        return out.last_hidden_state, MemoryState(hidden, invalid)
 
     @staticmethod
     def window_mask(resets: Tensor, invalid: Tensor) -> Tensor:
