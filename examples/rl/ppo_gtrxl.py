@@ -50,6 +50,8 @@ class Args:
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
+    init_std: float = 0.02
+    gate_bias: float = 2.0
     gru_hidden: int = 128
     lr: float = 3e-4
     gamma: float = 0.99
@@ -98,7 +100,10 @@ def encode(obs: np.ndarray, space: gym.Space) -> Tensor:
 class TransformerMemory(nn.Module):
     def __init__(self, args: Args, d_input: int, gate: str):
         super().__init__()
-        cfg = gtrxl_config(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, mem_len=args.mem_len, gate=gate)
+        cfg = gtrxl_config(
+            d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, mem_len=args.mem_len, gate=gate,
+            gate_bias=args.gate_bias, init_std=args.init_std,
+        )  # fmt: skip
         self.net = MemoryTransformer(cfg, d_input)
         self.d_out = args.d_model
 
