@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "rl"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from ppo_gtrxl import Agent, Args, train  # noqa: E402
+
 from _report import replace_section  # noqa: E402
 from model_speed import cpu_description  # noqa: E402
-from ppo_gtrxl import Agent, Args, train  # noqa: E402
 
 AGENTS_TITLE = "# Agents: GTrXL in txl\n"
 
@@ -86,9 +87,7 @@ def main() -> None:
     ]
     for n, kind, m, lat, sps, ips, act, upd in rows:
         name = "GTrXL" if kind == "gtrxl" else "GRU (128)"
-        lines.append(
-            f"| {n} | {name} | {m or '-'} | {lat:.2f} | {sps:,.0f} | {ips:,.0f} | {act:.1f} | {upd:.1f} |"
-        )
+        lines.append(f"| {n} | {name} | {m or '-'} | {lat:.2f} | {sps:,.0f} | {ips:,.0f} | {act:.1f} | {upd:.1f} |")
     section = "\n".join(lines) + "\n"
     print(section)
     if a.write:

@@ -253,3 +253,15 @@ def test_window_gives_the_memory_after_every_step():
         assert torch.equal(every.invalid[:, t], acted.invalid), t
         valid = ~acted.invalid[:, None, :, None]
         torch.testing.assert_close(every.hidden[:, t] * valid, acted.hidden * valid, rtol=1e-5, atol=1e-5)
+
+
+def test_save_and_load_without_pickle(tmp_path):
+    """A GTrXL agent memory saved (config.json + model.safetensors) and loaded computes the same features."""
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4, gate="highway"), 5)
+    model.save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
+    again = MemoryTransformer.from_pretrained(tmp_path / "m")
+    assert again.config == model.config and again.d_input == 5
+    x, r = torch.randn(2, 6, 5), torch.zeros(2, 6, dtype=torch.bool)
+    state = MemoryState(torch.zeros(2, 2, 4, 16), torch.ones(2, 4, dtype=torch.bool))
+    assert torch.equal(model.window(x, r, state)[0], again.window(x, r, state)[0])

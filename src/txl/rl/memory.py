@@ -22,6 +22,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,17 @@ from torch import Tensor, nn
 
 from txl.model.cache import KVCache
 from txl.model.config import TransformerXLConfig
+from txl.model.pretrained import (
+    WEIGHTS_NAME,
+    CheckpointError,
+    load_weights,
+    read_config,
+    read_safetensors,
+    unique_state_dict,
+    write_config,
+)
 from txl.model.transformer import TransformerXL
+from txl.util.fileio import save_safetensors
 
 
 @dataclass
@@ -144,6 +155,25 @@ class MemoryTransformer(nn.Module):
     @property
     def d_model(self) -> int:
         return self.config.d_model
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (no pickle) into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_safetensors(unique_state_dict(self), out / WEIGHTS_NAME, {"format": "pt"})
+        write_config(self.config, out, type(self).__name__)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> MemoryTransformer:
+        """The model ``save_pretrained`` wrote (d_input is read from the input layer's weight)."""
+        config = read_config(TransformerXLConfig, directory)
+        tensors = read_safetensors(Path(directory) / WEIGHTS_NAME)
+        if "embed.weight" not in tensors:
+            raise CheckpointError(f"{directory}: no embed.weight in {WEIGHTS_NAME}: not a MemoryTransformer's folder")
+        model = cls(config, tensors["embed.weight"].shape[1])
+        load_weights(model, tensors, str(directory))
+        return model
 
     def initial_memory(
         self, n_envs: int, mem_len: int | None = None, device=None, dtype: torch.dtype | None = None

@@ -87,8 +87,8 @@ class GTrXLModule(TensorDictModuleBase):
         valid = torch.zeros(n, M, dtype=torch.bool, device=w.device) if valid is None else valid
         if tuple(memory.shape[-3:]) != (L, M, D) or tuple(valid.shape[-1:]) != (M,):
             raise ValueError(
-                f"GTrXLModule: {self.in_keys[1]!r} must be [..., {L}, {M}, {D}] and {self.in_keys[2]!r} [..., {M}], got "
-                f"{list(memory.shape)} and {list(valid.shape)} (the primer of make_tensordict_primer() makes them)"
+                f"GTrXLModule: {self.in_keys[1]!r} must be [..., {L}, {M}, {D}] and {self.in_keys[2]!r} [..., {M}], "
+                f"got {list(memory.shape)} and {list(valid.shape)} (the primer of make_tensordict_primer() makes them)"
             )
         return MemoryState(memory.reshape(n, L, M, D), ~valid.reshape(n, M).to(torch.bool))
 
