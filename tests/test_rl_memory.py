@@ -265,3 +265,31 @@ def test_save_and_load_without_pickle(tmp_path):
     x, r = torch.randn(2, 6, 5), torch.zeros(2, 6, dtype=torch.bool)
     state = MemoryState(torch.zeros(2, 2, 4, 16), torch.ones(2, 4, dtype=torch.bool))
     assert torch.equal(model.window(x, r, state)[0], again.window(x, r, state)[0])
+
+
+@pytest.mark.parametrize("gate", ["gru", "residual"])
+def test_fast_paths_compute_what_the_reference_does(gate):
+    """The backends that run for GTrXL (the native attention in the acting step and in the training window, forward
+    and backward; the native dropout-free kernels) give the reference's features and gradients: every backend off is
+    the reference."""
+    from txl.kernels.backends import use_backends
+
+    torch.manual_seed(8)
+    model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=6, gate=gate, init_std=0.2), 3)
+    x, resets = torch.randn(3, 15, 3), torch.rand(3, 15) < 0.2
+    resets[:, 0] = True
+
+    def run():
+        steps, state, _ = rollout(model, x, resets, 7)
+        model.zero_grad()
+        feats, _ = model.window(x[:, 7:], resets[:, 7:], state)
+        feats.square().sum().backward()
+        return steps, feats, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    fast = run()
+    with use_backends(native_kernels=False, native_attention=False, fast_decode=False, native_decode=False):
+        ref = run()
+    torch.testing.assert_close(fast[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast[1], ref[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(fast[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))  # (fp32 sums reordered)

@@ -67,7 +67,8 @@ class Backends:
     (about 2/3 of the layer weights): generation is faster, at that memory. False saves the memory."""
     fast_decode: bool = True
     """A cached step of one token (generation, serving) as one loop over the layers' weights
-    (``TransformerXL._decode``) instead of the layers' general path."""
+    (``TransformerXL._decode``) instead of the layers' general path. It declines layers it does not compute
+    (``DecodeLayer.plain``): hooks, adapters, and GTrXL's ``identity_map`` and gates (their step runs the layers)."""
     native_decode: bool = True
     """``TransformerXL._decode`` as one native call where it can (fp32 on the CPU, a C compiler to build it)."""
     graph_decode: bool = True
