@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import ADAPTIVE_FIXTURE, debug_config
+from tests.conftest import ADAPTIVE_FIXTURE, HF_FIXTURES, debug_config
 from txl import TransformerXLLM
 from txl.infer.evaluate import evaluate
 from txl.infer.generation import generate, stream
@@ -661,24 +661,42 @@ def test_head_mask_silences_heads_as_hugging_face_does(tmp_path, monkeypatch):
             ours(x, head_mask=torch.ones(cfg.n_head + 1))
 
 
-def test_inputs_embeds_and_head_mask_on_the_base_model_as_hugging_face(tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", sorted(HF_FIXTURES))
+def test_inputs_embeds_and_head_mask_on_the_base_model_as_hugging_face(tmp_path, monkeypatch, key):
     """The base model (no softmax head), fed vectors (``inputs_embeds``, as an agent's observations) with a
     ``head_mask``: HF 4.46's TransfoXLModel's last hidden state, hidden states and memories, from its zero memory,
-    over two segments, on converted checkpoints."""
-    for hf, _, ours in hf_and_converted(tmp_path, monkeypatch):
-        cfg = ours.config
-        torch.manual_seed(0)
-        zeros = [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
-        hm = torch.rand(cfg.n_layer, cfg.n_head)
-        theirs_mems, ours_mems = None, zeros
-        with torch.no_grad():
-            for _ in range(2):
-                e = torch.randn(2, 7, cfg.d_model)
-                theirs = hf.transformer(inputs_embeds=e, mems=theirs_mems, head_mask=hm, output_hidden_states=True)
-                out = ours.transformer(inputs_embeds=e, mems=ours_mems, head_mask=hm, output_hidden_states=True)
-                torch.testing.assert_close(out.last_hidden_state, theirs.last_hidden_state, rtol=1e-5, atol=1e-5)
-                for a, b in zip(out.hidden_states, theirs.hidden_states, strict=True):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-                for a, b in zip(out.mems, theirs.mems, strict=True):
-                    torch.testing.assert_close(a, b.transpose(0, 1), rtol=1e-5, atol=1e-5)
-                theirs_mems, ours_mems = theirs.mems, out.mems
+    over two segments, on every parity fixture (converted by `txl convert hf`)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.conftest import ROOT
+    from txl.cli import main
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from model_speed import patched_hf
+
+    transformers.logging.set_verbosity_error()
+    fixture = HF_FIXTURES[key]
+    with warnings.catch_warnings():  # (HF's notes on its deprecated model)
+        warnings.simplefilter("ignore")
+        hf = patched_hf().TransfoXLModel(transformers.TransfoXLConfig.from_pretrained(fixture)).eval()
+    state = load_file(fixture / "model.safetensors")
+    loaded = hf.load_state_dict({k.removeprefix("transformer."): v for k, v in state.items()}, strict=False)
+    assert not loaded.missing_keys  # (the softmax's weights are the unexpected ones)
+    main(["convert", "hf", str(fixture), str(tmp_path / "txl")])
+    ours = TransformerXLLM.from_pretrained(tmp_path / "txl").transformer.eval()
+    cfg = ours.config
+    torch.manual_seed(0)
+    hm = torch.rand(cfg.n_layer, cfg.n_head)
+    theirs_mems, ours_mems = None, [torch.zeros(2, cfg.mem_len, cfg.d_model)] * cfg.n_layer
+    with torch.no_grad():
+        for _ in range(2):
+            e = torch.randn(2, 7, cfg.d_model)
+            theirs = hf(inputs_embeds=e, mems=theirs_mems, head_mask=hm, output_hidden_states=True)
+            out = ours(inputs_embeds=e, mems=ours_mems, head_mask=hm, output_hidden_states=True)
+            torch.testing.assert_close(out.last_hidden_state, theirs.last_hidden_state, rtol=1e-5, atol=1e-5)
+            for a, b in zip(out.hidden_states, theirs.hidden_states, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            for a, b in zip(out.mems, theirs.mems, strict=True):
+                torch.testing.assert_close(a, b.transpose(0, 1), rtol=1e-5, atol=1e-5)
+            theirs_mems, ours_mems = theirs.mems, out.mems
