@@ -293,3 +293,20 @@ def test_fast_paths_compute_what_the_reference_does(gate):
     torch.testing.assert_close(fast[1], ref[1], rtol=1e-5, atol=1e-5)
     for a, b in zip(fast[2], ref[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * float(b.abs().max()))  # (fp32 sums reordered)
+
+
+def test_key_mask_masks_keys_per_query_and_checks_its_shape():
+    """``key_mask`` on the base model: a query whose earlier keys are all masked sees itself only (its output is the
+    one of a segment of that token alone); a wrong shape or dtype is one clear error."""
+    torch.manual_seed(9)
+    model = TransformerXL(gtrxl_config(d_model=16, n_layer=2, n_head=2, init_std=0.2)).eval()
+    e = torch.randn(1, 4, 16)
+    km = torch.zeros(1, 4, 4, dtype=torch.bool)
+    km[0, 3, :3] = True
+    alone = model(inputs_embeds=e[:, 3:]).last_hidden_state[:, 0]
+    torch.testing.assert_close(model(inputs_embeds=e, key_mask=km).last_hidden_state[:, 3], alone)
+    assert (model(inputs_embeds=e).last_hidden_state[:, 3] - alone).abs().max() > 1e-4
+    with pytest.raises(ValueError, match=r"key_mask must be a bool tensor \[batch, T, M \+ T\] = \[1, 4, 4\]"):
+        model(inputs_embeds=e, key_mask=torch.zeros(1, 4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_mask must be a bool tensor"):
+        model(inputs_embeds=e, key_mask=torch.zeros(1, 4, 4))
