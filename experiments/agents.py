@@ -22,7 +22,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _report import replace_section  # noqa: E402
 from model_speed import cpu_description  # noqa: E402
 
-TASKS = {"repeat_previous": "RepeatPreviousEasy", "position_only_cartpole": "PositionOnlyCartPoleEasy"}
+TASKS = {
+    "repeat_previous": "RepeatPreviousEasy",
+    "position_only_cartpole": "PositionOnlyCartPoleEasy",
+    "repeat_first": "RepeatFirstEasy",
+}
 MEMORIES = {"gtrxl": "GTrXL", "trxl": "TrXL-I (no gates)", "gru": "GRU (128)", "mlp": "MLP (no memory)"}
 TITLE = "# Agents: GTrXL in txl\n"
 
@@ -121,8 +125,8 @@ def report(a) -> None:
             "--write docs/agents.md` (each run: `python examples/rl/ppo_gtrxl.py --env E --memory K "
             f"--steps {a.steps} --seed N`). "
             f"Machine: {cpu_description()}; one thread per run, two runs at once. Final mean return: the mean over the "
-            "last 10% of the iterations of the episodes that ended in them (RepeatPrevious: -0.5 is chance, 1 is "
-            "perfect; PositionOnlyCartPole: 1 is balancing for the whole episode).",
+            "last 10% of the iterations of the episodes that ended in them (RepeatPrevious, RepeatFirst: -0.5 is "
+            "chance, 1 is perfect; PositionOnlyCartPole: 1 is balancing for the whole episode).",
             "",
             *lines,
             "",
