@@ -189,6 +189,9 @@ def test_bad_input_gets_one_clear_error():
         model.step(torch.zeros(4, 5), torch.zeros(4, dtype=torch.bool), mem)
     with pytest.raises(ValueError, match=r"step: reset must be \[4\]"):
         model.step(torch.zeros(4, 3), torch.zeros(3, dtype=torch.bool), mem)
+    other = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4), 3)
+    with pytest.raises(ValueError, match="this memory was made by another model"):
+        other.step(torch.zeros(4, 3), torch.zeros(4, dtype=torch.bool), mem)
     state = mem.state()
     with pytest.raises(ValueError, match=r"window: resets must be \[4, 2\]"):
         model.window(torch.zeros(4, 2, 3), torch.zeros(4, 3, dtype=torch.bool), state)

@@ -207,6 +207,8 @@ class MemoryTransformer(nn.Module):
         starts the environment's episode, its memory is masked). Updates ``memory`` in place; returns the features
         [N, d_model]. No gradient, no dropout (acting)."""
         N = memory.n_envs
+        if memory.cache.config != self.config:
+            raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
         x = self._inputs(x, (N, self.d_input), "step: x")
         reset = self._resets(reset, (N,), "step: reset").to(memory.cache.padding.device)
         memory._begin(reset)
