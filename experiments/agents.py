@@ -3,8 +3,9 @@ the learning curves (mean episodic return against env steps and wall-clock) and 
 
     python experiments/agents.py --steps 1000000 --seeds 1 2 --write docs/agents.md
 
-Each run is ``python examples/rl/ppo_gtrxl.py --env E --memory K --steps S --seed N --out runs/agents/E-K-sN``, one
-thread each, two at a time (2 cores). ``--report-only`` redraws from the runs already there.
+Each run is ``python examples/rl/ppo_gtrxl.py --env E --memory K --steps S --seed N --out runs/agents/E-K-sN`` (the
+larger GRU: ``--memory gru --gru-hidden 185``), one thread each, two at a time (2 cores). ``--report-only`` redraws
+from the runs already there.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ TASKS = {
     "position_only_cartpole": "PositionOnlyCartPoleEasy",
     "repeat_first": "RepeatFirstEasy",
 }
-MEMORIES = {"gtrxl": "GTrXL", "trxl": "TrXL-I (no gates)", "gru": "GRU (128)", "mlp": "MLP (no memory)"}
+MEMORIES = {  # run name: (label, the example's arguments)
+    "gtrxl": ("GTrXL", ["--memory", "gtrxl"]),
+    "trxl": ("TrXL-I (no gates)", ["--memory", "trxl"]),
+    "gru": ("GRU (128)", ["--memory", "gru"]),
+    "gru185": ("GRU (185: GTrXL's size)", ["--memory", "gru", "--gru-hidden", "185"]),
+    "mlp": ("MLP (no memory)", ["--memory", "mlp"]),
+}
 TITLE = "# Agents: GTrXL in txl\n"
 
 
@@ -68,7 +75,7 @@ def main() -> None:
     a = p.parse_args()
     if not a.report_only:
         cmds = [
-            [sys.executable, str(ROOT / "examples" / "rl" / "ppo_gtrxl.py"), "--env", e, "--memory", m, "--steps",
+            [sys.executable, str(ROOT / "examples" / "rl" / "ppo_gtrxl.py"), "--env", e, *MEMORIES[m][1], "--steps",
              str(a.steps), "--seed", str(s), "--out", str(run_dir(a.out, e, m, s))]
             for s in a.seeds for e in a.envs for m in a.memories
             if not (run_dir(a.out, e, m, s) / "summary.json").exists()
@@ -89,7 +96,7 @@ def report(a) -> None:
         "|---|---|---:|---|---:|---:|---:|",
     ]
     for col, env in enumerate(a.envs):
-        for mem, name in MEMORIES.items():
+        for mem, (name, _) in MEMORIES.items():
             if mem not in a.memories:
                 continue
             runs = [r for s in a.seeds if (r := read(run_dir(a.out, env, mem, s)))]
