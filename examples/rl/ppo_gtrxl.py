@@ -251,6 +251,7 @@ def train(args: Args) -> dict:
             g["lr"] = lr
         xs, rs, acts, logps, vals, rews, dones, starts = [], [], [], [], [], [], [], []
         a0 = time.perf_counter()
+        agent.eval()  # (acting: no dropout, and no mode switch in every step)
         for t in range(R):
             if t % W == 0:
                 starts.append(agent.memory.snapshot(memory))
@@ -276,6 +277,7 @@ def train(args: Args) -> dict:
         act_s += time.perf_counter() - a0
         env_steps += N * R
         u0 = time.perf_counter()
+        agent.train()
         x, rs_t = torch.stack(xs, 1), torch.stack(rs, 1)  # [N, R, d], [N, R]
         act_t, logp_t, val_t = torch.stack(acts, 1), torch.stack(logps, 1), torch.stack(vals, 1)
         rew_t, done_t = torch.stack(rews, 1), torch.stack(dones, 1).float()

@@ -151,6 +151,7 @@ class MemoryTransformer(nn.Module):
         self.config, self.d_input = config, d_input
         self.embed = nn.Linear(d_input, config.d_model)
         self.core = TransformerXL(config)
+        self._watched: tuple | None = None  # (the modules the cached keys depend on, their parameters)
 
     @property
     def d_model(self) -> int:
@@ -205,7 +206,7 @@ class MemoryTransformer(nn.Module):
     def step(self, x: Tensor, reset: Tensor, memory: AgentMemory) -> Tensor:
         """Act: one step of every environment, ``x`` [N, d_input] (observations), ``reset`` [N] (True: this step
         starts the environment's episode, its memory is masked). Updates ``memory`` in place; returns the features
-        [N, d_model]. No gradient, no dropout (acting)."""
+        [N, d_model]. No gradient, no dropout (acting; in eval mode no mode switch per step: faster)."""
         N = memory.n_envs
         if memory.cache.config != self.config:
             raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
@@ -222,9 +223,16 @@ class MemoryTransformer(nn.Module):
         return out.last_hidden_state[:, 0]  # [N, D]
 
     def _refresh(self, memory: AgentMemory) -> None:
-        """If the weights changed since the memory's keys and values were cached (an update, a loaded state), cache
-        them again from its layer inputs, and W_kR R too: acting then computes what the window replays."""
-        versions = tuple(p._version for p in self.core.parameters())  # (optimizers and loading write in place)
+        """If the weights the cache depends on changed since its keys and values were computed (an update, a loaded
+        state), compute them again from the kept layer inputs, and W_kR R too: acting then computes what the window
+        replays. Those weights are the attention's input norm, QKV and position projections (whatever modules hold
+        them: an adapter's too); optimizers and loading write in place, which bumps the tensors' version counters."""
+        parts = tuple(
+            m for layer in self.core.layers for m in (layer.attn.layer_norm, layer.attn.qkv_net, layer.attn.r_net)
+        )
+        if self._watched is None or self._watched[0] != tuple(map(id, parts)):
+            self._watched = (tuple(map(id, parts)), [p for m in parts for p in m.parameters()])
+        versions = tuple(p._version for p in self._watched[1])
         if memory.weights == versions:
             return
         c = memory.cache
@@ -289,8 +297,12 @@ class MemoryTransformer(nn.Module):
 
 @contextlib.contextmanager
 def _evaluating(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode for the block (acting: no dropout), its mode restored after."""
+    """``module`` in eval mode for the block (acting: no dropout), its mode restored after (nothing to do, and nothing
+    spent walking the modules, when it is in eval mode already: act in eval mode for the fastest steps)."""
     was = module.training
+    if not was:
+        yield
+        return
     module.eval()
     try:
         yield
