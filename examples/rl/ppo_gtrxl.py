@@ -245,6 +245,7 @@ def train(args: Args) -> dict:
     iterations = max(1, args.steps // (N * R))
     curve, recent, t0, env_steps = [], [], time.perf_counter(), 0
     act_s = update_s = 0.0
+    timings = []  # (rollout s, update s) per iteration
     for it in range(iterations):
         lr = args.lr * (1 - it / iterations)
         for g in opt.param_groups:
@@ -317,6 +318,7 @@ def train(args: Args) -> dict:
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 opt.step()
         update_s += time.perf_counter() - u0
+        timings.append((u0 - a0, time.perf_counter() - u0))
         mean_ret = float(np.mean(recent)) if recent else float("nan")
         curve.append((env_steps, time.perf_counter() - t0, mean_ret))
         recent = []
@@ -330,6 +332,7 @@ def train(args: Args) -> dict:
         "act_s": act_s,
         "update_s": update_s,
         "params": sum(p.numel() for p in agent.parameters()),
+        "iterations_s": timings,
     }
     if args.out:
         out = Path(args.out)
