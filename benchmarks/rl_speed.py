@@ -59,7 +59,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--envs", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--mems", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--write", type=Path, default=None, help="the results page to update (docs/agents.md)")
     a = p.parse_args()
     torch.set_num_threads(2)
@@ -81,13 +81,17 @@ def main() -> None:
         "(the model alone). PPO iteration: 128 steps in every environment (POPGym RepeatPreviousEasy) and 4 epochs x 4 "
         "minibatches over 32-step windows, one iteration after a warm-up one; env steps/s counts the whole iteration.",
         "",
-        "| envs N | memory | mem_len | step (ms) | steps/s acting (model) | PPO iteration env steps/s | rollout s | "
-        "update s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| envs N | memory | mem_len | step (ms) | step / GRU's | steps/s acting (model) | PPO iteration env steps/s | "
+        "PPO / GRU's | rollout s | update s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    gru = {n: (lat, ips) for n, kind, _, lat, _, ips, _, _ in rows if kind == "gru"}
     for n, kind, m, lat, sps, ips, act, upd in rows:
         name = "GTrXL" if kind == "gtrxl" else "GRU (128)"
-        lines.append(f"| {n} | {name} | {m or '-'} | {lat:.2f} | {sps:,.0f} | {ips:,.0f} | {act:.1f} | {upd:.1f} |")
+        lines.append(
+            f"| {n} | {name} | {m or '-'} | {lat:.2f} | {lat / gru[n][0]:.1f}x | {sps:,.0f} | {ips:,.0f} | "
+            f"{ips / gru[n][1]:.2f}x | {act:.1f} | {upd:.1f} |"
+        )
     section = "\n".join(lines) + "\n"
     print(section)
     if a.write:

@@ -62,6 +62,11 @@ def read(d: Path) -> tuple[list[tuple[float, float, float]], dict] | None:
     return rows, json.loads((d / "summary.json").read_text())
 
 
+def to_reach(curve: list[tuple[float, float, float]], level: float) -> str:
+    """The env steps at which the mean return first reaches ``level`` (in thousands), or "never"."""
+    return next((f"{steps / 1000:.0f}k" for steps, _, ret in curve if ret >= level), "never")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=1_000_000)
@@ -92,8 +97,9 @@ def report(a) -> None:
 
     fig, axes = plt.subplots(2, len(a.envs), figsize=(6 * len(a.envs), 8), squeeze=False)
     lines = [
-        "| task | memory | params | final mean return (per seed) | mean | env steps | wall-clock (s, per run) |",
-        "|---|---|---:|---|---:|---:|---:|",
+        "| task | memory | params | final mean return (per seed) | mean | env steps to 0.9 (per seed) | env steps | "
+        "wall-clock (s, per run) |",
+        "|---|---|---:|---|---:|---|---:|---:|",
     ]
     for col, env in enumerate(a.envs):
         for mem, (name, _) in MEMORIES.items():
@@ -111,7 +117,8 @@ def report(a) -> None:
                 axes[1][col].plot(wall, ret, **kw)
             lines.append(
                 f"| {TASKS[env]} | {name} | {runs[0][1]['params']:,} | {' / '.join(f'{f:.3f}' for f in finals)} | "
-                f"{sum(finals) / len(finals):.3f} | {runs[0][1]['env_steps']:,} | "
+                f"{sum(finals) / len(finals):.3f} | {' / '.join(to_reach(c, 0.9) for c, _ in runs)} | "
+                f"{runs[0][1]['env_steps']:,} | "
                 f"{' / '.join(f'{w:.0f}' for w in walls)} |"
             )
         axes[0][col].set_title(f"{TASKS[env]}")
