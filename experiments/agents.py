@@ -63,8 +63,9 @@ def read(d: Path) -> tuple[list[tuple[float, float, float]], dict] | None:
 
 
 def to_reach(curve: list[tuple[float, float, float]], level: float) -> str:
-    """The env steps at which the mean return first reaches ``level`` (in thousands), or "never"."""
-    return next((f"{steps / 1000:.0f}k" for steps, _, ret in curve if ret >= level), "never")
+    """The env steps (in thousands) and wall-clock seconds at which the mean return first reaches ``level``, or
+    "never"."""
+    return next((f"{steps / 1000:.0f}k, {wall:.0f} s" for steps, wall, ret in curve if ret >= level), "never")
 
 
 def main() -> None:
@@ -97,8 +98,8 @@ def report(a) -> None:
 
     fig, axes = plt.subplots(2, len(a.envs), figsize=(6 * len(a.envs), 8), squeeze=False)
     lines = [
-        "| task | memory | params | final mean return (per seed) | mean | env steps to 0.9 (per seed) | env steps | "
-        "wall-clock (s, per run) |",
+        "| task | memory | params | final mean return (per seed) | mean | to 0.9: env steps, wall-clock (per seed) | "
+        "env steps | wall-clock (s, per run) |",
         "|---|---|---:|---|---:|---|---:|---:|",
     ]
     for col, env in enumerate(a.envs):
