@@ -152,7 +152,8 @@ def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
     is ~5x slower on the CPU) whose backward is the identity. The scores are the same, and so is the gradient: a
     masked entry's probability is exactly 0, so the softmax gives it exactly 0 gradient."""
     bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device)
-    if torch._C._functorch.is_functorch_wrapped_tensor(mask):  # (under vmap, e.g. TorchRL's value estimators)
+    wrapped = not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(mask)
+    if wrapped:  # (under vmap, e.g. TorchRL's value estimators)
         bias = bias.masked_fill(mask, float("-inf"))
     else:
         bias.masked_fill_(mask, float("-inf"))
