@@ -313,3 +313,24 @@ def test_key_mask_masks_keys_per_query_and_checks_its_shape():
         model(inputs_embeds=e, key_mask=torch.zeros(1, 4, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="key_mask must be a bool tensor"):
         model(inputs_embeds=e, key_mask=torch.zeros(1, 4, 4))
+
+
+def test_step_equals_window_at_the_edges():
+    """Memory of 1 step, windows of 1 step, a window from the empty memory before the first step, one layer or
+    three, windows longer and shorter than the memory: step = window, and the memory at the end is the acting one."""
+    import random
+
+    rng = random.Random(0)
+    torch.manual_seed(10)
+    for _ in range(20):
+        M, T, pre = rng.choice([1, 2, 5, 17]), rng.choice([1, 2, 7, 20]), rng.choice([0, 1, 3, 40])
+        N, L, gate = rng.choice([1, 3]), rng.choice([1, 3]), rng.choice(GATES)
+        cfg = gtrxl_config(d_model=16, n_layer=L, n_head=2, mem_len=M, gate=gate, gate_bias=0.0, init_std=0.2)
+        model = MemoryTransformer(cfg, 3).eval()
+        x, resets = torch.randn(N, pre + T, 3), torch.rand(N, pre + T) < rng.random() * 0.5
+        resets[:, 0] = True
+        steps, state, end = rollout(model, x, resets, pre)
+        state = state or model.initial_memory(N).state()
+        feats, last = model.window(x[:, pre:], resets[:, pre:], state)
+        torch.testing.assert_close(feats, steps[:, pre:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(last.invalid, end.invalid), (M, T, pre)
