@@ -116,6 +116,10 @@ class TransformerMemory(nn.Module):
     def snapshot(self, memory) -> MemoryState:
         return memory.state()
 
+    @staticmethod
+    def peek(memory):  # (a copy to take the bootstrap step with, leaving the real memory as it is)
+        return memory.clone()
+
     def window(self, x: Tensor, resets: Tensor, start: MemoryState) -> Tensor:
         return self.net.window(x, resets, start)[0]
 
@@ -146,6 +150,10 @@ class GRUMemory(nn.Module):
 
     def snapshot(self, memory: list[Tensor]) -> Tensor:
         return memory[0][0].clone()  # [N, H]
+
+    @staticmethod
+    def peek(memory: list[Tensor]) -> list[Tensor]:
+        return [memory[0].clone()]
 
     def window(self, x: Tensor, resets: Tensor, start: Tensor) -> Tensor:
         h, outs = start[None], []
@@ -180,6 +188,10 @@ class MLPMemory(nn.Module):
 
     def snapshot(self, memory) -> Tensor:
         return torch.zeros(0)
+
+    @staticmethod
+    def peek(memory):
+        return memory
 
     def window(self, x: Tensor, resets: Tensor, start) -> Tensor:
         return self.net(x)
@@ -274,7 +286,7 @@ def train(args: Args) -> dict:
             if "episode" in info:
                 recent.extend(info["episode"]["r"][info["_episode"]].tolist())
         with torch.no_grad():
-            next_value = agent.heads(agent.memory.step(obs, reset, _peek(agent.memory, memory)))[1]
+            next_value = agent.heads(agent.memory.step(obs, reset, agent.memory.peek(memory)))[1]
         act_s += time.perf_counter() - a0
         env_steps += N * R
         u0 = time.perf_counter()
@@ -343,22 +355,6 @@ def train(args: Args) -> dict:
             w.writerows(curve)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _peek(memory_module: nn.Module, memory):
-    """A copy of the acting memory to take one more step with (the bootstrap value), leaving the real one as is."""
-    if isinstance(memory_module, TransformerMemory):
-        import copy
-
-        peek = copy.copy(memory)
-        peek.cache = copy.copy(memory.cache)
-        c = peek.cache
-        c.k, c.v, c.padding = c.k.clone(), c.v.clone(), c.padding.clone()
-        peek.hidden = memory.hidden.clone()
-        return peek
-    if isinstance(memory_module, GRUMemory):
-        return [memory[0].clone()]
-    return memory
 
 
 def main() -> None:

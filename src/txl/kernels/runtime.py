@@ -281,3 +281,10 @@ def check_fits(needed: int, what: str, advice: str) -> None:
             f"{what} needs about {needed / 2**30:,.1f} GiB of memory, more than the {free / 2**30:,.1f} GiB free "
             f"here: {advice}"
         )
+
+
+def functorch_wrapped(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a functorch wrapper (under vmap or grad, as TorchRL's losses call modules): it has no storage
+    for a kernel to read, and no data-dependent branch may look at it. False in a graph being compiled (dynamo cannot
+    trace this builtin, and compiled code is not vmapped here)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(x)

@@ -109,7 +109,7 @@ class KVCache:
                 "cannot be cached (evaluate without a cache; generation recomputes the memory)"
             )
         self.config = config
-        self.capacity = max(2 * (mem_len + max_segment), 16)
+        self.capacity = self.capacity_for(mem_len, max_segment)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
         # (zeroed now: the pages are touched once here, not on the first pass of the window, where each segment's
         # write would fault them in one by one)
@@ -123,6 +123,22 @@ class KVCache:
         self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
         self.decode_plan: tuple | None = None  # (the model, its layers' DecodeLayer, the native kernel's state)
         self.segment_graphs = None  # (txl.kernels.graphs: a segment's layers as CUDA graphs, keyed)
+
+    @staticmethod
+    def capacity_for(mem_len: int, max_segment: int = 1) -> int:
+        """Positions the buffer holds for a window of ``mem_len`` and segments of up to ``max_segment``."""
+        return max(2 * (mem_len + max_segment), 16)
+
+    def weights_changed(self, memory_keys_values: Callable[[int, slice], Tensor]) -> None:
+        """The weights changed (an update): forget every W_kR R table, and replace each layer's memory keys and values
+        with ``memory_keys_values(layer, positions)`` ([2, B, H, M, Dh]; ``txl.rl`` recomputes them from the layer
+        inputs it keeps at those buffer positions)."""
+        self._r_k, self._r_key, self._r_view = [None] * len(self._r_k), None, [None] * len(self._r_view)
+        if self.length:
+            window = slice(self.start, self.end)
+            for i in range(self.k.shape[0]):
+                kv = memory_keys_values(i, window)
+                self.k[i, :, :, window], self.v[i, :, :, window] = kv[0], kv[1]
 
     @property
     def length(self) -> int:

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from txl.kernels.runtime import functorch_wrapped
+
 # ---------------------------------------------------------------------------------------------------------
 # 2. Relative positional encoding R (Sec. 3.3): sinusoids of the distance i - j, sin half then cos half.
 # ---------------------------------------------------------------------------------------------------------
@@ -152,8 +154,7 @@ def mask_scores(score: Tensor, mask: Tensor, inplace: bool = False) -> Tensor:
     is ~5x slower on the CPU) whose backward is the identity. The scores are the same, and so is the gradient: a
     masked entry's probability is exactly 0, so the softmax gives it exactly 0 gradient."""
     bias = torch.zeros(mask.shape, dtype=score.dtype, device=score.device)
-    wrapped = not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(mask)
-    if wrapped:  # (under vmap, e.g. TorchRL's value estimators)
+    if functorch_wrapped(mask):  # (under vmap, e.g. TorchRL's value estimators: out of place)
         bias = bias.masked_fill(mask, float("-inf"))
     else:
         bias.masked_fill_(mask, float("-inf"))
@@ -169,7 +170,7 @@ def mask_scores_(score: Tensor, mask: Tensor) -> Tensor:
         torch.compiler.is_compiling()
         or torch.compiler.is_exporting()
         or get_proxy_mode() is not None
-        or torch._C._functorch.is_functorch_wrapped_tensor(mask)
+        or functorch_wrapped(mask)
     ):  # (nor in a trace: txl.kernels.graphs' CPU stand-in for a graph; nor under vmap)
         masked = mask.reshape(-1, mask.shape[-1]).any(0)  # [K]
         lo = int(masked.to(torch.uint8).argmax()) if bool(masked.any()) else mask.shape[-1]

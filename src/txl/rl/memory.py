@@ -97,14 +97,13 @@ class AgentMemory:
             )
         self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
         self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
-        self.steps = 0
         self.weights: tuple | None = None  # (the weights' versions the cached keys and values were computed with)
 
     @staticmethod
     def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
         """Bytes one environment's acting memory takes: keys, values and layer inputs of 2 (mem_len + 1) positions,
         and a flag each."""
-        capacity = max(2 * (mem_len + 1), 16)
+        capacity = KVCache.capacity_for(mem_len)
         per_position = config.n_layer * (2 * config.n_head * config.d_head + config.d_model) * element_size + 1
         return capacity * per_position
 
@@ -121,7 +120,14 @@ class AgentMemory:
     def _record(self, inputs: list[Tensor]) -> None:
         """After a step: each layer's input at it ([N, 1, D] each) at the position the cache wrote."""
         self.hidden[:, :, self.cache.end - 1] = torch.stack(inputs)[:, :, 0]  # [L, N, D]
-        self.steps += 1
+
+    def clone(self) -> AgentMemory:
+        """An independent copy (e.g. to take a step for a bootstrap value without moving this memory on)."""
+        copy = object.__new__(AgentMemory)
+        copy.n_envs, copy.mem_len, copy.weights = self.n_envs, self.mem_len, self.weights
+        copy.cache = self.cache.take(list(range(self.n_envs)))
+        copy.hidden = self.hidden.clone()
+        return copy
 
     def state(self, dtype: torch.dtype | None = None) -> MemoryState:
         """A copy of the memory now, ``mem_len`` steps per environment (fewer steps than that: the first ones are
@@ -235,12 +241,8 @@ class MemoryTransformer(nn.Module):
         versions = tuple(p._version for p in self._watched[1])
         if memory.weights == versions:
             return
-        c = memory.cache
-        c._r_k, c._r_key, c._r_view = [None] * len(c._r_k), None, [None] * len(c._r_k)
-        if c.length:
-            for i, layer in enumerate(self.core.layers):
-                kv = layer.attn.memory_keys_values(memory.hidden[i, :, c.start : c.end])  # [2, N, H, m, Dh]
-                c.k[i, :, :, c.start : c.end], c.v[i, :, :, c.start : c.end] = kv[0], kv[1]
+        layers = self.core.layers
+        memory.cache.weights_changed(lambda i, at: layers[i].attn.memory_keys_values(memory.hidden[i, :, at]))
         memory.weights = versions
 
     def window(
@@ -261,14 +263,12 @@ class MemoryTransformer(nn.Module):
         M = state.hidden.shape[2]
         if tuple(state.invalid.shape) != (N, M):
             raise ValueError(f"window: state.invalid must be [N={N}, M={M}], got {tuple(state.invalid.shape)}")
-        blocked = self.window_mask(resets, state.invalid.to(x.device))  # [N, T, M + T]
+        episode, keys, unfilled = _episodes(resets, state.invalid.to(x.device))
+        blocked = _blocked(episode, keys, unfilled)  # [N, T, M + T]
         mems = list(state.hidden.to(x).detach().unbind(1))  # L x [N, M, D]
         out = self.core(
             inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M, output_hidden_states=every_step
         )
-        episode = resets.long().cumsum(1)  # [N, T]
-        keys = F.pad(episode, (M, 0))  # [N, M + T]: the episode of every key (0: the memory's)
-        unfilled = F.pad(state.invalid.to(x.device), (0, T), value=False)  # [N, M + T]
         if not every_step:
             invalid = (unfilled | (keys != episode[:, -1:]))[:, -M:]
             return out.last_hidden_state, MemoryState(torch.stack(out.mems, 1), invalid)
@@ -283,16 +283,25 @@ class MemoryTransformer(nn.Module):
     def window_mask(resets: Tensor, invalid: Tensor) -> Tensor:
         """[N, T, M + T] bool, True = not attended: for each query, the keys more than M steps back, the memory's
         invalid steps and every key of an earlier episode (block-diagonal in time; built without a loop)."""
-        N, T = resets.shape
-        M = invalid.shape[1]
-        episode = resets.long().cumsum(1)  # [N, T]: the episode of each step (0: the memory's)
-        keys = F.pad(episode, (M, 0))  # [N, M + T]
-        i = torch.arange(T, device=resets.device)[:, None] + M
-        j = torch.arange(M + T, device=resets.device)[None, :]
-        too_old = j < i - M  # [T, M + T]
-        other = keys[:, None, :] != episode[:, :, None]  # [N, T, M + T]
-        unfilled = F.pad(invalid, (0, T), value=False)[:, None, :]  # [N, 1, M + T]
-        return other | too_old | unfilled
+        return _blocked(*_episodes(resets, invalid))
+
+
+def _episodes(resets: Tensor, invalid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A window's episodes: of each step [N, T] (0: the memory's), of each key [N, M + T], and the keys never
+    attended for being unfilled or before an episode's start in the memory [N, M + T]."""
+    M, T = invalid.shape[1], resets.shape[1]
+    episode = resets.long().cumsum(1)  # [N, T]
+    return episode, F.pad(episode, (M, 0)), F.pad(invalid, (0, T), value=False)
+
+
+def _blocked(episode: Tensor, keys: Tensor, unfilled: Tensor) -> Tensor:
+    """[N, T, M + T], True = not attended: keys more than M steps back, unfilled, or of another episode."""
+    T, K = episode.shape[1], keys.shape[1]
+    M = K - T
+    i = torch.arange(T, device=keys.device)[:, None] + M
+    too_old = torch.arange(K, device=keys.device)[None, :] < i - M  # [T, M + T]
+    other = keys[:, None, :] != episode[:, :, None]  # [N, T, M + T]
+    return other | too_old | unfilled[:, None, :]
 
 
 @contextlib.contextmanager

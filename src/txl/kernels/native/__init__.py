@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from txl.kernels.backends import backends
+from txl.kernels.runtime import functorch_wrapped
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))  # built into one library
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
@@ -321,7 +322,7 @@ _DROPOUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def dropout_applies(x: Tensor) -> bool:
     """Whether :func:`dropout` runs for ``x``: fp32 or bf16 on the CPU, the library built, no graph being traced or
     compiled."""
-    return x.dtype in _DROPOUT_DTYPES and x.device.type == "cpu" and _ready() is not None and not _wrapped(x)
+    return x.dtype in _DROPOUT_DTYPES and x.device.type == "cpu" and _ready() is not None and not functorch_wrapped(x)
 
 
 def dropout(x: Tensor, p: float, seed: int, relu: bool = False) -> Tensor | None:
@@ -370,12 +371,7 @@ def usable(x: Tensor) -> bool:
     """Whether the kernels may run for ``x`` now: fp32 on the CPU, with storage (not a functorch wrapper: vmap, grad,
     as TorchRL's losses call modules), the library built, no autocast, no graph being traced or compiled."""
     fp32_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
-    return fp32_cpu and not torch.is_autocast_enabled("cpu") and _ready() is not None and not _wrapped(x)
-
-
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-"""Whether a tensor is a functorch wrapper (under vmap or grad): it has no storage for a kernel to read. (Asked after
-``_ready()``, which is None in a graph being compiled, where dynamo cannot trace this builtin.)"""
+    return fp32_cpu and not torch.is_autocast_enabled("cpu") and _ready() is not None and not functorch_wrapped(x)
 
 
 def attention(
@@ -511,7 +507,7 @@ def attention_backward(
 def nll_applies(x: Tensor) -> bool:
     """Whether :func:`nll` runs for the logits ``x``: fp32 on the CPU, the library built, no graph being traced or
     compiled."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and _ready() is not None and not _wrapped(x)
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _ready() is not None and not functorch_wrapped(x)
 
 
 def _rows(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
