@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve,lmeval,onnx,rl]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve,lmeval,onnx,rl,triton]'
 	touch $(STAMP)
 
 # The environment of the txl.hf suite (tests_hf): transformers 5, which cannot share one with the 4.46.3 above.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton's kernels (txl.kernels.fused_attention) run under its interpreter on the CPU in the tests: it reads this
+# when triton is imported, so it is set before anything can import it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

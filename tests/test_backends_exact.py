@@ -56,6 +56,22 @@ def skip_without_the_library(field: str) -> None:
     test would check nothing."""
     if field.startswith("native") and native.library() is None:
         pytest.skip(f"{field}: {native.status()}")
+    if field == "fused_attention":
+        pytest.importorskip("triton", reason="fused_attention: triton is not installed (extra 'triton')")
+
+
+def count_fused_calls(monkeypatch) -> list:
+    """A list that grows by one for each call of the fused Triton kernel (so that the test knows it ran)."""
+    from txl.kernels import fused_attention
+
+    calls, kernel = [], fused_attention.fused_rel_attention
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(fused_attention, "fused_rel_attention", counted)
+    return calls
 
 
 def train(model, x, y, precision: str):
@@ -91,10 +107,11 @@ def infer(model, prompt, padding, steps, stream):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("field", [f for f in FIELDS if f not in DROPOUTS])
-def test_each_backend_computes_what_the_reference_computes(field, precision):
+def test_each_backend_computes_what_the_reference_computes(field, precision, monkeypatch):
     if precision == "bf16" and not native_bf16(torch.device("cpu")):
         pytest.skip("bf16 autocast is emulated on this CPU (txl trains in fp32 there)")
     skip_without_the_library(field)
+    fused_calls = count_fused_calls(monkeypatch) if field == "fused_attention" else []
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(**CONFIG))
     x = torch.randint(0, 60, (3, 15))
@@ -110,6 +127,8 @@ def test_each_backend_computes_what_the_reference_computes(field, precision):
     (loss_off, grads_off), (logp_off, nll_off, evaluated_off, graphs_off) = results["off"]
     if field == "graph_segments":  # (the graphs' CPU stand-in ran: several offsets recorded, then replayed)
         assert graphs_on == 0 and graphs_off >= 3
+    if field == "fused_attention":  # (the kernel ran, under Triton's interpreter: training, prompt, evaluation)
+        assert len(fused_calls) >= 8, fused_calls
     tol = dict(rtol=2e-2, atol=2e-2) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
     assert loss_on == pytest.approx(loss_off, rel=tol["rtol"])
     assert grads_on.keys() == grads_off.keys() and grads_on

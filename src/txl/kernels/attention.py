@@ -1,7 +1,8 @@
-"""The attention's named operations and their backends: the whole relative attention of attn_type 0 (the native
-CPU kernel, inference and training), the attend step (one SDPA call, or the model's explicit reference) and the
-sum of the scores (half precision under autocast, or the reference's fp32). The references are the model's own code
-(``txl.model.attention``: scores() + attend()); tests/test_backends_exact.py holds every backend to them."""
+"""The attention's named operations and their backends: the whole relative attention of attn_type 0 (the fused
+Triton kernel, the native CPU kernel; inference and training), the attend step (one SDPA call, or the model's explicit
+reference) and the sum of the scores (half precision under autocast, or the reference's fp32). The references are the
+model's own code (``txl.model.attention``: scores() + attend()); tests/test_backends_exact.py holds every backend to
+them."""
 
 from __future__ import annotations
 
@@ -51,16 +52,62 @@ class _NativeRelAttention(torch.autograd.Function):
 
 def rel_attention(
     q: Tensor, u: Tensor, v: Tensor, kv: Tensor | tuple[Tensor, Tensor], positions: Callable[[int], Tensor],
-    scale: float,
-    mask: Tensor | None, grad: bool, dropatt: float,
-) -> Tensor | None:  # fmt: skip
-    """The native backend of attn_type 0's attention (``Backends.native_attention``): softmax((q + u) k + shift((q +
-    v) W_kR R)) v as one call, [B, T, H*Dh], with the (b)+(d) rows read at their shift inside the kernel; with
-    ``grad``, the autograd function above (its dropout of the probabilities, ``dropatt``, draws its seed where the
-    reference's :class:`~txl.kernels.dropout.Dropout` would, and is the same mask). ``q`` [B, T, H, Dh] raw queries
-    (the kernel forms (q + u) * scale and (q + v) * scale), ``kv`` the keys and values [B, H, K, Dh] (one [2, ...]
-    tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K]. None where it does not apply (or
-    ``Backends.native_attention`` is off): the caller runs the reference."""
+    scale: float, mask: Tensor | None, dropatt: float, reference: Callable[[], Tensor],
+) -> Tensor:  # fmt: skip
+    """attn_type 0's attention, softmax((q + u) k + shift((q + v) W_kR R)) v, [B, T, H*Dh]: the named operation. The
+    ``reference()`` is the model's (its scores() + attend()); the backends compute the same as one call, with the
+    (b)+(d) rows read at their shift inside the kernel, in this order where they apply:
+
+    * ``Backends.fused_attention`` (devices): the fused Triton kernel (:mod:`txl.kernels.fused_attention`), forward
+      and backward, any float dtype, dropatt by its own Philox stream.
+    * ``Backends.native_attention``: the native CPU kernel (fp32), inference, and training through the autograd
+      function above (its dropout of the probabilities, ``dropatt``, draws its seed where the reference's
+      :class:`~txl.kernels.dropout.Dropout` would, and is the same mask).
+
+    ``q`` [B, T, H, Dh] raw queries (the kernels form (q + u) * scale and (q + v) * scale), ``kv`` the keys and values
+    [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K]."""
+    grad = torch.is_grad_enabled()
+    out = _fused(q, u, v, kv, positions, scale, mask, grad, dropatt)
+    if out is None:
+        out = _native(q, u, v, kv, positions, scale, mask, grad, dropatt)
+    return reference() if out is None else out
+
+
+def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:  # noqa: ANN001
+    """The fused Triton kernel where ``Backends.fused_attention`` lists q's device and it applies (triton installed,
+    the operands' layout; with gradients only for keys and values of this step, not a cache's)."""
+    if q.device.type not in backends().fused_attention or (grad and not isinstance(kv, Tensor)):
+        return None
+    fused = _fused_module()
+    if fused is None:
+        return None
+    k, v_ = kv
+    r_k = positions(k.shape[2])
+    if not fused.applies(q, k, r_k, mask):
+        return None
+    dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
+    k, v_, r_k = (t if t.dtype == dt else t.to(dt) for t in (k, v_, r_k))
+    seed = dropout_seed() if dropatt else 0
+    return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
+
+
+_FUSED: list = []  # [the module, or None without triton], once imported
+
+
+def _fused_module():  # noqa: ANN202
+    """:mod:`txl.kernels.fused_attention`, imported on first use (None without triton)."""
+    if not _FUSED:
+        try:
+            from txl.kernels import fused_attention
+        except ImportError:
+            fused_attention = None
+        _FUSED.append(fused_attention)
+    return _FUSED[0]
+
+
+def _native(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:  # noqa: ANN001
+    """The native CPU kernel where ``Backends.native_attention`` is on and it applies."""
     policy = backends()
     if not (policy.native_attention and native.usable(q)) or (dropatt and not (grad and policy.native_dropout)):
         return None

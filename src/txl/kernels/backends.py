@@ -84,6 +84,13 @@ class Backends:
     ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise
     passes fused by Inductor (the shift as an index, the mask, softmax and dropout in one kernel). The same values
     up to rounding (tests/test_compiled.py); its first steps wait for the compiler (about a minute on a GPU)."""
+    fused_attention: tuple[str, ...] = ()
+    """Devices on which attn_type 0's attention is one fused Triton kernel (``txl.kernels.fused_attention``: the
+    content and position terms, the shift as an index, the mask, an online softmax, dropatt and the value sum, forward
+    and backward, no [B, H, T, K] tensor; needs ``triton``). Off by default until it is measured on a GPU
+    (benchmarks/gpu_suite.sh compares it): ``use_backends(fused_attention=("cuda",))`` turns it on. Its dropatt mask
+    is its own Philox stream (the same distribution as ``F.dropout``). Under Triton's interpreter
+    (``TRITON_INTERPRET=1``) it runs on the CPU too: that is how the tests hold it to the reference."""
     half_precision_logits: tuple[str, ...] = ("cuda",)
     """Devices on which the adaptive softmax's products run in the autocast dtype under autocast (bf16 products with
     fp32 accumulation; the log-softmax, its sum and the loss stay fp32). Elsewhere, or off: the products in fp32."""
@@ -109,8 +116,11 @@ class Backends:
         their library: ``txl.kernels.native.status``)."""
         half = precision != "fp32"
         native_cpu = device == "cpu" and self.native_kernels and not half
+        fused = " (attention: the fused Triton kernel)" if device in self.fused_attention else ""
         if device in self.compiled_layers:
-            layers = "compiled by torch.compile (Inductor: the scores' shift, mask, softmax, dropout fused)"
+            layers = f"compiled by torch.compile (Inductor: the scores' shift, mask, softmax, dropout fused){fused}"
+        elif fused:
+            layers = f"eager{fused}"
         elif native_cpu and self.native_attention:
             layers = "eager, attention by the native kernels"
         elif device in self.sdpa_training_devices and not half:

@@ -124,27 +124,31 @@ class _Attention(nn.Module):
         """
         h, q, kv = self.project(h, mem, cache, layer, self.input_positions(pos))
         dropatt = self.dropatt.p if self.training else 0.0
-        if not need_weights and head_mask is None:  # the whole attention by a fast backend where one applies
-            attn_vec = self.native_attention(q, pos, kv, mask, torch.is_grad_enabled(), dropatt)  # [B, T, H*Dh]
-            if attn_vec is not None:
-                return self.output(h, attn_vec), None
-        k, v = kv  # [B, H, K, Dh] each
-        q_w, bd = self.scores(q, pos, k.shape[2])
-        return self.attend(h, q_w, k, v, bd, mask, need_weights, head_mask)
 
-    def native_attention(
+        def reference() -> tuple[Tensor, Tensor | None]:  # the scores, then attend: [B, T, H*Dh], probabilities
+            k, v = kv  # [B, H, K, Dh] each
+            q_w, bd = self.scores(q, pos, k.shape[2])
+            return self.attend(q_w, k, v, bd, mask, need_weights, head_mask)
+
+        if need_weights or head_mask is not None:
+            attn_vec, prob = reference()
+        else:  # (the whole attention as one named operation, whose backends compute what reference() does)
+            attn_vec, prob = self.heads(q, pos, kv, mask, dropatt, lambda: reference()[0]), None
+        return self.output(h, attn_vec), prob
+
+    def heads(
         self,
         q: Tensor,
         pos: Any,
         kv: Tensor | tuple[Tensor, Tensor],
         mask: Tensor | None,
-        grad: bool = False,
-        dropatt: float = 0.0,
-    ) -> Tensor | None:
-        """The attention by a fast backend (``txl.kernels.attention``), [B, T, H*Dh]; ``kv`` as :meth:`project`
-        returns it; ``dropatt``: the dropout of the probabilities (with ``grad`` only). None: not for this variant,
-        these operands or this policy (``txl.kernels.backends``)."""
-        return None
+        dropatt: float,
+        reference: Callable[[], Tensor],
+    ) -> Tensor:
+        """The heads' values [B, T, H*Dh], when no probabilities or head mask are asked for: ``reference()`` (scores()
+        + attend()), or a variant's named operation that computes it (attn_type 0: ``txl.kernels.attention``).
+        ``kv`` as :meth:`project` returns it; ``dropatt``: the dropout of the probabilities (training)."""
+        return reference()
 
     def input_positions(self, pos: Any) -> Tensor | None:
         """Positions added to the layer input [memory; segment] ([K, D]; None: none, the relative variants)."""
@@ -157,7 +161,6 @@ class _Attention(nn.Module):
 
     def attend(
         self,
-        h: Tensor,
         q_w: Tensor,
         k: Tensor,
         v: Tensor,
@@ -166,17 +169,18 @@ class _Attention(nn.Module):
         need_weights: bool,
         head_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """softmax(q_w.k + bd) v, projected and added to the residual ``h`` [B, T, D]. ``q_w`` [B, H, T, Dh] are the
-        scaled queries of the content term, ``bd`` [B, H, T, K] the positional term in key order (None: there is
-        none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is). The reference is
-        :meth:`explicit`; ``txl.kernels.attention.attend`` runs it, or one fused call where that computes the same."""
-        B, T, _ = h.shape
+        """softmax(q_w.k + bd) v: the heads' values [B, T, H*Dh] and the probabilities [B, H, T, K] where they are
+        computed. ``q_w`` [B, H, T, Dh] are the scaled queries of the content term, ``bd`` [B, H, T, K] the positional
+        term in key order (None: there is none), ``mask`` [T, K] or [B, 1, T, K] (True = masked, None = nothing is).
+        The reference is :meth:`explicit`; ``txl.kernels.attention.attend`` runs it, or one fused call where that
+        computes the same."""
+        B, H, T, _ = q_w.shape
         probabilities = need_weights or (self.training and self.dropatt.p > 0) or head_mask is not None
         attn_vec, prob = attend(
             q_w, k, v, lambda: self.explicit(q_w, k, v, bd, mask, head_mask),
             lambda grad: self.bias(q_w, bd, mask, grad), probabilities,
         )  # fmt: skip
-        return self.output(h, attn_vec.transpose(1, 2).reshape(B, T, -1)), prob
+        return attn_vec.transpose(1, 2).reshape(B, T, -1), prob
 
     def explicit(
         self, q_w: Tensor, k: Tensor, v: Tensor, bd: Tensor | None, mask: Tensor | None, head_mask: Tensor | None = None
@@ -284,20 +288,19 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
             return torch.mm(self.r_net.weight, pos_emb.t()).view(self.n_head, self.d_head, K)
         return self.r_net(pos_emb).t().reshape(self.n_head, self.d_head, K)
 
-    def native_attention(
+    def heads(
         self,
         q: Tensor,
         pos: RelPositions,
         kv: Tensor | tuple[Tensor, Tensor],
         mask: Tensor | None,
-        grad: bool = False,
-        dropatt: float = 0.0,
-    ) -> Tensor | None:
-        # The same terms as scores() + attend() (the kernel forms (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as
-        # _terms() does, and reads the (b)+(d) rows at their shift).
-        return rel_attention(
-            q, pos.u, pos.v, kv, functools.partial(self._positions, pos), self.scale, mask, grad, dropatt
-        )
+        dropatt: float,
+        reference: Callable[[], Tensor],
+    ) -> Tensor:
+        # The same terms as scores() + attend() (the kernels form (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as
+        # _terms() does, and read the (b)+(d) rows at their shift).
+        positions = functools.partial(self._positions, pos)
+        return rel_attention(q, pos.u, pos.v, kv, positions, self.scale, mask, dropatt, reference)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape

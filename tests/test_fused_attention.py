@@ -1,0 +1,179 @@
+"""The fused Triton attention (txl.kernels.fused_attention), run on the CPU under Triton's interpreter: held to the
+attention's definition, forward and backward, on odd shapes, a memory at every fill level, padding and same_length
+masks, strided keys and values, a cache's wider W_kR R table, fp32 (1e-5), fp16 and bf16, with attention dropout
+(given the kernel's own mask); registered as a torch.library op that torch.compile, export and opcheck see. The
+model-level check (training, prompts, cached evaluation) is the backends' parametrized test
+(tests/test_backends_exact.py, field fused_attention)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused attention needs triton (extra 'triton')")
+
+from txl.kernels import fused_attention  # noqa: E402
+from txl.kernels.fused_attention import dropout_keep, fused_rel_attention  # noqa: E402
+from txl.model.positions import causal_mask  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not fused_attention.INTERPRETED, reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+def definition(q, u, v, k, vv, r, mask, scale, keep=None, p=0.0):
+    """Sec. 3.3 written out: query i (position M+i) and key j score (q_i+u).k_j + (q_i+v).W_kR R_{M+i-j}, where
+    column c of ``r`` holds distance K-1-c; masked keys -inf; softmax; dropout by ``keep``; the value sum. The products
+    in the keys' dtype (as autocast's), the softmax in fp32."""
+    B, T, H, Dh = q.shape
+    K = k.shape[2]
+    qu = ((q.float() + u) * scale).to(k.dtype).transpose(1, 2)  # [B, H, T, Dh]
+    qv = ((q.float() + v) * scale).to(k.dtype)
+    ac = (qu @ k.transpose(-1, -2)).float()  # [B, H, T, K]
+    distance = (torch.arange(T)[:, None] + (K - T)) - torch.arange(K)[None, :]  # [T, K]
+    column = (K - 1 - distance).clamp(0, r.shape[-1] - 1)  # (future keys: any column, they are masked)
+    bd = torch.einsum("bthd,hdc->bhtc", qv, r).float().gather(-1, column.expand(B, H, T, K))
+    s = (ac + bd).masked_fill(mask, float("-inf"))
+    prob = s.softmax(-1)
+    if keep is not None:
+        prob = prob * keep / (1 - p)
+    return (prob.to(vv.dtype) @ vv).transpose(1, 2).reshape(B, T, H * Dh)
+
+
+def operands(B, T, M, H, Dh, dtype, extra_columns=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    K = T + M
+    q = torch.randn(B, T, H, Dh, generator=g).to(dtype).requires_grad_()
+    u = torch.randn(H, Dh, generator=g).requires_grad_()
+    v = torch.randn(H, Dh, generator=g).requires_grad_()
+    kv = torch.randn(2, B, H, K, Dh, generator=g).to(dtype).requires_grad_()  # (k, v: strided views of one tensor)
+    r = torch.randn(H, Dh, K + extra_columns, generator=g).to(dtype)
+    if extra_columns:  # (a cache's table: zero columns after the K used)
+        r[..., K:] = 0
+    return q, u, v, kv, r.requires_grad_()
+
+
+def compare(q, u, v, kv, r, mask, tol, keep=None, p=0.0, seed=0):
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = fused_rel_attention(q, u, v, kv[0], kv[1], r, mask, scale, p, seed)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, u, v, kv, r), grad)
+    ref = definition(q, u, v, kv[0], kv[1], r, mask, scale, keep, p)
+    want = torch.autograd.grad(ref, (q, u, v, kv, r), grad)
+    torch.testing.assert_close(out, ref, **tol)
+    for name, a, b in zip(("q", "u", "v", "kv", "r"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"d{name}: {m}")
+    return out
+
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M", [0, 1, 5, 16, 23])  # the memory's fill level (0: the first segment)
+def test_fp32_forward_and_backward_at_every_fill_level(M):
+    q, u, v, kv, r = operands(2, 7, M, 3, 12, torch.float32, seed=M)  # (3 heads of 12: Dh not a power of two)
+    compare(q, u, v, kv, r, causal_mask(7, M, False, 0), FP32)
+
+
+@pytest.mark.parametrize("T,M,H,Dh", [(1, 9, 2, 16), (17, 15, 2, 8), (33, 40, 1, 32), (20, 0, 2, 64)])
+def test_fp32_odd_shapes_span_several_tiles(T, M, H, Dh):
+    q, u, v, kv, r = operands(2, T, M, H, Dh, torch.float32, seed=T)
+    compare(q, u, v, kv, r, causal_mask(T, M, True, 11), FP32)  # (same_length: a window of 11 keys)
+
+
+def test_padding_masks_per_row_and_a_caches_wider_table():
+    T, M = 9, 12
+    q, u, v, kv, r = operands(3, T, M, 2, 16, torch.float32, extra_columns=8, seed=3)
+    padded = torch.zeros(3, T + M, dtype=torch.bool)
+    padded[1, :5] = True  # (left padding of one row, as a batched prompt has)
+    padded[2, :14] = True
+    mask = (causal_mask(T, M, False, 0) | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
+    compare(q, u, v, kv, r, mask, FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_within_its_rounding(dtype):
+    q, u, v, kv, r = operands(2, 18, 9, 2, 16, dtype, seed=7)
+    out = compare(q, u, v, kv, r, causal_mask(18, 9, False, 0), dict(rtol=3e-2, atol=3e-2))
+    assert out.dtype == dtype
+
+
+def test_attention_dropout_is_the_reference_with_the_kernels_mask():
+    B, T, M, H, p = 2, 24, 16, 2, 0.25
+    q, u, v, kv, r = operands(B, T, M, H, 16, torch.float32, seed=11)
+    mask = causal_mask(T, M, False, 0)
+    keep = dropout_keep(B, H, T, T + M, p, 1234, "cpu")
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.03
+    out = compare(q, u, v, kv, r, mask, FP32, keep=keep, p=p, seed=1234)
+    scale = 1 / math.sqrt(16)
+    again = fused_rel_attention(q, u, v, kv[0], kv[1], r, mask, scale, p, 1234)
+    other = fused_rel_attention(q, u, v, kv[0], kv[1], r, mask, scale, p, 4321)
+    assert torch.equal(out, again) and not torch.allclose(out, other)
+
+
+def test_a_broken_shift_is_caught():
+    """The definition above is strict enough: the shift one column off (what a wrong Appendix-B shift gives) errs
+    by O(1)."""
+    q, u, v, kv, r = operands(2, 9, 6, 2, 16, torch.float32, seed=5)
+    mask = causal_mask(9, 6, False, 0)
+    with torch.no_grad():
+        out = fused_rel_attention(q, u, v, kv[0], kv[1], r, mask, 0.25)
+        wrong = definition(q, u, v, kv[0], kv[1], torch.roll(r, 1, -1), mask, 0.25)
+    assert (out - wrong).abs().max() > 0.1
+
+
+def test_registered_op_passes_opcheck_and_is_seen_by_compile_and_export():
+    q, u, v, kv, r = operands(1, 5, 4, 2, 16, torch.float32, seed=2)
+    mask = causal_mask(5, 4, False, 0)
+    k, vv = kv[0].detach().contiguous(), kv[1].detach().contiguous()
+    args = (q.detach(), u.detach(), v.detach(), k, vv, r.detach(), mask, 0.25, 0.0, 0)
+    torch.library.opcheck(torch.ops.txl.rel_attention.default, args)  # schema, fake tensors, autograd registration
+
+    def attention(q, u, v, k, vv, r, mask):
+        return fused_rel_attention(q, u, v, k, vv, r, mask, 0.25)
+
+    eager = attention(*args[:7])
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")(*args[:7])  # (no graph break)
+    torch.testing.assert_close(compiled, eager)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, u, v, k, vv, r, mask):
+            return attention(q, u, v, k, vv, r, mask)
+
+    exported = torch.export.export(Attention(), args[:7])
+    assert "txl.rel_attention" in str(exported.graph)
+
+
+def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
+    """The GPU's training configuration with the kernel on (layers compiled by Inductor, the attention the fused
+    op): no graph break, and the loss and every gradient of two segments with the memory equal the reference
+    path's (no dropout: the two paths' random streams differ)."""
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM, use_backends
+
+    torch.manual_seed(0)
+    cfg = debug_config(n_head=2, d_head=16, d_model=32, d_inner=48, mem_len=6, dropout=0.0, dropatt=0.0)
+    model = TransformerXLLM(cfg).train()
+    x = torch.randint(0, cfg.n_token, (2, 17))
+
+    def two_segments(**policy):
+        model.zero_grad(set_to_none=True)
+        mems, total = None, 0.0
+        with use_backends(**policy):
+            for seg in (slice(0, 8), slice(8, 16)):
+                out = model(x[:, seg], x[:, seg.start + 1 : seg.stop + 1], mems=mems)
+                out.loss.backward()
+                mems, total = out.mems, total + float(out.loss)
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = two_segments(native_kernels=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    calls, kernel = [], fused_attention.fused_rel_attention
+    monkeypatch.setattr(fused_attention, "fused_rel_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    loss, grads = two_segments(fused_attention=("cpu",), compiled_layers=("cpu",), native_kernels=False)
+    assert calls, "the fused kernel did not run"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
