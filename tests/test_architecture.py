@@ -1,5 +1,5 @@
 """The layering of docs/architecture.md is enforced: import-linter's contract (pyproject.toml) holds on the tree
-and breaks when a lower layer imports a higher one (no exception: model.generate() is set by the package); no import
+and breaks when a lower layer imports a higher one (no exception: model.generate() names its implementation); no import
 cycle; short model files; the old module paths still import."""
 
 from __future__ import annotations
@@ -79,3 +79,53 @@ def test_old_module_paths_import_the_same_modules():
     from txl.serve import ServeLimits, create_app  # noqa: F401  (txl.serve was a module)
 
     assert importlib.import_module("txl.modeling").__spec__.name == "txl.model.modeling"
+
+
+def test_the_package_face_is_lazy_and_patches_no_class():
+    """``import txl`` imports no layer and not torch; each exported name imports its module when first asked for;
+    no module sets an attribute on a class of another module (the model's generate() names its implementation:
+    txl.util.entry_points, every entry of which resolves)."""
+    import ast
+
+    code = (
+        "import sys, txl; assert 'torch' not in sys.modules, 'torch'; "
+        "assert sorted(m for m in sys.modules if m.startswith('txl')) == ['txl'], sorted(sys.modules); "
+        "assert sorted(txl.__all__) == sorted(txl.EXPORTS); "
+        "from txl import *; assert TransformerXLLM.__module__ == 'txl.model.heads'; "
+        "assert 'generate' in TransformerXLLM.__dict__; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    patched = []
+    for path in (ROOT / "src" / "txl").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        own = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id not in own:
+                    patched.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(t)}")
+    assert not patched, patched
+
+    from txl.infer.generation import generate_like_hf
+    from txl.util.entry_points import IMPLEMENTATIONS, implementation
+
+    assert implementation("TransformerXLLM.generate") is generate_like_hf
+    for name in IMPLEMENTATIONS:
+        assert callable(implementation(name)), name
+
+
+def test_generate_on_the_model_is_generation_by_the_inference_layer(monkeypatch):
+    """model.generate() passes its arguments to txl.infer.generation.generate_like_hf and returns its result."""
+    import torch
+
+    from txl import TransformerXLConfig, TransformerXLLM
+    from txl.infer import generation
+
+    seen = []
+    monkeypatch.setattr(generation, "generate_like_hf", lambda *a, **kw: seen.append((a, kw)) or "tokens")
+    model = TransformerXLLM(TransformerXLConfig(n_token=20, d_model=16, n_head=2, d_head=8, d_inner=32, n_layer=1))
+    prompt = torch.tensor([[1, 2]])
+    assert model.generate(prompt, max_new_tokens=3, do_sample=True) == "tokens"
+    assert seen[0][0][0] is model and seen[0][0][1] is prompt and seen[0][1] == {"max_new_tokens": 3, "do_sample": True}

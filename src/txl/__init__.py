@@ -12,20 +12,24 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from typing import TYPE_CHECKING, Any
 
-from txl.data import Tokenizer
-from txl.infer.generation import generate_like_hf
-from txl.kernels.backends import Backends, set_backends, use_backends
-from txl.model.modeling import (
-    TransformerXL,
-    TransformerXLConfig,
-    TransformerXLForSequenceClassification,
-    TransformerXLLM,
-    TransformerXLLMOutput,
-    TransformerXLModelOutput,
-)
-from txl.util.folders import CheckpointError
-
+# The package's face: each name imported from its module when first asked for (``import txl`` imports neither torch
+# nor a txl layer; ``txl.TransformerXLLM`` imports the model). No class is changed from here: the model's generate()
+# names its implementation itself (txl.util.entry_points).
+EXPORTS = {
+    "Backends": "txl.kernels.backends",
+    "set_backends": "txl.kernels.backends",
+    "use_backends": "txl.kernels.backends",
+    "CheckpointError": "txl.util.folders",
+    "Tokenizer": "txl.data",
+    "TransformerXL": "txl.model.modeling",
+    "TransformerXLConfig": "txl.model.modeling",
+    "TransformerXLForSequenceClassification": "txl.model.modeling",
+    "TransformerXLLM": "txl.model.modeling",
+    "TransformerXLLMOutput": "txl.model.modeling",
+    "TransformerXLModelOutput": "txl.model.modeling",
+}
 __all__ = [
     "Backends",
     "CheckpointError",
@@ -38,12 +42,34 @@ __all__ = [
     "TransformerXLModelOutput",
     "set_backends",
     "use_backends",
-]
+]  # (EXPORTS' names: tests/test_architecture.py)
 __version__ = "0.1.0"
 
-# Hugging Face's model.generate(), carried out by the inference layer: generation is built on the model, so the model
-# layer does not import it; the package puts it on the class (whatever imports any txl module runs this file first).
-TransformerXLLM.generate = generate_like_hf
+if TYPE_CHECKING:  # (what the names are, for type checkers and editors)
+    from txl.data import Tokenizer
+    from txl.kernels.backends import Backends, set_backends, use_backends
+    from txl.model.modeling import (
+        TransformerXL,
+        TransformerXLConfig,
+        TransformerXLForSequenceClassification,
+        TransformerXLLM,
+        TransformerXLLMOutput,
+        TransformerXLModelOutput,
+    )
+    from txl.util.folders import CheckpointError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'txl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(EXPORTS[name]), name)
+    globals()[name] = value  # (asked once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(EXPORTS))
+
 
 # Where each module of the flat layout lives now (old name -> new module).
 MOVED_MODULES = {

@@ -244,13 +244,22 @@ class _SegmentMemoryProjection(torch.autograd.Function):
         return None, g_x, g_w, None
 
 
-def segment_memory_projection(mem: Tensor, x: Tensor, weight: Tensor, n_q: int) -> tuple[Tensor, Tensor] | None:
-    """The fast backend of one layer's training projections (``Backends.segment_projection``): the queries of the
-    segment ``x`` [B, T, D] and the keys/values of [``mem``; ``x``] with one backward, or None where it does not
-    apply (no gradient, or a memory that carries one): the caller then projects with :func:`linear`."""
-    if backends().segment_projection and torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad:
-        return _SegmentMemoryProjection.apply(mem, x, weight, n_q)
-    return None
+def segment_memory_projection(module: nn.Module, mem: Tensor, x: Tensor, n_q: int) -> tuple[Tensor, Tensor]:
+    """One layer's projections where the keys and values cover [``mem``; ``x``] and the queries only the segment
+    ``x`` [B, T, D]: (queries [B, T, n_q], keys/values [B, M+T, out - n_q]). The reference calls ``module`` once on
+    [memory; segment] (hooks and adapters see one call) and slices. For a plain ``nn.Linear`` (:func:`plain_linear`)
+    the queries' and keys/values' columns are computed apart (:func:`project`), and in training, where the memory
+    carries no gradient (``Backends.segment_projection``), as one product with one backward that computes no input
+    gradient for the memory's rows."""
+    T = x.shape[1]
+    if not plain_linear(module):
+        qkv = module(torch.cat([mem, x], dim=1))  # [B, M+T, out]
+        return qkv[:, -T:, :n_q], qkv[..., n_q:]
+    grad = torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad
+    if backends().segment_projection and grad and module.bias is None:
+        return _SegmentMemoryProjection.apply(mem, x, module.weight, n_q)
+    q = project(module, x, out=slice(0, n_q))  # queries of the segment only, [B, T, n_q]
+    return q, project(module, torch.cat([mem, x], dim=1), out=slice(n_q, None))  # [B, M+T, out - n_q]
 
 
 def logits_linear(h: Tensor, weight: Tensor, bias: Tensor | None, autocast: torch.dtype | None = None) -> Tensor:

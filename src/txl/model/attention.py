@@ -80,16 +80,7 @@ class _Attention(nn.Module):
         else:
             mem = self.layer_norm(mem) if self.pre_lnorm else mem  # [B, M, D]
             K = mem.shape[1] + T
-            plain = plain_linear(self.qkv_net)  # (the fast paths read its weight)
-            projected = segment_memory_projection(mem, x, self.qkv_net.weight, H * Dh) if plain else None
-            if projected is not None:
-                q, kv = projected  # [B, T, HD], [B, K, 2HD]
-            elif plain:
-                q = project(self.qkv_net, x, out=slice(0, H * Dh))  # queries of the segment only, [B, T, HD]
-                kv = project(self.qkv_net, torch.cat([mem, x], dim=1), out=slice(H * Dh, None))  # [B, K, 2HD]
-            else:  # a module of its own (an adapter, hooks): called once, on [memory; segment]
-                qkv = self.qkv_net(torch.cat([mem, x], dim=1))  # [B, K, 3HD]
-                q, kv = qkv[:, K - T :, : H * Dh], qkv[..., H * Dh :]
+            q, kv = segment_memory_projection(self.qkv_net, mem, x, H * Dh)  # [B, T, HD], [B, K, 2HD]
             q = q.reshape(B, T, H, Dh)
             kv = kv.view(B, K, 2, H, Dh).permute(2, 0, 3, 1, 4)  # [2, B, H, K, Dh]
         return h, q, kv

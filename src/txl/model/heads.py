@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from txl.model.adaptive import ProjectedAdaptiveLogSoftmax
 from txl.model.config import TransformerXLConfig
 from txl.model.transformer import TransformerXL, TransformerXLPreTrainedModel
+from txl.util.entry_points import implementation
 
 # ---------------------------------------------------------------------------------------------------------
 # 9. Heads.
@@ -114,8 +115,11 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
             attentions=out.attentions,
         )
 
-    # generate() (Hugging Face's model.generate) is txl.infer.generation.generate_like_hf, set on this class by
-    # the txl package (txl/__init__.py): generation is built on the model, so the model does not import it.
+    def generate(self, input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """Hugging Face's ``model.generate`` (its arguments and defaults; greedy, sampling, beam search) on the K/V
+        cache: :func:`txl.infer.generation.generate_like_hf`, which documents the arguments. Generation is built on
+        the model, so the model layer names it (``txl.util.entry_points``) instead of importing it."""
+        return implementation("TransformerXLLM.generate")(self, input_ids, *args, **kwargs)
 
 
 @dataclass
