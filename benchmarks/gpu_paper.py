@@ -81,7 +81,7 @@ CONFIGS = {
 }  # fmt: skip
 EVAL = dict(tgt=64, mem=640, clamp_len=400, same_length=True)
 NVIDIA = {"train": 59_961, "eval": 107_082}  # A100 40GB, AMP, batch 32 (their README)
-EVAL_IMPLS = ("txl", "txl-no-graphs", "txl-eager", "hf")
+EVAL_IMPLS = ("txl", "txl-no-graphs", "txl-eager", "txl-fused", "hf")
 
 FALSE = {f.name: (() if isinstance(f.default, tuple) else False) for f in dataclasses.fields(Backends)}
 POLICIES = {
@@ -91,6 +91,12 @@ POLICIES = {
     "txl-half-logits": dataclasses.replace(Backends(), compiled_layers=()),
     "txl-no-graphs": dataclasses.replace(Backends(), graph_segments=()),
     "txl-reference": Backends(**FALSE),
+    # the fused Triton attention (txl.kernels.fused_attention; off by default until measured here): with the
+    # compiled layers (the op inside their graphs), and on the eager path
+    "txl-fused": dataclasses.replace(Backends(), fused_attention=("cuda",)),
+    "txl-fused-eager": dataclasses.replace(
+        Backends(), compiled_layers=(), half_precision_logits=(), graph_segments=(), fused_attention=("cuda",)
+    ),
 }
 
 
@@ -276,7 +282,7 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 tr = Trainer("hf" if impl == "hf" else "txl", model, stream, T, M, precision, device)
                 times = timed(tr.step, args.warmup, args.steps, device)
                 flops = count_flops(lambda tr=tr: tr.forward().backward()) if impl != "hf" else None
-                if args.profile and precision == "bf16" and impl in ("txl", "txl-eager"):
+                if args.profile and precision == "bf16" and impl in ("txl", "txl-eager", "txl-fused"):
                     profile(tr.step, device, f"{name}-{impl}", args.profile, log)
             tr.opt.zero_grad(set_to_none=True)
         except torch.OutOfMemoryError:
@@ -310,7 +316,7 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 times = timed(ev.step, args.eval_warmup, args.steps, device)
                 losses[precision, impl] = ev.losses
                 flops = count_flops(ev.step) if impl != "hf" else None
-                if args.profile and precision == "bf16" and impl in ("txl", "txl-no-graphs"):
+                if args.profile and precision == "bf16" and impl in ("txl", "txl-no-graphs", "txl-fused"):
                     profile(ev.step, device, f"{name}-eval-{impl}", args.profile, log)
         except torch.OutOfMemoryError:
             log(f"{name} eval-{precision} {impl}: out of memory")

@@ -3,11 +3,15 @@ attention's definition, forward and backward, on odd shapes, a memory at every f
 masks, strided keys and values, a cache's wider W_kR R table, fp32 (1e-5), fp16 and bf16, with attention dropout
 (given the kernel's own mask); registered as a torch.library op that torch.compile, export and opcheck see. The
 model-level check (training, prompts, cached evaluation) is the backends' parametrized test
-(tests/test_backends_exact.py, field fused_attention)."""
+(tests/test_backends_exact.py, field fused_attention).
+
+On a GPU the same tests run the compiled kernels: ``TRITON_INTERPRET=0 TXL_TEST_DEVICE=cuda pytest
+tests/test_fused_attention.py`` (benchmarks/gpu_suite.sh does)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,7 +22,10 @@ from txl.kernels import fused_attention  # noqa: E402
 from txl.kernels.fused_attention import dropout_keep, fused_rel_attention  # noqa: E402
 from txl.model.positions import causal_mask  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not fused_attention.INTERPRETED, reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
+DEVICE = os.environ.get("TXL_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not fused_attention.INTERPRETED, reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
+)
 
 
 def definition(q, u, v, k, vv, r, mask, scale, keep=None, p=0.0):
@@ -30,7 +37,7 @@ def definition(q, u, v, k, vv, r, mask, scale, keep=None, p=0.0):
     qu = ((q.float() + u) * scale).to(k.dtype).transpose(1, 2)  # [B, H, T, Dh]
     qv = ((q.float() + v) * scale).to(k.dtype)
     ac = (qu @ k.transpose(-1, -2)).float()  # [B, H, T, K]
-    distance = (torch.arange(T)[:, None] + (K - T)) - torch.arange(K)[None, :]  # [T, K]
+    distance = (torch.arange(T, device=q.device)[:, None] + (K - T)) - torch.arange(K, device=q.device)[None, :]
     column = (K - 1 - distance).clamp(0, r.shape[-1] - 1)  # (future keys: any column, they are masked)
     bd = torch.einsum("bthd,hdc->bhtc", qv, r).float().gather(-1, column.expand(B, H, T, K))
     s = (ac + bd).masked_fill(mask, float("-inf"))
@@ -43,14 +50,18 @@ def definition(q, u, v, k, vv, r, mask, scale, keep=None, p=0.0):
 def operands(B, T, M, H, Dh, dtype, extra_columns=0, seed=0):
     g = torch.Generator().manual_seed(seed)
     K = T + M
-    q = torch.randn(B, T, H, Dh, generator=g).to(dtype).requires_grad_()
-    u = torch.randn(H, Dh, generator=g).requires_grad_()
-    v = torch.randn(H, Dh, generator=g).requires_grad_()
-    kv = torch.randn(2, B, H, K, Dh, generator=g).to(dtype).requires_grad_()  # (k, v: strided views of one tensor)
+    q = torch.randn(B, T, H, Dh, generator=g).to(dtype)
+    u = torch.randn(H, Dh, generator=g)
+    v = torch.randn(H, Dh, generator=g)
+    kv = torch.randn(2, B, H, K, Dh, generator=g).to(dtype)  # (k, v: strided views of one tensor)
     r = torch.randn(H, Dh, K + extra_columns, generator=g).to(dtype)
     if extra_columns:  # (a cache's table: zero columns after the K used)
         r[..., K:] = 0
-    return q, u, v, kv, r.requires_grad_()
+    return tuple(t.detach().to(DEVICE).requires_grad_() for t in (q, u, v, kv, r))
+
+
+def causal(T, M, same_length=False, window=0):
+    return causal_mask(T, M, same_length, window, device=DEVICE)
 
 
 def compare(q, u, v, kv, r, mask, tol, keep=None, p=0.0, seed=0):
@@ -72,37 +83,37 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 @pytest.mark.parametrize("M", [0, 1, 5, 16, 23])  # the memory's fill level (0: the first segment)
 def test_fp32_forward_and_backward_at_every_fill_level(M):
     q, u, v, kv, r = operands(2, 7, M, 3, 12, torch.float32, seed=M)  # (3 heads of 12: Dh not a power of two)
-    compare(q, u, v, kv, r, causal_mask(7, M, False, 0), FP32)
+    compare(q, u, v, kv, r, causal(7, M), FP32)
 
 
 @pytest.mark.parametrize("T,M,H,Dh", [(1, 9, 2, 16), (17, 15, 2, 8), (33, 40, 1, 32), (20, 0, 2, 64)])
 def test_fp32_odd_shapes_span_several_tiles(T, M, H, Dh):
     q, u, v, kv, r = operands(2, T, M, H, Dh, torch.float32, seed=T)
-    compare(q, u, v, kv, r, causal_mask(T, M, True, 11), FP32)  # (same_length: a window of 11 keys)
+    compare(q, u, v, kv, r, causal(T, M, True, 11), FP32)  # (same_length: a window of 11 keys)
 
 
 def test_padding_masks_per_row_and_a_caches_wider_table():
     T, M = 9, 12
     q, u, v, kv, r = operands(3, T, M, 2, 16, torch.float32, extra_columns=8, seed=3)
-    padded = torch.zeros(3, T + M, dtype=torch.bool)
+    padded = torch.zeros(3, T + M, dtype=torch.bool, device=DEVICE)
     padded[1, :5] = True  # (left padding of one row, as a batched prompt has)
     padded[2, :14] = True
-    mask = (causal_mask(T, M, False, 0) | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
+    mask = (causal(T, M) | (padded[:, None, :] & ~padded[:, -T:, None]))[:, None]  # [B, 1, T, K]
     compare(q, u, v, kv, r, mask, FP32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_within_its_rounding(dtype):
     q, u, v, kv, r = operands(2, 18, 9, 2, 16, dtype, seed=7)
-    out = compare(q, u, v, kv, r, causal_mask(18, 9, False, 0), dict(rtol=3e-2, atol=3e-2))
+    out = compare(q, u, v, kv, r, causal(18, 9), dict(rtol=3e-2, atol=3e-2))
     assert out.dtype == dtype
 
 
 def test_attention_dropout_is_the_reference_with_the_kernels_mask():
     B, T, M, H, p = 2, 24, 16, 2, 0.25
     q, u, v, kv, r = operands(B, T, M, H, 16, torch.float32, seed=11)
-    mask = causal_mask(T, M, False, 0)
-    keep = dropout_keep(B, H, T, T + M, p, 1234, "cpu")
+    mask = causal(T, M)
+    keep = dropout_keep(B, H, T, T + M, p, 1234, DEVICE)
     assert abs(keep.float().mean().item() - (1 - p)) < 0.03
     out = compare(q, u, v, kv, r, mask, FP32, keep=keep, p=p, seed=1234)
     scale = 1 / math.sqrt(16)
@@ -115,7 +126,7 @@ def test_a_broken_shift_is_caught():
     """The definition above is strict enough: the shift one column off (what a wrong Appendix-B shift gives) errs
     by O(1)."""
     q, u, v, kv, r = operands(2, 9, 6, 2, 16, torch.float32, seed=5)
-    mask = causal_mask(9, 6, False, 0)
+    mask = causal(9, 6)
     with torch.no_grad():
         out = fused_rel_attention(q, u, v, kv[0], kv[1], r, mask, 0.25)
         wrong = definition(q, u, v, kv[0], kv[1], torch.roll(r, 1, -1), mask, 0.25)
@@ -124,7 +135,7 @@ def test_a_broken_shift_is_caught():
 
 def test_registered_op_passes_opcheck_and_is_seen_by_compile_and_export():
     q, u, v, kv, r = operands(1, 5, 4, 2, 16, torch.float32, seed=2)
-    mask = causal_mask(5, 4, False, 0)
+    mask = causal(5, 4)
     k, vv = kv[0].detach().contiguous(), kv[1].detach().contiguous()
     args = (q.detach(), u.detach(), v.detach(), k, vv, r.detach(), mask, 0.25, 0.0, 0)
     torch.library.opcheck(torch.ops.txl.rel_attention.default, args)  # schema, fake tensors, autograd registration
@@ -153,8 +164,8 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
 
     torch.manual_seed(0)
     cfg = debug_config(n_head=2, d_head=16, d_model=32, d_inner=48, mem_len=6, dropout=0.0, dropatt=0.0)
-    model = TransformerXLLM(cfg).train()
-    x = torch.randint(0, cfg.n_token, (2, 17))
+    model = TransformerXLLM(cfg).to(DEVICE).train()
+    x = torch.randint(0, cfg.n_token, (2, 17), device=DEVICE)
 
     def two_segments(**policy):
         model.zero_grad(set_to_none=True)
@@ -166,12 +177,12 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
                 mems, total = out.mems, total + float(out.loss)
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    ref_loss, ref_grads = two_segments(native_kernels=False)
+    ref_loss, ref_grads = two_segments(native_kernels=False, compiled_layers=(), sdpa_training_devices=())
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     calls, kernel = [], fused_attention.fused_rel_attention
     monkeypatch.setattr(fused_attention, "fused_rel_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    loss, grads = two_segments(fused_attention=("cpu",), compiled_layers=("cpu",), native_kernels=False)
+    loss, grads = two_segments(fused_attention=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
     assert calls, "the fused kernel did not run"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert loss == pytest.approx(ref_loss, rel=1e-5)
