@@ -137,8 +137,10 @@ def test_registered_op_passes_opcheck_and_is_seen_by_compile_and_export():
     q, u, v, kv, r = operands(1, 5, 4, 2, 16, torch.float32, seed=2)
     mask = causal(5, 4)
     k, vv = kv[0].detach().contiguous(), kv[1].detach().contiguous()
-    args = (q.detach(), u.detach(), v.detach(), k, vv, r.detach(), mask, 0.25, 0.0, 0)
+    args = (q.detach(), u.detach(), v.detach(), k, vv, r.detach(), mask, 0.25, 0.0, None)
     torch.library.opcheck(torch.ops.txl.rel_attention.default, args)  # schema, fake tensors, autograd registration
+    seed = torch.tensor([99], device=DEVICE)
+    torch.library.opcheck(torch.ops.txl.rel_attention.default, (*args[:8], 0.2, seed))  # (with dropout)
 
     def attention(q, u, v, k, vv, r, mask):
         return fused_rel_attention(q, u, v, k, vv, r, mask, 0.25)
@@ -188,3 +190,11 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    # With dropatt the key of the kernel's mask is drawn on the device inside the graph: still no graph break.
+    for layer in model.transformer.layers:
+        layer.attn.dropatt.p = 0.3
+    torch._dynamo.utils.counters.clear()
+    calls.clear()
+    dropped, _ = two_segments(fused_attention=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
+    assert calls and math.isfinite(dropped) and dropped != loss
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])

@@ -15,39 +15,7 @@ from torch import Tensor
 from txl.kernels import native
 from txl.kernels.backends import backends
 from txl.kernels.dropout import dropout_seed
-
-
-class _NativeRelAttention(torch.autograd.Function):
-    """attn_type 0's attention with gradients, natively (fp32 on the CPU): the forward is the inference kernel that
-    also keeps the probabilities [B, H, T, K], the backward (:func:`txl.kernels.native.attention_backward`) the
-    softmax's and
-    the five products' gradients with the shift undone in place, computing only the keys each block of queries sees
-    (no [B, H, T, K] scores, shifted copies or zero-filled buffers). ``drop`` (p, seed): dropatt, the mask that
-    :class:`Dropout` draws for that seed (regenerated in the backward). The same values as scores() + attend() up to
-    fp32 rounding; ``use_backends(native_attention=False)`` gives the PyTorch kernels."""
-
-    @staticmethod
-    def forward(
-        ctx, q: Tensor, u: Tensor, v: Tensor, kv: Tensor, r_k: Tensor, mask: Tensor | None, drop: tuple | None, scale
-    ):
-        qt = q.transpose(1, 2)  # [B, H, T, Dh], raw: the kernel forms (q + u) * scale and (q + v) * scale
-        out, prob = native.attention_train(qt, kv[0], kv[1], qt, r_k, mask, drop, (u, v, scale))  # [B, T, H*Dh]
-        ctx.save_for_backward(q, u, v, kv, r_k, prob)  # (prob [B, H, T, K])
-        ctx.drop, ctx.scale = drop, scale
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple:
-        q, u, v, kv, r_k, prob = ctx.saved_tensors
-        qt = q.transpose(1, 2)
-        g_u, g_v, dkv, dr = native.attention_backward(
-            qt, kv[0], kv[1], qt, r_k, prob, grad, ctx.drop, (u, v, ctx.scale)
-        )
-        # g_u, g_v [B, T, H, Dh]: the gradients of q + u and q + v, as autograd's of the two sums
-        du = g_u.sum((0, 1)) if ctx.needs_input_grad[1] else None  # [H, Dh]
-        dv = g_v.sum((0, 1)) if ctx.needs_input_grad[2] else None
-        return g_u + g_v, du, dv, dkv, dr, None, None, None
+from txl.kernels.native import ops
 
 
 def rel_attention(
@@ -60,9 +28,10 @@ def rel_attention(
 
     * ``Backends.fused_attention`` (devices): the fused Triton kernel (:mod:`txl.kernels.fused_attention`), forward
       and backward, any float dtype, dropatt by its own Philox stream.
-    * ``Backends.native_attention``: the native CPU kernel (fp32), inference, and training through the autograd
-      function above (its dropout of the probabilities, ``dropatt``, draws its seed where the reference's
-      :class:`~txl.kernels.dropout.Dropout` would, and is the same mask).
+    * ``Backends.native_attention``: the native CPU kernel (fp32; ``torch.ops.txl.native_rel_attention``, and in
+      training ``native_rel_attention_train`` with its backward: :mod:`txl.kernels.native.ops`); its dropout of the
+      probabilities, ``dropatt``, draws its seed where the reference's :class:`~txl.kernels.dropout.Dropout` would,
+      and is the same mask.
 
     ``q`` [B, T, H, Dh] raw queries (the kernels form (q + u) * scale and (q + v) * scale), ``kv`` the keys and values
     [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K]."""
@@ -88,7 +57,7 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
     k, v_, r_k = (t if t.dtype == dt else t.to(dt) for t in (k, v_, r_k))
-    seed = dropout_seed() if dropatt else 0
+    seed = torch.randint(0, 2**62, (1,), device=q.device) if dropatt else None  # (on the device: no host read)
     return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
 
 
@@ -117,11 +86,10 @@ def _native(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None
     if not native.attention_applies(qt, k, v_, qt, r_k, query_bias=biases):
         return None
     if not grad:
-        return native.attention(qt, k, v_, qv=qt, r=r_k, mask=mask, query_bias=biases)
+        return ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)
     if not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
         return None
-    drop = (dropatt, dropout_seed()) if dropatt else None
-    return _NativeRelAttention.apply(q, u, v, kv, r_k, mask, drop, scale)
+    return ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, dropout_seed() if dropatt else 0)[0]
 
 
 def score_sum(ac: Tensor, bd: Tensor | None) -> Tensor:

@@ -11,21 +11,7 @@ from torch import Tensor, nn
 
 from txl.kernels import native
 from txl.kernels.backends import backends
-
-
-class _NativeDropout(torch.autograd.Function):
-    """Dropout by :func:`txl.kernels.native.dropout`: the mask is regenerated from its seed in the backward, not
-    stored."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float, seed: int) -> Tensor:
-        ctx.p, ctx.seed = p, seed
-        return native.dropout(x, p, seed)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return native.dropout(grad, ctx.p, ctx.seed), None, None
+from txl.kernels.native import ops
 
 
 def _relu_dropout_fused() -> bool:
@@ -36,25 +22,6 @@ def _relu_dropout_fused() -> bool:
 def dropout_seed() -> int:
     """The key of one native dropout mask: 63 random bits of torch's generator."""
     return int(torch.empty((), dtype=torch.int64).random_())
-
-
-class _NativeReluDropout(torch.autograd.Function):
-    """dropout(relu(x)) by one :func:`txl.kernels.native.dropout` pass (relu=True), and one backward pass from its
-    output
-    (which the next layer keeps anyway): the same values and gradient as relu then :class:`Dropout`, one pass less
-    each way and one [.., d_inner] tensor less kept for the backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float, seed: int) -> Tensor:
-        y = native.dropout(x, p, seed, relu=True)
-        ctx.save_for_backward(y)
-        ctx.p = p
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return native.relu_dropout_backward(grad, ctx.saved_tensors[0], ctx.p), None, None
 
 
 class Dropout(nn.Module):
@@ -75,7 +42,7 @@ class Dropout(nn.Module):
         if x.device.type != "cpu":
             return F.dropout(x, self.p, True)
         if backends().native_dropout and native.dropout_applies(x):
-            return _NativeDropout.apply(x, self.p, dropout_seed())
+            return ops.dropout(x, self.p, dropout_seed(), False)
         n = x.numel()
         words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
         uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
@@ -85,7 +52,7 @@ class Dropout(nn.Module):
     def relu(self, x: Tensor) -> Tensor:
         """``self(F.relu(x))``: in one native pass where the native dropout runs (the same mask)."""
         if self.training and self.p > 0 and _relu_dropout_fused() and native.dropout_applies(x):
-            return _NativeReluDropout.apply(x, self.p, dropout_seed())
+            return ops.dropout(x, self.p, dropout_seed(), True)
         return self(F.relu(x))
 
     def extra_repr(self) -> str:

@@ -10,8 +10,9 @@ index); the backward scatters the scores' gradient back into that band the same 
 (atomic adds: many programs share columns) and the queries'.
 
 * Masks: a boolean [T, K] or [B, 1, T, K] tensor (True = masked), read per tile; a tile with no visible key is
-  skipped. Attention dropout: each kept probability is scaled by 1/(1-p); the mask is Philox keyed by a 63-bit seed
-  from torch's generator and counted by (b, h, i, j), regenerated in the backward (the same distribution as
+  skipped. Attention dropout: each kept probability is scaled by 1/(1-p); the mask is Philox keyed by a seed drawn
+  by torch's generator into a device tensor (so a compiled step or a CUDA graph draws a new one each time) and
+  counted by (b, h, i, j), regenerated in the backward (the same distribution as
   ``F.dropout``, another random stream: :func:`dropout_keep` gives the mask, so that tests compare with it).
 * Precision: the products in the operands' dtype with fp32 accumulation (fp32 operands in IEEE fp32 unless
   ``torch.backends.cuda.matmul.allow_tf32``), the softmax in fp32, the probabilities rounded to the values' dtype
@@ -95,12 +96,16 @@ def _load_queries(Q_ptr, U_ptr, V_ptr, b, h, i, T, sq_b, sq_t, sq_h, su_h, Dh, s
 @triton.jit
 def _forward(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Out_ptr, Lse_ptr,
              sq_b, sq_t, sq_h, su_h, sk_b, sk_h, sk_k, sv_b, sv_h, sv_k, sr_h, sr_d, sr_c, sm_b, sm_t, sm_k,
-             so_b, so_t, so_h, H, T, Kn, W, Dh, scale, p, seed,
+             so_b, so_t, so_h, H, T, Kn, W, Dh, scale, p, Seed_ptr,
              HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr, DHP: tl.constexpr,
              PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
     i0 = tl.program_id(0) * BLOCK
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
+    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
+        seed = tl.load(Seed_ptr)
+    else:
+        seed = 0
     dt = Vv_ptr.dtype.element_ty
     i = i0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
@@ -158,13 +163,17 @@ def _probabilities(s, ok, lse, Do, vt, Di, seed, b, h, H, i, j, T, Kn, p, dt,
 @triton.jit
 def _backward_keys(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_ptr, Lse_ptr, Di_ptr, Dk_ptr, Dv_ptr,
                    sq_b, sq_t, sq_h, su_h, sk_b, sk_h, sk_k, sv_b, sv_h, sv_k, sr_h, sr_d, sr_c, sm_b, sm_t, sm_k,
-                   sg_b, sg_t, sg_h, H, T, Kn, W, Dh, scale, p, seed,
+                   sg_b, sg_t, sg_h, H, T, Kn, W, Dh, scale, p, Seed_ptr,
                    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr, DHP: tl.constexpr,
                    PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
     """dK and dV of one block of keys, over every block of queries."""
     j0 = tl.program_id(0) * BLOCK
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
+    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
+        seed = tl.load(Seed_ptr)
+    else:
+        seed = 0
     dt = Vv_ptr.dtype.element_ty
     j = j0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
@@ -198,7 +207,7 @@ def _backward_keys(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_ptr, 
 def _backward_queries(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_ptr, Lse_ptr, Di_ptr, Gu_ptr, Gv_ptr,
                       Dr_ptr,
                       sq_b, sq_t, sq_h, su_h, sk_b, sk_h, sk_k, sv_b, sv_h, sv_k, sr_h, sr_d, sr_c, sm_b, sm_t, sm_k,
-                      sg_b, sg_t, sg_h, H, T, Kn, W, Dh, scale, p, seed,
+                      sg_b, sg_t, sg_h, H, T, Kn, W, Dh, scale, p, Seed_ptr,
                       HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr, DHP: tl.constexpr,
                       PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
     """The gradients of (q+u)/sqrt(Dh) and (q+v)/sqrt(Dh) of one block of queries, over every block of keys, and
@@ -206,6 +215,10 @@ def _backward_queries(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_pt
     i0 = tl.program_id(0) * BLOCK
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
+    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
+        seed = tl.load(Seed_ptr)
+    else:
+        seed = 0
     dt = Vv_ptr.dtype.element_ty
     i = i0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
@@ -284,12 +297,12 @@ def _common(q, u, v, k, vv, r, mask) -> tuple:
 @torch.library.custom_op("txl::rel_attention", mutates_args=())
 def rel_attention_op(
     q: Tensor, u: Tensor, v: Tensor, k: Tensor, vv: Tensor, r: Tensor, mask: Tensor | None, scale: float, p: float,
-    seed: int,
+    seed: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """softmax((q+u)k/sqrt(Dh) + shift((q+v)W_kR R)/sqrt(Dh), masked) v: [B, T, H*Dh] in the values' dtype, and each
     row's log-sum-exp [B, H, T] (fp32) for the backward. ``q`` [B, T, H, Dh], ``u``/``v`` [H, Dh], ``k``/``vv`` [B,
     H, K, Dh], ``r`` [H, Dh, W >= K] (column c: distance K-1-c), ``mask`` [T, K] / [B, 1, T, K] (True = masked),
-    ``scale`` 1/sqrt(Dh); ``p`` > 0: attention dropout with ``seed``."""
+    ``scale`` 1/sqrt(Dh); ``p`` > 0: attention dropout keyed by ``seed`` (int64 [1] on q's device; None without)."""
     B, T, H, Dh, m, strides = _common(q, u, v, k, vv, r, mask)
     Kn, W = k.shape[2], r.shape[2]
     out = torch.empty(B, T, H, Dh, dtype=vv.dtype, device=q.device)
@@ -297,7 +310,8 @@ def rel_attention_op(
     cfg = _settings(q, vv)
     grid = (triton.cdiv(T, cfg["BLOCK"]), B * H)
     _forward[grid](q, u, v, k, vv, r, m, out, lse, *strides, out.stride(0), out.stride(1), out.stride(2),
-                   H, T, Kn, W, Dh, scale, p, seed, HAS_MASK=mask is not None, DROPOUT=p > 0, **cfg)  # fmt: skip
+                   H, T, Kn, W, Dh, scale, p, lse if seed is None else seed, HAS_MASK=mask is not None,
+                   DROPOUT=p > 0, **cfg)  # fmt: skip
     return out.view(B, T, H * Dh), lse
 
 
@@ -310,7 +324,7 @@ def _(q, u, v, k, vv, r, mask, scale, p, seed):  # noqa: ANN001, ANN202 (torch.l
 @torch.library.custom_op("txl::rel_attention_backward", mutates_args=())
 def rel_attention_backward_op(
     grad: Tensor, out: Tensor, lse: Tensor, q: Tensor, u: Tensor, v: Tensor, k: Tensor, vv: Tensor, r: Tensor,
-    mask: Tensor | None, scale: float, p: float, seed: int,
+    mask: Tensor | None, scale: float, p: float, seed: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of :func:`rel_attention_op`'s output ``out`` [B, T, H*Dh] given ``grad`` (its gradient):
     (dq, du, dv, dk, dvv, dr), each in its input's dtype and shape."""
@@ -327,7 +341,7 @@ def rel_attention_backward_op(
     dr = torch.zeros(H, Dh, W, dtype=torch.float32, device=q.device)
     cfg = _settings(q, vv)
     flags = dict(HAS_MASK=mask is not None, DROPOUT=p > 0, **cfg)
-    tail = (g.stride(0), g.stride(1), g.stride(2), H, T, Kn, W, Dh, scale, p, seed)
+    tail = (g.stride(0), g.stride(1), g.stride(2), H, T, Kn, W, Dh, scale, p, lse if seed is None else seed)
     _backward_keys[(triton.cdiv(Kn, cfg["BLOCK"]), B * H)](
         q, u, v, k, vv, r, m, g, lse, Di, dk, dvv, *strides, *tail, **flags
     )
@@ -346,14 +360,16 @@ def _(grad, out, lse, q, u, v, k, vv, r, mask, scale, p, seed):  # noqa: ANN001,
 def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
     q, u, v, k, vv, r, mask, scale, p, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, u, v, k, vv, r, mask, out, lse)
-    ctx.scale, ctx.p, ctx.seed = scale, p, seed
+    ctx.save_for_backward(q, u, v, k, vv, r, mask, out, lse, seed)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.scale, ctx.p = scale, p
 
 
 def _backward(ctx, grad: Tensor, _grad_lse: Tensor | None) -> tuple:  # noqa: ANN001
-    q, u, v, k, vv, r, mask, out, lse = ctx.saved_tensors
+    q, u, v, k, vv, r, mask, out, lse, seed = ctx.saved_tensors
     dq, du, dv, dk, dvv, dr = torch.ops.txl.rel_attention_backward(
-        grad, out, lse, q, u, v, k, vv, r, mask, ctx.scale, ctx.p, ctx.seed
+        grad, out, lse, q, u, v, k, vv, r, mask, ctx.scale, ctx.p, seed
     )
     return dq, du, dv, dk, dvv, dr, None, None, None, None
 
@@ -363,9 +379,12 @@ rel_attention_op.register_autograd(_backward, setup_context=_setup)
 
 def fused_rel_attention(
     q: Tensor, u: Tensor, v: Tensor, k: Tensor, vv: Tensor, r: Tensor, mask: Tensor | None, scale: float,
-    p: float = 0.0, seed: int = 0,
+    p: float = 0.0, seed: Tensor | int | None = None,
 ) -> Tensor:  # fmt: skip
-    """The fused attention's output [B, T, H*Dh] (see :func:`rel_attention_op`; differentiable)."""
+    """The fused attention's output [B, T, H*Dh] (see :func:`rel_attention_op`; differentiable). ``seed``: an int64
+    tensor [1] on q's device (e.g. drawn by ``torch.randint`` inside a compiled step), or an int."""
+    if not isinstance(seed, Tensor):
+        seed = torch.tensor([seed or 0], dtype=torch.int64, device=q.device) if p > 0 else None
     return torch.ops.txl.rel_attention(q, u, v, k, vv, r, mask, scale, p, seed)[0]
 
 
@@ -387,10 +406,11 @@ def applies(q: Tensor, k: Tensor, r: Tensor, mask: Tensor | None) -> bool:
 
 
 @triton.jit
-def _keep_mask(Out_ptr, H, T, Kn, p, seed, BLOCK: tl.constexpr):
+def _keep_mask(Out_ptr, H, T, Kn, p, Seed_ptr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
+    seed = tl.load(Seed_ptr)
     for j0 in range(0, Kn, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         keep = _keep(seed, b, h, H, i, j, T, Kn, p)
@@ -398,10 +418,12 @@ def _keep_mask(Out_ptr, H, T, Kn, p, seed, BLOCK: tl.constexpr):
                  mask=(i[:, None] < T) & (j[None, :] < Kn))  # fmt: skip
 
 
-def dropout_keep(B: int, H: int, T: int, K: int, p: float, seed: int, device: torch.device | str) -> Tensor:
+def dropout_keep(B: int, H: int, T: int, K: int, p: float, seed: int | Tensor, device: torch.device | str) -> Tensor:
     """The fused kernel's attention dropout mask [B, H, T, K] (True = kept) for ``seed``: the reference with this
     mask computes what the kernel computes."""
     out = torch.empty(B, H, T, K, dtype=torch.int8, device=device)
+    if not isinstance(seed, Tensor):
+        seed = torch.tensor([seed], dtype=torch.int64, device=device)
     block = 16
     _keep_mask[(triton.cdiv(T, block), B * H)](out, H, T, K, p, seed, BLOCK=block)
     return out.bool()

@@ -14,30 +14,14 @@ from torch import Tensor
 from txl.kernels import native
 from txl.kernels.backends import backends
 from txl.kernels.linear import stamp, weight_copies
-
-
-class _SoftmaxNLL(torch.autograd.Function):
-    """-log_softmax(x)[i, t_i] per row by :func:`txl.kernels.native.nll` (0 where t_i < 0); the backward is
-    g_i (softmax(x_i) - onehot(t_i)), from the logits and each row's log-sum-exp."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, target: Tensor) -> Tensor:  # [N, V], [N] -> [N]
-        nll, lse = native.nll(x, target)
-        ctx.save_for_backward(x, target, lse)
-        return nll
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        x, target, lse = ctx.saved_tensors
-        return native.nll_backward(x, target, lse, grad), None
+from txl.kernels.native import ops
 
 
 def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
     """-log_softmax(x)[i, t_i] per row of ``x`` [N, V] (0 where t_i < 0), with its gradient: by the native kernel
     where it runs for ``x`` (fp32 on the CPU), else by log_softmax and gather (the reference)."""
     if native.nll_applies(x):
-        return _SoftmaxNLL.apply(x, target)
+        return ops.nll(x, target)[0]
     valid = target >= 0
     return -x.log_softmax(-1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
 
