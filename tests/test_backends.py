@@ -128,3 +128,8 @@ def test_the_training_log_names_the_path_of_each_device():
     assert "eager" in cpu and "fp32" in cpu.split("adaptive softmax")[1]
     off = dataclasses.replace(policy, compiled_layers=(), half_precision_logits=())
     assert "scaled_dot_product_attention" in off.training_paths("cuda", "fp32")
+    assert "fused Triton" not in cuda  # (off by default until measured on a GPU)
+    fused = dataclasses.replace(policy, fused_attention=("cuda",))
+    assert "fused Triton kernel" in fused.training_paths("cuda", "bf16")
+    assert "fused Triton kernel" in dataclasses.replace(fused, compiled_layers=()).training_paths("cuda", "fp32")
+    assert "fused Triton" not in fused.training_paths("cpu", "fp32")

@@ -89,3 +89,19 @@ def test_half_precision_logits_keep_an_fp32_loss_and_apply_only_where_asked():
     assert half.dtype == torch.float32 and not half.equal(ref)
     torch.testing.assert_close(half, ref, rtol=2e-2, atol=5e-2)  # (bf16 operands)
     assert logits_linear(h, w, b, torch.bfloat16).equal(ref)  # (the default: CUDA only)
+
+
+def test_the_policy_fixed_for_a_compiled_call_is_put_back_after_it():
+    """Code compiled or exported later, elsewhere (torch.export, the ONNX exporter), reads the policy that was in
+    force before a compiled layer call, not the one fixed for that call (it once made an ONNX export trace the fused
+    attention that a previous test had turned on)."""
+    from txl.kernels.backends import Backends, traced_policy
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(**CONFIG)).train()
+    x = torch.randint(0, 50, (2, 11))
+    before = Backends()
+    traced_policy(before)
+    with use_backends(compiled_layers=("cpu",), half_precision_scores=False):
+        two_segments(model, x)
+    assert traced_policy(before) is before

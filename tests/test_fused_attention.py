@@ -198,3 +198,17 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
     dropped, _ = two_segments(fused_attention=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
     assert calls and math.isfinite(dropped) and dropped != loss
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_operands_it_does_not_take_are_refused_with_a_clear_error():
+    """The model's backend asks applies() first (and runs the reference otherwise); a direct call with operands the
+    kernels do not take gets one ValueError naming them, not a wrong result."""
+    q, u, v, kv, r = operands(1, 6, 3, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="not the kernel's"):  # (T > 1 without a mask: the future keys are visible)
+        fused_rel_attention(q, u, v, kv[0], kv[1], r, None, 0.25)
+    with pytest.raises(ValueError, match="not the kernel's"):  # (R narrower than the keys)
+        fused_rel_attention(q, u, v, kv[0], kv[1], r[..., :5], causal(6, 3), 0.25)
+    strided = torch.randn(1, 6, 2, 32, device=DEVICE)[..., ::2]  # (the head dimension not contiguous)
+    assert fused_attention.applies(q, u, v, kv[0], kv[1], r, causal(6, 3))
+    assert not fused_attention.applies(strided, u, v, kv[0], kv[1], r, causal(6, 3))
+    assert not fused_attention.applies(q, u, v, kv[0], kv[1], r, causal(6, 3).float())  # (a float mask)

@@ -52,11 +52,11 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
         return None
     k, v_ = kv
     r_k = positions(k.shape[2])
-    if not fused.applies(q, k, r_k, mask):
-        return None
     dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
     k, v_, r_k = (t if t.dtype == dt else t.to(dt) for t in (k, v_, r_k))
+    if not fused.applies(q, u, v, k, v_, r_k, mask):
+        return None
     seed = torch.randint(0, 2**62, (1,), device=q.device) if dropatt else None  # (on the device: no host read)
     return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
 

@@ -155,9 +155,12 @@ def backends() -> Backends:
     return _block.get() or _process[0]
 
 
-def traced_policy(policy: Backends) -> None:
-    """Fix the policy that compiled code reads (its graphs are guarded on it: a change recompiles)."""
-    _traced[0] = policy
+def traced_policy(policy: Backends) -> Backends:
+    """Fix the policy that compiled code reads (its graphs are guarded on it: a change recompiles); returns the one
+    it replaces, for the caller to put back after its call (so that code compiled or exported later, elsewhere, does
+    not read a policy fixed for another call)."""
+    previous, _traced[0] = _traced[0], policy
+    return previous
 
 
 def set_backends(policy: Backends | None = None, **changes) -> Backends:

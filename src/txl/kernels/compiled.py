@@ -69,5 +69,8 @@ def layer_call(module: nn.Module, h: Tensor, *args: Any, **kwargs: Any) -> Any:
     else the module's own call."""
     if not compiled_applies(h, module, kwargs.get("need_weights", False), kwargs.get("cache")):
         return module(h, *args, **kwargs)
-    traced_policy(_traced(backends()))
-    return _compiled()(module, h, *args, **kwargs)
+    previous = traced_policy(_traced(backends()))
+    try:
+        return _compiled()(module, h, *args, **kwargs)
+    finally:
+        traced_policy(previous)

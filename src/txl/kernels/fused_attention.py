@@ -284,7 +284,12 @@ def _mask_strides(mask: Tensor | None, q: Tensor) -> tuple[Tensor, tuple[int, in
 
 def _common(q, u, v, k, vv, r, mask) -> tuple:
     B, T, H, Dh = q.shape
-    assert q.stride(-1) == k.stride(-1) == vv.stride(-1) == 1 and u.is_contiguous() and v.is_contiguous()
+    if not applies(q, u, v, k, vv, r, mask):
+        raise ValueError(
+            "txl::rel_attention: these operands are not the kernel's (see txl.kernels.fused_attention.applies): "
+            f"q {tuple(q.shape)} {q.dtype} on {q.device}, k {tuple(k.shape)}, r {tuple(r.shape)}, mask "
+            f"{None if mask is None else (tuple(mask.shape), mask.dtype)}"
+        )
     m, (sm_b, sm_t, sm_k) = _mask_strides(mask, q)
     strides = (
         q.stride(0), q.stride(1), q.stride(2), u.stride(0),
@@ -388,16 +393,24 @@ def fused_rel_attention(
     return torch.ops.txl.rel_attention(q, u, v, k, vv, r, mask, scale, p, seed)[0]
 
 
-def applies(q: Tensor, k: Tensor, r: Tensor, mask: Tensor | None) -> bool:
-    """Whether the kernel computes this call: float operands on one device (CUDA, or any under the interpreter),
-    contiguous head dimensions, K >= T with R covering every visible distance, a mask wherever T > 1 (the
-    unmasked future keys read columns the reference's shift fills from the next row)."""
+MAX_HEAD_DIM = 128
+"""The largest d_head the kernels take (their tiles hold BLOCK x d_head operands in shared memory)."""
+
+
+def applies(q: Tensor, u: Tensor, v: Tensor, k: Tensor, vv: Tensor, r: Tensor, mask: Tensor | None) -> bool:
+    """Whether the kernels compute this call: float operands on one device (CUDA, or any under the interpreter),
+    the head dimension contiguous in q, k, vv (and u, v contiguous), d_head <= :data:`MAX_HEAD_DIM`, K >= T with R
+    covering every visible distance, a boolean mask wherever T > 1 (the unmasked future keys would read columns
+    the reference's shift fills from the next row)."""
     T, Kn = q.shape[1], k.shape[2]
     return (
         (q.is_cuda or INTERPRETED)
+        and len({t.device for t in (q, u, v, k, vv, r)}) == 1
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and q.stride(-1) == 1
-        and k.stride(-1) == 1
+        and all(t.stride(-1) == 1 for t in (q, k, vv))
+        and u.is_contiguous()
+        and v.is_contiguous()
+        and q.shape[-1] <= MAX_HEAD_DIM
         and Kn >= T
         and r.shape[-1] >= Kn
         and (mask is not None or T == 1)
