@@ -94,18 +94,23 @@ def _load_queries(Q_ptr, U_ptr, V_ptr, b, h, i, T, sq_b, sq_t, sq_h, su_h, Dh, s
 
 
 @triton.jit
+def _program(H, Seed_ptr, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
+    """This program's first row (of queries or keys), batch row and head, and dropatt's key (a device tensor: drawn
+    inside a graph or a compiled step, never read by the host)."""
+    if DROPOUT:
+        seed = tl.load(Seed_ptr)
+    else:
+        seed = 0
+    return tl.program_id(0) * BLOCK, tl.program_id(1) // H, tl.program_id(1) % H, seed
+
+
+@triton.jit
 def _forward(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Out_ptr, Lse_ptr,
              sq_b, sq_t, sq_h, su_h, sk_b, sk_h, sk_k, sv_b, sv_h, sv_k, sr_h, sr_d, sr_c, sm_b, sm_t, sm_k,
              so_b, so_t, so_h, H, T, Kn, W, Dh, scale, p, Seed_ptr,
              HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr, DHP: tl.constexpr,
              PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
-    i0 = tl.program_id(0) * BLOCK
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
-        seed = tl.load(Seed_ptr)
-    else:
-        seed = 0
+    i0, b, h, seed = _program(H, Seed_ptr, BLOCK, DROPOUT)
     dt = Vv_ptr.dtype.element_ty
     i = i0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
@@ -167,13 +172,7 @@ def _backward_keys(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_ptr, 
                    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr, DHP: tl.constexpr,
                    PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
     """dK and dV of one block of keys, over every block of queries."""
-    j0 = tl.program_id(0) * BLOCK
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
-        seed = tl.load(Seed_ptr)
-    else:
-        seed = 0
+    j0, b, h, seed = _program(H, Seed_ptr, BLOCK, DROPOUT)
     dt = Vv_ptr.dtype.element_ty
     j = j0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
@@ -212,13 +211,7 @@ def _backward_queries(Q_ptr, U_ptr, V_ptr, K_ptr, Vv_ptr, R_ptr, Mask_ptr, Do_pt
                       PREC: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
     """The gradients of (q+u)/sqrt(Dh) and (q+v)/sqrt(Dh) of one block of queries, over every block of keys, and
     their part of W_kR R's gradient (the scores' gradient scattered back into R's band, added atomically)."""
-    i0 = tl.program_id(0) * BLOCK
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    if DROPOUT:  # (a device tensor: drawn inside a graph or a compiled step, not read by the host)
-        seed = tl.load(Seed_ptr)
-    else:
-        seed = 0
+    i0, b, h, seed = _program(H, Seed_ptr, BLOCK, DROPOUT)
     dt = Vv_ptr.dtype.element_ty
     i = i0 + tl.arange(0, BLOCK)
     d = tl.arange(0, DHP)
