@@ -10,6 +10,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import txl
@@ -71,6 +72,32 @@ def test_train_prints_the_policy_and_records_it(tmp_path, capsys):
     assert "runtime: training on cpu (fp32): layers eager, attention by the native kernels" in out
     recorded = read_metadata(latest_checkpoint(run))["backends"]
     assert recorded == backends().to_dict() and recorded["native_relu_dropout"] is False
+
+
+def test_a_recipe_sets_the_runs_policy_through_train_fast_paths(tmp_path, capsys):
+    """``--train.fast_paths`` (a recipe's train.fast_paths) changes the policy for that run only: the log and the
+    checkpoint's metadata say so, the process's policy is unchanged afterwards; an unknown field or a wrong value is
+    one error naming it, before anything is written."""
+    from train_helpers import run_inprocess
+    from txl.train.checkpoint import latest_checkpoint, read_metadata
+
+    run = run_inprocess(
+        tmp_path, train__max_steps=1, train__eval_interval=0,
+        train__fast_paths='{"native_attention": false, "fused_attention": ["cuda"]}',
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "runtime: fast paths: off: native_attention; fused_attention = ('cuda',)" in out
+    recorded = read_metadata(latest_checkpoint(run))["backends"]
+    assert recorded["native_attention"] is False and recorded["fused_attention"] == ["cuda"]
+    assert backends() == Backends()  # (the run's block is over)
+    for value, message in (('{"fused_atention": ["cuda"]}', "unknown fast path 'fused_atention': one of"),
+                           ('{"fused_attention": "cuda"}', "fused_attention takes a list of device types"),
+                           ('{"native_attention": 0}', "native_attention takes true or false")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            run_inprocess(tmp_path, run="bad", train__max_steps=1, train__fast_paths=value)
+        err = capsys.readouterr().err
+        assert "train.fast_paths = " in err and message in err, err
+        assert not (tmp_path / "bad").exists()
 
 
 def test_no_module_keeps_a_switch_of_its_own():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from txl.data import DataConfig
+from txl.kernels.backends import Backends
 from txl.model.modeling import TransformerXLConfig
 from txl.util.folders import read_json
 
@@ -100,6 +101,10 @@ class TrainConfig:
     (operation, shapes, strides) is checked against float64 before the route computes it, and runs on the default
     path where the route is not exact (it computes in bf16 on AMX CPUs). Training steps 1.06-1.09x measured on AMD
     EPYC. Recorded with each checkpoint; a resumed run keeps its checkpoint's choice."""
+    fast_paths: dict[str, Any] | None = None
+    """Changes to the fast-path policy for this run (``txl.Backends``' fields, docs/speed.md), e.g. {fused_attention:
+    [cuda]} (the fused Triton attention on a GPU) or {native_attention: false}; the log's ``runtime:`` lines and each
+    checkpoint's metadata.json say which policy ran. None: the default policy."""
     seed: int = 1111
     """Seed for initialisation, dropout and the data order (process r uses seed + r for dropout)."""
     log_interval: int = 200
@@ -160,6 +165,13 @@ class TrainConfig:
                 bad("mem_len_schedule", "its steps must increase")
             if mems[0] < 0 or any(b < a for a, b in zip(mems, mems[1:], strict=False)):
                 bad("mem_len_schedule", "its memories must be >= 0 and grow (never shrink)")
+        if self.fast_paths is not None:
+            if not isinstance(self.fast_paths, dict):
+                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {fused_attention: [cuda]}")
+            try:
+                Backends.changes(self.fast_paths)
+            except ValueError as e:
+                bad("fast_paths", str(e))
         if self.scheduler == "inv_sqrt" and self.warmup_steps == 0:
             bad("warmup_steps", "inv_sqrt needs warmup_steps > 0 (the peak is at the end of the warm-up)")
 

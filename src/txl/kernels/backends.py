@@ -133,6 +133,26 @@ class Backends:
             logits = "native NLL" if native_cpu and self.native_nll else "fp32"
         return f"training on {device} ({precision}): layers {layers}; adaptive softmax {logits}"
 
+    @staticmethod
+    def changes(mapping: dict) -> dict:
+        """``mapping`` (field name -> value, as JSON or YAML gives it: lists for device lists) as keyword arguments
+        of :func:`use_backends`, checked: a ValueError names an unknown field (and the known ones) or a value of the
+        wrong type."""
+        fields = {f.name: f for f in dataclasses.fields(Backends)}
+        out = {}
+        for name, value in mapping.items():
+            if name not in fields:
+                raise ValueError(f"unknown fast path {name!r}: one of {', '.join(sorted(fields))}")
+            if isinstance(getattr(Backends(), name), tuple):  # (a list of device types)
+                if isinstance(value, str) or not all(isinstance(d, str) and d for d in value):
+                    raise ValueError(f"{name} takes a list of device types, e.g. [cuda] or [] (got {value!r})")
+                out[name] = tuple(value)
+            elif isinstance(value, bool):
+                out[name] = value
+            else:
+                raise ValueError(f"{name} takes true or false (got {value!r})")
+        return out
+
     def to_dict(self) -> dict:
         """The policy as JSON takes it (tuples as lists)."""
         out = dataclasses.asdict(self)

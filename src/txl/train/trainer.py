@@ -31,7 +31,7 @@ from txl.data import OrderedIterator, SentenceStreamIterator, prepare_corpus
 from txl.data.download import sha256_file
 from txl.infer.evaluate import autocast, evaluate, metric_name, metric_value
 from txl.kernels import native
-from txl.kernels.backends import backends
+from txl.kernels.backends import Backends, backends, use_backends
 from txl.kernels.runtime import (
     ALLOCATOR_NOTE,
     CheckedRoute,
@@ -598,10 +598,11 @@ def train(cfg: RunConfig, resume: str = "auto") -> TrainResult:
     """Train ``cfg`` (joining the torchrun process group when there is one)."""
     world = init_world(cfg.train.device)
     try:
-        trainer = Trainer(cfg, resume, world=world)
-        try:
-            return trainer.fit()
-        finally:
-            trainer.close()
+        with use_backends(**Backends.changes(cfg.train.fast_paths or {})):  # (train.fast_paths: this run's policy)
+            trainer = Trainer(cfg, resume, world=world)
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
     finally:
         shutdown(world)
