@@ -6,6 +6,7 @@
 # H200. What it printed goes to docs/benchmarks.md ("The user's path on a GPU").
 #
 #   bash benchmarks/gpu_e2e.sh            # E2E_SMALL=1: a CPU smoke run of the same commands (a small model)
+#   E2E_FAST_PATHS='{fused_attention: [cuda]}' bash benchmarks/gpu_e2e.sh   # the run with a changed policy
 #
 # On a machine without network, carry the wheels of txl's pure-Python dependencies in .whl2/ (and tokenizers' in
 # .whl/): they are installed to /tmp/site first when present.
@@ -28,6 +29,7 @@ else
   EXTRA=()
   STEPS=300
 fi
+if [ -n "${E2E_FAST_PATHS:-}" ]; then EXTRA+=(--train.fast_paths "$E2E_FAST_PATHS"); fi
 rm -rf "$WORK/run"
 T0=$(date +%s)
 timeout 300 $PY -m txl train --config configs/wt103_base.yaml --data.path "$WORK/wt" "${EXTRA[@]}" \

@@ -49,10 +49,13 @@ def test_the_committed_gpu_results_have_the_format():
 
 def test_the_gpu_end_to_end_script_runs_the_users_commands_on_the_cpu(tmp_path):
     """benchmarks/gpu_e2e.sh's smoke mode: txl train with the WT103 base recipe on a synthetic corpus, then txl eval of
-    its checkpoint in bf16 and fp32 (the same commands as on a GPU, a small model)."""
-    env = {**os.environ, "E2E_SMALL": "1", "E2E_DIR": str(tmp_path), "PYTHON": sys.executable}
+    its checkpoint in bf16 and fp32 (the same commands as on a GPU, a small model), with the policy change it passes
+    on (E2E_FAST_PATHS, as a GPU run turns on the fused attention)."""
+    env = {**os.environ, "E2E_SMALL": "1", "E2E_DIR": str(tmp_path), "PYTHON": sys.executable,
+           "E2E_FAST_PATHS": "{native_relu_dropout: false}"}  # fmt: skip
     run = subprocess.run(["bash", "benchmarks/gpu_e2e.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:] + run.stdout[-2000:]
     assert "stopped at step 6 (max_steps 6)" in run.stdout
+    assert "fast paths: off: native_relu_dropout" in run.stdout
     assert run.stdout.count("valid: loss") == 2 and "tgt_len 64, mem_len 640, clamp_len 400" in run.stdout
