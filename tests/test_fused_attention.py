@@ -208,6 +208,8 @@ def test_operands_it_does_not_take_are_refused_with_a_clear_error():
         fused_rel_attention(q, u, v, kv[0], kv[1], r, None, 0.25)
     with pytest.raises(ValueError, match="not the kernel's"):  # (R narrower than the keys)
         fused_rel_attention(q, u, v, kv[0], kv[1], r[..., :5], causal(6, 3), 0.25)
+    with pytest.raises(ValueError, match="needs its seed"):
+        torch.ops.txl.rel_attention(q, u, v, kv[0], kv[1], r, causal(6, 3), 0.25, 0.1, None)
     strided = torch.randn(1, 6, 2, 32, device=DEVICE)[..., ::2]  # (the head dimension not contiguous)
     assert fused_attention.applies(q, u, v, kv[0], kv[1], r, causal(6, 3))
     assert not fused_attention.applies(strided, u, v, kv[0], kv[1], r, causal(6, 3))

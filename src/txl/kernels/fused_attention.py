@@ -302,6 +302,8 @@ def rel_attention_op(
     H, K, Dh], ``r`` [H, Dh, W >= K] (column c: distance K-1-c), ``mask`` [T, K] / [B, 1, T, K] (True = masked),
     ``scale`` 1/sqrt(Dh); ``p`` > 0: attention dropout keyed by ``seed`` (int64 [1] on q's device; None without)."""
     B, T, H, Dh, m, strides = _common(q, u, v, k, vv, r, mask)
+    if p > 0 and seed is None:
+        raise ValueError("txl::rel_attention: attention dropout (p > 0) needs its seed, an int64 tensor [1]")
     Kn, W = k.shape[2], r.shape[2]
     out = torch.empty(B, T, H, Dh, dtype=vv.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
