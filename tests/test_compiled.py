@@ -105,3 +105,43 @@ def test_the_policy_fixed_for_a_compiled_call_is_put_back_after_it():
     with use_backends(compiled_layers=("cpu",), half_precision_scores=False):
         two_segments(model, x)
     assert traced_policy(before) is before
+
+
+def test_a_whole_training_forward_compiles_with_no_host_read_but_the_adaptive_softmaxs_one():
+    """torch.compile of the whole forward with its loss and memory (toward a training step as one graph): a model
+    without tail clusters traces as one graph (no host read: the ids' and targets' checks are the caller's inside a
+    graph; the CPU's dropout draws as F.dropout does there), with the eager path's values; with tail clusters the
+    only breaks are at the adaptive softmax's one host read per loss (the clusters' sizes)."""
+    from txl import TransformerXLConfig
+
+    def model(cutoffs, dropout):
+        torch.manual_seed(0)
+        cfg = TransformerXLConfig(n_token=100, d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=2,
+                                  mem_len=8, cutoffs=cutoffs, div_val=2 if cutoffs else 1,
+                                  tie_projs=[False] * (len(cutoffs) + 1), dropout=dropout)  # fmt: skip
+        return TransformerXLLM(cfg).train()
+
+    x = torch.randint(0, 100, (2, 17))
+    for cutoffs, dropout in (([], 0.0), ([], 0.1), ([20, 50], 0.0)):
+        m = model(cutoffs, dropout)
+        mems = m(x[:, :8], x[:, 1:9]).mems
+
+        def step(inp, tgt, mems, m=m):
+            out = m(inp, tgt, mems=mems)
+            return out.loss, out.mems
+
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)(x[:, 8:16], x[:, 9:17], mems)
+        frames = [b.user_stack[-1] for b in explained.break_reasons]
+        where = {(f.filename.rsplit("/", 1)[-1], f.lineno) for f in frames}
+        if cutoffs:
+            assert {f for f, _ in where} == {"adaptive.py"} and len({line for _, line in where}) == 1, where
+            continue
+        assert explained.graph_break_count == 0, where
+        if dropout == 0.0:
+            torch._dynamo.reset()
+            loss, new_mems = torch.compile(step, fullgraph=True, backend="aot_eager")(x[:, 8:16], x[:, 9:17], mems)
+            ref_loss, ref_mems = step(x[:, 8:16], x[:, 9:17], mems)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for a, b in zip(new_mems, ref_mems, strict=True):
+                torch.testing.assert_close(a, b)

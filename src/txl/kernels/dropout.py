@@ -30,7 +30,8 @@ class Dropout(nn.Module):
     without it,
     the mask takes two 24-bit uniforms (the resolution of ``torch.rand``) from every 64-bit random word of torch's
     generator, half the cost of ``nn.Dropout``'s one draw per element, for the same distribution. Elsewhere (other
-    devices, other dtypes) it is ``F.dropout``. Kept elements are ``x * (1 / (1 - p))``, as in ``nn.Dropout``."""
+    devices, other dtypes, code being compiled) it is ``F.dropout``. Kept elements are ``x * (1 / (1 - p))``, as in
+    ``nn.Dropout``."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -39,7 +40,7 @@ class Dropout(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or torch.compiler.is_compiling():  # (a graph draws its mask as F.dropout does)
             return F.dropout(x, self.p, True)
         if backends().native_dropout and native.dropout_applies(x):
             return ops.dropout(x, self.p, dropout_seed(), False)

@@ -201,12 +201,17 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     def _clusters(self, targets: Tensor) -> tuple[Tensor, Tensor, list[tuple[int, Tensor]]]:
         """``targets != -100``, the targets with the ignored ones at 0, and the rows [n_i] of each tail cluster i that
         has targets, after checking that the targets are token ids: one read by the host for all of it (the check and
-        the clusters' sizes), so that a GPU waits once per loss, not once per cluster."""
+        the clusters' sizes), so that a GPU waits once per loss, not once per cluster. Without tail clusters, code
+        being compiled reads nothing (no graph break); with them, that one read is the graph's one break."""
         valid = targets != -100
-        bad = (((targets < 0) & valid) | (targets >= self.n_token)).any()
         t = targets.where(valid, 0)
+        if not self.n_clusters and torch.compiler.is_compiling():
+            return valid, t, []  # (in a graph, no host read: the targets are the caller's to check)
+        bad = (((targets < 0) & valid) | (targets >= self.n_token)).any()
         cluster = sum((t >= c).long() for c in self.ends[1:-1]) if self.n_clusters else None  # [N] (0: head)
-        sizes = torch.bincount(cluster, minlength=self.n_clusters + 1)[1:] if self.n_clusters else bad.new_zeros(0)
+        # each tail's size, counted into a fixed shape (bincount's shape depends on the data: a graph break)
+        tails = torch.arange(1, self.n_clusters + 1, device=t.device)
+        sizes = (cluster[None] == tails[:, None]).sum(1) if self.n_clusters else bad.new_zeros(0, dtype=torch.long)
         bad, *sizes = torch.cat([bad.long()[None], sizes]).tolist()
         if bad:
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")

@@ -230,7 +230,9 @@ class TransformerXL(TransformerXLPreTrainedModel):
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
             B, T = input_ids.shape
-            lo, hi = (0, 0) if torch.compiler.is_exporting() else map(int, torch.aminmax(input_ids))  # (not in a graph)
+            # (not in a graph being exported or compiled: a host read there; the ids are then the caller's to check)
+            graph = torch.compiler.is_exporting() or torch.compiler.is_compiling()
+            lo, hi = (0, 0) if graph else map(int, torch.aminmax(input_ids))
             if lo < 0 or hi >= cfg.n_token:
                 raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
             dev = input_ids.device
