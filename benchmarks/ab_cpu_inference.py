@@ -1,7 +1,7 @@
 """CPU speed of two checkouts side by side (before/after a change): cached evaluation (batch 8, tgt_len 128,
 mem_len 640, the memory full), greedy generation (256 tokens, mem_len 640) and a training step (batch 8, tgt_len 128,
-mem_len 128, dropout 0.1 and dropatt 0.1, forward and backward) of a bench-char-sized model, 2 threads. Run it
-alternately for each tree and compare medians:
+the memory carried, 256 to 640 over the timed steps, dropout 0.1 and dropatt 0.1, forward and backward) of a
+bench-char-sized model, 2 threads. Run it alternately for each tree and compare medians:
 
     git worktree add /tmp/old BASE
     for r in $(seq 8); do python benchmarks/ab_cpu_inference.py /tmp/old/src old
@@ -47,7 +47,6 @@ p = torch.randint(0, 204, (1, 128))
 t = time.perf_counter()
 generate(m, p, 256, temperature=0.0, mem_len=640)
 g = time.perf_counter() - t
-m.config.dropatt = 0.1
 m.train()
 for layer in m.transformer.layers:
     layer.attn.dropatt.p = 0.1

@@ -138,12 +138,13 @@ class Backends:
         """``mapping`` (field name -> value, as JSON or YAML gives it: lists for device lists) as keyword arguments
         of :func:`use_backends`, checked: a ValueError names an unknown field (and the known ones) or a value of the
         wrong type."""
-        fields = {f.name: f for f in dataclasses.fields(Backends)}
+        default = Backends()
         out = {}
         for name, value in mapping.items():
-            if name not in fields:
-                raise ValueError(f"unknown fast path {name!r}: one of {', '.join(sorted(fields))}")
-            if isinstance(getattr(Backends(), name), tuple):  # (a list of device types)
+            if not hasattr(default, name):
+                known = ", ".join(sorted(f.name for f in dataclasses.fields(Backends)))
+                raise ValueError(f"unknown fast path {name!r}: one of {known}")
+            if isinstance(getattr(default, name), tuple):  # (a list of device types)
                 if isinstance(value, str) or not all(isinstance(d, str) and d for d in value):
                     raise ValueError(f"{name} takes a list of device types, e.g. [cuda] or [] (got {value!r})")
                 out[name] = tuple(value)

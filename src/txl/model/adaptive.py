@@ -210,8 +210,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         bad = (((targets < 0) & valid) | (targets >= self.n_token)).any()
         cluster = sum((t >= c).long() for c in self.ends[1:-1]) if self.n_clusters else None  # [N] (0: head)
         # each tail's size, counted into a fixed shape (bincount's shape depends on the data: a graph break)
-        tails = torch.arange(1, self.n_clusters + 1, device=t.device)
-        sizes = (cluster[None] == tails[:, None]).sum(1) if self.n_clusters else bad.new_zeros(0, dtype=torch.long)
+        ids = torch.arange(1, self.n_clusters + 1, device=t.device)  # [n_clusters] (the tails' cluster ids)
+        sizes = (cluster[None] == ids[:, None]).sum(1) if self.n_clusters else bad.new_zeros(0, dtype=torch.long)
         bad, *sizes = torch.cat([bad.long()[None], sizes]).tolist()
         if bad:
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
