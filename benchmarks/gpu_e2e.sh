@@ -6,7 +6,7 @@
 # H200. What it printed goes to docs/benchmarks.md ("The user's path on a GPU").
 #
 #   bash benchmarks/gpu_e2e.sh            # E2E_SMALL=1: a CPU smoke run of the same commands (a small model)
-#   E2E_FAST_PATHS='{fused_attention: [cuda]}' bash benchmarks/gpu_e2e.sh   # the run with a changed policy
+#   E2E_FAST_PATHS='{fused_attention_training: [cuda]}' bash benchmarks/gpu_e2e.sh   # the run with a changed policy
 #
 # On a machine without network, carry the wheels of txl's pure-Python dependencies in .whl2/ (and tokenizers' in
 # .whl/): they are installed to /tmp/site first when present.

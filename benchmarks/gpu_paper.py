@@ -15,11 +15,11 @@ Configurations (ids drawn from a Zipf law, so nothing is downloaded):
 
 Training rows: forward, backward and a fused Adam step, the memory carried between segments, one host read of the
 loss per step (as ``txl train``); medians over the timed steps after the warm-up (the compiler's first graphs are in
-the warm-up). Evaluation rows: tgt_len 64, mem_len 640, clamp_len 400, same_length, no gradient (txl: its K/V cache).
-MFU: FLOPs of the step's matrix products (``FlopCounterMode`` on the eager path) per second over the GEMM peak
-measured in the same run in the row's precision. ``--track`` runs 300 steps of the first configuration in bf16 (txl's
-default fast paths) and in fp32 (txl's reference path) from the same weights and data, and compares the 20-step
-moving averages of their losses.
+the warm-up). Evaluation rows: tgt_len 64, mem_len 640, clamp_len 400, same_length, no gradient (txl: its K/V
+cache). MFU: FLOPs of the step's matrix products (``torch.utils.flop_counter``'s formulas, on the eager path:
+_report.MatmulFlops) per second over the GEMM peak measured in the same run in the row's precision. ``--track`` runs
+300 steps of the first configuration in bf16 (txl's default fast paths) and in fp32 (txl's reference path) from the
+same weights and data, and compares the 20-step moving averages of their losses.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from _report import replace_section
+from _report import MatmulFlops, replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.kernels.backends import Backends, use_backends
@@ -81,7 +80,7 @@ CONFIGS = {
 }  # fmt: skip
 EVAL = dict(tgt=64, mem=640, clamp_len=400, same_length=True)
 NVIDIA = {"train": 59_961, "eval": 107_082}  # A100 40GB, AMP, batch 32 (their README)
-EVAL_IMPLS = ("txl", "txl-no-graphs", "txl-eager", "txl-fused", "hf")
+EVAL_IMPLS = ("txl", "txl-unfused", "txl-no-graphs", "txl-eager", "txl-fused", "hf")
 
 FALSE = {f.name: (() if isinstance(f.default, tuple) else False) for f in dataclasses.fields(Backends)}
 POLICIES = {
@@ -91,11 +90,12 @@ POLICIES = {
     "txl-half-logits": dataclasses.replace(Backends(), compiled_layers=()),
     "txl-no-graphs": dataclasses.replace(Backends(), graph_segments=()),
     "txl-reference": Backends(**FALSE),
-    # the fused Triton attention (txl.kernels.fused_attention; off by default until measured here): with the
-    # compiled layers (the op inside their graphs), and on the eager path
-    "txl-fused": dataclasses.replace(Backends(), fused_attention=("cuda",)),
+    # the fused Triton attention (txl.kernels.fused_attention): on by default in inference (txl-unfused: off), off in
+    # training; txl-fused: in training too, inside the compiled layers' graphs; txl-fused-eager: on the eager path
+    "txl-unfused": dataclasses.replace(Backends(), fused_attention=()),
+    "txl-fused": dataclasses.replace(Backends(), fused_attention_training=("cuda",)),
     "txl-fused-eager": dataclasses.replace(
-        Backends(), compiled_layers=(), half_precision_logits=(), graph_segments=(), fused_attention=("cuda",)
+        Backends(), compiled_layers=(), half_precision_logits=(), graph_segments=(), fused_attention_training=("cuda",)
     ),
 }
 
@@ -253,9 +253,9 @@ def timed(fn, warmup: int, steps: int, device: torch.device) -> list[float]:
 
 
 def count_flops(fn) -> float:
-    with use_backends(POLICIES["txl-eager"]), FlopCounterMode(display=False) as counter:
+    with use_backends(POLICIES["txl-eager"]), MatmulFlops() as counter:
         fn()
-    return float(counter.get_total_flops())
+    return float(counter.flops)
 
 
 def gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
@@ -327,7 +327,7 @@ def run_config(name, args, device, peaks, rows, log) -> None:
                 times = timed(ev.step, args.eval_warmup, args.steps, device)
                 losses[precision, impl] = ev.losses
                 flops = count_flops(ev.step) if impl != "hf" else None
-                if args.profile and precision == "bf16" and impl in ("txl", "txl-no-graphs", "txl-fused"):
+                if args.profile and precision == "bf16" and impl in ("txl", "txl-unfused", "txl-no-graphs"):
                     profile(ev.step, device, f"{name}-eval-{impl}", args.profile, log)
         except torch.OutOfMemoryError:
             log(f"{name} eval-{precision} {impl}: out of memory")
@@ -367,6 +367,10 @@ def track(name, args, device, log) -> dict:
     c = CONFIGS[name]
     stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
     base, _ = build(name, device, False)
+    if args.track_dropout is not None:  # (without dropout the paths differ by their arithmetic alone)
+        for m in base.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = args.track_dropout
     curves, firsts = {}, {}
     for variant in [args.track_reference, *args.track_variants]:
         impl, precision = variant.split(":")
@@ -465,6 +469,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["train", "eval"], choices=["train", "eval"])
     ap.add_argument("--track", type=int, default=0, help="steps of the bf16 / fp32 loss comparison (0: none)")
     ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision, compared (the first")
+    ap.add_argument("--track_dropout", type=float, help="dropout, dropatt of the tracked runs (default: the config)")
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
     ap.add_argument("--json", type=Path, help="write the rows here (a list of objects)")

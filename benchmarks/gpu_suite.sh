@@ -51,7 +51,7 @@ for step in $STEPS; do
         "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_fused_attention.py ;;
     base)
       (cd benchmarks && run_step base 220 log_base.txt "$PY" gpu_paper.py --configs wt103-base-nvidia \
-        --precisions bf16 fp32 --impls txl txl-fused hf --profile "$OUT/profiles" --json "$OUT/gpu.json")
+        --precisions bf16 fp32 --impls txl txl-unfused txl-fused hf --profile "$OUT/profiles" --json "$OUT/gpu.json")
       [ -d "$OUT/profiles" ] && tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles" ;;
     track)  # (a fresh process: a loss comparison run after other variants' graphs were compiled once gave a 5.1%
             # gap where a fresh process gave 0.5%; see docs/benchmarks.md)
@@ -59,7 +59,7 @@ for step in $STEPS; do
         --track 300 --track_variants txl:bf16 txl-fused:bf16 --json "$OUT/track/gpu.json") ;;
     others)
       (cd benchmarks && run_step others 150 log_others.txt "$PY" gpu_paper.py --configs wt103-large enwik8-base \
-        enwik8-large --precisions bf16 --impls txl txl-fused hf --json "$OUT/gpu.json" --append) ;;
+        enwik8-large --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
     generation)
       (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py --repeats 3) ;;
     *) echo "[gpu_suite] unknown step $step (tests base track others generation)" ;;

@@ -43,9 +43,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from _report import replace_section
+from _report import MatmulFlops, replace_section
 from txl import TransformerXLLM
 from txl.config import TrainConfig
 from txl.infer.generation import generate
@@ -209,9 +208,9 @@ def measure(name, *, train, warmup, steps, device, precision="fp32", route=False
 def count_flops(runner: Runner) -> float:
     """FLOPs of one more step of ``runner`` (matrix products; the optimizer and element-wise ops add little),
     counted on the PyTorch path (the counter does not see txl's native kernels, which compute the same products)."""
-    with use_backends(native_kernels=False), FlopCounterMode(display=False) as counter:
+    with use_backends(native_kernels=False), MatmulFlops() as counter:
         runner.step()
-    return float(counter.get_total_flops())
+    return float(counter.flops)
 
 
 def gemm_peak(device: torch.device, dtype: torch.dtype, routes: tuple[bool, ...] = (False,)) -> float:

@@ -56,8 +56,8 @@ def skip_without_the_library(field: str) -> None:
     test would check nothing."""
     if field.startswith("native") and native.library() is None:
         pytest.skip(f"{field}: {native.status()}")
-    if field == "fused_attention":
-        pytest.importorskip("triton", reason="fused_attention: triton is not installed (extra 'triton')")
+    if field.startswith("fused_attention"):
+        pytest.importorskip("triton", reason=f"{field}: triton is not installed (extra 'triton')")
 
 
 def count_fused_calls(monkeypatch) -> list:
@@ -111,7 +111,7 @@ def test_each_backend_computes_what_the_reference_computes(field, precision, mon
     if precision == "bf16" and not native_bf16(torch.device("cpu")):
         pytest.skip("bf16 autocast is emulated on this CPU (txl trains in fp32 there)")
     skip_without_the_library(field)
-    fused_calls = count_fused_calls(monkeypatch) if field == "fused_attention" else []
+    fused_calls = count_fused_calls(monkeypatch) if field.startswith("fused_attention") else []
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(**CONFIG))
     x = torch.randint(0, 60, (3, 15))
@@ -127,8 +127,10 @@ def test_each_backend_computes_what_the_reference_computes(field, precision, mon
     (loss_off, grads_off), (logp_off, nll_off, evaluated_off, graphs_off) = results["off"]
     if field == "graph_segments":  # (the graphs' CPU stand-in ran: several offsets recorded, then replayed)
         assert graphs_on == 0 and graphs_off >= 3
-    if field == "fused_attention":  # (the kernel ran, under Triton's interpreter: training, prompt, evaluation)
+    if field == "fused_attention":  # (the kernel ran, under Triton's interpreter: prompt, steps, evaluation)
         assert len(fused_calls) >= 8, fused_calls
+    if field == "fused_attention_training":  # (training's two segments, each layer)
+        assert len(fused_calls) >= 4, fused_calls
     tol = dict(rtol=2e-2, atol=2e-2) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
     assert loss_on == pytest.approx(loss_off, rel=tol["rtol"])
     assert grads_on.keys() == grads_off.keys() and grads_on

@@ -184,7 +184,7 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
     torch._dynamo.utils.counters.clear()
     calls, kernel = [], fused_attention.fused_rel_attention
     monkeypatch.setattr(fused_attention, "fused_rel_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    loss, grads = two_segments(fused_attention=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
+    loss, grads = two_segments(fused_attention_training=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
     assert calls, "the fused kernel did not run"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert loss == pytest.approx(ref_loss, rel=1e-5)
@@ -195,7 +195,7 @@ def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
         layer.attn.dropatt.p = 0.3
     torch._dynamo.utils.counters.clear()
     calls.clear()
-    dropped, _ = two_segments(fused_attention=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
+    dropped, _ = two_segments(fused_attention_training=(DEVICE,), compiled_layers=(DEVICE,), native_kernels=False)
     assert calls and math.isfinite(dropped) and dropped != loss
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 

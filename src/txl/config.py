@@ -102,9 +102,9 @@ class TrainConfig:
     path where the route is not exact (it computes in bf16 on AMX CPUs). Training steps 1.06-1.09x measured on AMD
     EPYC. Recorded with each checkpoint; a resumed run keeps its checkpoint's choice."""
     fast_paths: dict[str, Any] | None = None
-    """Changes to the fast-path policy for this run (``txl.Backends``' fields, docs/speed.md), e.g. {fused_attention:
-    [cuda]} (the fused Triton attention on a GPU) or {native_attention: false}; the log's ``runtime:`` lines and each
-    checkpoint's metadata.json say which policy ran. None: the default policy."""
+    """Changes to the fast-path policy for this run (``txl.Backends``' fields, docs/speed.md), e.g.
+    {fused_attention_training: [cuda]} (the fused Triton attention in training on a GPU) or {native_attention: false};
+    the log's ``runtime:`` lines and each checkpoint's metadata.json say which policy ran. None: the default policy."""
     seed: int = 1111
     """Seed for initialisation, dropout and the data order (process r uses seed + r for dropout)."""
     log_interval: int = 200
@@ -167,7 +167,7 @@ class TrainConfig:
                 bad("mem_len_schedule", "its memories must be >= 0 and grow (never shrink)")
         if self.fast_paths is not None:
             if not isinstance(self.fast_paths, dict):
-                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {fused_attention: [cuda]}")
+                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {fused_attention_training: [cuda]}")
             try:
                 Backends.changes(self.fast_paths)
             except ValueError as e:

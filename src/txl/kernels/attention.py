@@ -26,8 +26,9 @@ def rel_attention(
     ``reference()`` is the model's (its scores() + attend()); the backends compute the same as one call, with the
     (b)+(d) rows read at their shift inside the kernel, in this order where they apply:
 
-    * ``Backends.fused_attention`` (devices): the fused Triton kernel (:mod:`txl.kernels.fused_attention`), forward
-      and backward, any float dtype, dropatt by its own Philox stream.
+    * ``Backends.fused_attention`` (devices; in training ``fused_attention_training``): the fused Triton kernel
+      (:mod:`txl.kernels.fused_attention`), forward and backward, dropatt by its own Philox stream; on a GPU for
+      half-precision segments of several positions.
     * ``Backends.native_attention``: the native CPU kernel (fp32; ``torch.ops.txl.native_rel_attention``, and in
       training ``native_rel_attention_train`` with its backward: :mod:`txl.kernels.native.ops`); its dropout of the
       probabilities, ``dropatt``, draws its seed where the reference's :class:`~txl.kernels.dropout.Dropout` would,
@@ -43,17 +44,24 @@ def rel_attention(
 
 
 def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:  # noqa: ANN001
-    """The fused Triton kernel where ``Backends.fused_attention`` lists q's device and it applies (triton installed,
-    the operands' layout; with gradients only for keys and values of this step, not a cache's)."""
-    if q.device.type not in backends().fused_attention or (grad and not isinstance(kv, Tensor)):
+    """The fused Triton kernel where the policy lists q's device (``Backends.fused_attention``, with gradients
+    ``fused_attention_training``) and it applies (triton installed, the operands' layout; with gradients only for
+    keys and values of this step, not a cache's). On a GPU only where it was measured faster: products in half
+    precision, and segments of several positions (one-token steps are the decode paths')."""
+    policy = backends()
+    if q.device.type not in (policy.fused_attention_training if grad else policy.fused_attention):
+        return None
+    if grad and not isinstance(kv, Tensor):
+        return None
+    k, v_ = kv
+    dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
+    if q.is_cuda and (dt == torch.float32 or q.shape[1] == 1):  # (fp32: IEEE products, 6x slower than cuBLAS)
         return None
     fused = _fused_module()
     if fused is None:
         return None
-    k, v_ = kv
     r_k = positions(k.shape[2])
-    dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
     k, v_, r_k = (t if t.dtype == dt else t.to(dt) for t in (k, v_, r_k))
     if not fused.applies(q, u, v, k, v_, r_k, mask):
         return None

@@ -84,13 +84,20 @@ class Backends:
     ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise
     passes fused by Inductor (the shift as an index, the mask, softmax and dropout in one kernel). The same values
     up to rounding (tests/test_compiled.py); its first steps wait for the compiler (about a minute on a GPU)."""
-    fused_attention: tuple[str, ...] = ()
-    """Devices on which attn_type 0's attention is one fused Triton kernel (``txl.kernels.fused_attention``: the
-    content and position terms, the shift as an index, the mask, an online softmax, dropatt and the value sum, forward
-    and backward, no [B, H, T, K] tensor; needs ``triton``). Off by default until it is measured on a GPU
-    (benchmarks/gpu_suite.sh compares it): ``use_backends(fused_attention=("cuda",))`` turns it on. Its dropatt mask
-    is its own Philox stream (the same distribution as ``F.dropout``). Under Triton's interpreter
-    (``TRITON_INTERPRET=1``) it runs on the CPU too: that is how the tests hold it to the reference."""
+    fused_attention: tuple[str, ...] = ("cuda",)
+    """Devices on which attn_type 0's attention in inference (no gradients: evaluation, scoring, prompts) is one fused
+    Triton kernel (``txl.kernels.fused_attention``: the content and position terms, the shift as an index, the mask,
+    an online softmax and the value sum, no [B, H, T, K] tensor; needs ``triton``), for half-precision segments of
+    several positions on a GPU of compute capability 8.0 or later. fp32 on a GPU is left to the reference (the
+    kernel's IEEE fp32 products were 6x slower than cuBLAS), one-token steps to the decode paths. Measured on an
+    H200 (docs/benchmarks.md): evaluation at NVIDIA's setting 256,159 -> 281,154 tok/s, the losses within bf16
+    rounding. Under Triton's interpreter (``TRITON_INTERPRET=1``) it runs on the CPU too: that is how the tests hold
+    it to the reference."""
+    fused_attention_training: tuple[str, ...] = ()
+    """Devices on which training's attention (forward and backward, dropatt by the kernel's own Philox stream: the
+    same distribution as ``F.dropout``) is the fused Triton kernel, under the same conditions. Off by default: on an
+    H200 the WT103 base step trained at 98,304 tok/s with it against 137,269 with the compiled layers alone
+    (docs/benchmarks.md). ``use_backends(fused_attention_training=("cuda",))`` turns it on."""
     half_precision_logits: tuple[str, ...] = ("cuda",)
     """Devices on which the adaptive softmax's products run in the autocast dtype under autocast (bf16 products with
     fp32 accumulation; the log-softmax, its sum and the loss stay fp32). Elsewhere, or off: the products in fp32."""
@@ -116,7 +123,8 @@ class Backends:
         their library: ``txl.kernels.native.status``)."""
         half = precision != "fp32"
         native_cpu = device == "cpu" and self.native_kernels and not half
-        fused = " (attention: the fused Triton kernel)" if device in self.fused_attention else ""
+        fused_here = device in self.fused_attention_training and (half or device != "cuda")  # (fp32 GPU: declined)
+        fused = " (attention: the fused Triton kernel)" if fused_here else ""
         if device in self.compiled_layers:
             layers = f"compiled by torch.compile (Inductor: the scores' shift, mask, softmax, dropout fused){fused}"
         elif fused:

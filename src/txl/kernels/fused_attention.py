@@ -393,13 +393,14 @@ MAX_HEAD_DIM = 128
 
 
 def applies(q: Tensor, u: Tensor, v: Tensor, k: Tensor, vv: Tensor, r: Tensor, mask: Tensor | None) -> bool:
-    """Whether the kernels compute this call: float operands on one device (CUDA, or any under the interpreter),
-    the head dimension contiguous in q, k, vv (and u, v contiguous), d_head <= :data:`MAX_HEAD_DIM`, K >= T with R
-    covering every visible distance, a boolean mask wherever T > 1 (the unmasked future keys would read columns
-    the reference's shift fills from the next row)."""
+    """Whether the kernels compute this call: float operands on one device (a CUDA GPU of compute capability 8.0 or
+    later: compiled ahead of time for sm_80/86/89/90 their shared memory fits, run on sm_90; or any device under the
+    interpreter), the head dimension contiguous in q, k, vv (and u, v contiguous), d_head <= :data:`MAX_HEAD_DIM`,
+    K >= T with R covering every visible distance, a boolean mask wherever T > 1 (the unmasked future keys would
+    read columns the reference's shift fills from the next row)."""
     T, Kn = q.shape[1], k.shape[2]
     return (
-        (q.is_cuda or INTERPRETED)
+        (INTERPRETED or (q.is_cuda and torch.cuda.get_device_properties(q.device).major >= 8))  # (Dynamo folds it)
         and len({t.device for t in (q, u, v, k, vv, r)}) == 1
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and all(t.stride(-1) == 1 for t in (q, k, vv))
