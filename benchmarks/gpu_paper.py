@@ -42,7 +42,7 @@ from _report import MatmulFlops, replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.kernels.backends import Backends, use_backends
-from txl.model.modeling import KVCache, transposed_weights
+from txl.model.modeling import Dropout, KVCache, transposed_weights
 from txl.model.pretrained import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,15 +369,15 @@ def track(name, args, device, log) -> dict:
     base, _ = build(name, device, False)
     if args.track_dropout is not None:  # (without dropout the paths differ by their arithmetic alone)
         for m in base.modules():
-            if isinstance(m, torch.nn.Dropout):
+            if isinstance(m, (torch.nn.Dropout, Dropout)):
                 m.p = args.track_dropout
     curves, firsts = {}, {}
     for variant in [args.track_reference, *args.track_variants]:
-        impl, precision = variant.split(":")
+        impl, precision, *seed = variant.split(":")  # (a third field: the dropout's seed, 2 by default)
         model = copy.deepcopy(base)
         try:
             with use_backends(POLICIES[impl]):
-                torch.manual_seed(2)
+                torch.manual_seed(int(seed[0]) if seed else 2)
                 tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
                 t0 = time.perf_counter()
                 curves[variant] = [tr.step(clip=0.25) for _ in range(args.track)]
@@ -468,7 +468,7 @@ def main() -> None:
     )
     ap.add_argument("--cases", nargs="+", default=["train", "eval"], choices=["train", "eval"])
     ap.add_argument("--track", type=int, default=0, help="steps of the bf16 / fp32 loss comparison (0: none)")
-    ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision, compared (the first")
+    ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision[:seed]; first: headline")
     ap.add_argument("--track_dropout", type=float, help="dropout, dropatt of the tracked runs (default: the config)")
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
@@ -519,6 +519,7 @@ def main() -> None:
     if args.track:
         tracked = track(args.configs[0], args, device, log)
         if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     save(rows)
     if args.json:
