@@ -161,3 +161,38 @@ def test_the_training_log_names_the_path_of_each_device():
     assert "fused Triton kernel" in dataclasses.replace(fused, compiled_layers=()).training_paths("cuda", "fp16")
     assert "fused Triton" not in fused.training_paths("cuda", "fp32")  # (a GPU's fp32 goes to the reference)
     assert "fused Triton" not in fused.training_paths("cpu", "fp32")
+
+
+def test_the_fused_attention_runs_where_it_was_measured_faster(monkeypatch):
+    """The policy measured on an H200 (docs/benchmarks.md): the fused Triton attention by default in inference on
+    CUDA, not in training; on a GPU never for fp32 products or one-token steps. Each of the two fields decides its
+    own case: under Triton's interpreter (the CPU listed) inference calls the kernel only when ``fused_attention``
+    lists the device, training only when ``fused_attention_training`` does."""
+    from txl.kernels.attention import fused_pays
+
+    assert Backends().fused_attention == ("cuda",) and Backends().fused_attention_training == ()
+    assert fused_pays("cuda", torch.bfloat16, 64) and fused_pays("cuda", torch.float16, 2)
+    assert not fused_pays("cuda", torch.float32, 64)  # (IEEE fp32 products: 6-8x slower than cuBLAS)
+    assert not fused_pays("cuda", torch.bfloat16, 1)  # (one-token steps: the decode paths')
+    assert fused_pays("cpu", torch.float32, 1)  # (the interpreter: the tests hold every case to the reference)
+    pytest.importorskip("triton", reason="the fused attention needs triton (extra 'triton')")
+    from txl.kernels import fused_attention
+
+    calls, kernel = [], fused_attention.fused_rel_attention
+    monkeypatch.setattr(fused_attention, "fused_rel_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(n_head=2, d_head=8))
+    x = torch.randint(0, 97, (2, 9))
+
+    def count(train: bool, **policy) -> int:
+        calls.clear()
+        model.train(train)
+        with use_backends(native_kernels=False, **policy), torch.set_grad_enabled(train):
+            model(x[:, :-1], x[:, 1:])
+        return len(calls)
+
+    layers = model.config.n_layer
+    assert count(False, fused_attention=("cpu",)) == layers and count(True, fused_attention=("cpu",)) == 0
+    assert count(True, fused_attention_training=("cpu",)) == layers
+    assert count(False, fused_attention_training=("cpu",)) == 0
+    assert count(False) == 0 and count(True) == 0  # (the default lists CUDA alone)

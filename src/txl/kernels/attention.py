@@ -56,7 +56,7 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     k, v_ = kv
     dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
-    if q.is_cuda and (dt == torch.float32 or q.shape[1] == 1):  # (fp32: IEEE products, 6x slower than cuBLAS)
+    if not fused_pays(q.device.type, dt, q.shape[1]):
         return None
     fused = _fused_module()
     if fused is None:
@@ -69,17 +69,25 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
 
 
+def fused_pays(device: str, dtype: torch.dtype, positions: int) -> bool:
+    """Whether the fused kernel is the faster choice for a segment of ``positions`` queries whose products are in
+    ``dtype`` on ``device`` (a device type): on a GPU only in half precision (its fp32 products are IEEE FMA loops,
+    6-8x slower than cuBLAS on an H200) and for segments of several positions (one-token steps are the decode paths',
+    not measured with it); elsewhere (Triton's interpreter, the tests) always."""
+    return device != "cuda" or (dtype in (torch.float16, torch.bfloat16) and positions > 1)
+
+
 _FUSED: list = []  # [the module, or None without triton], once imported
 
 
 def _fused_module():  # noqa: ANN202
-    """:mod:`txl.kernels.fused_attention`, imported on first use (None without triton)."""
+    """:mod:`txl.kernels.fused_attention`, imported on first use (None without triton, or with one too old for it)."""
     if not _FUSED:
         try:
             from txl.kernels import fused_attention
         except ImportError:
             fused_attention = None
-        _FUSED.append(fused_attention)
+        _FUSED.append(fused_attention if fused_attention is not None and fused_attention.SUPPORTED else None)
     return _FUSED[0]
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUPPORTED = hasattr(tl, "gather")  # (the shift as an index needs tl.gather: triton 3.2 or later)
 BLOCK = 64  # queries and keys per tile on a GPU (16 under the interpreter: fewer padded rows to simulate)
 
 
