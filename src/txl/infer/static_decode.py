@@ -32,7 +32,6 @@ by kernel. A process that generates while other threads use the GPU should turn 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from txl.kernels.backends import backends
@@ -136,6 +135,13 @@ class StaticDecoder:
             self._out = self.step()
         self._replay = graph
 
+    def _attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
+        """softmax((a)+(c) + (b)+(d)) v over the ring's slots, the softmax in fp32 for half-precision caches:
+        [B, H, 1, Dh]."""
+        ac = torch.matmul(q_u, k.transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
+        prob = (ac + bd).softmax(dim=-1, dtype=self.exact).to(v.dtype)  # [B, H, 1, C]
+        return torch.matmul(prob, v)
+
     @torch.no_grad()
     def step(self) -> Tensor:
         """One position for every row: embed ``ids``, run the layers over the ring, advance ``pos``; returns the
@@ -152,20 +158,21 @@ class StaticDecoder:
         bias = bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [B, 1, 1, C]
         by_distance = dist.clamp(0, C - 1)  # [C]
         for i, lay in enumerate(self.layers):
-            H, Dh = lay.attn.n_head, lay.attn.d_head
-            u, v = self.biases[i]
-            x = F.layer_norm(h, *lay.norm1) if lay.pre_lnorm else h
-            q, k, v_new = F.linear(x, lay.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
-            self.k[i].index_copy_(2, slot, k)
-            self.v[i].index_copy_(2, slot, v_new)
-            q_u = (q + u[:, None]) * lay.attn.scale  # (q + u) / sqrt(Dh), [B, H, 1, Dh]
-            q_v = (q + v[:, None]) * lay.attn.scale  # (q + v) / sqrt(Dh)
-            ac = torch.matmul(q_u, self.k[i].transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
-            bd = torch.matmul(q_v, self.r_k[i])  # (b)+(d) by distance, [B, H, 1, C]
-            bd = bd.gather(-1, by_distance.expand(B, H, 1, C))  # (b)+(d) by slot
-            prob = (ac + bd + bias).softmax(dim=-1, dtype=self.exact).to(self.v.dtype)  # [B, H, 1, C]
-            vec = torch.matmul(prob, self.v[i])  # [B, H, 1, Dh]
-            h = lay.after_attention(h, vec)  # [B, 1, D]
+
+            def ring(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:  # the newest position's slot
+                self.k[i].index_copy_(2, slot, k)
+                self.v[i].index_copy_(2, slot, v)
+                return self.k[i], self.v[i]  # [B, H, C, Dh], in slot order
+
+            def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
+                u, v = self.biases[i]
+                q_u = (q + u[:, None]) * lay.attn.scale  # (q + u) / sqrt(Dh), [B, H, 1, Dh]
+                q_v = (q + v[:, None]) * lay.attn.scale  # (q + v) / sqrt(Dh)
+                bd = torch.matmul(q_v, self.r_k[i])  # (b)+(d) by distance, [B, H, 1, C]
+                H = q.shape[1]
+                return q_u, bd.gather(-1, by_distance.expand(B, H, 1, C)) + bias  # (b)+(d) by slot, masked
+
+            h = lay.step(h, ring, positional, attend=self._attend)  # [B, 1, D]
         self.pos.add_(1)
         _, log_probs = self.model.crit(tr.drop(h)[:, 0], return_log_probs=True)  # [B, V]
         return log_probs

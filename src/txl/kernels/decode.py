@@ -1,9 +1,10 @@
-"""A cached step of one token through every layer (generation, serving), a named operation with three backends: the
-layers' own forward (the reference), one loop over the layers' weights in Python (``Backends.fast_decode``:
-``TransformerXL._decode``, the same arithmetic with the checks of each module call made once), and the same loop as
-one native call (``Backends.native_decode``: fp32 on the CPU, a C compiler). On CUDA, ``txl.infer.static_decode``
-replays the step as a graph for generations (``Backends.graph_decode``). tests/test_backends_exact.py holds every
-one to the reference."""
+"""A cached step of one token through every layer (generation, serving), a named operation: the layers' own forward
+is the reference; the one-token step of a layer, ``DecodeLayer.step`` (txl.model.cache), looped over the layers'
+weights, is its fast form, with the memory's layout passed in: over a KVCache's window in ``TransformerXL._decode``
+(``Backends.fast_decode``; the checks of each module call made once), and over a ring of fixed shape in
+``txl.infer.static_decode``, which CUDA replays as one graph (``Backends.graph_decode``); ``Backends.native_decode``
+runs the same loop as one native call (decode.c: fp32 on the CPU, a C compiler). tests/test_backends_exact.py holds
+every one to the reference, tests/test_static_decode.py the ring."""
 
 from __future__ import annotations
 

@@ -78,6 +78,30 @@ class DecodeLayer(NamedTuple):
             ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
         )  # fmt: skip
 
+    def step(
+        self, h: Tensor, keys_values: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+        positional: Callable[[Tensor, int], tuple[Tensor, Tensor]], product: Callable = F.linear,
+        attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The layer for one new position per row, ``h`` [B, 1, D] -> [B, 1, D]: the one-token step of the decode
+        paths (``TransformerXL._decode`` over a KVCache's window, ``txl.infer.static_decode`` over its ring, replayed
+        as a CUDA graph; decode.c is its C backend). What the memory's layout decides is passed in:
+        ``keys_values(k, v)`` stores the new position's keys and values [B, H, 1, Dh] and returns those attended
+        [B, H, K, Dh]; ``positional(q, K)`` gives (q + u)/sqrt(Dh) and the (b)+(d) scores [B, H, 1, K] with the mask
+        added (-inf), for the queries ``q`` [B, H, 1, Dh]; ``attend(q_w, k, v, bd)`` the heads' values [B, H, 1, Dh]
+        (default: softmax(q_w k + bd) v as one SDPA call)."""
+        B = h.shape[0]
+        H, Dh = self.attn.n_head, self.attn.d_head
+        x = F.layer_norm(h, *self.norm1) if self.pre_lnorm else h
+        q, k, v = product(x, self.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
+        k, v = keys_values(k, v)  # [B, H, K, Dh]
+        q_w, bd = positional(q, k.shape[2])  # [B, H, 1, Dh], [B, H, 1, K]
+        if attend is None:
+            vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
+        else:
+            vec = attend(q_w, k, v, bd)
+        return self.after_attention(h, vec, product)
+
     def after_attention(self, h: Tensor, vec: Tensor, product: Callable = F.linear) -> Tensor:
         """The rest of the layer for one position per row: W_o of the heads' values ``vec`` [B, H, 1, Dh], the
         residual and norm, the feed-forward, the residual and norm; ``h`` [B, 1, D] is the layer's input."""

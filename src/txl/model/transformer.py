@@ -368,19 +368,16 @@ class TransformerXL(TransformerXLPreTrainedModel):
         self, plan: list[DecodeLayer], h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache
     ) -> Tensor:
         """:meth:`_decode`'s loop in Python."""
-        B = h.shape[0]
         product = rows_linear(h, plan[0].qkv.dtype)  # = linear(x, weight, bias), its checks made once per step
 
         for i, (lay, p) in enumerate(zip(plan, pos, strict=True)):
-            H, Dh = lay.attn.n_head, lay.attn.d_head
-            x = F.layer_norm(h, *lay.norm1) if lay.pre_lnorm else h
-            q, k, v = product(x, lay.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
-            k, v = cache.append(i, k, v)  # the window's keys and values, [B, H, K, Dh] each
-            q_w, bd = lay.attn.scores(q.transpose(1, 2), p, k.shape[2])  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
-            if mask is not None:  # (same_length's window, or padding)
-                bd = mask_scores(bd, mask, inplace=True)
-            vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
-            h = lay.after_attention(h, vec, product)  # [B, 1, D]
+
+            def positional(q: Tensor, K: int, lay: DecodeLayer = lay, p: RelPositions = p) -> tuple[Tensor, Tensor]:
+                q_w, bd = lay.attn.scores(q.transpose(1, 2), p, K)  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
+                return q_w, bd if mask is None else mask_scores(bd, mask, inplace=True)  # (same_length, padding)
+
+            # the window's keys and values: the cache's, this position appended
+            h = lay.step(h, functools.partial(cache.append, i), positional, product)  # [B, 1, D]
         return h
 
     def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):
