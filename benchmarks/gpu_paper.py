@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import math
 import statistics
@@ -267,6 +268,7 @@ def gemm_peak(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def memory_reset(device):
+    gc.collect()  # (what an earlier row left in a reference cycle: its peak must not count in the next row's)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -88,3 +88,25 @@ def test_a_hook_new_weights_or_another_cache_are_never_replayed_stale(model):
         finally:
             layer.weight = saved
     torch.testing.assert_close(results[True], results[False], rtol=2e-2, atol=2e-2)
+
+
+def test_a_cache_nobody_holds_is_freed_at_once_with_its_graphs(model):
+    """The graphs keep their step function (and what it reads) in the cache; that function holds the cache weakly,
+    so that no reference cycle keeps a dropped cache (its keys and values, its graphs' memory pool on a GPU) alive
+    until Python's cycle collector happens to run: a server that scores with a new cache per request, or a benchmark
+    that measures one path after another, would hold every earlier cache's GPU memory until then."""
+    import gc
+    import weakref
+
+    ids = torch.randint(0, 50, (2, 81))
+    gc.disable()
+    try:
+        ours, cache = evaluate(model, ids)
+        assert recorded(cache) >= 2
+        gone = weakref.ref(cache)
+        del cache
+        assert gone() is None, gc.get_referrers(gone())
+    finally:
+        gc.enable()
+    again, _ = evaluate(model, ids)  # (and the graphs still replay what the reference computes)
+    torch.testing.assert_close(again, ours)

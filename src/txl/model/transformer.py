@@ -4,6 +4,7 @@ recurrence (Sec. 3.2)."""
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -269,17 +270,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
         hids, attns = [h], []
 
-        def layers(h: Tensor, record: bool = True) -> Tensor:  # every layer's forward (the reference)
-            for i, layer in enumerate(self.layers):
-                mem = mems[i] if mems else None
-                kw = dict(mem=mem, need_weights=output_attentions, cache=cache, layer=i)
-                if heads[i] is not None:
-                    kw["head_mask"] = heads[i]
-                h, prob = layer_call(layer, h, pos[i], mask, **kw)  # (the layer's forward, compiled where it pays)
-                if record:
-                    hids.append(h)
-                    attns.append(prob)
-            return h
+        def layers(h: Tensor) -> Tensor:  # every layer's forward (the reference), each output recorded
+            return self._layers(h, pos, mask, cache, mems, heads, output_attentions, hids, attns)
 
         def loop() -> Tensor:  # the same as layers(), as one loop over their weights
             hids.append(self._decode(hids[0], pos, mask, cache))
@@ -291,7 +283,14 @@ class TransformerXL(TransformerXLPreTrainedModel):
             graphed = T > 1 and cfg.attn_type == 0 and mask.dim() == 2 and head_mask is None
             graphed = graphed and not (output_attentions or output_hidden_states)
             key = (T, mlen, same_length, window, clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
-            quiet = functools.partial(layers, record=False)
+            # The graphs keep this function alive (and what their kernels read) in the cache: it holds the cache
+            # weakly, so that a cache nobody uses is freed at once with its graphs' memory, not at the next cycle
+            # collection (a reference cycle: GPU memory that Python's collector does not see).
+            cache_ref = weakref.ref(cache)
+
+            def quiet(h: Tensor) -> Tensor:  # the same, recording nothing
+                return self._layers(h, pos, mask, cache_ref(), mems, heads, False)
+
             return segment_layers(graphed, key, cache, cache.start, self, hids[0], layers, quiet)
 
         one_token = cache is not None and T == 1 and cfg.attn_type == 0 and head_mask is None
@@ -311,6 +310,22 @@ class TransformerXL(TransformerXLPreTrainedModel):
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
         )
+
+    def _layers(
+        self, h: Tensor, pos: list, mask: Tensor | None, cache: KVCache | None, mems: list[Tensor] | None,
+        heads: list[Tensor | None], need_weights: bool, hids: list | None = None, attns: list | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Every layer's forward from ``h`` [B, T, D] (the layer's own, compiled where it pays); with ``hids`` and
+        ``attns``, each layer's output and attention weights appended to them."""
+        for i, layer in enumerate(self.layers):
+            kw = dict(mem=mems[i] if mems else None, need_weights=need_weights, cache=cache, layer=i)
+            if heads[i] is not None:
+                kw["head_mask"] = heads[i]
+            h, prob = layer_call(layer, h, pos[i], mask, **kw)
+            if hids is not None:
+                hids.append(h)
+                attns.append(prob)
+        return h
 
     @staticmethod
     def _with_key_mask(mask: Tensor | None, key_mask: Tensor, B: int, T: int, mlen: int) -> Tensor:
