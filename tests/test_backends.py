@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import threading
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def test_a_recipe_sets_the_runs_policy_through_train_fast_paths(tmp_path, capsys
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "runtime: fast paths: off: native_attention; fused_attention_training = ('cuda',)" in out
+    assert "runtime: evaluation on cpu (fp32): attention by PyTorch kernels" in out  # (native_attention off)
     recorded = read_metadata(latest_checkpoint(run))["backends"]
     assert recorded["native_attention"] is False and recorded["fused_attention_training"] == ["cuda"]
     assert backends() == Backends()  # (the run's block is over)
@@ -161,6 +163,16 @@ def test_the_training_log_names_the_path_of_each_device():
     assert "fused Triton kernel" in dataclasses.replace(fused, compiled_layers=()).training_paths("cuda", "fp16")
     assert "fused Triton" not in fused.training_paths("cuda", "fp32")  # (a GPU's fp32 goes to the reference)
     assert "fused Triton" not in fused.training_paths("cpu", "fp32")
+    # Evaluation's path (txl train's validation, txl eval on a GPU): the fused attention by default on CUDA in bf16.
+    gpu_eval = policy.inference_paths("cuda", "bf16")
+    triton = importlib.util.find_spec("triton") is not None
+    assert ("attention by the fused Triton kernel" if triton else "the fused kernel needs triton") in gpu_eval
+    assert "replayed as CUDA graphs" in gpu_eval and "bf16 products" in gpu_eval
+    assert "fused" not in policy.inference_paths("cuda", "fp32") and "graphs" not in policy.inference_paths(
+        "cuda", "fp32"
+    )
+    assert "fused" not in dataclasses.replace(policy, fused_attention=()).inference_paths("cuda", "bf16")
+    assert "attention by the native kernels" in policy.inference_paths("cpu", "fp32")
 
 
 def test_the_fused_attention_runs_where_it_was_measured_faster(monkeypatch):

@@ -74,6 +74,7 @@ def eval(
     import math
 
     from txl.infer.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
+    from txl.kernels.backends import backends
     from txl.kernels.runtime import configure_allocator, effective_precision
     from txl.model.modeling import TransformerXLLM
     from txl.train.checkpoint import read_run_config, resolve_model_dir
@@ -92,6 +93,8 @@ def eval(
               f"txl: note: --precision bf16, but {note}", file=sys.stderr)  # fmt: skip
     if dev.type == "cpu":
         configure_allocator()  # (not the oneDNN route: slower for evaluation's products, see txl.kernels.runtime)
+    else:  # (on a GPU the policy chooses among several paths: say which, as txl train does)
+        print(f"txl: runtime: {backends().inference_paths(dev.type, precision)}", file=sys.stderr)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
     lm = TransformerXLLM.from_pretrained(folder)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -140,6 +141,28 @@ class Backends:
         else:
             logits = "native NLL" if native_cpu and self.native_nll else "fp32"
         return f"training on {device} ({precision}): layers {layers}; adaptive softmax {logits}"
+
+    def inference_paths(self, device: str, precision: str) -> str:
+        """One line for a log: which backend evaluation and scoring take on ``device`` in ``precision`` under this
+        policy (a cached segment of several positions, the memory full)."""
+        half = precision != "fp32"
+        if device in self.fused_attention and (half or device != "cuda"):
+            triton = importlib.util.find_spec("triton") is not None
+            attention = "the fused Triton kernel" if triton else "PyTorch kernels (the fused kernel needs triton)"
+        elif device == "cpu" and self.native_kernels and self.native_attention and not half:
+            attention = "the native kernels"
+        else:
+            attention = "PyTorch kernels (one SDPA call)"
+        graphs = (
+            "; layers replayed as CUDA graphs" if half and device == "cuda" and "cuda" in self.graph_segments else ""
+        )
+        if half and device in self.half_precision_logits:
+            logits = f"{precision} products, fp32 log-softmax"
+        else:
+            logits = (
+                "native NLL" if device == "cpu" and self.native_kernels and self.native_nll and not half else "fp32"
+            )
+        return f"evaluation on {device} ({precision}): attention by {attention}{graphs}; adaptive softmax {logits}"
 
     @staticmethod
     def changes(mapping: dict) -> dict:

@@ -175,6 +175,7 @@ class Trainer(TrainingLoop):
         else:
             self.say(f"runtime: {backends().describe()}")
         self.say(f"runtime: {backends().training_paths(w.device.type, self.precision)}")  # (which backends run)
+        self.say(f"runtime: {backends().inference_paths(w.device.type, self.precision)}")  # (validation's)
 
         # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
         corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None
