@@ -344,3 +344,30 @@ def test_only_the_kept_tokens_of_a_long_text_are_encoded(kind, monkeypatch):
     for n in (1, 7, 100, 3_000):
         assert encode_prefix(tok, text, n) == full[:n]
     assert max(seen) < len(text) // 5  # (prefixes, never the whole text)
+
+
+def test_a_runs_fast_paths_are_its_policy_and_are_checked_first(lm, tmp_path, capsys, monkeypatch):
+    """--fast_paths (as txl train's train.fast_paths): the run's policy, which its log and its record name, the
+    process's policy unchanged after; an unknown field or a value of the wrong type is one error before anything is
+    written (no run folder)."""
+    import txl.train.finetune as ft
+    from txl.kernels.backends import Backends, backends
+
+    seen, step = [], ft.Finetuner.train_one
+    monkeypatch.setattr(ft.Finetuner, "train_one", lambda self: seen.append(backends()) or step(self))
+    data = make_data(tmp_path / "data", "single", n_train=40)
+    run = tmp_path / "run"
+    main(args(lm, data, run, max_steps=1, fast_paths="{native_attention: false, native_kernels: false}"))
+    assert seen and all(not b.native_attention and not b.native_kernels for b in seen)  # (the steps' policy)
+    log = (run / "train.log").read_text()
+    assert "runtime: fast paths: off: native_kernels, native_attention" in log, log
+    assert backends() == Backends()
+    assert json.loads((run / "finetune.json").read_text())["fast_paths"] == {
+        "native_attention": False, "native_kernels": False}  # fmt: skip
+    for bad, message in (("{fused: [cuda]}", "unknown fast path 'fused'"),
+                         ('{fused_attention: "cuda"}', "takes a list of device types")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(args(lm, data, tmp_path / "bad", fast_paths=bad))
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "bad").exists()

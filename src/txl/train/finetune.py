@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
+from txl.kernels.backends import Backends, backends, use_backends
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
 from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint, verify_checksums
 from txl.train.loop import TrainingLoop
@@ -102,6 +103,9 @@ class FinetuneConfig:
     """torch CPU threads."""
     from_scratch: bool = False
     """Start from random weights of the model's configuration instead of its trained weights."""
+    fast_paths: dict[str, Any] | None = None
+    """Changes to the fast-path policy for this run, as txl train's ``train.fast_paths`` (``txl.Backends``' fields,
+    docs/speed.md), e.g. {native_attention: false}; the log says which policy ran. None: the default policy."""
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -127,6 +131,13 @@ class FinetuneConfig:
             bad("dropout", "must be in [0, 1)")
         if self.task not in ("single", "multi", "regression"):
             bad("task", "must be single, multi or regression")
+        if self.fast_paths is not None:
+            if not isinstance(self.fast_paths, dict):
+                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {native_attention: false}")
+            try:
+                Backends.changes(self.fast_paths)
+            except ValueError as e:
+                bad("fast_paths", str(e))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,9 +419,10 @@ def finetune(cfg: FinetuneConfig) -> Path:
     cfg.validate()
     lock = RunLock(Path(cfg.run_dir), "txl finetune")
     try:
-        loop = Finetuner(cfg)
-        if not loop.finished:
-            loop.fit()
+        with use_backends(**Backends.changes(cfg.fast_paths or {})):  # (fast_paths: this run's policy)
+            loop = Finetuner(cfg)
+            if not loop.finished:
+                loop.fit()
         result = loop.run_dir
     except BaseException:
         lock.release(restore=True)  # (the lock file as it was; no folder if the run made it and never began)
@@ -562,6 +574,7 @@ class Finetuner(TrainingLoop):
             f"outputs) on {len(train)} documents ({len(valid)} valid); segments of {cfg.tgt_len}, memory "
             f"{self.mem_len if cfg.memory else 0}"
         )
+        self.say(f"runtime: {backends().describe()}")
         self.perm = self.order(self.epoch)
 
     def order(self, epoch: int) -> list[int]:
