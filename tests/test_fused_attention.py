@@ -86,7 +86,9 @@ def test_fp32_forward_and_backward_at_every_fill_level(M):
     compare(q, u, v, kv, r, causal(7, M), FP32)
 
 
-@pytest.mark.parametrize("T,M,H,Dh", [(1, 9, 2, 16), (17, 15, 2, 8), (33, 40, 1, 32), (20, 0, 2, 64)])
+@pytest.mark.parametrize(
+    "T,M,H,Dh", [(1, 9, 2, 16), (17, 15, 2, 8), (33, 40, 1, 32), (20, 0, 2, 64), (9, 14, 1, 96), (5, 6, 1, 128)]
+)  # (Dh 96 and 128: enwik8-large's heads, the largest tiles)
 def test_fp32_odd_shapes_span_several_tiles(T, M, H, Dh):
     q, u, v, kv, r = operands(2, T, M, H, Dh, torch.float32, seed=T)
     compare(q, u, v, kv, r, causal(T, M, True, 11), FP32)  # (same_length: a window of 11 keys)
@@ -102,9 +104,9 @@ def test_padding_masks_per_row_and_a_caches_wider_table():
     compare(q, u, v, kv, r, mask, FP32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_within_its_rounding(dtype):
-    q, u, v, kv, r = operands(2, 18, 9, 2, 16, dtype, seed=7)
+@pytest.mark.parametrize("dtype,Dh", [(torch.float16, 16), (torch.bfloat16, 16), (torch.bfloat16, 128)])
+def test_half_precision_within_its_rounding(dtype, Dh):
+    q, u, v, kv, r = operands(2, 18, 9, 2, Dh, dtype, seed=7)
     out = compare(q, u, v, kv, r, causal(18, 9), dict(rtol=3e-2, atol=3e-2))
     assert out.dtype == dtype
 
