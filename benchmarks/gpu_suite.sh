@@ -18,6 +18,8 @@
 #               reference path (WT103 base), in a fresh process: 20-step moving averages within 1%.
 #   others      The other paper models in bf16.
 #   generation  Generation as a CUDA graph against HF's generate().
+#   tiles       The fused attention alone at the WT103 base shapes, forward and backward, for six tile settings,
+#               beside the attention written out and compiled by Inductor (not in the default list: name it).
 # Measured on an H200 (2026-11-27): tests 93 s, base 190 s (one row fewer then), each track run ~100 s with the
 # compiler's caches warm; all five steps take about 12 minutes, more than one device call (10): a GPU session names
 # the steps it has time for (GPU_SUITE_STEPS="tests base track" is about 8 minutes).
@@ -64,6 +66,8 @@ for step in $STEPS; do
         enwik8-large --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
     generation)
       (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py --repeats 3) ;;
-    *) echo "[gpu_suite] unknown step $step (tests base track others generation)" ;;
+    tiles)
+      (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py) ;;
+    *) echo "[gpu_suite] unknown step $step (tests base track others generation tiles)" ;;
   esac
 done

@@ -59,3 +59,14 @@ def test_the_gpu_end_to_end_script_runs_the_users_commands_on_the_cpu(tmp_path):
     assert "stopped at step 6 (max_steps 6)" in run.stdout
     assert "fast paths: off: native_relu_dropout" in run.stdout
     assert run.stdout.count("valid: loss") == 2 and "tgt_len 64, mem_len 640, clamp_len 400" in run.stdout
+
+
+def test_the_fused_attention_tile_sweep_runs_on_the_cpu():
+    """benchmarks/gpu_fused_attention.py's smoke run (Triton's interpreter): the written-out attention and the fused
+    kernel timed side by side, the kernel's output compared with the written-out one."""
+    cmd = [sys.executable, "gpu_fused_attention.py", "--device", "cpu", "--smoke"]
+    run = subprocess.run(cmd, cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    diffs = [float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines() if "largest difference" in line]
+    assert len(diffs) == 2 and max(diffs) < 0.1, run.stdout  # (bf16 outputs of size ~1)
+    assert run.stdout.count("written out, compiled") == 2
