@@ -216,3 +216,41 @@ def test_operands_it_does_not_take_are_refused_with_a_clear_error():
     assert fused_attention.applies(q, u, v, kv[0], kv[1], r, causal(6, 3))
     assert not fused_attention.applies(strided, u, v, kv[0], kv[1], r, causal(6, 3))
     assert not fused_attention.applies(q, u, v, kv[0], kv[1], r, causal(6, 3).float())  # (a float mask)
+
+
+def test_an_exported_model_leaves_the_fused_op_out():
+    """An exported graph (torch.export, the ONNX exporter's) must not need txl's library: where the policy would
+    take the fused kernel, export traces the reference instead; an eager call of the same model takes the kernel."""
+    from tests.conftest import debug_config
+    from txl import Backends, TransformerXLLM, use_backends
+    from txl.kernels.backends import traced_policy
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(n_head=2, d_head=16, d_model=32, d_inner=48)).to(DEVICE).eval()
+    x = torch.randint(0, 97, (2, 6), device=DEVICE)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, ids):
+            return self.lm(ids, return_log_probs=True).log_probs
+
+    policy = Backends(native_kernels=False, fused_attention=(DEVICE,))
+    previous = traced_policy(policy)  # (what code being traced reads)
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(Logits(), (x,))
+    finally:
+        traced_policy(previous)
+    assert "rel_attention" not in str(exported.graph)
+    calls, kernel = [], fused_attention.fused_rel_attention
+    fused_attention.fused_rel_attention = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    try:
+        with use_backends(policy), torch.no_grad():
+            eager = Logits()(x)
+    finally:
+        fused_attention.fused_rel_attention = kernel
+    assert calls  # (the same policy, eagerly: the kernel)
+    torch.testing.assert_close(exported.module()(x), eager, rtol=1e-4, atol=1e-5)

@@ -51,6 +51,8 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     policy = backends()
     if q.device.type not in (policy.fused_attention_training if grad else policy.fused_attention):
         return None
+    if torch.compiler.is_exporting():  # (an exported graph, ONNX's too, must not need txl's library)
+        return None
     if grad and not isinstance(kv, Tensor):
         return None
     k, v_ = kv
