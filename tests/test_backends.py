@@ -100,6 +100,8 @@ def test_a_recipe_sets_the_runs_policy_through_train_fast_paths(tmp_path, capsys
         err = capsys.readouterr().err
         assert "train.fast_paths = " in err and message in err, err
         assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="takes a mapping of txl.Backends fields"):  # (a list, from Python)
+        Backends.changes(["fused_attention"])
 
 
 def test_no_module_keeps_a_switch_of_its_own():

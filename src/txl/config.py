@@ -166,10 +166,8 @@ class TrainConfig:
             if mems[0] < 0 or any(b < a for a, b in zip(mems, mems[1:], strict=False)):
                 bad("mem_len_schedule", "its memories must be >= 0 and grow (never shrink)")
         if self.fast_paths is not None:
-            if not isinstance(self.fast_paths, dict):
-                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {fused_attention_training: [cuda]}")
             try:
-                Backends.changes(self.fast_paths)
+                Backends.changes(self.fast_paths)  # (a mapping of Backends' fields, each of its type)
             except ValueError as e:
                 bad("fast_paths", str(e))
         if self.scheduler == "inv_sqrt" and self.warmup_steps == 0:

@@ -169,6 +169,10 @@ class Backends:
         """``mapping`` (field name -> value, as JSON or YAML gives it: lists for device lists) as keyword arguments
         of :func:`use_backends`, checked: a ValueError names an unknown field (and the known ones) or a value of the
         wrong type."""
+        if not isinstance(mapping, dict):
+            raise ValueError(
+                f"takes a mapping of txl.Backends fields, e.g. {{native_attention: false}} (got {mapping!r})"
+            )
         default = Backends()
         out = {}
         for name, value in mapping.items():

@@ -132,10 +132,8 @@ class FinetuneConfig:
         if self.task not in ("single", "multi", "regression"):
             bad("task", "must be single, multi or regression")
         if self.fast_paths is not None:
-            if not isinstance(self.fast_paths, dict):
-                bad("fast_paths", "takes a mapping of txl.Backends fields, e.g. {native_attention: false}")
             try:
-                Backends.changes(self.fast_paths)
+                Backends.changes(self.fast_paths)  # (a mapping of Backends' fields, each of its type)
             except ValueError as e:
                 bad("fast_paths", str(e))
 
