@@ -524,9 +524,6 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     save(rows)
-    if args.json:
-        if tracked:
-            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
     print(table(rows, peaks, name))
     if args.write:
         gap = f"{100 * tracked['largest_gap']:.2f}%" if tracked and tracked["largest_gap"] is not None else "not run"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txl.kernels import native
-from txl.kernels.backends import backends
+from txl.kernels.backends import backends, fused_pays
 from txl.kernels.dropout import dropout_seed
 from txl.kernels.native import ops
 
@@ -58,7 +58,7 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     k, v_ = kv
     dev = q.device.type  # the products' dtype: autocast's, as the reference's matmuls take it, else the values'
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else v_.dtype
-    if not fused_pays(q.device.type, dt, q.shape[1]):
+    if not fused_pays(dev, dt, q.shape[1]):
         return None
     fused = _fused_module()
     if fused is None:
@@ -69,14 +69,6 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
         return None
     seed = torch.randint(0, 2**62, (1,), device=q.device) if dropatt else None  # (on the device: no host read)
     return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
-
-
-def fused_pays(device: str, dtype: torch.dtype, positions: int) -> bool:
-    """Whether the fused kernel is the faster choice for a segment of ``positions`` queries whose products are in
-    ``dtype`` on ``device`` (a device type): on a GPU only in half precision (its fp32 products are IEEE FMA loops,
-    6-8x slower than cuBLAS on an H200) and for segments of several positions (one-token steps are the decode paths',
-    not measured with it); elsewhere (Triton's interpreter, the tests) always."""
-    return device != "cuda" or (dtype in (torch.float16, torch.bfloat16) and positions > 1)
 
 
 _FUSED: list = []  # [the module, or None without triton], once imported

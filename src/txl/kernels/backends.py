@@ -124,7 +124,7 @@ class Backends:
         their library: ``txl.kernels.native.status``)."""
         half = precision != "fp32"
         native_cpu = device == "cpu" and self.native_kernels and not half
-        fused_here = device in self.fused_attention_training and (half or device != "cuda")  # (fp32 GPU: declined)
+        fused_here = device in self.fused_attention_training and fused_pays(device, _DTYPES[precision], 2)
         fused = " (attention: the fused Triton kernel)" if fused_here else ""
         if device in self.compiled_layers:
             layers = f"compiled by torch.compile (Inductor: the scores' shift, mask, softmax, dropout fused){fused}"
@@ -136,17 +136,15 @@ class Backends:
             layers = "eager, attention by scaled_dot_product_attention"
         else:
             layers = "eager, attention by PyTorch kernels"
-        if half and device in self.half_precision_logits:
-            logits = f"{precision} products, fp32 log-softmax"
-        else:
-            logits = "native NLL" if native_cpu and self.native_nll else "fp32"
-        return f"training on {device} ({precision}): layers {layers}; adaptive softmax {logits}"
+        return (
+            f"training on {device} ({precision}): layers {layers}; adaptive softmax {self._logits(device, precision)}"
+        )
 
     def inference_paths(self, device: str, precision: str) -> str:
         """One line for a log: which backend evaluation and scoring take on ``device`` in ``precision`` under this
         policy (a cached segment of several positions, the memory full)."""
         half = precision != "fp32"
-        if device in self.fused_attention and (half or device != "cuda"):
+        if device in self.fused_attention and fused_pays(device, _DTYPES[precision], 2):
             triton = importlib.util.find_spec("triton") is not None
             attention = "the fused Triton kernel" if triton else "PyTorch kernels (the fused kernel needs triton)"
         elif device == "cpu" and self.native_kernels and self.native_attention and not half:
@@ -154,15 +152,17 @@ class Backends:
         else:
             attention = "PyTorch kernels (one SDPA call)"
         graphs = (
-            "; layers replayed as CUDA graphs" if half and device == "cuda" and "cuda" in self.graph_segments else ""
+            "; layers replayed as CUDA graphs" if half and device == "cuda" and device in self.graph_segments else ""
         )
-        if half and device in self.half_precision_logits:
-            logits = f"{precision} products, fp32 log-softmax"
-        else:
-            logits = (
-                "native NLL" if device == "cpu" and self.native_kernels and self.native_nll and not half else "fp32"
-            )
+        logits = self._logits(device, precision)
         return f"evaluation on {device} ({precision}): attention by {attention}{graphs}; adaptive softmax {logits}"
+
+    def _logits(self, device: str, precision: str) -> str:
+        """The adaptive softmax's path, for the two lines above."""
+        if precision != "fp32" and device in self.half_precision_logits:
+            return f"{precision} products, fp32 log-softmax"
+        native_cpu = device == "cpu" and self.native_kernels and precision == "fp32"
+        return "native NLL" if native_cpu and self.native_nll else "fp32"
 
     @staticmethod
     def changes(mapping: dict) -> dict:
@@ -193,6 +193,17 @@ class Backends:
         """The policy as JSON takes it (tuples as lists)."""
         out = dataclasses.asdict(self)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fused_pays(device: str, dtype: torch.dtype, positions: int) -> bool:
+    """Whether the fused attention kernel is the faster choice for a segment of ``positions`` queries whose products
+    are in ``dtype`` on ``device`` (a device type): on a GPU only in half precision (its fp32 products are IEEE FMA
+    loops, 6-8x slower than cuBLAS on an H200) and for segments of several positions (one-token steps are the decode
+    paths', not measured with it); elsewhere (Triton's interpreter, the tests) always."""
+    return device != "cuda" or (dtype in (torch.float16, torch.bfloat16) and positions > 1)
 
 
 _process = [Backends()]  # the process's policy (threads without a use_backends block of their own read it)

@@ -208,10 +208,12 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         if not self.n_clusters and torch.compiler.is_compiling():
             return valid, t, []  # (in a graph, no host read: the targets are the caller's to check)
         bad = (((targets < 0) & valid) | (targets >= self.n_token)).any()
-        cluster = sum((t >= c).long() for c in self.ends[1:-1]) if self.n_clusters else None  # [N] (0: head)
-        # each tail's size, counted into a fixed shape (bincount's shape depends on the data: a graph break)
-        ids = torch.arange(1, self.n_clusters + 1, device=t.device)  # [n_clusters] (the tails' cluster ids)
-        sizes = (cluster[None] == ids[:, None]).sum(1) if self.n_clusters else bad.new_zeros(0, dtype=torch.long)
+        cluster, sizes = None, bad.new_zeros(0, dtype=torch.long)
+        if self.n_clusters:
+            cluster = sum((t >= c).long() for c in self.ends[1:-1])  # [N] (0: head)
+            # each tail's size, counted into a fixed shape (bincount's shape depends on the data: a graph break)
+            ids = torch.arange(1, self.n_clusters + 1, device=t.device)  # [n_clusters] (the tails' cluster ids)
+            sizes = (cluster[None] == ids[:, None]).sum(1)
         bad, *sizes = torch.cat([bad.long()[None], sizes]).tolist()
         if bad:
             raise ValueError(f"targets must be in [0, {self.n_token}) or -100 (ignored)")
