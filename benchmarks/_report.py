@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,6 +14,25 @@ TITLE = "# Benchmarks\n\nLatest results, with the command that produced them.\n"
 
 
 PAPER_TITLE = "# The paper's experiments with txl\n\nResults, with the commands that made them.\n"
+
+
+def tree_digest(root: Path) -> str:
+    """12 hex digits of SHA-256 over the code a benchmark runs (src/txl and benchmarks/: paths and bytes). A copied
+    tree can carry another commit's git metadata (the lent GPU machine's copy reports the session's first commit), so
+    a result also names its code by content: ``python benchmarks/_report.py ROOT`` prints it for any checkout."""
+    h = hashlib.sha256()
+    files = [f for d in ("src/txl", "benchmarks") for f in (root / d).rglob("*") if f.is_file()]
+    for f in sorted(files):
+        rel = f.relative_to(root).as_posix()
+        if f.suffix in (".py", ".c", ".h", ".sh", ".cpp") and "/results/" not in rel and "__pycache__" not in rel:
+            h.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def code_version(root: Path) -> str:
+    """``git describe --always --dirty`` and the tree's digest (:func:`tree_digest`): "a059ddd (tree 3f2c...)"."""
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=root)
+    return f"{described.stdout.strip() or 'unknown'} (tree {tree_digest(root)})"
 
 
 def publish(section: str, path: Path | None, heading: str) -> None:
@@ -52,3 +74,7 @@ class MatmulFlops(TorchDispatchMode):
         if count is not None:
             self.flops += count(*args, **(kwargs or {}), out_val=out)
         return out
+
+
+if __name__ == "__main__":  # the digest of a checkout: python benchmarks/_report.py [ROOT]
+    print(tree_digest(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])))

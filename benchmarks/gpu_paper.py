@@ -31,15 +31,15 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _report import MatmulFlops, replace_section
+from _report import MatmulFlops, code_version, replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
 from txl.kernels.backends import Backends, use_backends
@@ -362,11 +362,31 @@ def run_config(name, args, device, peaks, rows, log) -> None:
         log(f"{name} eval: bf16 against fp32 (txl), largest relative loss difference over {n} steps {gap:.2e}")
 
 
+def deterministic(log) -> dict:
+    """Deterministic kernels for the tracked runs, so that a run repeated gives the same losses and two variants
+    differ by their arithmetic (and dropout masks) alone: Inductor's deterministic mode (its Triton reductions are
+    otherwise tuned by timing them at their first call, and the block size chosen changes their sums' order: on an
+    H200 two runs of the same code drifted 0.96% apart in 300 steps), torch's deterministic algorithms (an
+    accumulating scatter sorts instead of adding atomically; warn only where an op has no deterministic version), and
+    cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG, set before the first product)."""
+    settings = {"on": True, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # (no NaN written into every new tensor)
+    settings["torch"] = True
+    inductor = torch._inductor.config
+    settings["inductor"] = hasattr(inductor, "deterministic")  # (torch 2.7 and later)
+    if settings["inductor"]:
+        inductor.deterministic = True
+    log(f"track: deterministic kernels {settings}")
+    return settings
+
+
 def track(name, args, device, log) -> dict:
     """``args.track`` steps of each of ``args.track_variants`` ("impl:precision") and of the reference
     ``args.track_reference`` from the same weights and data: for each, the largest relative gap of its 20-step moving
     average of the loss from the reference's."""
     c = CONFIGS[name]
+    settings = deterministic(log) if args.track_deterministic else None
     stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
     base, _ = build(name, device, False)
     if args.track_dropout is not None:  # (without dropout the paths differ by their arithmetic alone)
@@ -374,25 +394,39 @@ def track(name, args, device, log) -> dict:
             if isinstance(m, (torch.nn.Dropout, Dropout)):
                 m.p = args.track_dropout
     curves, firsts = {}, {}
-    for variant in [args.track_reference, *args.track_variants]:
+
+    def run(variant: str) -> None:
         impl, precision, *seed = variant.split(":")  # (a third field: the dropout's seed, 2 by default)
         model = copy.deepcopy(base)
+        with use_backends(POLICIES[impl]):
+            torch.manual_seed(int(seed[0]) if seed else 2)
+            tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
+            t0 = time.perf_counter()
+            curves[variant] = [tr.step(clip=0.25) for _ in range(args.track)]
+            log(f"track {variant}: {args.track} steps in {time.perf_counter() - t0:.1f} s; first losses "
+                + " ".join(f"{x:.3f}" for x in curves[variant][:6]) + "; gradient norms "
+                + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
+            firsts[variant] = tr.first
+
+    for variant in [args.track_reference, *args.track_variants]:
         try:
-            with use_backends(POLICIES[impl]):
-                torch.manual_seed(int(seed[0]) if seed else 2)
-                tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
-                t0 = time.perf_counter()
-                curves[variant] = [tr.step(clip=0.25) for _ in range(args.track)]
-                log(f"track {variant}: {args.track} steps in {time.perf_counter() - t0:.1f} s; first losses "
-                    + " ".join(f"{x:.3f}" for x in curves[variant][:6]) + "; gradient norms "
-                    + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
-                firsts[variant] = tr.first
-            del tr
+            try:
+                run(variant)
+            except Exception as e:  # (a deterministic mode that fails on this torch must not cost the run)
+                if not (settings and settings["on"]):
+                    raise
+                log(f"track {variant}: failed with deterministic kernels ({type(e).__name__}: {first_line(e)}); "
+                    "this and the following variants without them")  # fmt: skip
+                settings.update(on=False, off_from=variant)
+                torch.use_deterministic_algorithms(False)
+                if settings["inductor"]:
+                    torch._inductor.config.deterministic = False
+                torch._dynamo.reset()
+                run(variant)
         except Exception as e:
-            if variant == args.track_reference or not may_fail(impl, e):
+            if variant == args.track_reference or not may_fail(variant.split(":")[0], e):
                 raise
             log(f"track {variant}: failed: {type(e).__name__}: {first_line(e)}")
-        del model
     w = min(20, args.track)
     ma = {k: [statistics.fmean(v[i - w : i]) for i in range(w, len(v) + 1)] for k, v in curves.items()}
     ref = ma[args.track_reference]
@@ -404,9 +438,15 @@ def track(name, args, device, log) -> dict:
         ratios = sorted(((f[n] / (ref_first[n] + 1e-30), n) for n in f if n in ref_first), reverse=True)
         log(f"track {k}: first step's gradient norms over the reference's, largest: "
             + ", ".join(f"{n} {r:.3g} ({f[n]:.3g})" for r, n in ratios[:4]))  # fmt: skip
+    repeats = {}  # (a variant run twice, "impl:precision" and "impl:precision:2": how far a run is from itself)
+    for k in curves:
+        again = k + ":2"
+        if len(k.split(":")) == 2 and again in curves:
+            repeats[k] = max(abs(a - b) / b for a, b in zip(ma[again], ma[k], strict=True))
+            log(f"track {k}: run twice, largest gap of the {w}-step moving averages {100 * repeats[k]:.3f}%")
     first = args.track_variants[0]
-    return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps,
-                largest_gap=gaps.get(first), curves=curves)  # fmt: skip
+    return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, repeats=repeats,
+                deterministic=settings, largest_gap=gaps.get(first), curves=curves)  # fmt: skip
 
 
 def profile(step, device: torch.device, label: str, folder: Path, log, steps: int = 3) -> None:
@@ -473,12 +513,19 @@ def main() -> None:
     ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision[:seed]; first: headline")
     ap.add_argument("--track_dropout", type=float, help="dropout, dropatt of the tracked runs (default: the config)")
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
+    ap.add_argument(
+        "--track_deterministic",
+        action="store_true",
+        help="the tracked runs with deterministic kernels (deterministic(): a repeated run gives the same losses)",
+    )
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: configurations after this are skipped")
     ap.add_argument("--json", type=Path, help="write the rows here (a list of objects)")
     ap.add_argument("--append", action="store_true", help="keep the --json file's rows of other configurations")
     ap.add_argument("--profile", type=Path, help="write profiles of txl's bf16 training steps to this folder")
     ap.add_argument("--write", type=Path, help="replace this script's section of docs/benchmarks.md")
     args = ap.parse_args()
+    if args.track and args.track_deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (before the first product: see deterministic())
     device = torch.device(args.device)
     try:
         import transformers  # noqa: F401
@@ -493,8 +540,7 @@ def main() -> None:
     t_start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - t_start:6.1f} s] {s}", flush=True)  # noqa: E731
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
-    commit = commit.stdout.strip() or "unknown"
+    commit = code_version(ROOT)
     log(f"device {name}, torch {torch.__version__}, commit {commit}")
     peaks = {"bf16": gemm_peak(device, torch.bfloat16), "fp32": gemm_peak(device, torch.float32)}
     log(f"GEMM peaks: bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s, fp32 {peaks['fp32'] / 1e12:.1f} TFLOP/s")

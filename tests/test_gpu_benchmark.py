@@ -4,6 +4,8 @@ loss comparison reports each variant's gap from the reference; the committed res
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,12 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"config", "case", "impl", "device", "torch", "tokens_per_s", "mfu", "commit"}
 
 
+def tree_digest(root: Path) -> str:
+    """benchmarks/_report.py's tree_digest (the benchmarks folder is not a package)."""
+    spec = importlib.util.spec_from_file_location("_report", ROOT / "benchmarks" / "_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.tree_digest(root)
+
+
 def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
     out = tmp_path / "gpu.json"
     out.write_text(json.dumps([{"config": "other", "case": "train-bf16", "impl": "txl", "tokens_per_s": 1.0}]))
     cmd = [sys.executable, "gpu_paper.py", "--device", "cpu", "--configs", "tiny", "--impls", "txl", "txl-eager",
-           "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--track", "21", "--track_variants",
-           "txl:fp32", "--json", str(out), "--append"]  # fmt: skip
+           "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--track", "21", "--track_deterministic",
+           "--track_variants", "txl:fp32", "txl:fp32:2", "--json", str(out), "--append"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())
@@ -35,9 +45,59 @@ def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
     assert eager_eval["max_dloss_vs_txl"] < 1e-5  # (the same segments' losses, step by step)
     for r in ours:
         assert KEYS <= r.keys() and r["tokens_per_s"] > 0 and r["device"] == "cpu"
+        assert r["commit"].endswith(f"(tree {tree_digest(ROOT)})")  # (the code by content, whatever git says)
     track = json.loads((tmp_path / "gpu_track.json").read_text())
-    assert set(track["gaps"]) == {"txl-reference:fp32", "txl:fp32"} and track["gaps"]["txl:fp32"] < 0.01
+    assert set(track["gaps"]) == {"txl-reference:fp32", "txl:fp32", "txl:fp32:2"} and track["gaps"]["txl:fp32"] < 0.01
+    assert track["deterministic"]["on"] and track["deterministic"]["inductor"]  # (--track_deterministic)
+    assert track["repeats"] == {"txl:fp32": 0.0} and track["curves"]["txl:fp32:2"] == track["curves"]["txl:fp32"]
     assert "| tiny | train-fp32 | txl |" in run.stdout
+
+
+def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
+    """A torch whose deterministic mode fails on some kernel must not cost a GPU session's one track run: the failing
+    variant runs again without deterministic kernels, as do the following ones, and the result says where."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import torch
+
+    import gpu_paper
+
+    step = gpu_paper.Trainer.step
+
+    def failing(self, clip=0.0):
+        if torch.are_deterministic_algorithms_enabled() and self.precision == "bf16":
+            raise RuntimeError("In the deterministic mode of Inductor, we will avoid those benchmarkings")
+        return step(self, clip)
+
+    monkeypatch.setattr(gpu_paper.Trainer, "step", failing)
+    args = argparse.Namespace(track=21, track_deterministic=True, track_dropout=None, track_reference="txl:fp32",
+                              track_variants=["txl:bf16", "txl:fp32:2"])  # fmt: skip
+    lines = []
+    try:
+        out = gpu_paper.track("tiny", args, torch.device("cpu"), lines.append)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch._inductor.config.deterministic = False
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    assert out["deterministic"]["on"] is False and out["deterministic"]["off_from"] == "txl:bf16"
+    assert set(out["curves"]) == {"txl:fp32", "txl:bf16", "txl:fp32:2"} and out["gaps"]["txl:bf16"] < 0.01
+    assert any("failed with deterministic kernels" in line for line in lines)
+
+
+def test_the_tree_digest_names_the_code_and_nothing_else(tmp_path):
+    """A result's code is named by content (a copied tree may carry another commit's git metadata): a changed source
+    file changes the digest; results, caches and other folders do not."""
+    for rel in ("src/txl/model/a.py", "benchmarks/b.py", "benchmarks/results/gpu.json", "docs/x.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("1\n")
+    first = tree_digest(tmp_path)
+    (tmp_path / "benchmarks/results/gpu.json").write_text("2\n")
+    (tmp_path / "docs/x.md").write_text("2\n")
+    assert tree_digest(tmp_path) == first and len(first) == 12
+    (tmp_path / "src/txl/model/a.py").write_text("2\n")
+    assert tree_digest(tmp_path) != first
+    (tmp_path / "src/txl/model/a.py").write_text("1\n")
+    (tmp_path / "src/txl/model/a.py").rename(tmp_path / "src/txl/model/c.py")  # (the same bytes, another file)
+    assert tree_digest(tmp_path) != first
 
 
 def test_the_committed_gpu_results_have_the_format():
