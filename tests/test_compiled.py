@@ -104,7 +104,36 @@ def test_the_policy_fixed_for_a_compiled_call_is_put_back_after_it():
     traced_policy(before)
     with use_backends(compiled_layers=("cpu",), half_precision_scores=False):
         two_segments(model, x)
-    assert traced_policy(before) is before
+    assert traced_policy(None) is before
+
+
+def test_a_users_torch_compile_reads_the_process_policy_and_recompiles_when_it_changes():
+    """A user's own torch.compile of the model traces txl's ops with the process's policy (txl.set_backends), not
+    the defaults: with the fused attention turned on for the CPU (Triton's interpreter) the traced graph calls it,
+    and turned off again the next call recompiles without it."""
+    from txl import set_backends
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(n_head=2, d_head=16, d_model=32, d_inner=48)).eval()
+    x = torch.randint(0, 97, (2, 6))
+    ref = model(x, return_log_probs=True).log_probs
+    run = torch.compile(lambda ids: model(ids, return_log_probs=True).log_probs, backend=record)
+    torch._dynamo.reset()
+    set_backends(fused_attention=("cpu",), native_kernels=False)
+    with torch.no_grad():
+        out = run(x)
+        assert len(graphs) == 1 and "rel_attention" in graphs[0]
+        set_backends(fused_attention=())
+        again = run(x)
+    assert len(graphs) == 2 and "rel_attention" not in graphs[1]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)
 
 
 def test_a_whole_training_forward_compiles_with_no_host_read_but_the_adaptive_softmaxs_one():

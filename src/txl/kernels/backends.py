@@ -210,22 +210,25 @@ _process = [Backends()]  # the process's policy (threads without a use_backends 
 _block: ContextVar[Backends | None] = ContextVar("txl_backends", default=None)
 
 
-_traced = [Backends()]  # the policy that code being compiled reads (set by txl.kernels.compiled before each call)
+_traced: list[Backends | None] = [None]  # the policy fixed for txl's own compiled calls (txl.kernels.compiled)
 
 
 def backends() -> Backends:
     """The policy in force here: the innermost :func:`use_backends` block's, else the process's. Code that
-    ``torch.compile`` traces reads the policy its caller fixed (:func:`traced_policy`): a graph cannot read a
-    context variable."""
+    ``torch.compile`` traces (a graph cannot read a context variable) reads the policy that txl's compiled layer call
+    fixed for it (:func:`traced_policy`), else, in a user's own ``torch.compile`` or ``torch.export``, the process's
+    (:func:`set_backends`; its graphs are guarded on it: a change recompiles). A :func:`use_backends` block is not seen
+    inside a user's compiled code."""
     if torch.compiler.is_compiling():
-        return _traced[0]
+        traced = _traced[0]
+        return _process[0] if traced is None else traced
     return _block.get() or _process[0]
 
 
-def traced_policy(policy: Backends) -> Backends:
-    """Fix the policy that compiled code reads (its graphs are guarded on it: a change recompiles); returns the one
-    it replaces, for the caller to put back after its call (so that code compiled or exported later, elsewhere, does
-    not read a policy fixed for another call)."""
+def traced_policy(policy: Backends | None) -> Backends | None:
+    """Fix the policy that compiled code reads (its graphs are guarded on it: a change recompiles; None: the
+    process's); returns the one it replaces, for the caller to put back after its call (so that code compiled or
+    exported later, elsewhere, does not read a policy fixed for another call)."""
     previous, _traced[0] = _traced[0], policy
     return previous
 
