@@ -381,10 +381,10 @@ def deterministic(log) -> dict:
     return settings
 
 
-def track(name, args, device, log) -> dict:
+def track(name, args, device, log, save=None) -> dict:
     """``args.track`` steps of each of ``args.track_variants`` ("impl:precision") and of the reference
     ``args.track_reference`` from the same weights and data: for each, the largest relative gap of its 20-step moving
-    average of the loss from the reference's."""
+    average of the loss from the reference's. ``save`` is given the result so far after each variant."""
     c = CONFIGS[name]
     settings = deterministic(log) if args.track_deterministic else None
     stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
@@ -408,6 +408,23 @@ def track(name, args, device, log) -> dict:
                 + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
             firsts[variant] = tr.first
 
+    w = min(20, args.track)
+
+    def gap(curve: list[float], ref: list[float]) -> float:  # (largest relative gap of the w-step moving averages)
+        ma = [statistics.fmean(curve[i - w : i]) for i in range(w, len(curve) + 1)]
+        ma_ref = [statistics.fmean(ref[i - w : i]) for i in range(w, len(ref) + 1)]
+        return max(abs(a - b) / b for a, b in zip(ma, ma_ref, strict=True))
+
+    def result() -> dict:
+        ref = curves.get(args.track_reference)
+        gaps = {k: gap(v, ref) for k, v in curves.items()} if ref else {}
+        # (a variant run twice, "impl:precision" and "impl:precision:2": how far a run is from itself)
+        repeats = {
+            k: gap(curves[k + ":2"], v) for k, v in curves.items() if len(k.split(":")) == 2 and k + ":2" in curves
+        }
+        return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, repeats=repeats,
+                    deterministic=settings, largest_gap=gaps.get(args.track_variants[0]), curves=curves)  # fmt: skip
+
     for variant in [args.track_reference, *args.track_variants]:
         try:
             try:
@@ -427,26 +444,20 @@ def track(name, args, device, log) -> dict:
             if variant == args.track_reference or not may_fail(variant.split(":")[0], e):
                 raise
             log(f"track {variant}: failed: {type(e).__name__}: {first_line(e)}")
-    w = min(20, args.track)
-    ma = {k: [statistics.fmean(v[i - w : i]) for i in range(w, len(v) + 1)] for k, v in curves.items()}
-    ref = ma[args.track_reference]
-    gaps = {k: max(abs(a - b) / b for a, b in zip(v, ref, strict=True)) for k, v in ma.items()}
-    for k, g in gaps.items():
-        log(f"track {k}: largest gap of the {w}-step moving averages from {args.track_reference} {100 * g:.3f}%")
+        if variant in curves and variant != args.track_reference:  # (as each ends: a run cut short keeps them)
+            log(f"track {variant}: largest gap of the {w}-step moving averages from {args.track_reference} "
+                f"{100 * gap(curves[variant], curves[args.track_reference]):.3f}%")  # fmt: skip
+        if save:
+            save(result())
+    out = result()
+    for k, g in out["repeats"].items():
+        log(f"track {k}: run twice, largest gap of the {w}-step moving averages {100 * g:.3f}%")
     ref_first = firsts[args.track_reference]
     for k, f in firsts.items():
         ratios = sorted(((f[n] / (ref_first[n] + 1e-30), n) for n in f if n in ref_first), reverse=True)
         log(f"track {k}: first step's gradient norms over the reference's, largest: "
             + ", ".join(f"{n} {r:.3g} ({f[n]:.3g})" for r, n in ratios[:4]))  # fmt: skip
-    repeats = {}  # (a variant run twice, "impl:precision" and "impl:precision:2": how far a run is from itself)
-    for k in curves:
-        again = k + ":2"
-        if len(k.split(":")) == 2 and again in curves:
-            repeats[k] = max(abs(a - b) / b for a, b in zip(ma[again], ma[k], strict=True))
-            log(f"track {k}: run twice, largest gap of the {w}-step moving averages {100 * repeats[k]:.3f}%")
-    first = args.track_variants[0]
-    return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, repeats=repeats,
-                deterministic=settings, largest_gap=gaps.get(first), curves=curves)  # fmt: skip
+    return out
 
 
 def profile(step, device: torch.device, label: str, folder: Path, log, steps: int = 3) -> None:
@@ -565,10 +576,13 @@ def main() -> None:
             continue
         run_config(cfg, args, device, peaks, rows, log)
     if args.track:
-        tracked = track(args.configs[0], args, device, log)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
+
+        def save_track(tracked: dict) -> None:  # (after every variant: a run cut short keeps what it measured)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.with_name(args.json.stem + "_track.json").write_text(json.dumps(tracked) + "\n")
+
+        tracked = track(args.configs[0], args, device, log, save_track)
     save(rows)
     print(table(rows, peaks, name))
     if args.write:

@@ -55,7 +55,8 @@ def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
 
 def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
     """A torch whose deterministic mode fails on some kernel must not cost a GPU session's one track run: the failing
-    variant runs again without deterministic kernels, as do the following ones, and the result says where."""
+    variant runs again without deterministic kernels, as do the following ones, and the result says where; the result
+    so far is saved after each variant (a run cut short by its time limit keeps it)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import torch
 
@@ -71,9 +72,9 @@ def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
     monkeypatch.setattr(gpu_paper.Trainer, "step", failing)
     args = argparse.Namespace(track=21, track_deterministic=True, track_dropout=None, track_reference="txl:fp32",
                               track_variants=["txl:bf16", "txl:fp32:2"])  # fmt: skip
-    lines = []
+    lines, saved = [], []
     try:
-        out = gpu_paper.track("tiny", args, torch.device("cpu"), lines.append)
+        out = gpu_paper.track("tiny", args, torch.device("cpu"), lines.append, lambda r: saved.append(dict(r["gaps"])))
     finally:
         torch.use_deterministic_algorithms(False)
         torch._inductor.config.deterministic = False
@@ -81,6 +82,7 @@ def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
     assert out["deterministic"]["on"] is False and out["deterministic"]["off_from"] == "txl:bf16"
     assert set(out["curves"]) == {"txl:fp32", "txl:bf16", "txl:fp32:2"} and out["gaps"]["txl:bf16"] < 0.01
     assert any("failed with deterministic kernels" in line for line in lines)
+    assert [len(g) for g in saved] == [1, 2, 3]  # (the result so far, saved as each variant ends)
 
 
 def test_the_tree_digest_names_the_code_and_nothing_else(tmp_path):
