@@ -156,7 +156,9 @@ def test_small_cli_defects_are_one_clear_line(lm, tmp_path, capsys, monkeypatch)
     bad = tmp_path / "k08"
     bad.mkdir()
     (bad / "metrics.jsonl").write_text("{bad\n5\n")
-    assert "none of its 3 line(s) is a metrics row" in fails(["plot", str(bad)], capsys)
+    assert "none of its 2 line(s) is a metrics row" in fails(["plot", str(bad)], capsys)
+    (bad / "metrics.jsonl").write_text("{bad\n5")  # (no newline at the end: the same two lines)
+    assert "none of its 2 line(s) is a metrics row" in fails(["plot", str(bad)], capsys)
     links = tmp_path / "d09"
     links.mkdir()
     (links / "train.txt").write_text("ab\n")

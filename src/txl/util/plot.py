@@ -32,7 +32,8 @@ def run_figure(run_dir: str | Path):
     valid = [r for r in rows if r.get("split") == "valid"]
     if not train and not valid:
         path = run_dir / METRICS
-        lines = path.read_bytes().count(b"\n") + 1 if path.is_file() and path.stat().st_size else 0
+        text = path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else ""
+        lines = len(text.splitlines())  # (as read_metrics reads them: a last newline ends a line, it starts none)
         if lines:  # (probes.md k08: a file of bad lines was "no metrics yet")
             raise ValueError(
                 f"{path}: none of its {lines} line(s) is a metrics row (a JSON object with an integer step, as "
