@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json as _json
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -66,7 +67,8 @@ def eval(
             (1: one prediction per window, as the paper does; larger is faster and gives more context-poor scores).
         plot: With a list of --mem_len: the PNG of the metric against the memory length (default:
             mem_len_sweep.png).
-        json: Print one JSON object instead of a line of text (one per memory length).
+        json: Print one JSON object instead of a line of text (one per memory length; with the scoring's
+            seconds and tokens_per_s, as the line of text has its tokens/s).
         zero_memory: Start every column from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code)
             evaluated: a converted HF model then gives HF's numbers (default: an empty memory, as the original
             PyTorch code).
@@ -125,6 +127,7 @@ def eval(
     name = metric_name(text.tokenizer.kind)
     points = []
     for s in settings_list:
+        start = time.perf_counter()
         res = evaluate(
             lm.to(dev),
             text.ids,
@@ -138,6 +141,7 @@ def eval(
             world=World(device=dev),
             zero_memory=zero_memory,
         )
+        speed = _speed(res.tokens, time.perf_counter() - start)
         if not math.isfinite(res.loss):
             raise NonFiniteError(
                 f"the loss on {text.description} is {res.loss}: the model gives a non-finite probability somewhere "
@@ -158,14 +162,14 @@ def eval(
             settings["zero_memory"] = True
         if json:
             record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value}
-            print(_json.dumps(record | {"tokens": res.tokens} | settings, ensure_ascii=False), flush=True)
+            print(_json.dumps(record | {"tokens": res.tokens} | settings | speed, ensure_ascii=False), flush=True)
         else:
             label = text.description if data is not None and Path(data).is_file() else s.split
             print(
                 f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
                 f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size}"
                 f"{', zero memory' if zero_memory else ''} | "
-                f"{res.tokens:,} tokens | {folder}",
+                f"{res.tokens:,} tokens, {speed['tokens_per_s']:,.0f} tokens/s | {folder}",
                 flush=True,
             )
     if sweep:
@@ -175,11 +179,18 @@ def eval(
         print(f"plot: {where}", file=sys.stderr if json else sys.stdout)
 
 
+def _speed(tokens: int, seconds: float) -> dict:
+    """The scoring's wall time and throughput (the model's steps and the host's reads of their losses; not the
+    loading of the model and the text)."""
+    return {"seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
 def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batches, precision, dev, json) -> None:
     """`txl eval --sliding_window`: the vanilla model's evaluation, printed with its settings."""
     from txl.infer.evaluate import evaluate_sliding, metric_name, metric_value
     from txl.util.distributed import World
 
+    start = time.perf_counter()
     res = evaluate_sliding(
         lm,
         text.ids,
@@ -191,15 +202,17 @@ def _sliding_eval(lm, text, s, folder: Path, window: int, stride: int, max_batch
         precision=precision,
         world=World(device=dev),
     )
+    speed = _speed(res.tokens, time.perf_counter() - start)
     name = metric_name(text.tokenizer.kind)
     value = metric_value(res.loss, name)
     settings = {"split": s.split, "sliding_window": window, "stride": stride, "mem_len": 0}
     settings |= {"clamp_len": s.clamp_len, "batch_size": s.batch_size}
     if json:
         record = {"model": str(folder), "data": text.description, "loss": res.loss, name: value, "tokens": res.tokens}
-        print(_json.dumps(record | settings, ensure_ascii=False))
+        print(_json.dumps(record | settings | speed, ensure_ascii=False))
         return
     print(
         f"{s.split}: loss {res.loss:.4f} | {name} {value:.4f} | sliding window {window}, stride {stride}, no memory, "
-        f"clamp_len {s.clamp_len}, batch {s.batch_size} windows | {res.tokens:,} tokens | {folder}"
+        f"clamp_len {s.clamp_len}, batch {s.batch_size} windows | {res.tokens:,} tokens, "
+        f"{speed['tokens_per_s']:,.0f} tokens/s | {folder}"
     )
