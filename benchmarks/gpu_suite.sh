@@ -27,6 +27,8 @@
 # more than one device call (10 minutes): a GPU session names the steps it has time for (GPU_SUITE_STEPS="track" for
 # issue 50's last acceptance point, then "tests base" in a second call).
 # (The user's path, txl train and txl eval with the WT103 base recipe, is benchmarks/gpu_e2e.sh: ~2 more minutes.)
+# GPU_SUITE_SMOKE=1: the same commands on the CPU at the smallest configuration and a few steps (no tests step), so
+# that the test suite checks every command line here before a GPU session spends its one run on it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="$(mkdir -p "${1:-benchmarks/results}" && cd "${1:-benchmarks/results}" && pwd)"
@@ -37,7 +39,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+if [ "${GPU_SUITE_SMOKE:-0}" = 1 ]; then
+  BASE=(--device cpu --configs tiny --steps 2 --warmup 1 --eval_warmup 1) OTHERS=("${BASE[@]}") TRACK=21
+  GEN=(--repeats 1 --new_tokens 8) TILES=(--device cpu --smoke)
+else
+  BASE=(--configs wt103-base-nvidia) OTHERS=(--configs wt103-large enwik8-base enwik8-large) TRACK=300
+  GEN=(--repeats 3) TILES=()
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" || true
 
 run_step() {  # run_step NAME SECONDS LOG COMMAND...: the command under its limit, its output to LOG too
@@ -52,12 +61,13 @@ run_step() {  # run_step NAME SECONDS LOG COMMAND...: the command under its limi
 for step in $STEPS; do
   case $step in
     tests)
+      if [ "${GPU_SUITE_SMOKE:-0}" = 1 ]; then echo "[gpu_suite] tests: not in a smoke run (the CPU suite has them)"; continue; fi
       parallel=()
       "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 6 -v)
       TRITON_INTERPRET=0 TXL_TEST_DEVICE=cuda run_step tests 150 log_fused_tests.txt \
         "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_fused_attention.py ;;
     base)
-      (cd benchmarks && run_step base 220 log_base.txt "$PY" gpu_paper.py --configs wt103-base-nvidia \
+      (cd benchmarks && run_step base 220 log_base.txt "$PY" gpu_paper.py "${BASE[@]}" \
         --precisions bf16 fp32 --impls txl txl-unfused txl-fused hf --profile "$OUT/profiles" --json "$OUT/gpu.json")
       [ -d "$OUT/profiles" ] && tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles" ;;
     track)  # Two runs of 300 steps, with deterministic kernels (--track_deterministic: on an H200 two processes of
@@ -69,19 +79,19 @@ for step in $STEPS; do
             # (txl-reference:fp32) beside them draws other masks: the gap dropout's noise alone makes (on an H200 the
             # eager reference against the compiled bf16 path gave 2.8%, 1.2%, 0.5% in three identical runs). Then
             # without dropout against the eager reference: the arithmetic alone.
-      (cd benchmarks && run_step track 260 log_track.txt "$PY" gpu_paper.py --configs wt103-base-nvidia --budget 0 \
-        --track 300 --track_deterministic --track_reference txl:fp32 \
+      (cd benchmarks && run_step track 260 log_track.txt "$PY" gpu_paper.py "${BASE[@]}" --budget 0 \
+        --track "$TRACK" --track_deterministic --track_reference txl:fp32 \
         --track_variants txl:bf16 txl:bf16:2 txl-fused:bf16 txl-reference:fp32 --json "$OUT/track.json")
-      (cd benchmarks && run_step track-no-dropout 150 log_track0.txt "$PY" gpu_paper.py --configs wt103-base-nvidia \
-        --budget 0 --track 300 --track_deterministic --track_dropout 0 --track_variants txl:bf16 \
+      (cd benchmarks && run_step track-no-dropout 150 log_track0.txt "$PY" gpu_paper.py "${BASE[@]}" \
+        --budget 0 --track "$TRACK" --track_deterministic --track_dropout 0 --track_variants txl:bf16 \
         --json "$OUT/track0.json") ;;
     others)
-      (cd benchmarks && run_step others 150 log_others.txt "$PY" gpu_paper.py --configs wt103-large enwik8-base \
-        enwik8-large --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
+      (cd benchmarks && run_step others 150 log_others.txt "$PY" gpu_paper.py "${OTHERS[@]}" \
+        --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
     generation)
-      (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py --repeats 3) ;;
+      (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py "${GEN[@]}") ;;
     tiles)
-      (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py) ;;
+      (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py "${TILES[@]}") ;;
     *) echo "[gpu_suite] unknown step $step (tests base track others generation tiles)" ;;
   esac
 done

@@ -8,9 +8,12 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"config", "case", "impl", "device", "torch", "tokens_per_s", "mfu", "commit"}
@@ -132,3 +135,27 @@ def test_the_fused_attention_tile_sweep_runs_on_the_cpu():
     diffs = [float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines() if "largest difference" in line]
     assert len(diffs) == 2 and max(diffs) < 0.1, run.stdout  # (bf16 outputs of size ~1)
     assert run.stdout.count("written out, compiled") == 2
+
+
+@pytest.mark.slow
+def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
+    """benchmarks/gpu_suite.sh's steps with GPU_SUITE_SMOKE=1: the same command lines on the CPU at the smallest
+    configuration, so that a GPU session's one run is not lost to a wrong option. The track step's runs report every
+    variant's gap with deterministic kernels (the repeated bf16 run equal to the first); generation needs CUDA and
+    says so after reading its options."""
+    env = {**os.environ, "GPU_SUITE_SMOKE": "1", "PYTHON": sys.executable,
+           "GPU_SUITE_STEPS": "tests base track others generation tiles"}  # fmt: skip
+    run = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for step in ("base", "track", "track-no-dropout", "others", "tiles"):
+        assert f"[gpu_suite] {step}: exit 0 after" in run.stdout, run.stdout[-3000:]
+    assert "needs a CUDA device" in (tmp_path / "log_generation.txt").read_text()
+    base = (tmp_path / "log_base.txt").read_text()
+    assert all(re.search(rf"train-{p} +txl-fused ", base) for p in ("bf16", "fp32"))
+    assert (tmp_path / "profiles.tar").is_file()
+    track = json.loads((tmp_path / "track_track.json").read_text())
+    assert set(track["gaps"]) == {"txl:fp32", "txl:bf16", "txl:bf16:2", "txl-fused:bf16", "txl-reference:fp32"}
+    assert track["deterministic"]["on"] and track["repeats"] == {"txl:bf16": 0.0}
+    no_dropout = json.loads((tmp_path / "track0_track.json").read_text())
+    assert set(no_dropout["gaps"]) == {"txl-reference:fp32", "txl:bf16"} and no_dropout["largest_gap"] < 0.01
