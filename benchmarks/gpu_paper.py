@@ -369,12 +369,11 @@ def deterministic(log) -> dict:
     H200 two runs of the same code drifted 0.96% apart in 300 steps), torch's deterministic algorithms (an
     accumulating scatter sorts instead of adding atomically; warn only where an op has no deterministic version), and
     cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG, set before the first product)."""
-    settings = {"on": True, "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    inductor = torch._inductor.config
+    settings = {"on": True, "torch": True, "inductor": hasattr(inductor, "deterministic"),  # (Inductor's: torch 2.7+)
+                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}  # fmt: skip
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # (no NaN written into every new tensor)
-    settings["torch"] = True
-    inductor = torch._inductor.config
-    settings["inductor"] = hasattr(inductor, "deterministic")  # (torch 2.7 and later)
     if settings["inductor"]:
         inductor.deterministic = True
     log(f"track: deterministic kernels {settings}")
