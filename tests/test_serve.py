@@ -714,6 +714,37 @@ def test_engine_log_probs_are_the_models(attn_type):
         Generation(prompt, 5, print, mem_len=32, logprobs=21)
 
 
+def test_token_scores_read_as_the_list_of_tuples_they_replace_in_a_fraction_of_the_memory():
+    """The engine's record of log-probabilities (TokenScores) reads back as the list of (log-probability, [(id,
+    log-probability), ...]) that the routes write out, value for value (float32 exactly), by index, slice and
+    iteration; a 4,096-token prompt with 20 alternatives each holds under 1 MB (the tuples took ~9 MB)."""
+    import sys
+
+    from txl.serve.engine import TokenScores
+
+    torch.manual_seed(0)
+    log_probs = torch.randn(4096, 500).log_softmax(-1)  # [N, V]
+    tokens = torch.randint(0, 500, (4096,))
+    scores = TokenScores()
+    for start in range(0, 4096, 1000):  # (written in pieces, as the prompt is scored)
+        scores.extend(log_probs[start : start + 1000], tokens[start : start + 1000], 20)
+    values, ids = log_probs.topk(20, dim=-1)
+    chosen = log_probs.gather(-1, tokens[:, None])[:, 0].tolist()
+    rows = zip(chosen, ids.tolist(), values.tolist(), strict=True)
+    expected = [(c, list(zip(i, v, strict=True))) for c, i, v in rows]
+    assert len(scores) == 4096 and list(scores) == expected and scores[5:9] == expected[5:9]
+    assert scores[-1] == expected[-1] and scores[0] == expected[0] and [None, *scores][1] == expected[0]
+    with pytest.raises(IndexError):
+        scores[4096]
+    held = sum(sys.getsizeof(a) for a in (scores._chosen, scores._ids, scores._values))
+    assert held < 1 << 20, held
+    bare = TokenScores()  # (no alternatives asked for: each entry's list is empty)
+    bare.extend(log_probs[:3], tokens[:3], 0)
+    assert list(bare) == [(c, []) for c in chosen[:3]]
+    with pytest.raises(ValueError, match="alternatives per token"):
+        bare.extend(log_probs[:1], tokens[:1], 2)
+
+
 def test_engine_refuses_beam_search_it_cannot_do():
     noop = lambda tok: None  # noqa: E731
     with pytest.raises(ValueError, match="give temperature 0"):
