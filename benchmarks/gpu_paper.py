@@ -25,6 +25,7 @@ same weights and data, and compares the 20-step moving averages of their losses.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -117,6 +118,20 @@ def zipf_stream(n_token: int, batch: int, length: int, seed: int = 0) -> torch.T
     for t in range(1, length):
         out[:, t] = torch.where(coin[:, t], follow[out[:, t - 1]], draws[:, t])
     return out
+
+
+def text_stream(path: Path, n_token: int, batch: int) -> torch.Tensor:
+    """[batch, length] ids of a text's whitespace-separated words, numbered by frequency (the most frequent 0, ties
+    by first appearance, words past the vocabulary sharing its last id), cut into ``batch`` columns of equal length
+    as the paper's batchify does (its tail dropped). A real text for ``--track`` where the Zipf stream's steep fall is
+    too sensitive to noise; a Trainer wraps around a stream shorter than its steps."""
+    words = path.read_text(encoding="utf-8", errors="replace").split()
+    counts = collections.Counter(words)  # (first appearance order; the sort below is stable)
+    rank = {w: min(i, n_token - 1) for i, (w, _) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1]))}
+    length = len(words) // batch
+    if length < 2:
+        raise SystemExit(f"{path}: {len(words)} words, too few for {batch} columns")
+    return torch.tensor([rank[w] for w in words[: batch * length]], dtype=torch.long).view(batch, length)
 
 
 def may_fail(impl: str, error: Exception) -> bool:
@@ -386,7 +401,13 @@ def track(name, args, device, log, save=None) -> dict:
     average of the loss from the reference's. ``save`` is given the result so far after each variant."""
     c = CONFIGS[name]
     settings = deterministic(log) if args.track_deterministic else None
-    stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
+    if getattr(args, "track_text", None):
+        stream = text_stream(args.track_text, c["hf"]["vocab_size"], c["batch"]).to(device)
+        log(f"track: {args.track_text}, {stream.numel():,} words in {c['batch']} columns of {stream.shape[1]:,} "
+            f"({stream.shape[1] / (c['tgt'] * args.track):.2f} of the {args.track} steps' length), "
+            f"{int(stream.max()) + 1:,} ids")  # fmt: skip
+    else:
+        stream = zipf_stream(c["hf"]["vocab_size"], c["batch"], c["tgt"] * (args.track + 1) + 1, seed=1).to(device)
     base, _ = build(name, device, False)
     if args.track_dropout is not None:  # (without dropout the paths differ by their arithmetic alone)
         for m in base.modules():
@@ -421,8 +442,10 @@ def track(name, args, device, log, save=None) -> dict:
         repeats = {
             k: gap(curves[k + ":2"], v) for k, v in curves.items() if len(k.split(":")) == 2 and k + ":2" in curves
         }
+        text = getattr(args, "track_text", None)
         return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, repeats=repeats,
-                    deterministic=settings, largest_gap=gaps.get(args.track_variants[0]), curves=curves)  # fmt: skip
+                    deterministic=settings, data=str(text) if text else "zipf",
+                    largest_gap=gaps.get(args.track_variants[0]), curves=curves)  # fmt: skip
 
     for variant in [args.track_reference, *args.track_variants]:
         try:
@@ -523,6 +546,7 @@ def main() -> None:
     ap.add_argument("--track_variants", nargs="+", default=["txl:bf16"], help="impl:precision[:seed]; first: headline")
     ap.add_argument("--track_dropout", type=float, help="dropout, dropatt of the tracked runs (default: the config)")
     ap.add_argument("--track_reference", default="txl-reference:fp32", help="impl:precision they are compared with")
+    ap.add_argument("--track_text", type=Path, help="a text whose words the tracked runs learn (default: Zipf ids)")
     ap.add_argument(
         "--track_deterministic",
         action="store_true",

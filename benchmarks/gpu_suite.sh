@@ -18,6 +18,8 @@
 #               dropout masks (the compiled fp32 path), beside the eager reference's own gap (other masks: the
 #               noise) and a repeat of the bf16 run (deterministic kernels: it should equal the first); then without
 #               dropout against the eager fp32 reference. About 6.5 minutes.
+#   track-text  The first track run on a real text (GPU_SUITE_TEXT; not in the default list: name it), about 2.5
+#               minutes.
 #   others      The other paper models in bf16.
 #   generation  Generation as a CUDA graph against HF's generate().
 #   tiles       The fused attention alone at the WT103 base shapes, forward and backward, for six tile settings,
@@ -85,6 +87,14 @@ for step in $STEPS; do
       (cd benchmarks && run_step track-no-dropout 150 log_track0.txt "$PY" gpu_paper.py "${BASE[@]}" \
         --budget 0 --track "$TRACK" --track_deterministic --track_dropout 0 --track_variants txl:bf16 \
         --json "$OUT/track0.json") ;;
+    track-text)  # (not in the default list) The first track run on a real text, whose words are learned smoothly,
+                 # where the Zipf stream's steep fall magnifies noise: GPU_SUITE_TEXT, default data/shakespeare/train.txt
+                 # (`txl data` writes it; on the lent machine carry it: `carry: ["data"]`).
+      text="$(realpath -e "${GPU_SUITE_TEXT:-data/shakespeare/train.txt}" 2>/dev/null)"
+      if [ -z "$text" ]; then echo "[gpu_suite] track-text: no ${GPU_SUITE_TEXT:-data/shakespeare/train.txt}"; continue; fi
+      (cd benchmarks && run_step track-text 200 log_track_text.txt "$PY" gpu_paper.py "${BASE[@]}" --budget 0 \
+        --track "$TRACK" --track_deterministic --track_text "$text" --track_reference txl:fp32 \
+        --track_variants txl:bf16 txl-reference:fp32 --json "$OUT/track_text.json") ;;
     others)
       (cd benchmarks && run_step others 150 log_others.txt "$PY" gpu_paper.py "${OTHERS[@]}" \
         --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
@@ -92,6 +102,6 @@ for step in $STEPS; do
       (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py "${GEN[@]}") ;;
     tiles)
       (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py "${TILES[@]}") ;;
-    *) echo "[gpu_suite] unknown step $step (tests base track others generation tiles)" ;;
+    *) echo "[gpu_suite] unknown step $step (tests base track track-text others generation tiles)" ;;
   esac
 done

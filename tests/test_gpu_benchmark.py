@@ -88,6 +88,18 @@ def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
     assert [len(g) for g in saved] == [1, 2, 3]  # (the result so far, saved as each variant ends)
 
 
+def test_a_text_becomes_word_ids_numbered_by_frequency_in_columns(tmp_path, monkeypatch):
+    """--track_text's stream: words numbered by frequency (ties by first appearance), words past the vocabulary
+    sharing its last id, cut into equal columns as batchify does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_paper
+
+    text = tmp_path / "t.txt"
+    text.write_text("b a a c b a\nd e f\n")  # a: 3, b: 2, then c, d, e, f once each (in that order)
+    stream = gpu_paper.text_stream(text, 5, 2)  # (a vocabulary of 5: e and f share id 4)
+    assert stream.tolist() == [[1, 0, 0, 2], [1, 0, 3, 4]]  # (9 words: 2 columns of 4, the last word dropped)
+
+
 def test_the_tree_digest_names_the_code_and_nothing_else(tmp_path):
     """A result's code is named by content (a copied tree may carry another commit's git metadata): a changed source
     file changes the digest; results, caches and other folders do not."""
@@ -143,12 +155,14 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     configuration, so that a GPU session's one run is not lost to a wrong option. The track step's runs report every
     variant's gap with deterministic kernels (the repeated bf16 run equal to the first); generation needs CUDA and
     says so after reading its options."""
-    env = {**os.environ, "GPU_SUITE_SMOKE": "1", "PYTHON": sys.executable,
-           "GPU_SUITE_STEPS": "tests base track others generation tiles"}  # fmt: skip
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{i % 97} w{i % 13}" for i in range(3000)))
+    env = {**os.environ, "GPU_SUITE_SMOKE": "1", "PYTHON": sys.executable, "GPU_SUITE_TEXT": str(text),
+           "GPU_SUITE_STEPS": "tests base track track-text others generation tiles"}  # fmt: skip
     run = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    for step in ("base", "track", "track-no-dropout", "others", "tiles"):
+    for step in ("base", "track", "track-no-dropout", "track-text", "others", "tiles"):
         assert f"[gpu_suite] {step}: exit 0 after" in run.stdout, run.stdout[-3000:]
     assert "needs a CUDA device" in (tmp_path / "log_generation.txt").read_text()
     base = (tmp_path / "log_base.txt").read_text()
@@ -159,3 +173,5 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     assert track["deterministic"]["on"] and track["repeats"] == {"txl:bf16": 0.0}
     no_dropout = json.loads((tmp_path / "track0_track.json").read_text())
     assert set(no_dropout["gaps"]) == {"txl-reference:fp32", "txl:bf16"} and no_dropout["largest_gap"] < 0.01
+    on_text = json.loads((tmp_path / "track_text_track.json").read_text())
+    assert on_text["data"] == str(text) and set(on_text["gaps"]) == {"txl:fp32", "txl:bf16", "txl-reference:fp32"}
