@@ -18,8 +18,11 @@ loss per step (as ``txl train``); medians over the timed steps after the warm-up
 the warm-up). Evaluation rows: tgt_len 64, mem_len 640, clamp_len 400, same_length, no gradient (txl: its K/V
 cache). MFU: FLOPs of the step's matrix products (``torch.utils.flop_counter``'s formulas, on the eager path:
 _report.MatmulFlops) per second over the GEMM peak measured in the same run in the row's precision. ``--track`` runs
-300 steps of the first configuration in bf16 (txl's default fast paths) and in fp32 (txl's reference path) from the
-same weights and data, and compares the 20-step moving averages of their losses.
+300 steps of the first configuration in bf16 (txl's default fast paths) and in fp32 (txl's reference path, or
+``--track_reference``) from the same weights and data, and compares the 20-step moving averages of their losses;
+``--track_deterministic`` with deterministic kernels (a run repeated gives the same losses), ``--track_text`` on a
+real text's words instead of Zipf ids. Rows and tracks name the card, torch, and the code (``git describe`` and a
+digest of the source tree: _report.code_version).
 """
 
 from __future__ import annotations
