@@ -404,9 +404,10 @@ def track(name, args, device, log, save=None) -> dict:
     average of the loss from the reference's. ``save`` is given the result so far after each variant."""
     c = CONFIGS[name]
     settings = deterministic(log) if args.track_deterministic else None
-    if getattr(args, "track_text", None):
-        stream = text_stream(args.track_text, c["hf"]["vocab_size"], c["batch"]).to(device)
-        log(f"track: {args.track_text}, {stream.numel():,} words in {c['batch']} columns of {stream.shape[1]:,} "
+    text = getattr(args, "track_text", None)
+    if text:
+        stream = text_stream(text, c["hf"]["vocab_size"], c["batch"]).to(device)
+        log(f"track: {text}, {stream.numel():,} words in {c['batch']} columns of {stream.shape[1]:,} "
             f"({stream.shape[1] / (c['tgt'] * args.track):.2f} of the {args.track} steps' length), "
             f"{int(stream.max()) + 1:,} ids")  # fmt: skip
     else:
@@ -445,26 +446,29 @@ def track(name, args, device, log, save=None) -> dict:
         repeats = {
             k: gap(curves[k + ":2"], v) for k, v in curves.items() if len(k.split(":")) == 2 and k + ":2" in curves
         }
-        text = getattr(args, "track_text", None)
         return dict(config=name, steps=args.track, reference=args.track_reference, gaps=gaps, repeats=repeats,
                     deterministic=settings, data=str(text) if text else "zipf",
                     largest_gap=gaps.get(args.track_variants[0]), curves=curves)  # fmt: skip
 
+    def attempt(variant: str) -> None:  # (a deterministic mode that fails on this torch must not cost the run)
+        try:
+            return run(variant)
+        except Exception as e:
+            if not (settings and settings["on"]):
+                raise
+            log(f"track {variant}: failed with deterministic kernels ({type(e).__name__}: {first_line(e)}); "
+                "this and the following variants without them")  # fmt: skip
+        # (again outside the except block: the failed attempt's model and optimizer, held by its traceback, are freed)
+        settings.update(on=False, off_from=variant)
+        torch.use_deterministic_algorithms(False)
+        if settings["inductor"]:
+            torch._inductor.config.deterministic = False
+        torch._dynamo.reset()
+        run(variant)
+
     for variant in [args.track_reference, *args.track_variants]:
         try:
-            try:
-                run(variant)
-            except Exception as e:  # (a deterministic mode that fails on this torch must not cost the run)
-                if not (settings and settings["on"]):
-                    raise
-                log(f"track {variant}: failed with deterministic kernels ({type(e).__name__}: {first_line(e)}); "
-                    "this and the following variants without them")  # fmt: skip
-                settings.update(on=False, off_from=variant)
-                torch.use_deterministic_algorithms(False)
-                if settings["inductor"]:
-                    torch._inductor.config.deterministic = False
-                torch._dynamo.reset()
-                run(variant)
+            attempt(variant)
         except Exception as e:
             if variant == args.track_reference or not may_fail(variant.split(":")[0], e):
                 raise
