@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -380,6 +381,9 @@ def run_config(name, args, device, peaks, rows, log) -> None:
         log(f"{name} eval: bf16 against fp32 (txl), largest relative loss difference over {n} steps {gap:.2e}")
 
 
+NONDETERMINISTIC = " does not have a deterministic implementation"  # (torch's words, warn_only=True)
+
+
 def deterministic(log) -> dict:
     """Deterministic kernels for the tracked runs, so that a run repeated gives the same losses and two variants
     differ by their arithmetic (and dropout masks) alone: Inductor's deterministic mode (its Triton reductions are
@@ -422,15 +426,30 @@ def track(name, args, device, log, save=None) -> dict:
     def run(variant: str) -> None:
         impl, precision, *seed = variant.split(":")  # (a third field: the dropout's seed, 2 by default)
         model = copy.deepcopy(base)
-        with use_backends(POLICIES[impl]):
+        with use_backends(POLICIES[impl]), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
             torch.manual_seed(int(seed[0]) if seed else 2)
             tr = Trainer("txl", model, stream, c["tgt"], c["mem"], precision, device)
             t0 = time.perf_counter()
             curves[variant] = [tr.step(clip=0.25) for _ in range(args.track)]
+            nondeterministic(variant, warned)
             log(f"track {variant}: {args.track} steps in {time.perf_counter() - t0:.1f} s; first losses "
                 + " ".join(f"{x:.3f}" for x in curves[variant][:6]) + "; gradient norms "
                 + " ".join(f"{x:.3g}" for x in tr.norms[:6]))  # fmt: skip
             firsts[variant] = tr.first
+
+    def nondeterministic(variant: str, warned: list) -> None:
+        """The ops that ran without a deterministic version (torch warns once per op and call site): where a repeat
+        is not 0, they say why. The variant's other warnings go to the log, once each."""
+        said = dict.fromkeys(str(w.message).splitlines()[0] for w in warned)
+        ops = [m.split(" does not have a deterministic implementation")[0] for m in said if NONDETERMINISTIC in m]
+        if settings and settings["on"]:
+            settings.setdefault("nondeterministic", {})[variant] = ops
+            if ops:
+                log(f"track {variant}: ran without a deterministic version: {', '.join(ops)}")
+        for m in said:
+            if NONDETERMINISTIC not in m:
+                log(f"track {variant}: warning: {m}")
 
     w = min(20, args.track)
 

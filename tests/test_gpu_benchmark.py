@@ -88,6 +88,41 @@ def test_a_deterministic_track_that_fails_goes_on_without_it(monkeypatch):
     assert [len(g) for g in saved] == [1, 2, 3]  # (the result so far, saved as each variant ends)
 
 
+def test_a_deterministic_track_names_the_ops_that_had_no_deterministic_version(monkeypatch):
+    """Where a repeat is not 0 on the GPU, the result says why: the ops torch ran without a deterministic version
+    (warn_only=True) are recorded per variant, once each, and logged; other warnings go to the log."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import warnings
+
+    import torch
+    from torch._prims_common import alert_not_deterministic
+
+    import gpu_paper
+
+    step = gpu_paper.Trainer.step
+
+    def warning(self, clip=0.0):
+        if self.precision == "bf16":
+            alert_not_deterministic("scatter_add_cuda_kernel")  # (each step: recorded once)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+        return step(self, clip)
+
+    monkeypatch.setattr(gpu_paper.Trainer, "step", warning)
+    args = argparse.Namespace(track=21, track_deterministic=True, track_dropout=None, track_reference="txl:fp32",
+                              track_variants=["txl:bf16"])  # fmt: skip
+    lines = []
+    try:
+        out = gpu_paper.track("tiny", args, torch.device("cpu"), lines.append)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch._inductor.config.deterministic = False
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    assert out["deterministic"]["on"]
+    assert out["deterministic"]["nondeterministic"] == {"txl:fp32": [], "txl:bf16": ["scatter_add_cuda_kernel"]}
+    assert "track txl:bf16: ran without a deterministic version: scatter_add_cuda_kernel" in lines
+    assert lines.count("track txl:bf16: warning: something else") == 1
+
+
 def test_a_text_becomes_word_ids_numbered_by_frequency_in_columns(tmp_path, monkeypatch):
     """--track_text's stream: words numbered by frequency (ties by first appearance), words past the vocabulary
     sharing its last id, cut into equal columns as batchify does."""
