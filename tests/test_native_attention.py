@@ -63,7 +63,11 @@ def padding_mask(B, T, M):
         (2, 2, 9, 61, 64, 1, True),  # keys not a multiple of 16, padding
         (1, 1, 3, 0, 80, 0, False),  # 5 chunks (4 + 1)
         (2, 2, 33, 40, 32, 0, True),
-        (1, 3, 1, 10, 32, 0, False),  # one query (a prompt of one token)
+        (1, 3, 1, 10, 32, 0, False),  # one query (a prompt of one token; attention_rows from here on)
+        (3, 4, 1, 64, 16, 0, True),  # an agent's acting step: d_head 16, 65 keys, padding
+        (2, 2, 1, 40, 12, 2, True),  # one query, d_head 12: the scalar products
+        (4, 2, 1, 256, 16, 0, False),  # a long memory
+        (2, 1, 1, 0, 32, 0, False),  # one key
     ],
 )
 def test_native_attention_is_as_exact_as_the_pytorch_path(B, H, T, M, Dh, extra, pad):
@@ -97,21 +101,22 @@ def test_native_attention_masks_keys_anywhere_in_a_row(density):
 
 
 @needs_lib
-def test_native_attention_does_not_depend_on_the_number_of_threads_and_keeps_nan():
-    q, qv, k, v, r = inputs(4, 3, 19, 30, 32)
+@pytest.mark.parametrize("T, row", [(19, 5), (1, 0)])  # (blocks of queries; one query per head)
+def test_native_attention_does_not_depend_on_the_number_of_threads_and_keeps_nan(T, row):
+    q, qv, k, v, r = inputs(4, 3, T, 30, 32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0))
+        one = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(T, 30, False, 0))
         torch.set_num_threads(2)
-        two = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0))
+        two = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(T, 30, False, 0))
     finally:
         torch.set_num_threads(threads)
     assert one.equal(two)
     q = q.clone()
-    q[1, 2, 5, 0] = float("nan")
-    out = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(19, 30, False, 0)).view(4, 19, 3, 32)
-    assert out[1, 5, 2].isnan().all() and not out[1, 5, [0, 1]].isnan().any() and not out[0].isnan().any()
+    q[1, 2, row, 0] = float("nan")
+    out = native.attention(q, k, v, qv=qv, r=r, mask=causal_mask(T, 30, False, 0)).view(4, T, 3, 32)
+    assert out[1, row, 2].isnan().all() and not out[1, row, [0, 1]].isnan().any() and not out[0].isnan().any()
 
 
 @needs_lib
@@ -235,6 +240,10 @@ def test_the_kernels_form_the_query_terms_as_the_pytorch_path_does():
     mask, drop, biases = causal_mask(T, M, False, 0), (0.2, 7), (u, vb, scale)
     formed = native.attention(qu, k, v, qv=qv, r=r, mask=mask)
     assert native.attention(q, k, v, qv=q, r=r, mask=mask, query_bias=biases).equal(formed)
+    last = slice(T - 1, T)  # (one query per head: the single-row path forms them the same way)
+    one = native.attention(q[:, :, last], k, v, qv=q[:, :, last], r=r, mask=mask[last], query_bias=biases)
+    assert one.equal(native.attention(qu[:, :, last], k, v, qv=qv[:, :, last], r=r, mask=mask[last]))
+    assert (one - formed[:, last]).abs().max() < 1e-5  # (the last query's row of the blocks' result)
     out, prob = native.attention_train(q, k, v, q, r, mask, drop, biases)
     out_formed, prob_formed = native.attention_train(qu, k, v, qv, r, mask, drop)
     assert out.equal(out_formed) and prob.equal(prob_formed)

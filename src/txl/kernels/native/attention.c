@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "row.h"
 
 /* The positional input of a block: W_kR R of its head [Dh, >= Kp + VL] (rows rs apart; zero past column K, so that
  * the block's raw columns are computed in whole vectors), and the scaled q + v rows. */
@@ -132,6 +133,35 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
 #include <omp.h>
 #endif
 
+/* txl_attention for one query per head (T = 1, the positional term, inference): attend_row per head, reading the
+ * keys, values and W_kR R where they are. */
+static int attention_rows(const float *q, long qsb, long qsh, const float *qv, long vqsb, long vqsh, const float *k,
+                          long ksb, long ksh, long ksj, const float *v, long vsb, long vsh, long vsj, const float *r,
+                          long rsh, long rsd, const unsigned char *mask, long msb, float *out, const query_bias *qbias,
+                          int B, int H, int K, int Dh, int n_threads) {
+    const long per_thread = ((long)K + 2L * Dh + VL) / VL * VL; /* scores, the two query rows */
+    const int nt = n_threads > 1 && B * H > 1 ? n_threads : 1;
+    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(per_thread * nt) + 63) / 64 * 64);
+    if (!scratch) return 1;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int u = 0; u < B * H; u++) {
+        int t_id = 0;
+#ifdef _OPENMP
+        t_id = omp_get_thread_num();
+#endif
+        float *s = scratch + t_id * per_thread, *qu = s + K, *qr = qu + Dh;
+        const int b = u / H, h = u % H;
+        const float *uh, *vh;
+        const float scale = head_bias(qbias, h, &uh, &vh);
+        query_row(qu, q + b * qsb + h * qsh, uh, scale, Dh);
+        query_row(qr, qv + b * vqsb + h * vqsh, vh, scale, Dh);
+        attend_row(qu, qr, k + b * ksb + h * ksh, ksj, v + b * vsb + h * vsh, vsj, r + h * rsh, rsd,
+                   mask ? mask + b * msb : NULL, K, Dh, s, out + ((long)b * H + h) * Dh);
+    }
+    free(scratch);
+    return 0;
+}
+
 /* out[b, t, h, :] for B x H heads of T queries over K keys of Dh values (see the top). Strides in floats, the last
  * dimension contiguous: q, the scaled q + u, and qv, the scaled q + v (b, h, t); k and v (b, h, j); r, W_kR R of each
  * head (h, d; its columns: the distances K-1 .. 0; NULL: no positional term); bias (b, h, t; 0 for a broadcast
@@ -145,6 +175,9 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
                   const float *r, long rsh, long rsd, const float *bias, long bsb, long bsh, long bst,
                   const unsigned char *mask, long msb, long mst, float *out, float *p, const dropout_spec *drop,
                   const query_bias *qbias, int B, int H, int T, int K, int Dh, int n_threads) {
+    if (T == 1 && r && qv && !p) /* (one query: an agent's acting step; a block would compute ROWS - 1 zero rows) */
+        return attention_rows(q, qsb, qsh, qv, vqsb, vqsh, k, ksb, ksh, ksj, v, vsb, vsh, vsj, r, rsh, rsd, mask, msb,
+                              out, qbias, B, H, K, Dh, n_threads);
     const int Kp = (K + VL - 1) / VL * VL;
     const int ks = Kp + VL; /* the copies' row stride (keys and W_kR R): not a multiple of 4 KB (cache sets) */
     const long per_thread = ((long)Dh * ks + (long)ROWS * Kp + (long)ROWS * (K + VL) + 3L * ROWS * Dh + VL) / VL * VL;
