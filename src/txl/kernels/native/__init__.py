@@ -374,6 +374,11 @@ def usable(x: Tensor) -> bool:
     return fp32_cpu and not torch.is_autocast_enabled("cpu") and _ready() is not None and not functorch_wrapped(x)
 
 
+def _operand(t: Tensor) -> bool:
+    """:func:`usable`'s checks of one tensor (fp32, on the CPU, with storage), and its last dimension contiguous."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 and not functorch_wrapped(t)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -410,7 +415,10 @@ def attention_applies(
     CPU with its last dimension contiguous, the library built, no autocast, no graph being traced or compiled; W_kR R
     ``r`` at least as wide as the keys, with ``qv``; ``query_bias``'s u and v [H, Dh]."""
     extra = () if query_bias is None else query_bias[:2]
-    if not all(usable(t) and t.stride(-1) == 1 for t in (q, k, v, qv, r, bias, *extra) if t is not None):
+    if not usable(q):  # (then the rest per operand: the policy, the library and autocast checked once per call)
+        return False
+    operands = (k, v, qv, r, bias, *extra)
+    if not all(_operand(t) for t in operands if t is not None) or q.stride(-1) != 1:
         return False
     if extra and not all(t.shape == (q.shape[1], q.shape[3]) for t in extra):
         return False
