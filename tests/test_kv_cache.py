@@ -559,7 +559,8 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
 def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch):
     """A cached one-token step runs TransformerXL._decode, one loop over the layers' weights; it computes what the
     layers' own path computes (fast_decode off), step after step over a sliding memory, with left padding in the
-    batch, and it reads weights changed in place."""
+    batch, and it reads weights changed in place; asked for the hidden states (every other step), it gives each
+    layer's output as the layers do."""
     model = lm(**VARIANTS[variant], mem_len=10)
     n = model.config.n_token
     prompt = torch.randint(0, n, (rows, 7))
@@ -573,7 +574,7 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
             if t == 12:  # weights changed in place between two steps
                 for p in model.parameters():
                     p.mul_(1.1)
-            out = {}
+            out, hidden = {}, {}
             for fast, cache in caches.items():
                 set_backends(fast_decode=fast)
                 called = []
@@ -581,9 +582,13 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
                 if t < 0:
                     out[fast] = model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs
                 else:
-                    out[fast] = model(ids[:, t : t + 1], cache=cache, return_log_probs=True).log_probs[:, -1]
+                    step = model(ids[:, t : t + 1], cache=cache, return_log_probs=True, output_hidden_states=t % 2 == 1)
+                    out[fast], hidden[fast] = step.log_probs[:, -1], step.hidden_states
                     assert called == [True] * fast  # the fast path ran exactly when it is on
             torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+            if t >= 0 and t % 2 == 1:
+                assert len(hidden[True]) == len(hidden[False]) == model.config.n_layer + 1
+                torch.testing.assert_close(hidden[True], hidden[False], atol=1e-5, rtol=1e-5)
     assert caches[True].start > 0  # the window slid
     for a, b in ((caches[True].k, caches[False].k), (caches[True].v, caches[False].v)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

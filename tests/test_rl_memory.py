@@ -334,3 +334,83 @@ def test_step_equals_window_at_the_edges():
         feats, last = model.window(x[:, pre:], resets[:, pre:], state)
         torch.testing.assert_close(feats, steps[:, pre:], rtol=1e-5, atol=1e-5)
         assert torch.equal(last.invalid, end.invalid), (M, T, pre)
+
+
+@pytest.mark.parametrize(
+    "gate, d_model, n_head, d_head, n_envs, std",
+    [
+        ("gru", 64, 4, 16, 20, 0.3),  # (the example's shapes: 16 outputs at a time for many rows, 16 lanes of gates)
+        ("gru", 40, 2, 20, 7, 0.3),  # (scalar tails: d_model 40 = 2 x 16 + 8)
+        ("gru", 24, 3, 8, 2, 0.3),  # (few rows: a weight row at a time)
+        ("gru", 48, 3, 16, 9, 3.0),  # (saturated gates: sigmoid and tanh near 0 and 1)
+        ("residual", 64, 4, 16, 20, 0.3),  # (TrXL-I: the ReLU before the sum)
+        ("highway", 48, 3, 16, 9, 0.3),  # (a gate the C step does not compute: the Python loop)
+    ],
+)
+def test_acting_steps_one_token_loops_compute_what_the_layers_do(gate, d_model, n_head, d_head, n_envs, std):
+    """The acting step goes through the one-token loop over the layers' weights (txl.kernels.decode), in C where it
+    applies (the GRU gate and TrXL-I's ReLU included) and in Python otherwise (any gate), recording each layer's input
+    for the memory: the features and the memory's state as the layers' own forward gives them, over 20 steps with
+    resets, and the C step ran (or, for another gate, did not)."""
+    from txl.kernels import native
+    from txl.kernels.backends import use_backends
+
+    torch.manual_seed(3)
+    cfg = gtrxl_config(d_model=d_model, n_layer=3, n_head=n_head, d_head=d_head, d_inner=2 * d_model + 8, mem_len=5,
+                       gate=gate)  # fmt: skip
+    model = MemoryTransformer(cfg, 6).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    x, resets = torch.randn(n_envs, 20, 6), torch.rand(n_envs, 20) < 0.15
+    ran, step = [], native.decode_step
+
+    def counted(*args, **kw):
+        out = step(*args, **kw)
+        ran.append(out is not None)
+        return out
+
+    results = {}
+    for name, policy in (("native", {}), ("loop", dict(native_decode=False)), ("layers", dict(fast_decode=False))):
+        ran.clear()
+        with use_backends(**policy), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native, "decode_step", counted)
+            feats, _, end = rollout(model, x, resets, 0)
+        results[name] = feats, end.hidden, list(ran)
+    feats, hidden, _ = results["layers"]
+    for name in ("native", "loop"):
+        torch.testing.assert_close(results[name][0], feats, rtol=1e-4, atol=1e-4 * float(feats.abs().max()))
+        torch.testing.assert_close(results[name][1], hidden, rtol=1e-4, atol=1e-4 * float(hidden.abs().max()))
+    in_c = gate in ("gru", "residual") and native.library() is not None
+    assert results["native"][2] == [in_c] * 20 and results["loop"][2] == [] and results["layers"][2] == []
+
+
+def test_a_hook_on_a_gates_layer_keeps_the_acting_step_on_the_layers():
+    """The one-token loop reads the gates' weights in C: a forward hook on a gate's linear layer (an adapter's, a
+    probe's) must fire, so that step then runs the layers' forward (fails if the loop ignored the gates' modules)."""
+    torch.manual_seed(4)
+    model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=4), 3).eval()
+    seen = []
+    model.core.layers[1].ff.gate.u_g.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    memory = model.initial_memory(5)
+    for _ in range(3):
+        model.step(torch.randn(5, 3), torch.zeros(5, dtype=torch.bool), memory)
+    assert len(seen) == 3
+
+
+def test_the_gated_acting_step_does_not_depend_on_the_number_of_threads(monkeypatch):
+    """The C step's gate products are shared by the threads in whole blocks of outputs: the kernel run with 1 and 2
+    threads gives the same bits (d_model 40: blocks of 16 and a tail; PyTorch's own products with 1 thread on both
+    sides, as its GEMMs of several rows sum in another order with 2)."""
+    torch.manual_seed(5)
+    model = MemoryTransformer(gtrxl_config(d_model=40, n_layer=2, n_head=2, d_head=20, mem_len=4, init_std=0.3), 6)
+    x, resets = torch.randn(7, 9, 6), torch.rand(7, 9) < 0.2
+    threads, out = torch.get_num_threads(), {}
+    try:
+        torch.set_num_threads(1)
+        for n in (1, 2):
+            monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)  # (what the kernels are given)
+            out[n] = rollout(model.eval(), x, resets, 0)[0]
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1], out[2])

@@ -19,19 +19,20 @@ from txl.kernels.backends import backends
 
 def one_token_step(applies: bool, layers: Callable[[], Tensor], loop: Callable[[], Tensor]) -> Tensor:
     """Every layer for one new position: ``loop()`` where the one-token loop ``applies`` (a cached step of one token
-    of attn_type 0, no per-layer outputs asked for) and ``Backends.fast_decode`` is on, else ``layers()`` (the
+    of attn_type 0, no attention weights asked for) and ``Backends.fast_decode`` is on, else ``layers()`` (the
     layers' forward)."""
     return loop() if applies and backends().fast_decode else layers()
 
 
 def native_loop(
     plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict,
-    loop: Callable[[], Tensor],
+    loop: Callable[[], Tensor], hids: list | None = None,
 ) -> Tensor:  # fmt: skip
     """The one-token loop: one native call (:func:`txl.kernels.native.decode_step`) where ``Backends.native_decode``
-    is on and the kernel applies, else ``loop()`` (the Python loop)."""
+    is on and the kernel applies, else ``loop()`` (the Python loop); ``hids`` (None: not kept) receives the outputs
+    of every layer but the last."""
     if backends().native_decode:
-        out = native.decode_step(plan, biases, h, pos, mask, cache, state)
+        out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids)
         if out is not None:
             return out
     return loop()

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
+from txl.model.gating import GATES, GRUGate
 from txl.model.positions import SHIFT_ALIGN
 
 if TYPE_CHECKING:
@@ -24,6 +25,24 @@ _DECODED = (
     (("layer_1", nn.Linear), ("layer_2", nn.Linear), ("layer_norm", nn.LayerNorm)),
 )
 """The modules of a layer's attention and feed-forward whose weights the one-token loop reads, with their class."""
+
+
+def _plain_gate(gate: nn.Module) -> bool:
+    """Whether a GTrXL gate is one of txl's (whose forward the loop calls), no hook on it or its linear layers, those
+    plain ``nn.Linear``."""
+    if type(gate) not in GATES.values() or gate._forward_hooks or gate._forward_pre_hooks:
+        return False
+    return all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in gate._modules.values())
+
+
+def _gru_weights(gate: nn.Module | None) -> tuple | None:
+    """A gate's weights as the C step reads a GRU gate's: (W [3D, D], U [2D, D], U_g [D, D], b_g [D]); () for no gate;
+    None for another kind."""
+    if gate is None:
+        return ()
+    if type(gate) is not GRUGate:
+        return None
+    return gate.w.weight, gate.u.weight, gate.u_g.weight, gate.b_g
 
 
 class DecodeLayer(NamedTuple):
@@ -41,15 +60,20 @@ class DecodeLayer(NamedTuple):
     b2: Tensor
     norm2: tuple
     pre_lnorm: bool
+    identity_map: bool = False
+    gate1: nn.Module | None = None
+    gate2: nn.Module | None = None
+    gru: tuple = ((), ())
+    """Each gate's weights as a GRU gate's (W, U, U_g, b_g); () without a gate; None for another kind of gate (the C
+    step computes the GRU gate and the residual sum)."""
 
     @staticmethod
     def plain(layers: nn.ModuleList) -> bool:
         """Whether the loop over the layers' weights computes what their forward does: every linear layer a plain
         ``nn.Linear`` and every layer norm a plain ``nn.LayerNorm`` (not an adapter, a quantised or replaced layer),
         and no forward hook on any of them, on the modules that hold them, or global (hooks fire only when modules are
-        called); and none of GTrXL's options (identity_map, gates), which the loop declines. Checked at every step
-        through the modules' own dicts (``nn.Module`` attribute lookups would cost
-        ~50 us per step for six layers)."""
+        called); GTrXL's gates are txl's own, their linear layers plain too. Checked at every step through the modules'
+        own dicts (``nn.Module`` attribute lookups would cost ~50 us per step for six layers)."""
         g = torch.nn.modules.module
         if g._global_forward_hooks or g._global_forward_pre_hooks or layers._forward_hooks or layers._forward_pre_hooks:
             return False
@@ -57,13 +81,16 @@ class DecodeLayer(NamedTuple):
             if layer._forward_hooks or layer._forward_pre_hooks:
                 return False
             for part, names in zip(layer._modules.values(), _DECODED, strict=True):  # attn, ff
-                if part._forward_hooks or part._forward_pre_hooks or part.identity_map or part.gate is not None:
-                    return False  # (GTrXL's options: the loop has the residual sum only)
+                if part._forward_hooks or part._forward_pre_hooks:
+                    return False
                 modules = part._modules
                 for name, kind in names:
                     m = modules[name]
                     if type(m) is not kind or m._forward_hooks or m._forward_pre_hooks:
                         return False
+                gate = modules.get("gate")  # (None: an attribute, not a module)
+                if gate is not None and not _plain_gate(gate):
+                    return False
         return True
 
     @classmethod
@@ -75,7 +102,8 @@ class DecodeLayer(NamedTuple):
 
         return cls(
             attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
-            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
+            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm, attn.identity_map, attn.gate,
+            ff.gate, (_gru_weights(attn.gate), _gru_weights(ff.gate)),
         )  # fmt: skip
 
     def step(
@@ -107,10 +135,18 @@ class DecodeLayer(NamedTuple):
         residual and norm, the feed-forward, the residual and norm; ``h`` [B, 1, D] is the layer's input."""
         B, H, _, Dh = vec.shape
         out = product(vec.transpose(1, 2).reshape(B, 1, H * Dh), self.o)  # [B, 1, D]
-        h = h + out if self.pre_lnorm else F.layer_norm(h + out, *self.norm1)
+        h = self.join(h, out, self.norm1, self.gate1)
         x = F.layer_norm(h, *self.norm2) if self.pre_lnorm else h
         y = product(F.relu(product(x, self.w1, self.b1)), self.w2, self.b2)  # [B, 1, D]
-        return h + y if self.pre_lnorm else F.layer_norm(h + y, *self.norm2)
+        return self.join(h, y, self.norm2, self.gate2)
+
+    def join(self, h: Tensor, y: Tensor, norm: tuple, gate: nn.Module | None) -> Tensor:
+        """A sub-module's output ``y`` joined to the residual stream ``h``: LN(h + y) (post-LN), h + y (pre-LN); with
+        GTrXL's identity_map through a ReLU first, and with a gate g(h, y) instead of the sum (the layers' own)."""
+        if not self.pre_lnorm:
+            return F.layer_norm(h + y, *norm)
+        y = F.relu(y) if self.identity_map else y
+        return h + y if gate is None else gate(h, y)
 
 
 class KVCache:

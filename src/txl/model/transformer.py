@@ -274,7 +274,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             return self._layers(h, pos, mask, cache, mems, heads, output_attentions, hids, attns)
 
         def loop() -> Tensor:  # the same as layers(), as one loop over their weights
-            hids.append(self._decode(hids[0], pos, mask, cache))
+            hids.append(self._decode(hids[0], pos, mask, cache, hids if output_hidden_states else None))
             return hids[-1]
 
         def segment() -> Tensor:  # layers(), or with a cache the same kernels replayed (txl.kernels.graphs)
@@ -295,7 +295,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
         one_token = cache is not None and T == 1 and cfg.attn_type == 0 and head_mask is None
         one_token = one_token and DecodeLayer.plain(self.layers)  # (the loop reads weights: plain modules only)
-        h = one_token_step(one_token and not (output_attentions or output_hidden_states), segment, loop)
+        h = one_token_step(one_token and not output_attentions, segment, loop)
         h = self.drop(h)
         hids[-1] = h
 
@@ -364,9 +364,12 @@ class TransformerXL(TransformerXLPreTrainedModel):
             cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
         cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
 
-    def _decode(self, h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache) -> Tensor:
+    def _decode(
+        self, h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache, hids: list | None = None
+    ) -> Tensor:
         """Every layer for one new position per row, ``h`` [B, 1, D], with a ``cache`` (inference, attn_type 0):
-        what the layers' forward computes, as one loop over their weights. For one token the arithmetic is small
+        what the layers' forward computes, as one loop over their weights (``hids``, None: not kept, receives the
+        outputs of every layer but the last). For one token the arithmetic is small
         (about 15 MFLOP for the bench-char model) and the general path (module calls, attribute lookups, the checks
         of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
         EPYC (benchmarks/levers.py). The attention's own ``scores`` gives the queries and the (b)+(d) row, which for
@@ -376,12 +379,13 @@ class TransformerXL(TransformerXLPreTrainedModel):
         _, plan, kernel_state = cache.decode_plan
         biases = (self.r_w_bias, self.r_r_bias)
         # (the same loop in C where it applies: fp32 on the CPU, a C compiler; txl.kernels.decode)
-        loop = lambda: self._loop(plan, h, pos, mask, cache)  # noqa: E731
-        return native_loop(plan, biases, h, pos, mask, cache, kernel_state, loop)
+        loop = lambda: self._loop(plan, h, pos, mask, cache, hids)  # noqa: E731
+        return native_loop(plan, biases, h, pos, mask, cache, kernel_state, loop, hids)
 
     def _loop(
-        self, plan: list[DecodeLayer], h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache
-    ) -> Tensor:
+        self, plan: list[DecodeLayer], h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache,
+        hids: list | None = None,
+    ) -> Tensor:  # fmt: skip
         """:meth:`_decode`'s loop in Python."""
         product = rows_linear(h, plan[0].qkv.dtype)  # = linear(x, weight, bias), its checks made once per step
 
@@ -392,6 +396,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 return q_w, bd if mask is None else mask_scores(bd, mask, inplace=True)  # (same_length, padding)
 
             # the window's keys and values: the cache's, this position appended
+            if i and hids is not None:
+                hids.append(h)
             h = lay.step(h, functools.partial(cache.append, i), positional, product)  # [B, 1, D]
         return h
 

@@ -54,13 +54,20 @@ def _flag_sets() -> tuple[tuple[str, ...], ...]:
     return (tuple(shlex.split(given)),) if given else FLAG_SETS
 
 
+class _Gate(ctypes.Structure):
+    """``txl_gate`` of decode.c: a GRU gate's weights (all NULL: the residual sum)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "u", "ug", "bg")]
+
+
 class _Layer(ctypes.Structure):
     """``txl_layer`` of decode.c: one layer's tensors."""
 
     _fields_ = [
         (name, ctypes.c_void_p)
         for name in ("qkv", "o", "ln1_w", "ln1_b", "w1", "b1", "w2", "b2", "ln2_w", "ln2_b", "u", "v")
-    ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float)]
+    ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("identity_map", ctypes.c_int)]
+    _fields_ += [("gate1", _Gate), ("gate2", _Gate)]
 
 
 class _DropoutSpec(ctypes.Structure):
@@ -129,7 +136,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.txl_decode_step
     fn.restype = ctypes.c_int
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
-    fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, I]
+    fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, P, I]
     lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
     lib.txl_attention.argtypes += [P, P, P, P, I, I, I, I, I, I]
     lib.txl_attention.restype = ctypes.c_int
@@ -261,15 +268,21 @@ class _Plan:
 
     def __init__(self, plan: list, biases: tuple[Tensor, Tensor]) -> None:
         per_layer = [_tensors(lay) for lay in plan]
+        gates = [tuple(g or () for g in lay.gru) for lay in plan]  # (GRU gates' weights; a None: another kind)
         self.tensors = [t for ts in per_layer for t in ts if t is not None] + list(biases)
+        self.tensors += [t for gs in gates for g in gs for t in g]
         self.ptrs = list(map(_DATA_PTR, self.tensors))
-        self.usable = all(map(_usable, self.tensors))
+        self.usable = all(map(_usable, self.tensors)) and all(g is not None for lay in plan for g in lay.gru)
         u, v = biases
         step = u[0].numel() * u.element_size() if u.dim() == 3 else 0  # (untie_r: one [H, Dh] per layer)
         self.layers = (_Layer * len(plan))()
-        for i, (lay, ts) in enumerate(zip(plan, per_layer, strict=True)):
+        for i, (lay, ts, gs) in enumerate(zip(plan, per_layer, gates, strict=True)):
             ptrs = [None if t is None else t.data_ptr() for t in ts]
-            self.layers[i] = _Layer(*ptrs, u.data_ptr() + i * step, v.data_ptr() + i * step, lay.norm1[3], lay.norm2[3])
+            joins = [_Gate(*(t.data_ptr() for t in g)) if g else _Gate() for g in gs]
+            self.layers[i] = _Layer(
+                *ptrs, u.data_ptr() + i * step, v.data_ptr() + i * step, lay.norm1[3], lay.norm2[3],
+                int(lay.identity_map), *joins,
+            )  # fmt: skip
         self.r = (ctypes.c_void_p * len(plan))()
 
 
@@ -280,14 +293,15 @@ def _tensors(lay: Any) -> tuple:
 
 
 def decode_step(
-    plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict
-) -> Tensor | None:
+    plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict,
+    hids: list | None = None,
+) -> Tensor | None:  # fmt: skip
     """``TransformerXL._decode`` as one native call: every layer for one new position per row ``h`` [B, 1, D],
     with the cache ``cache`` (the new keys/values are written to it). ``plan``: the layers' ``DecodeLayer``;
     ``biases``: u and v (``r_w_bias``, ``r_r_bias``); ``pos``: the layers' ``RelPositions`` (their ``r_k``);
-    ``mask``: [1, K] or [B, 1, 1, K] (True = masked) or None; ``state``: a dict kept with the plan. Returns None
-    (nothing done) where the kernel does not apply: no library, not fp32 on the CPU, autocast, a graph being
-    traced."""
+    ``mask``: [1, K] or [B, 1, 1, K] (True = masked) or None; ``state``: a dict kept with the plan; ``hids`` (None:
+    not kept) receives the outputs of every layer but the last, [B, 1, D] each. Returns None (nothing done) where the
+    kernel does not apply: no library, not fp32 on the CPU, autocast, a graph being traced, a gate other than GRU."""
     lib = None if torch.is_autocast_enabled("cpu") else _ready()
     k, v, r0 = cache.k, cache.v, pos[0].r_k
     if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)):
@@ -306,13 +320,17 @@ def decode_step(
         mask = mask.reshape(-1, mask.shape[-1]).to(torch.uint8).contiguous()  # [1 or B, K]
         mask_ptr, mask_sb = mask.data_ptr(), (mask.shape[-1] if mask.shape[0] > 1 else 0)
     out = h.reshape(B, D).clone()
+    inputs = None if hids is None else torch.empty(len(plan), B, 1, D)  # (each layer's input)
     failed = lib.txl_decode_step(
         native.layers, len(plan), native.r, r0.stride(0), r0.stride(1), k.data_ptr(), v.data_ptr(), k.shape[3],
         cache.start, cache.end, mask_ptr, mask_sb, B, D, attn.n_head, attn.d_head, first.w1.shape[0],
-        int(first.pre_lnorm), attn.scale, out.data_ptr(), torch.get_num_threads(),
+        int(first.pre_lnorm), attn.scale, out.data_ptr(), None if inputs is None else inputs.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native decoding step could not allocate its scratch memory")
+    if hids is not None:
+        hids.extend(inputs[1:].unbind(0))
     return out.view(B, 1, D)
 
 
