@@ -304,8 +304,8 @@ def decode_step(
     kernel does not apply: no library, not fp32 on the CPU, autocast, a graph being traced, a gate other than GRU."""
     lib = None if torch.is_autocast_enabled("cpu") else _ready()
     k, v, r0 = cache.k, cache.v, pos[0].r_k
-    if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)):
-        return None
+    if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)) or functorch_wrapped(h):
+        return None  # (a functorch wrapper, under vmap or grad, has no storage for the kernel to read)
     native = state.get("native")
     if native is None or native.ptrs != list(map(_DATA_PTR, native.tensors)):
         native = state["native"] = _Plan(plan, biases)
