@@ -8,9 +8,7 @@ examples/rl/ppo_gtrxl.py's GTrXL (the memory full), 2 threads. Run it alternatel
                           python benchmarks/ab_agent_step.py src new; done
 """
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,20 +20,16 @@ from ppo_gtrxl import Agent, Args  # noqa: E402
 
 import txl  # noqa: E402
 from txl.kernels import native  # noqa: E402
+from txl.kernels.runtime import median_time  # noqa: E402
 
 assert txl.__file__.startswith(src), f"txl from {txl.__file__}, not {src}"
 torch.set_num_threads(2)
 
 
 def median_ms(f, n: int) -> float:
-    for _ in range(10):
+    for _ in range(9):  # (and median_time's own warm-up call)
         f()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(f, n)
 
 
 def configuration(N: int, M: int) -> str:

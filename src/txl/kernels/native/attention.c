@@ -133,6 +133,15 @@ static void attend_block(const float *qb, int rows, int t0, int T, int Dh, const
 #include <omp.h>
 #endif
 
+/* The calling thread's number in the parallel region (its scratch memory), 0 without OpenMP. */
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* txl_attention for one query per head (T = 1, the positional term, inference): attend_row per head, reading the
  * keys, values and W_kR R where they are. */
 static int attention_rows(const float *q, long qsb, long qsh, const float *qv, long vqsb, long vqsh, const float *k,
@@ -145,11 +154,7 @@ static int attention_rows(const float *q, long qsb, long qsh, const float *qv, l
     if (!scratch) return 1;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int u = 0; u < B * H; u++) {
-        int t_id = 0;
-#ifdef _OPENMP
-        t_id = omp_get_thread_num();
-#endif
-        float *s = scratch + t_id * per_thread, *qu = s + K, *qr = qu + Dh;
+        float *s = scratch + thread_id() * per_thread, *qu = s + K, *qr = qu + Dh;
         const int b = u / H, h = u % H;
         const float *uh, *vh;
         const float scale = head_bias(qbias, h, &uh, &vh);
@@ -197,11 +202,7 @@ int txl_attention(const float *q, long qsb, long qsh, long qst, const float *qv,
     }
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int u = 0; u < B * H; u++) {
-        int t_id = 0;
-#ifdef _OPENMP
-        t_id = omp_get_thread_num();
-#endif
-        float *kt = scratch + t_id * per_thread, *s = kt + (long)Dh * ks, *raw = s + (long)ROWS * Kp;
+        float *kt = scratch + thread_id() * per_thread, *s = kt + (long)Dh * ks, *raw = s + (long)ROWS * Kp;
         float *qb = raw + (long)ROWS * (K + VL), *qvb = qb + ROWS * Dh, *ob = qvb + ROWS * Dh;
         const int b = u / H, h = u % H;
         const float *kh = k + b * ksb + h * ksh, *vh = v + b * vsb + h * vsh, *qh = q + b * qsb + h * qsh;
