@@ -442,7 +442,7 @@ def track(name, args, device, log, save=None) -> dict:
         """The ops that ran without a deterministic version (torch warns once per op and call site): where a repeat
         is not 0, they say why. The variant's other warnings go to the log, once each."""
         said = dict.fromkeys(str(w.message).splitlines()[0] for w in warned)
-        ops = [m.split(" does not have a deterministic implementation")[0] for m in said if NONDETERMINISTIC in m]
+        ops = [m.split(NONDETERMINISTIC)[0] for m in said if NONDETERMINISTIC in m]
         if settings and settings["on"]:
             settings.setdefault("nondeterministic", {})[variant] = ops
             if ops:
