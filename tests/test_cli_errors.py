@@ -88,6 +88,8 @@ def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
         (["--max_new_tokens", "-5"], "max_new_tokens = -5: must be >= 0"),
         (["--mem_len", "0"], "--mem_len = 0: must be >= 1"),
         (["--threads", "0"], "--threads = 0: must be >= 1"),
+        (["--seed", str(2**64)], f"--seed = {2**64}: a seed is a whole number from 0 to 2**63 - 1"),
+        (["--seed", "-1"], "--seed = -1: a seed is a whole number from 0 to 2**63 - 1"),
     ],
 )
 def test_generate_bad_options(char_run, capsys, args, message):

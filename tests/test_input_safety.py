@@ -382,14 +382,18 @@ def test_a_corpus_changed_with_its_size_and_mtime_kept_is_read_again(tmp_path):
 def test_sizes_beyond_the_machine_are_refused_before_allocation(tmp_path, capsys):
     """`txl eval --mem_len 100000000` tried to allocate ~100 GB; `txl train --model.d_model 10000000` ran out of
     memory building the model. Now each is one line saying how much it would need, before anything is allocated
-    (and a refused train leaves no run folder)."""
+    (and a refused train leaves no run folder). Over a short text the memory holds at most the text's column: eval
+    then scores it (its cache is sized by what the text gives), unless the memory starts as mem_len zero vectors."""
     from train_helpers import run_inprocess, train_args
 
     run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
     text = tmp_path / "text.txt"
     text.write_text((tmp_path / "corpus" / "valid.txt").read_text()[:500])
     capsys.readouterr()
-    err = fails(["eval", "--model", str(run), "--data", str(text), "--mem_len", "100000000"], capsys)
+    main(["eval", "--model", str(run), "--data", str(text), "--mem_len", "100000000"])
+    assert "mem_len 100000000" in capsys.readouterr().out
+    err = fails(["eval", "--model", str(run), "--data", str(text), "--mem_len", "100000000", "--zero_memory", "true"],
+                capsys)  # fmt: skip
     assert "txl eval with mem_len 100,000,000" in err and "GiB of memory, more than the" in err
     # probes.md u31: txl generate allocated its cache and died with a traceback after printing the prompt
     err = fails(["generate", "--model", str(run), "--prompt", "ab", "--mem_len", "100000000"], capsys)

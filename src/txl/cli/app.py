@@ -367,7 +367,29 @@ def _error(e: BaseException) -> tuple[int, str] | None:
         return 1, f"txl: error: {where} (check {advice})"
     if isinstance(e, ValueError):  # ConfigError, DataError, CheckpointError and bad values
         return 2, f"txl: error: {e}"
+    if _out_of_memory(e):  # (past the commands' own estimates: one line, not torch's traceback)
+        return 1, (
+            f"txl: error: out of memory ({_allocation(e)}): give the command smaller sizes (batch size, segment "
+            "and memory lengths), or free memory"
+        )
     return None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation torch could not make (a GPU's, or the CPU allocator's)."""
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
+    )
+
+
+def _allocation(e: BaseException) -> str:
+    """What torch's out-of-memory message says was asked for, in GiB where it gives bytes."""
+    asked = re.search(r"allocate (\d+) bytes", str(e))
+    if asked:
+        return f"an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed"
+    return one_line(str(e)).split(". ")[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,13 +15,18 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _check_eval_memory(config, s, sliding_window: int | None) -> None:
+def _check_eval_memory(config, s, sliding_window: int | None, n_tokens: int | None = None, zero_memory=False) -> None:
     """``txl eval``'s memory estimate (the K/V cache of every layer over mem_len + tgt_len positions, and a
-    segment's attention scores), checked against the free memory before anything is allocated."""
+    segment's attention scores), checked against the free memory before anything is allocated. ``n_tokens``: the
+    text's length, whose columns bound a segment and the memory (lengths past them read a column as one segment,
+    with all of it before as the memory; ``zero_memory``: the memory starts as mem_len positions)."""
     from txl.kernels.runtime import check_fits
 
-    keys = s.mem_len + s.tgt_len if sliding_window is None else sliding_window
-    queries = s.tgt_len if sliding_window is None else sliding_window
+    column = None if n_tokens is None else max(1, n_tokens // s.batch_size - 1)
+    seg, mem = (s.tgt_len, s.mem_len) if column is None else (min(s.tgt_len, column), min(s.mem_len, column))
+    mem = s.mem_len if zero_memory else mem
+    keys = mem + seg if sliding_window is None else sliding_window
+    queries = seg if sliding_window is None else sliding_window
     cache = 2 * config.n_layer * s.batch_size * keys * config.n_head * config.d_head * 4
     scores = 3 * s.batch_size * config.n_head * queries * keys * 4  # (scores, probabilities, their product's input)
     check_fits(cache + scores, f"txl eval with mem_len {s.mem_len:,} and tgt_len {s.tgt_len:,}",

@@ -107,8 +107,6 @@ def eval(
         raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
     given = dict(split=split, batch_size=batch_size, tgt_len=tgt_len, clamp_len=clamp_len, same_length=same_length)
     settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [mem_len]]
-    for es in settings_list:
-        _check_eval_memory(lm.config, es, sliding_window)
     s = settings_list[0]
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"--sliding_window = {sliding_window}: must be >= 1")
@@ -119,6 +117,9 @@ def eval(
     if raw_text and (data is None or not Path(data).is_file()):
         raise ValueError("--raw_text applies to a --data file (a document to score)")
     text = eval_text(folder, run, s.split, data, dataset, encoding_errors, raw_text)
+    n_tokens = None if isinstance(text.ids, list) else len(text.ids)  # (lm1b's sentence streams fill tgt_len)
+    for es in settings_list:
+        _check_eval_memory(lm.config, es, sliding_window, n_tokens, zero_memory)
     if sliding_window is not None:
         if zero_memory:
             raise ValueError("--zero_memory gives the memory a start; --sliding_window reads without a memory")

@@ -122,6 +122,16 @@ class OrderedIterator(_Stateful):
         """Batches per epoch (fixed-length mode)."""
         return -(-(self.n_step - 1) // self.tgt_len)
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest segment a batch has: tgt_len (varlen: up to tgt_len + 15), at most a column's targets."""
+        return min(self.tgt_len + (15 if self.varlen else 0), self.n_step - 1)
+
+    @property
+    def column_len(self) -> int | None:
+        """Positions one column gives in an epoch (a memory carried through one epoch holds at most these)."""
+        return self.n_step - 1
+
     def _length(self) -> int:
         if not self.varlen:
             return self.tgt_len
@@ -173,6 +183,16 @@ class SentenceStreamIterator(_Stateful):
         self.device = device
         self.epoch, self.shard_pos, self.next_sentence, self.index = 0, 0, 0, 0
         self.streams: list[list[int]] = [[-1, 0] for _ in range(batch_size)]  # [sentence order index, offset]
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest segment a batch has: tgt_len (streams are filled to it)."""
+        return self.tgt_len
+
+    @property
+    def column_len(self) -> int | None:
+        """None: a stream is as long as its sentences (no bound known before they are read)."""
+        return None
 
     def _shard_order(self) -> np.ndarray:
         n = len(self.shards)

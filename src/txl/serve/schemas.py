@@ -9,10 +9,10 @@ from typing import Annotated, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from txl.config import MAX_SEED
 from txl.data.tokenizer import UnknownPolicy
 from txl.serve.engine import MAX_LOGPROBS
 
-MAX_SEED = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0)]
 """A token id (below the model's vocabulary size, which the server checks)."""
 StopString = Annotated[str, Field(min_length=1)]

@@ -28,12 +28,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from txl.config import MAX_SEED, seed_range
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
 from txl.kernels.backends import Backends, backends, use_backends
+from txl.kernels.runtime import check_fits
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
 from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint, verify_checksums
-from txl.train.loop import TrainingLoop
+from txl.train.loop import TrainingLoop, step_memory_bound
 from txl.util.distributed import World
 from txl.util.fileio import write_bytes
 from txl.util.folders import CheckpointError, read_json
@@ -98,9 +100,9 @@ class FinetuneConfig:
     keep_last: int = 2
     """Checkpoints kept (plus the best by validation loss)."""
     seed: int = 1111
-    """Seed of the head's initialisation, dropout and the data order."""
+    """Seed of the head's initialisation, dropout and the data order (0 to 2**63 - 1)."""
     threads: int | None = None
-    """torch CPU threads."""
+    """torch CPU threads (None: torch's default)."""
     from_scratch: bool = False
     """Start from random weights of the model's configuration instead of its trained weights."""
     fast_paths: dict[str, Any] | None = None
@@ -117,6 +119,13 @@ class FinetuneConfig:
         for name in ("checkpoint_interval", "keep_last"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            bad("threads", "must be >= 1 (or left out: torch's default)")
+        for name in ("warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if not 0 <= self.seed <= MAX_SEED:
+            bad("seed", seed_range())
         if self.mem_len is not None and self.mem_len < 0:
             bad("mem_len", "must be >= 0")
         if self.clamp_len is not None and self.clamp_len != -1 and self.clamp_len <= 0:
@@ -558,6 +567,12 @@ class Finetuner(TrainingLoop):
                 print(f"{run_dir}: finished at step {self.step} (max_steps {cfg.max_steps}): nothing to do")
                 return
             truncate_metrics(run_dir, self.step)
+        check_fits(  # (before anything is written: an allocation that cannot be made fails deep in the first step)
+            step_memory_bound(model.config, cfg.batch_size, cfg.tgt_len, self.mem_len, 4),
+            f"a fine-tuning step of {cfg.batch_size:,} documents x segments of {cfg.tgt_len:,} with a memory of "
+            f"{self.mem_len:,}", "give a smaller --tgt_len (documents are left-padded to whole segments), "
+            "--batch_size or --mem_len",
+        )  # fmt: skip
         run_dir.mkdir(parents=True, exist_ok=True)
         self.record = asdict(cfg) | {
             "labels": names,

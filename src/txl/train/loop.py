@@ -19,9 +19,18 @@ from pathlib import Path
 
 import torch
 
+from txl.model.config import TransformerXLConfig
 from txl.util.distributed import World, all_reduce_sum
 from txl.util.folders import latest_checkpoint
 from txl.util.metrics import Reporter
+
+
+def step_memory_bound(m: TransformerXLConfig, rows: int, seg: int, mem: int, itemsize: int) -> int:
+    """Bytes that one training step of ``rows`` x ``seg`` positions over a memory of ``mem`` holds at least for its
+    backward: every layer's attention probabilities [rows, n_head, seg, mem + seg] and feed-forward activations
+    [rows, seg, d_inner], ``itemsize`` bytes a value (a lower bound: what else a step keeps is not counted)."""
+    per_layer = rows * seg * (m.n_head * (mem + seg) + m.d_inner)
+    return m.n_layer * per_layer * itemsize
 
 
 class TrainingError(RuntimeError):

@@ -54,7 +54,7 @@ from txl.train.checkpoint import (
     supersede_later_checkpoints,
     verify_checksums,
 )
-from txl.train.loop import TrainingError, TrainingLoop  # noqa: F401  (TrainingError: re-exported)
+from txl.train.loop import TrainingError, TrainingLoop, step_memory_bound  # noqa: F401  (TrainingError: re-exported)
 from txl.train.optim import build_optimizer, lr_at, set_lr
 from txl.util.distributed import World, all_reduce_sum, barrier, init_world, shutdown
 from txl.util.fileio import check_space, write_bytes
@@ -193,6 +193,7 @@ class Trainer(TrainingLoop):
                 "make it smaller (model.d_model, n_layer, d_inner, n_token)",
             )  # fmt: skip
         m = cfg.model
+        self._check_splits_fit()
         mems = (m.n_layer + 1) * m.mem_len * tc.batch_size * m.d_model
         check_space(  # (a checkpoint: fp32 weights, Adam's two moments, the memories; a re-save keeps the old one)
             self.run_dir, 4 * (3 * n + mems), f"a checkpoint of {n:,} parameters",
@@ -210,14 +211,7 @@ class Trainer(TrainingLoop):
         self.params = list(self.model.parameters())  # tied tensors once
         self.optimizer = build_optimizer(self.params, tc, w.device)
         self.scaler = torch.amp.GradScaler(w.device.type, enabled=tc.precision == "fp16")
-        train = self.corpus.splits["train"]
-        kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
-        if isinstance(train, list):
-            self.train_iter = SentenceStreamIterator(train, tc.batch_size, tc.tgt_len, **kw)
-        else:
-            self.train_iter = OrderedIterator(
-                train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw
-            )
+        self.train_iter = self._train_iterator()
         self.mems: list[list[torch.Tensor] | None] = [None] * tc.batch_chunk
         self.start_loop()
         self.max_steps, self.max_time, self.clip, self.keep_best = tc.max_steps, tc.max_time, tc.clip, tc.keep_best
@@ -249,6 +243,38 @@ class Trainer(TrainingLoop):
             write_bytes(self.run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
 
     # -- setup ------------------------------------------------------------------------------------------------
+
+    def _train_iterator(self) -> OrderedIterator | SentenceStreamIterator:
+        """This process's batches of the training split, from its start."""
+        tc, w = self.tc, self.world
+        train = self.corpus.splits["train"]
+        kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
+        if isinstance(train, list):
+            return SentenceStreamIterator(train, tc.batch_size, tc.tgt_len, **kw)
+        return OrderedIterator(train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw)
+
+    def _check_splits_fit(self) -> None:
+        """Before anything is written: the validation split fills the periodic evaluation's columns (it would
+        fail at the first validation, after the steps before it), and on the CPU one training step's activations
+        fit in the free memory (an allocation that cannot be made fails deep inside the first step)."""
+        tc, m, w = self.tc, self.cfg.model, self.world
+        valid = self.corpus.splits["valid"]
+        if not isinstance(valid, list) and len(valid) // tc.eval_batch_size < 2:
+            raise ValueError(
+                f"train.eval_batch_size = {tc.eval_batch_size}: the valid split's {len(valid):,} tokens cannot fill "
+                f"{tc.eval_batch_size} columns of at least 2 tokens (one input and one target); give a smaller "
+                "train.eval_batch_size"
+            )
+        if w.device.type != "cpu":
+            return
+        seg = self._train_iterator().max_seq_len  # (a column of the stream bounds a segment)
+        rows = tc.batch_size // w.size // tc.batch_chunk
+        half = self.precision in ("bf16", "fp16")
+        check_fits(
+            step_memory_bound(m, rows, seg + tc.ext_len, m.mem_len, 2 if half else 4),
+            f"a training step of {rows:,} rows x {seg:,} positions with mem_len {m.mem_len:,}",
+            "give a smaller train.tgt_len, train.batch_size or model.mem_len, or split the batch (train.batch_chunk)",
+        )  # fmt: skip
 
     def _configure_cpu(self) -> None:
         """malloc settings, and whether fp32 GEMMs may take oneDNN's route (txl.kernels.runtime; opt-in with

@@ -1,0 +1,127 @@
+"""Options whose values torch or numpy would take only deep inside a run (a seed out of range, a step larger than the
+memory, a validation split too small for its columns, threads below one): each is one line naming the option, before
+any file is written, and an allocation that still fails is one line too, not torch's traceback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_finetune import args as finetune_args
+from test_finetune import make_data
+from train_helpers import run_inprocess, train_args
+from txl.cli import main
+from txl.cli.app import _error
+from txl.kernels import runtime
+
+
+def fails(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and lines and lines[-1].startswith("txl: error: "), lines
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return run_inprocess(tmp_path_factory.mktemp("lm"), train__max_steps=2, train__eval_interval=0)
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("train.seed", "-5", "train.seed = -5: a seed is a whole number from 0 to 2**63 - 1"),  # (numpy: >= 0)
+        ("train.seed", str(2**64), f"train.seed = {2**64}: a seed is a whole number"),  # (torch: < 2**64)
+        ("train.eval_batch_size", "100000", "train.eval_batch_size = 100000: the valid split's 4,"),
+    ],
+)
+def test_train_refuses_before_writing(tmp_path, capsys, option, value, message):
+    run = tmp_path / "run"
+    line = fails(capsys, train_args(tmp_path, **{option.replace(".", "__"): value}))
+    assert message in line, line
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, step",
+    [
+        ({"train__tgt_len": 64}, "4 rows x 64 positions with mem_len 16"),
+        ({"train__tgt_len": 10_000_000}, "4 rows x 10,009 positions with mem_len 16"),  # (40,040 tokens in 4 columns)
+        (
+            {"train__tgt_len": 128, "train__batch_chunk": 2, "train__varlen": "true"},  # (a chunk; varlen: up to +15)
+            "2 rows x 143 positions with mem_len 16",
+        ),
+    ],
+)
+def test_a_training_step_larger_than_the_memory_is_refused_first(tmp_path, capsys, monkeypatch, overrides, step):
+    """The estimate counts the rows of one chunk and the segment the text can give (a column of the stream), not
+    tgt_len as typed."""
+    monkeypatch.setattr(runtime, "available_memory", lambda: 400_000)  # (bytes: the model's 20,099 parameters fit)
+    line = fails(capsys, train_args(tmp_path, "small", train__max_steps=1, **overrides))
+    assert f"a training step of {step} needs about" in line, line
+    assert "give a smaller train.tgt_len, train.batch_size or model.mem_len" in line
+    assert not (tmp_path / "small").exists()
+
+
+def test_evaluation_past_the_text_s_columns_holds_only_what_they_give(lm):
+    """A segment and a memory longer than a column (tgt_len, mem_len 10**9 over 2 columns of 999 tokens) read each
+    column as one segment: the K/V cache holds what the text gives (it was sized by the lengths asked: 10**9
+    positions), the same loss as the lengths of a column."""
+    from txl.infer.evaluate import evaluate
+    from txl.model.modeling import TransformerXLLM
+    from txl.train.checkpoint import best_checkpoint
+
+    model = TransformerXLLM.from_pretrained(best_checkpoint(lm))
+    ids = np.random.default_rng(0).integers(0, model.config.n_token, 2000)
+    huge = evaluate(model, ids, batch_size=2, tgt_len=10**9, mem_len=10**9, same_length=False)
+    column = evaluate(model, ids, batch_size=2, tgt_len=999, mem_len=999, same_length=False)
+    assert huge.tokens == column.tokens == 2 * 999 and huge.batches == 1
+    assert huge.loss == pytest.approx(column.loss, rel=1e-6)
+
+
+def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("ab cd ef gh. " * 100)
+    main(["eval", "--model", str(lm), "--data", str(text), "--tgt_len", "100000000", "--mem_len", "100000000"])
+    assert "loss" in capsys.readouterr().out
+    line = fails(
+        capsys, ["eval", "--model", str(lm), "--data", str(text), "--mem_len", "100000000", "--zero_memory", "true"]
+    )  # fmt: skip  (a zero memory of mem_len positions is real)
+    assert "txl eval with mem_len 100,000,000 and tgt_len" in line and "GiB of memory" in line, line
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("threads", "-2", "--threads = -2: must be >= 1"),
+        ("warmup_steps", "-1", "--warmup_steps = -1: must be >= 0"),
+        ("weight_decay", "-1.0", "--weight_decay = -1.0: must be >= 0"),
+        ("seed", str(2**64), f"--seed = {2**64}: a seed is a whole number from 0 to 2**63 - 1"),
+        ("tgt_len", "100000000", "a fine-tuning step of 8 documents x segments of 100,000,000"),
+    ],
+)
+def test_finetune_refuses_before_writing(lm, tmp_path, capsys, option, value, message):
+    data = make_data(tmp_path / "data", "single")
+    run = tmp_path / "run"
+    line = fails(capsys, finetune_args(lm, data, run, **{option: value}))
+    assert message in line, line
+    assert not run.exists()
+
+
+def test_an_allocation_that_fails_is_one_line():
+    """Past the estimates, torch's own out-of-memory errors (the CPU allocator's, a GPU's) are one line with what
+    was asked and what to do; other runtime errors stay tracebacks (bugs)."""
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 102400000000 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    code, line = _error(cpu)
+    assert code == 1 and line.startswith("txl: error: out of memory (an allocation of 95.4 GiB failed)"), line
+    assert "give the command smaller sizes" in line and "\n" not in line
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity")
+    code, line = _error(gpu)
+    assert code == 1 and "out of memory (CUDA out of memory)" in line, line
+    assert _error(RuntimeError("shape mismatch")) is None
