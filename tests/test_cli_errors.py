@@ -88,12 +88,29 @@ def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
         (["--max_new_tokens", "-5"], "max_new_tokens = -5: must be >= 0"),
         (["--mem_len", "0"], "--mem_len = 0: must be >= 1"),
         (["--threads", "0"], "--threads = 0: must be >= 1"),
-        (["--seed", str(2**64)], f"--seed = {2**64}: a seed is a whole number from 0 to 2**63 - 1"),
-        (["--seed", "-1"], "--seed = -1: a seed is a whole number from 0 to 2**63 - 1"),
+        (["--seed", str(2**64)], f"--seed = {2**64}: a seed is a whole number from -2**63 to 2**63 - 1"),
+        (["--seed", str(-(2**63) - 1)], "a seed is a whole number from -2**63 to 2**63 - 1 (64 bits)"),
     ],
 )
 def test_generate_bad_options(char_run, capsys, args, message):
     assert message in fails(capsys, ["generate", "--model", str(char_run), "--prompt", "Ab", *args])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--r", "[]"], "--r []: give at least one fraction, or leave --r out"),
+        (["--batch_size", "0"], "--batch_size = 0: must be >= 1"),
+        (["--threshold", "-1"], "--threshold = -1.0: must be in [0, 1) (a relative gain"),
+        (["--threshold", "2"], "--threshold = 2.0: must be in [0, 1)"),
+    ],
+)
+def test_recl_bad_options(char_run, capsys, tmp_path, args, message):
+    """Each was taken: an empty --r silently became the default fractions, a negative threshold gave '+: the gain
+    never fell below -1.0'."""
+    base = ["recl", "--models", str(char_run), str(char_run), "--contexts", "[4, 8]", "--out", str(tmp_path)]
+    assert message in fails(capsys, [*base, *args])
+    assert not (tmp_path / "recl.json").exists()
 
 
 def test_a_tiny_top_p_keeps_the_most_likely_token(char_run):

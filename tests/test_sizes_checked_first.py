@@ -4,6 +4,8 @@ any file is written, and an allocation that still fails is one line too, not tor
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -33,7 +35,7 @@ def lm(tmp_path_factory):
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("train.seed", "-5", "train.seed = -5: a seed is a whole number from 0 to 2**63 - 1"),  # (numpy: >= 0)
+        ("train.seed", str(2**63), f"train.seed = {2**63}: a seed is a whole number from -2**63 to 2**63 - 1"),
         ("train.seed", str(2**64), f"train.seed = {2**64}: a seed is a whole number"),  # (torch: < 2**64)
         ("train.eval_batch_size", "100000", "train.eval_batch_size = 100000: the valid split's 4,"),
     ],
@@ -43,6 +45,22 @@ def test_train_refuses_before_writing(tmp_path, capsys, option, value, message):
     line = fails(capsys, train_args(tmp_path, **{option.replace(".", "__"): value}))
     assert message in line, line
     assert not run.exists()
+
+
+def test_a_negative_seed_trains_as_torch_reads_it(tmp_path, lm):
+    """A negative seed (torch reads it as seed + 2**64) failed inside numpy ("expected non-negative integer") where
+    the data order draws from it: txl train's varlen segments and txl finetune's order. Now numpy takes the same 64
+    bits (seed % 2**64, which leaves every seed >= 0 as it was)."""
+    from txl.data import OrderedIterator
+
+    run_inprocess(tmp_path, "neg", train__seed=-5, train__varlen="true", train__max_steps=2, train__eval_interval=0)
+    assert (tmp_path / "neg" / "checkpoints" / "step-2").is_dir()
+    ids = np.arange(10_000)
+    lengths = lambda seed: [b.seq_len for b in OrderedIterator(ids, 2, 20, varlen=True, seed=seed)]  # noqa: E731
+    assert lengths(-5) == lengths(2**64 - 5) != lengths(5)
+    data = make_data(tmp_path / "data", "single")
+    main(finetune_args(lm, data, tmp_path / "ft", seed=-5, max_steps=2, eval_interval=2, checkpoint_interval=2))
+    assert (tmp_path / "ft" / "checkpoints" / "step-2").is_dir()
 
 
 @pytest.mark.parametrize(
@@ -82,6 +100,39 @@ def test_evaluation_past_the_text_s_columns_holds_only_what_they_give(lm):
     assert huge.loss == pytest.approx(column.loss, rel=1e-6)
 
 
+def test_generation_holds_what_its_tokens_give(lm):
+    """A memory longer than the prompt and the new tokens (mem_len 10**9) is sized by them: the same tokens as that
+    length exactly (the library's stream, its beam search, the server's engine); it was sized by mem_len."""
+    from txl.infer.generation import beam_search, generate, stream
+    from txl.model.modeling import TransformerXLLM
+    from txl.serve.engine import Engine, Generation
+    from txl.train.checkpoint import best_checkpoint
+
+    model = TransformerXLLM.from_pretrained(best_checkpoint(lm))
+    prompt = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+
+    def sampled(mem_len: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        return torch.cat(list(stream(model, prompt, 12, mem_len=mem_len, generator=g)), dim=1)
+
+    assert torch.equal(sampled(10**9), sampled(16))
+    beams = [beam_search(model, prompt, 6, num_beams=3, mem_len=m) for m in (10**9, 10)]
+    assert torch.equal(beams[0], beams[1])
+    prompts, lengths = [[1, 2, 3], [4] * 20, [5, 6]], [25, 40, 10]  # (joined in one batch: their caches merged)
+    got, done = [[] for _ in prompts], threading.Semaphore(0)
+    engine = Engine(model, max_batch=4)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        emit = lambda tok, i=i: done.release() if tok is None else got[i].append(tok)  # noqa: E731
+        engine.submit(Generation(p, n, emit, mem_len=10**9, temperature=0.0))
+    for _ in prompts:
+        assert done.acquire(timeout=60)
+    engine.shutdown()
+    for p, n, tokens in zip(prompts, lengths, got, strict=True):
+        assert (
+            tokens == generate(model, torch.tensor([p]), n, temperature=0.0, mem_len=len(p) + n)[0, len(p) :].tolist()
+        )
+
+
 def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ab cd ef gh. " * 100)
@@ -99,7 +150,7 @@ def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
         ("threads", "-2", "--threads = -2: must be >= 1"),
         ("warmup_steps", "-1", "--warmup_steps = -1: must be >= 0"),
         ("weight_decay", "-1.0", "--weight_decay = -1.0: must be >= 0"),
-        ("seed", str(2**64), f"--seed = {2**64}: a seed is a whole number from 0 to 2**63 - 1"),
+        ("seed", str(2**64), f"--seed = {2**64}: a seed is a whole number from -2**63 to 2**63 - 1"),
         ("tgt_len", "100000000", "a fine-tuning step of 8 documents x segments of 100,000,000"),
     ],
 )

@@ -28,9 +28,10 @@ from txl.util.folders import read_json
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 Split = Literal["train", "valid", "test"]
 SECTIONS = ("model", "data", "train", "eval", "run_dir")
-MAX_SEED = 2**63 - 1
-"""The largest random seed (the server's too): torch's generators take up to 2**64 - 1, numpy's (the data order)
-only seeds >= 0, and a run's process r draws dropout with seed + r."""
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+"""The range of a random seed (64 bits; the server's seeds are 0 to MAX_SEED): torch's generators take -2**63 to
+2**64 - 1 (a negative seed as seed + 2**64), numpy's (the data order) the same 64 bits as seed % 2**64, and a run's
+process r draws dropout with seed + r."""
 
 
 class ConfigError(ValueError):
@@ -39,7 +40,7 @@ class ConfigError(ValueError):
 
 def seed_range() -> str:
     """What a bad seed's error says: the range every command takes."""
-    return "a seed is a whole number from 0 to 2**63 - 1 = 9223372036854775807"
+    return "a seed is a whole number from -2**63 to 2**63 - 1 (64 bits)"
 
 
 @dataclass
@@ -114,7 +115,8 @@ class TrainConfig:
     {fused_attention_training: [cuda]} (the fused Triton attention in training on a GPU) or {native_attention: false};
     the log's ``runtime:`` lines and each checkpoint's metadata.json say which policy ran. None: the default policy."""
     seed: int = 1111
-    """Seed for initialisation, dropout and the data order (process r uses seed + r for dropout); 0 to 2**63 - 1."""
+    """Seed for initialisation, dropout and the data order (process r uses seed + r for dropout); 64 bits: -2**63 to
+    2**63 - 1."""
     log_interval: int = 200
     """Write a metrics line every this many steps."""
     eval_interval: int = 4000
@@ -155,7 +157,7 @@ class TrainConfig:
             bad("loss_fraction", "must be in (0, 1] (1: every position is scored; 0.5: the paper's half loss)")
         if self.lr <= 0:
             bad("lr", "must be > 0")
-        if not 0 <= self.seed <= MAX_SEED:
+        if not MIN_SEED <= self.seed <= MAX_SEED:
             bad("seed", seed_range())
         for name in ("clip", "weight_decay", "momentum", "eta_min"):
             if getattr(self, name) < 0:

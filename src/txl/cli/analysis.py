@@ -62,8 +62,14 @@ def recl(
     if tokens < 2:
         raise ValueError(f"--tokens = {tokens}: must be >= 2")
     contexts = check_contexts(contexts)  # (before any model is scored)
+    if r is not None and not r:
+        raise ValueError("--r []: give at least one fraction, or leave --r out (the paper's 0.1, 0.5 and 1.0)")
     for ratio in r or []:
         check_ratio(ratio)
+    if batch_size < 1:
+        raise ValueError(f"--batch_size = {batch_size}: must be >= 1")
+    if not 0 <= threshold < 1:
+        raise ValueError(f"--threshold = {threshold}: must be in [0, 1) (a relative gain; the paper's is 0.01)")
     sliding_set = {str(p) for p in sliding or []}
     unknown = sliding_set - {str(p) for p in models}
     if unknown:

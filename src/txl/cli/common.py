@@ -33,12 +33,14 @@ def _check_eval_memory(config, s, sliding_window: int | None, n_tokens: int | No
                "give a smaller --mem_len, --tgt_len or --batch_size")  # fmt: skip
 
 
-def _check_generate_memory(config, mem_len: int, rows: int, prompt_len: int) -> None:
-    """``txl generate``'s memory estimate (the K/V cache of every layer for ``rows`` sequences: the memory and the
-    prompt, twice over as the cache keeps them), checked against the free memory before anything is allocated."""
+def _check_generate_memory(config, mem_len: int, rows: int, prompt_len: int, new: int, zero_memory: bool) -> None:
+    """``txl generate``'s memory estimate (the K/V cache of every layer for ``rows`` sequences: what the memory can
+    come to hold, the prompt and the ``new`` tokens or a ``zero_memory`` of mem_len positions, at most mem_len, and
+    the prompt, twice over as the cache keeps them), checked against the free memory before anything is allocated."""
     from txl.kernels.runtime import check_fits
 
-    positions = max(2 * (mem_len + prompt_len), 16)
+    held = mem_len if zero_memory else min(mem_len, prompt_len + new)
+    positions = max(2 * (held + prompt_len), 16)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
     check_fits(cache, f"txl generate with mem_len {mem_len:,}", "give a smaller --mem_len (or fewer --num_beams)")
 

@@ -50,7 +50,7 @@ def generate(
             stderr after the text; in the JSON output with --json).
         clamp_len: Relative distances above this share one position embedding (-1: none).
         same_length: Every query attends to the same number of keys.
-        seed: Random seed for sampling (0 to 2**63 - 1).
+        seed: Random seed for sampling (64 bits: -2**63 to 2**63 - 1).
         stop: Stop after this token, or any of a list of them (each must be one token of the model's tokenizer,
             e.g. a newline).
         stop_ids: Stop after this token id, or any of a list of them.
@@ -72,7 +72,7 @@ def generate(
     """
     import torch
 
-    from txl.config import MAX_SEED, seed_range
+    from txl.config import MAX_SEED, MIN_SEED, seed_range
     from txl.data import Tokenizer
     from txl.infer.evaluate import describe_reading, read_as, reading_settings
     from txl.infer.generation import Penalties, check_sampling
@@ -87,7 +87,7 @@ def generate(
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    if not 0 <= seed <= MAX_SEED:
+    if not MIN_SEED <= seed <= MAX_SEED:
         raise ValueError(f"--seed = {seed}: {seed_range()}")
     penalties = Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
     if mem_len is not None and mem_len < 1:
@@ -135,7 +135,7 @@ def generate(
         dev.type == "cpu" and lm.config.attn_type == 0 and backends().native_kernels and native.library() is None
     ):  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
-    _check_generate_memory(lm.config, mem_len, max(1, num_beams), len(prompt_ids))  # (probes.md u31)
+    _check_generate_memory(lm.config, mem_len, max(1, num_beams), len(prompt_ids), max_new_tokens, zero_memory)  # u31
     g = torch.Generator(device=dev).manual_seed(seed)
     zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
     prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)

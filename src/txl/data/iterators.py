@@ -135,7 +135,8 @@ class OrderedIterator(_Stateful):
     def _length(self) -> int:
         if not self.varlen:
             return self.tgt_len
-        rng = np.random.default_rng([self.seed, self.epoch, self.index])
+        # (seed % 2**64: the 64 bits torch reads of a negative seed; numpy takes no negative seed)
+        rng = np.random.default_rng([self.seed % 2**64, self.epoch, self.index])
         mean = self.tgt_len if rng.random() < 0.95 else self.tgt_len / 2
         return int(min(self.tgt_len + 15, max(5, int(rng.normal(mean, 5)))))
 
@@ -196,13 +197,13 @@ class SentenceStreamIterator(_Stateful):
 
     def _shard_order(self) -> np.ndarray:
         n = len(self.shards)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
 
     def _sentence_order(self, shard: int) -> np.ndarray:
         n = len(self.shards[shard])
         if not self.shuffle:
             return np.arange(n)
-        return np.random.default_rng([self.seed, self.epoch, 1 + shard]).permutation(n)
+        return np.random.default_rng([self.seed % 2**64, self.epoch, 1 + shard]).permutation(n)
 
     def _fill(self, shard: SentenceShard, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """One global batch, or None when the shard runs out of sentences (the partial batch is dropped)."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from txl.config import MAX_SEED, seed_range
+from txl.config import MAX_SEED, MIN_SEED, seed_range
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
 from txl.kernels.backends import Backends, backends, use_backends
@@ -100,7 +100,7 @@ class FinetuneConfig:
     keep_last: int = 2
     """Checkpoints kept (plus the best by validation loss)."""
     seed: int = 1111
-    """Seed of the head's initialisation, dropout and the data order (0 to 2**63 - 1)."""
+    """Seed of the head's initialisation, dropout and the data order (64 bits: -2**63 to 2**63 - 1)."""
     threads: int | None = None
     """torch CPU threads (None: torch's default)."""
     from_scratch: bool = False
@@ -124,7 +124,7 @@ class FinetuneConfig:
         for name in ("warmup_steps", "weight_decay"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
-        if not 0 <= self.seed <= MAX_SEED:
+        if not MIN_SEED <= self.seed <= MAX_SEED:
             bad("seed", seed_range())
         if self.mem_len is not None and self.mem_len < 0:
             bad("mem_len", "must be >= 0")
@@ -592,7 +592,7 @@ class Finetuner(TrainingLoop):
 
     def order(self, epoch: int) -> list[int]:
         """The data order of ``epoch`` (a function of the seed: resumable exactly)."""
-        return np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train)).tolist()
+        return np.random.default_rng([self.cfg.seed % 2**64, epoch]).permutation(len(self.train)).tolist()
 
     def train_one(self) -> tuple[float, float]:
         cfg, model = self.cfg, self.model
