@@ -479,3 +479,57 @@ def test_a_closed_output_is_one_line_not_a_folder_error(tmp_path, monkeypatch):
     last = err.getvalue().strip().splitlines()[-1]  # (after the corpus's progress lines)
     assert last == "txl: stopped: the output was closed before the command finished (its reader exited)"
     assert "permissions" not in err.getvalue()
+
+
+def test_an_image_goes_where_the_command_says_and_its_path_is_checked_first(char_run, tmp_path, capsys, monkeypatch):
+    """`txl plot RUN --out FOLDER` wrote FOLDER.png and printed FOLDER; `--out curves` wrote curves.png and printed
+    curves; `txl eval --plot sweep.txt` failed in matplotlib after every evaluation of the sweep. Now a folder takes
+    the default name, a name without an extension takes .png (and the printed path is the file's), and an extension
+    matplotlib cannot write, a missing folder or recl's --out that is a file are one line before any work."""
+    import txl.infer.evaluate as evaluate_module
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    main(["plot", str(char_run), "--out", str(folder)])
+    assert capsys.readouterr().out.strip() == str(folder / "loss.png") and (folder / "loss.png").is_file()
+    main(["plot", str(char_run), "--out", str(tmp_path / "curves")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "curves").exists()
+    svg = tmp_path / "curves.svg"
+    main(["plot", str(char_run), "--out", str(svg)])
+    assert b"<svg" in svg.read_bytes()[:1000]
+    config = char_run / "config.yaml"
+    before = config.read_bytes()
+    line = fails(capsys, ["plot", str(char_run), "--out", str(config)])
+    assert f"--out {config}: an image's format is its extension, and .yaml is none matplotlib writes" in line
+    assert config.read_bytes() == before
+    assert "no folder" in fails(capsys, ["plot", str(char_run), "--out", str(tmp_path / "none" / "x.png")])
+    calls = []
+    monkeypatch.setattr(evaluate_module, "evaluate_steps", lambda *a, **k: calls.append(1))
+    text = tmp_path / "t.txt"
+    text.write_text("Abc def ghi. " * 40)
+    args = ["eval", "--model", str(char_run), "--data", str(text), "--mem_len", "[0, 8]"]
+    assert "--plot " in fails(capsys, [*args, "--plot", str(tmp_path / "sweep.txt")]) and not calls
+    recl = ["recl", "--models", str(char_run), str(char_run), "--contexts", "[4, 8]", "--data", str(text)]
+    assert f"--out {text}: a file, not a folder" in fails(capsys, [*recl, "--out", str(text)])
+    assert text.read_text() == "Abc def ghi. " * 40
+
+
+def test_recl_s_plot_draws_its_threshold(tmp_path):
+    """The plot drew the paper's 0.01 whatever --threshold was."""
+    from txl.infer.recl import ReclResult, plot_gains
+
+    drawn = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.axhline
+
+    def record(self, y=0, *a, **k):
+        drawn.append(y)
+        return original(self, y, *a, **k)
+
+    result = ReclResult(r=1.0, contexts=[4, 8, 12], gains={"m": [0.2, 0.05]}, recl={"m": 8}, reached={"m": True})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.axes.Axes, "axhline", record)
+        plot_gains([result], tmp_path / "recl.png", threshold=0.1)
+    assert drawn == [0.1] and (tmp_path / "recl.png").read_bytes()[:4] == b"\x89PNG"

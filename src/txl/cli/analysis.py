@@ -70,6 +70,9 @@ def recl(
         raise ValueError(f"--batch_size = {batch_size}: must be >= 1")
     if not 0 <= threshold < 1:
         raise ValueError(f"--threshold = {threshold}: must be in [0, 1) (a relative gain; the paper's is 0.01)")
+    out = Path(out or ".")
+    if out.exists() and not out.is_dir():  # (before the models are scored: the results are written at the end)
+        raise ValueError(f"--out {out}: a file, not a folder (recl.json and recl.png go in it)")
     sliding_set = {str(p) for p in sliding or []}
     unknown = sliding_set - {str(p) for p in models}
     if unknown:
@@ -105,7 +108,6 @@ def recl(
             same_length=s.same_length, batch_size=batch_size, max_window=cap,
         )  # fmt: skip
     results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
-    out = Path(out or ".")
     out.mkdir(parents=True, exist_ok=True)
     from txl.util.fileio import write_bytes
 
@@ -116,7 +118,7 @@ def recl(
         "results": [{"r": x.r, "recl": x.recl, "reached": x.reached, "gains": x.gains} for x in results],
     }
     write_bytes(out / "recl.json", (_json.dumps(record, indent=1) + "\n").encode())
-    plot_gains(results, out / "recl.png")
+    plot_gains(results, out / "recl.png", threshold)
     print("| model | " + " | ".join(f"RECL r={x.r}" for x in results) + " |")
     print("|---|" + "---|" * len(results))
     for name in losses:

@@ -105,6 +105,10 @@ def eval(
         raise ValueError("--mem_len as a list needs at least one length, and no --sliding_window")
     if sweep is None and plot is not None:
         raise ValueError("--plot needs a list of memory lengths: --mem_len '[0, 64, 128]'")
+    if sweep:  # (where the plot goes, checked before the sweep's evaluations)
+        from txl.util.plot import image_path
+
+        plot = image_path(plot or Path("mem_len_sweep.png"), "--plot", "mem_len_sweep.png")
     given = dict(split=split, batch_size=batch_size, tgt_len=tgt_len, clamp_len=clamp_len, same_length=same_length)
     settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [mem_len]]
     s = settings_list[0]
@@ -176,7 +180,7 @@ def eval(
     if sweep:
         from txl.util.plot import plot_memory_sweep
 
-        where = plot_memory_sweep(points, name, plot or Path("mem_len_sweep.png"), title=f"{folder} ({s.split})")
+        where = plot_memory_sweep(points, name, plot, title=f"{folder} ({s.split})")
         print(f"plot: {where}", file=sys.stderr if json else sys.stdout)
 
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from txl.util.distributed import World
+from txl.util.plot import save_figure
 
 
 @dataclass
@@ -134,7 +136,7 @@ def context_losses(
     return np.stack(rows)
 
 
-def plot_gains(results: Sequence[ReclResult], out) -> None:
+def plot_gains(results: Sequence[ReclResult], out, threshold: float = 0.01) -> None:
     """One panel per r: the relative gain g(c, c + Δ) of every model against c, with the threshold."""
     import matplotlib
 
@@ -145,12 +147,11 @@ def plot_gains(results: Sequence[ReclResult], out) -> None:
     for ax, res in zip(axes[0], results, strict=True):
         for m, g in res.gains.items():
             ax.plot(res.contexts[:-1], g, "o-", markersize=3, label=f"{m} (RECL {res.recl[m]})")
-        ax.axhline(0.01, color="grey", linestyle="--", linewidth=1)
+        ax.axhline(threshold, color="grey", linestyle="--", linewidth=1)
         ax.set_title(f"r = {res.r}")
         ax.set_xlabel("context length c")
         ax.set_ylabel("relative gain g(c, c + Δ)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(out))

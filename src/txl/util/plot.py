@@ -1,22 +1,56 @@
-"""``txl plot RUN``: training and validation curves from ``RUN/metrics.jsonl`` as a PNG."""
+"""``txl plot RUN``: training and validation curves from ``RUN/metrics.jsonl`` as a PNG; where the commands' images
+go, and how they are written."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from txl.util.fileio import write_bytes
 from txl.util.metrics import METRICS, read_metrics
+
+
+def image_path(out: str | Path, option: str, default_name: str) -> Path:
+    """Where an image given as ``option`` goes, checked before the work that makes it: a folder takes
+    ``default_name`` inside it, a name without an extension takes .png (matplotlib would add it, and the command
+    named the file without it), and an extension matplotlib cannot write is one error naming the option."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    out = Path(out)
+    if out.is_dir():
+        out = out / default_name
+    elif not out.suffix:
+        out = out.with_name(out.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"{option} {out}: an image's format is its extension, and {out.suffix} is none matplotlib writes; give "
+            f"one of {', '.join('.' + f for f in sorted(formats))}"
+        )
+    if not out.parent.is_dir():
+        raise ValueError(f"{option} {out}: no folder {out.parent} to write it in")
+    return out
+
+
+def save_figure(fig, out: Path) -> Path:
+    """Write ``fig`` to ``out`` (its extension the format) at once, as every file here is written: a failure leaves
+    the file that was there as it was; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    data = io.BytesIO()
+    try:
+        fig.savefig(data, format=out.suffix[1:].lower(), dpi=110)
+    finally:
+        plt.close(fig)
+    write_bytes(out, data.getvalue())
+    return out
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the loss curves (bpc or ppl on a second panel; a fine-tuned classifier's accuracy or MSE) of a run to
-    ``out`` (default ``RUN/loss.png``)."""
-    import matplotlib.pyplot as plt
-
-    fig = run_figure(run_dir)
-    out = Path(out) if out else Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    ``out`` (default ``RUN/loss.png``; a folder: ``loss.png`` in it)."""
+    out = image_path(out if out else Path(run_dir), "--out", "loss.png")
+    return save_figure(run_figure(run_dir), out)
 
 
 def run_figure(run_dir: str | Path):
@@ -59,7 +93,8 @@ def run_figure(run_dir: str | Path):
 
 
 def plot_memory_sweep(points: list[tuple[int, float]], metric: str, out: str | Path, title: str = "") -> Path:
-    """The metric (bpc or ppl) against the evaluation memory length, as ``txl eval --mem_len '[...]'`` measures."""
+    """The metric (bpc or ppl) against the evaluation memory length, as ``txl eval --mem_len '[...]'`` measures
+    (``out``: an :func:`image_path`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +107,4 @@ def plot_memory_sweep(points: list[tuple[int, float]], metric: str, out: str | P
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, Path(out))
