@@ -4,6 +4,7 @@ generation alone, bad input, limits and the API key; a real server under concurr
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 
@@ -654,6 +655,33 @@ def test_cli_refuses_remote_binding_and_bad_limits(run, capsys):
         with pytest.raises(SystemExit):
             main(["serve", "--model", str(run), *args])
         assert message in capsys.readouterr().err
+
+
+def test_limits_that_may_hold_more_than_the_machine_are_noted_at_start(run):
+    """The limits bound each request, but max_batch rows of the longest memory and segment could hold more than the
+    machine has: the system would stop the server, not a request's error. `txl serve` says so when it starts; the
+    estimate counts a generation's cache by its prompt and answer, and a scored text's by its memory and segment."""
+    from txl.cli.serve import limits_memory, limits_memory_note
+    from txl.model.config import TransformerXLConfig
+
+    cfg = TransformerXLConfig(n_token=100, n_layer=4, d_model=64, n_head=2, d_head=32, d_inner=64)
+    position = 2 * 4 * 2 * 32 * 4  # keys and values of one position, every layer
+    gen = ServeLimits(max_batch=2, max_prompt_tokens=100, max_new_tokens=20, max_mem_len=150, max_tgt_len=1)
+    assert limits_memory(cfg, gen) == 2 * 2 * (120 + 100) * position  # (a memory of prompt and answer, a prompt more)
+    score = ServeLimits(max_batch=3, max_prompt_tokens=1, max_new_tokens=1, max_mem_len=100, max_tgt_len=50)
+    assert limits_memory(cfg, score) == 3 * (2 * 150 * position + 2 * 50 * 150 * 4)
+    assert limits_memory_note(cfg, score, free=10**9) is None
+    note = limits_memory_note(cfg, score, free=1000)
+    assert (
+        note.startswith("at its limits (3 rows of --max_mem_len 100, --max_tgt_len 50") and "lower --max_batch" in note
+    )
+    proc, _ = start_server(run, "--max_batch", "100000", stderr=subprocess.PIPE, text=True)
+    try:
+        proc.terminate()
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert "txl serve: note: at its limits (100000 rows of --max_mem_len 8,192" in err, err
 
 
 def test_engine_serves_absolute_position_models_one_at_a_time():

@@ -114,6 +114,14 @@ def serve(
     connections = ConnectionLimits(header_timeout, body_timeout, keep_alive_timeout)
     app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name)
     state = app.state.server
+    free = None  # (the host's memory, or the GPU's)
+    if state.device.type == "cuda":
+        import torch
+
+        free = torch.cuda.mem_get_info(state.device)[0]
+    note = limits_memory_note(state.model.config, limits, next(state.model.parameters()).element_size(), free)
+    if note:
+        print(f"txl serve: note: {note}", file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"txl serve: warning: listening on {host}, reachable from other machines"
               + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
@@ -149,6 +157,37 @@ def serve(
         print("txl serve: stopped: some requests did not end cleanly within --drain_timeout", file=sys.stderr)
         raise SystemExit(1)
     print("txl serve: stopped", file=sys.stderr)
+
+
+def limits_memory(config, limits, itemsize: int = 4) -> int:
+    """Bytes the server may hold at its limits: ``max_batch`` rows, each a generation's keys and values (its memory
+    holds at most the longest prompt and answer, or max_mem_len; the cache keeps a prompt more, twice over) or a
+    scored text's (its keys and values over max_mem_len + max_tgt_len positions, and one segment's attention
+    probabilities)."""
+    per_position = 2 * config.n_layer * config.n_head * config.d_head * itemsize
+    prompt = limits.max_prompt_tokens
+    generation = 2 * (min(limits.max_mem_len, prompt + limits.max_new_tokens) + prompt) * per_position
+    seg = min(limits.max_tgt_len, limits.max_score_tokens)
+    keys = limits.max_mem_len + seg
+    score = 2 * keys * per_position + config.n_head * seg * keys * 4
+    return limits.max_batch * max(generation, score)
+
+
+def limits_memory_note(config, limits, itemsize: int = 4, free: int | None = None) -> str | None:
+    """A note when the server's limits may hold more memory than this machine has free (``free``; default: what it
+    has now): a busy server would then be stopped by the system, not by a request's error. None when they fit."""
+    from txl.kernels.runtime import available_memory
+
+    free = available_memory() if free is None else free
+    needed = limits_memory(config, limits, itemsize)
+    if free is None or needed <= free:
+        return None
+    return (
+        f"at its limits ({limits.max_batch} rows of --max_mem_len {limits.max_mem_len:,}, --max_tgt_len "
+        f"{limits.max_tgt_len:,}, --max_prompt_tokens {limits.max_prompt_tokens:,}) this server may hold about "
+        f"{needed / 2**30:,.1f} GiB for this model, more than the {free / 2**30:,.1f} GiB free here: lower "
+        "--max_batch, --max_mem_len or --max_tgt_len, so that a busy server is not stopped by the system"
+    )
 
 
 def _listen(host: str, port: int):
