@@ -176,3 +176,28 @@ def test_an_allocation_that_fails_is_one_line():
     code, line = _error(gpu)
     assert code == 1 and "out of memory (CUDA out of memory)" in line, line
     assert _error(RuntimeError("shape mismatch")) is None
+
+
+def test_a_validation_that_fails_keeps_the_steps_before_it(tmp_path, capsys, monkeypatch):
+    """A validation that fails (here: out of memory at step 6 of a run saving only at its end) lost every step since
+    the last checkpoint. They are saved first, the error is one line, and `--resume auto` goes on from them."""
+    import txl.train.trainer as trainer_module
+    from txl.train.checkpoint import latest_checkpoint
+
+    real = trainer_module.evaluate
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10737418240 bytes.")
+
+    monkeypatch.setattr(trainer_module, "evaluate", failing)
+    args = train_args(tmp_path, train__max_steps=10, train__eval_interval=6, train__checkpoint_interval=0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err.strip().splitlines()[-1].startswith("txl: error: out of memory (an allocation")
+    assert "the validation at step 6 failed: the steps before it were saved first" in out
+    assert latest_checkpoint(tmp_path / "run").name == "step-6"
+    monkeypatch.setattr(trainer_module, "evaluate", real)
+    main([*args, "--resume", "auto"])
+    assert latest_checkpoint(tmp_path / "run").name == "step-10"

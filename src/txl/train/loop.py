@@ -159,7 +159,14 @@ class TrainingLoop:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _evaluate_and_track(self) -> bool:
-        self.last_valid, self.last_eval_step = self.validate(), self.step
+        try:
+            valid = self.validate()
+        except Exception:  # (its own steps are not lost with it: they are saved first, where one process runs)
+            if self.world.size == 1 and self.step > 0 and self.last_saved != self.step:
+                path = self.save()
+                self.say(f"the validation at step {self.step:,} failed: the steps before it were saved first, {path}")
+            raise
+        self.last_valid, self.last_eval_step = valid, self.step
         if self.best_valid is None or self.last_valid < self.best_valid:
             self.best_valid, self.best_step = self.last_valid, self.step
             return True
