@@ -202,17 +202,28 @@ def test_documents_in_a_batch_equal_each_alone_and_the_gradient_reaches_k_segmen
     cfg = TransformerXLConfig.from_dict(src.config.to_dict() | {"num_labels": 3, "dropout": 0.0, "dropatt": 0.0})
     model = TransformerXLForSequenceClassification(cfg).eval()
     docs = [list(range(1, 34)), [5, 6, 7], list(range(3, 20))]
-    ids, pad = batch_ids(docs, 8)
-    assert ids.shape == (3, 40) and pad[1].sum() == 37
+    ids, pad = batch_ids(docs)
+    assert ids.shape == (3, 33) and pad[1].sum() == 30  # (the longest; its first segment is 1 token of 8)
     with torch.no_grad():
         together = document_logits(model, ids, pad, tgt_len=8, mem_len=48)
         for i, d in enumerate(docs):
-            alone = document_logits(model, *batch_ids([d], 8), tgt_len=8, mem_len=48)
+            alone = document_logits(model, *batch_ids([d]), tgt_len=8, mem_len=48)
             torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+            for mem_len in (48, 5):  # (padded to whole segments, as before: the same real keys, more positions)
+                whole = -(-len(d) // 8) * 8
+                old = (
+                    torch.tensor([[0] * (whole - len(d)) + d]),
+                    torch.tensor([[True] * (whole - len(d)) + [False] * len(d)]),
+                )
+                for memory in (True, False):
+                    torch.testing.assert_close(
+                        document_logits(model, *batch_ids([d]), tgt_len=8, mem_len=mem_len, memory=memory),
+                        document_logits(model, *old, tgt_len=8, mem_len=mem_len, memory=memory), atol=1e-5, rtol=1e-5
+                    )  # fmt: skip
     early = 2  # token id 2 occurs only in the first segment of document 0 (tokens 1..8)
     for k, reaches in ((1, False), (2, True)):
         model.zero_grad()
-        ids, pad = batch_ids([list(range(1, 17))], 8)  # two segments: 1..8 and 9..16
+        ids, pad = batch_ids([list(range(1, 17))])  # two segments: 1..8 and 9..16
         document_logits(model, ids, pad, tgt_len=8, mem_len=8, grad_segments=k)[0, 0].backward()
         grad = model.transformer.word_emb.emb_layers[0].weight.grad
         assert (grad is not None and grad[early].abs().sum() > 0) == reaches, k

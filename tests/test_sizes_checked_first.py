@@ -151,7 +151,6 @@ def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
         ("warmup_steps", "-1", "--warmup_steps = -1: must be >= 0"),
         ("weight_decay", "-1.0", "--weight_decay = -1.0: must be >= 0"),
         ("seed", str(2**64), f"--seed = {2**64}: a seed is a whole number from -2**63 to 2**63 - 1"),
-        ("tgt_len", "100000000", "a fine-tuning step of 8 documents x segments of 100,000,000"),
     ],
 )
 def test_finetune_refuses_before_writing(lm, tmp_path, capsys, option, value, message):
@@ -160,6 +159,18 @@ def test_finetune_refuses_before_writing(lm, tmp_path, capsys, option, value, me
     line = fails(capsys, finetune_args(lm, data, run, **{option: value}))
     assert message in line, line
     assert not run.exists()
+
+
+def test_a_fine_tuning_step_is_estimated_by_its_documents(lm, tmp_path, capsys, monkeypatch):
+    """No segment is longer than the longest document (left padding fills only the first one's rest): a huge
+    --tgt_len over short texts trains, and the estimate counts the documents' longest."""
+    data = make_data(tmp_path / "data", "single")
+    main(finetune_args(lm, data, tmp_path / "huge", tgt_len=100_000_000, max_steps=2, eval_interval=2))
+    assert (tmp_path / "huge" / "checkpoints" / "step-2").is_dir()
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1000)
+    line = fails(capsys, finetune_args(lm, data, tmp_path / "small", tgt_len=100_000_000))
+    assert "a fine-tuning step of 8 documents x segments of 1" in line and "segments of 100,000,000" not in line
+    assert not (tmp_path / "small").exists()
 
 
 def test_an_allocation_that_fails_is_one_line():

@@ -329,10 +329,10 @@ def targets(examples: list[Example], task: Task, names: list[str]) -> torch.Tens
     return out
 
 
-def batch_ids(docs: list[list[int]], tgt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad documents to a whole number of segments: ids [B, L] and padding [B, L] (True = padding)."""
-    longest = max(len(d) for d in docs)
-    length = -(-longest // tgt_len) * tgt_len
+def batch_ids(docs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad documents to the longest: ids [B, L] and padding [B, L] (True = padding). :func:`document_logits`
+    reads them in segments counted from the end, so padding fills only what the longest leaves of its first one."""
+    length = max(len(d) for d in docs)
     ids = torch.zeros(len(docs), length, dtype=torch.long)
     pad = torch.ones(len(docs), length, dtype=torch.bool)
     for i, d in enumerate(docs):
@@ -356,14 +356,19 @@ def document_logits(
     memory: bool = True,
     grad_segments: int = 1,
 ) -> torch.Tensor:
-    """Logits [B, num_labels] of left-padded documents ``ids`` [B, L] (L a multiple of tgt_len), read segment by
-    segment with a memory of ``mem_len`` (or, without ``memory``, only the last segment)."""
-    n = ids.shape[1] // tgt_len
+    """Logits [B, num_labels] of left-padded documents ``ids`` [B, L], read segment by segment with a memory of
+    ``mem_len`` (or, without ``memory``, only the last segment). The segments are counted from the end: each is
+    ``tgt_len`` positions but the first, which takes what is left (padding before the documents' tokens is never
+    attended to and keeps their distances, so a row reads what it would read padded to whole segments, in fewer
+    positions)."""
+    L = ids.shape[1]
+    n = -(-L // tgt_len)
+    bounds = [(max(0, L - (n - s) * tgt_len), L - (n - 1 - s) * tgt_len) for s in range(n)]
     first = 0 if memory else n - 1
     grad = torch.is_grad_enabled()
     mems, mem_pad, out = None, None, None
     for s in range(first, n):
-        seg, seg_pad = ids[:, s * tgt_len : (s + 1) * tgt_len], pad[:, s * tgt_len : (s + 1) * tgt_len]
+        seg, seg_pad = ids[:, slice(*bounds[s])], pad[:, slice(*bounds[s])]
         window_pad = seg_pad if mems is None else torch.cat([mem_pad, seg_pad], dim=1)  # [B, M + T]
         with_grad = grad and s >= n - grad_segments
         with torch.set_grad_enabled(with_grad):
@@ -410,7 +415,7 @@ def predict_logits(model, docs: list[list[int]], cfg: FinetuneConfig, mem_len: i
     model.eval()
     out = []
     for i in range(0, len(docs), batch_size):
-        ids, pad = batch_ids(docs[i : i + batch_size], cfg.tgt_len)
+        ids, pad = batch_ids(docs[i : i + batch_size])
         out.append(document_logits(model, ids, pad, tgt_len=cfg.tgt_len, mem_len=mem_len, memory=cfg.memory))
     return torch.cat(out)
 
@@ -567,11 +572,11 @@ class Finetuner(TrainingLoop):
                 print(f"{run_dir}: finished at step {self.step} (max_steps {cfg.max_steps}): nothing to do")
                 return
             truncate_metrics(run_dir, self.step)
+        seg = min(cfg.tgt_len, max(len(e.ids) for e in train + valid))  # (no segment is longer than a document)
         check_fits(  # (before anything is written: an allocation that cannot be made fails deep in the first step)
-            step_memory_bound(model.config, cfg.batch_size, cfg.tgt_len, self.mem_len, 4),
-            f"a fine-tuning step of {cfg.batch_size:,} documents x segments of {cfg.tgt_len:,} with a memory of "
-            f"{self.mem_len:,}", "give a smaller --tgt_len (documents are left-padded to whole segments), "
-            "--batch_size or --mem_len",
+            step_memory_bound(model.config, cfg.batch_size, seg, self.mem_len, 4),
+            f"a fine-tuning step of {cfg.batch_size:,} documents x segments of {seg:,} with a memory of "
+            f"{self.mem_len:,}", "give a smaller --tgt_len, --batch_size or --mem_len",
         )  # fmt: skip
         run_dir.mkdir(parents=True, exist_ok=True)
         self.record = asdict(cfg) | {
@@ -605,7 +610,7 @@ class Finetuner(TrainingLoop):
         scale = min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = lr * scale
-        ids, pad = batch_ids([self.train[i].ids for i in rows], cfg.tgt_len)
+        ids, pad = batch_ids([self.train[i].ids for i in rows])
         logits = document_logits(
             model, ids, pad, tgt_len=cfg.tgt_len, mem_len=self.mem_len, memory=cfg.memory,
             grad_segments=cfg.grad_segments,
