@@ -512,6 +512,8 @@ def test_an_image_goes_where_the_command_says_and_its_path_is_checked_first(char
     assert "--plot " in fails(capsys, [*args, "--plot", str(tmp_path / "sweep.txt")]) and not calls
     recl = ["recl", "--models", str(char_run), str(char_run), "--contexts", "[4, 8]", "--data", str(text)]
     assert f"--out {text}: a file, not a folder" in fails(capsys, [*recl, "--out", str(text)])
+    maps = ["attention", "--model", str(char_run), "--data", str(text)]
+    assert f"--out {text}: a file, not a folder" in fails(capsys, [*maps, "--out", str(text)])
     assert text.read_text() == "Abc def ghi. " * 40
 
 

@@ -179,6 +179,8 @@ def attention(
         raise ValueError("txl attention: give the text once, with --data (--text is its former name)")
     if text is not None and not text.strip():  # (probes.md u38: '' was read as '.', the current folder)
         raise ValueError("--text is empty: give a text file or a folder of text (--data)")
+    if Path(out).exists() and not Path(out).is_dir():  # (before the maps are computed: they are written at the end)
+        raise ValueError(f"--out {out}: a file, not a folder (the images and attention.json go in it)")
     _set_threads(threads)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from txl.model.modeling import TransformerXLLM
+from txl.util.plot import save_figure
 
 
 @dataclass
@@ -102,8 +103,7 @@ def plot_attention(maps: AttentionMaps, out: str | Path, layer: int = -1, head: 
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     written.append(out / "distance.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    save_figure(fig, written[-1])
     x = -np.arange(D)
     for layer_i in range(L):
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -117,8 +117,7 @@ def plot_attention(maps: AttentionMaps, out: str | Path, layer: int = -1, head: 
         ax.grid(alpha=0.3)
         fig.tight_layout()
         written.append(out / f"layer{layer_i}.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save_figure(fig, written[-1])
     full = maps.last[layer, head]  # [T, K]
     fig, ax = plt.subplots(figsize=(8, 4))
     im = ax.imshow(full, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -129,6 +128,5 @@ def plot_attention(maps: AttentionMaps, out: str | Path, layer: int = -1, head: 
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     written.append(out / "full.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    save_figure(fig, written[-1])
     return written
