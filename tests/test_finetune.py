@@ -201,6 +201,10 @@ def test_documents_in_a_batch_equal_each_alone_and_the_gradient_reaches_k_segmen
     src = TransformerXLLM.from_pretrained(resolve_model_dir(lm))
     cfg = TransformerXLConfig.from_dict(src.config.to_dict() | {"num_labels": 3, "dropout": 0.0, "dropatt": 0.0})
     model = TransformerXLForSequenceClassification(cfg).eval()
+    from txl.infer.evaluate import segments_from_end
+
+    assert segments_from_end(17, 8) == [slice(0, 1), slice(1, 9), slice(9, 17)]
+    assert segments_from_end(16, 8) == [slice(0, 8), slice(8, 16)] and segments_from_end(3, 8) == [slice(0, 3)]
     docs = [list(range(1, 34)), [5, 6, 7], list(range(3, 20))]
     ids, pad = batch_ids(docs)
     assert ids.shape == (3, 33) and pad[1].sum() == 30  # (the longest; its first segment is 1 token of 8)

@@ -175,6 +175,14 @@ def evaluate_steps(
     return EvalResult(loss=total / max(count, 1), tokens=int(count), batches=batches, losses=losses)
 
 
+def segments_from_end(length: int, tgt_len: int) -> list[slice]:
+    """The segments of ``length`` left-padded positions, counted from the end: each ``tgt_len`` long but the first,
+    which takes what is left. Rows padded on the left to the longest read the same segments of their own tokens as
+    if every row were padded to whole segments, in fewer positions (padding is never attended to)."""
+    n = -(-length // tgt_len)
+    return [slice(max(0, length - (n - s) * tgt_len), length - (n - 1 - s) * tgt_len) for s in range(n)]
+
+
 def sliding_windows(n_targets: int, window: int, stride: int) -> list[tuple[int, int]]:
     """The windows of :func:`evaluate_sliding` as (end, scored): target ``j`` is token ``j`` predicted from the
     tokens before it (``1 <= j <= n_targets``); a window ending at target ``end`` reads the ``window`` tokens before

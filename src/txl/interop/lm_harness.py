@@ -41,7 +41,7 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     ) from e
 
 from txl.data.tokenizer import Tokenizer
-from txl.infer.evaluate import autocast, evaluate, read_as, reading_settings
+from txl.infer.evaluate import autocast, evaluate, read_as, reading_settings, segments_from_end
 from txl.infer.generation import Penalties, beam_search, stream
 from txl.kernels.runtime import effective_precision
 from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache
@@ -192,9 +192,9 @@ class TransformerXLHarnessLM(LM):
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log-probability of ``cont``, whether every token of it is the greedy choice) after ``ctx``, for each
         (ctx, cont) of token ids: one left-padded batch read ``tgt_len`` tokens at a time with the memory."""
-        dev, T = self._device, self.settings.tgt_len
+        dev = self._device
         seqs = [ctx + cont for ctx, cont in pairs]
-        length = -(-max(len(x) - 1 for x in seqs) // T) * T
+        length = max(len(x) - 1 for x in seqs)  # (left-padded to the longest, read in segments from the end)
         ids = torch.zeros(len(seqs), length, dtype=torch.long)
         tgt = torch.zeros(len(seqs), length, dtype=torch.long)
         pad = torch.ones(len(seqs), length, dtype=torch.bool)
@@ -219,10 +219,10 @@ class TransformerXLHarnessLM(LM):
         T = s.tgt_len
         cached = supports_kv_cache(model.config) and s.mem_len > 0
         dtype = next(model.parameters()).dtype
-        cache = KVCache(model.config, B, s.mem_len, T, device=ids.device, dtype=dtype) if cached else None
+        held = min(s.mem_len, length)  # (the memory never holds more than the batch's positions)
+        cache = KVCache(model.config, B, held, T, device=ids.device, dtype=dtype) if cached else None
         mems, mem_pad = None, None
-        for start in range(0, length, T):
-            cols = slice(start, start + T)
+        for cols in segments_from_end(length, T):
             seg_pad = pad[:, cols]
             kw = dict(mem_len=s.mem_len, clamp_len=s.clamp_len, same_length=s.same_length, return_log_probs=True)
             with autocast(ids.device, self.precision):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from txl.config import MAX_SEED, MIN_SEED, seed_range
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
+from txl.infer.evaluate import segments_from_end
 from txl.kernels.backends import Backends, backends, use_backends
 from txl.kernels.runtime import check_fits
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
@@ -361,14 +362,13 @@ def document_logits(
     ``tgt_len`` positions but the first, which takes what is left (padding before the documents' tokens is never
     attended to and keeps their distances, so a row reads what it would read padded to whole segments, in fewer
     positions)."""
-    L = ids.shape[1]
-    n = -(-L // tgt_len)
-    bounds = [(max(0, L - (n - s) * tgt_len), L - (n - 1 - s) * tgt_len) for s in range(n)]
+    segments = segments_from_end(ids.shape[1], tgt_len)
+    n = len(segments)
     first = 0 if memory else n - 1
     grad = torch.is_grad_enabled()
     mems, mem_pad, out = None, None, None
     for s in range(first, n):
-        seg, seg_pad = ids[:, slice(*bounds[s])], pad[:, slice(*bounds[s])]
+        seg, seg_pad = ids[:, segments[s]], pad[:, segments[s]]
         window_pad = seg_pad if mems is None else torch.cat([mem_pad, seg_pad], dim=1)  # [B, M + T]
         with_grad = grad and s >= n - grad_segments
         with torch.set_grad_enabled(with_grad):
