@@ -88,6 +88,7 @@ def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
         (["--max_new_tokens", "-5"], "max_new_tokens = -5: must be >= 0"),
         (["--mem_len", "0"], "--mem_len = 0: must be >= 1"),
         (["--threads", "0"], "--threads = 0: must be >= 1"),
+        (["--num_beams", "0"], "--num_beams = 0: must be >= 1 (1: no beam search)"),
         (["--seed", str(2**64)], f"--seed = {2**64}: a seed is a whole number from -2**63 to 2**63 - 1"),
         (["--seed", str(-(2**63) - 1)], "a seed is a whole number from -2**63 to 2**63 - 1 (64 bits)"),
     ],
@@ -111,6 +112,12 @@ def test_recl_bad_options(char_run, capsys, tmp_path, args, message):
     base = ["recl", "--models", str(char_run), str(char_run), "--contexts", "[4, 8]", "--out", str(tmp_path)]
     assert message in fails(capsys, [*base, *args])
     assert not (tmp_path / "recl.json").exists()
+
+
+def test_empty_prompt_ids_are_named(char_run, capsys):
+    """It was "input_ids must be a non-empty [batch, seq_len] tensor", an argument the user never gave."""
+    line = fails(capsys, ["generate", "--model", str(char_run), "--prompt_ids", "[]"])
+    assert "--prompt_ids is empty: give at least one token id" in line
 
 
 def test_a_tiny_top_p_keeps_the_most_likely_token(char_run):

@@ -87,6 +87,10 @@ def generate(
     if model is None or (prompt is None) == (prompt_ids is None):
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if num_beams < 1:
+        raise ValueError(f"--num_beams = {num_beams}: must be >= 1 (1: no beam search)")
+    if prompt_ids is not None and not prompt_ids:
+        raise ValueError("--prompt_ids is empty: give at least one token id, e.g. '[1, 2, 3]'")
     if not MIN_SEED <= seed <= MAX_SEED:
         raise ValueError(f"--seed = {seed}: {seed_range()}")
     penalties = Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
@@ -135,7 +139,7 @@ def generate(
         dev.type == "cpu" and lm.config.attn_type == 0 and backends().native_kernels and native.library() is None
     ):  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
-    _check_generate_memory(lm.config, mem_len, max(1, num_beams), len(prompt_ids), max_new_tokens, zero_memory)  # u31
+    _check_generate_memory(lm.config, mem_len, num_beams, len(prompt_ids), max_new_tokens, zero_memory)  # (u31)
     g = torch.Generator(device=dev).manual_seed(seed)
     zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
     prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
