@@ -32,15 +32,12 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 """The range of a random seed (64 bits; the server's seeds are 0 to MAX_SEED): torch's generators take -2**63 to
 2**64 - 1 (a negative seed as seed + 2**64), numpy's (the data order) the same 64 bits as seed % 2**64, and a run's
 process r draws dropout with seed + r."""
+SEED_RANGE = "a seed is a whole number from -2**63 to 2**63 - 1 (64 bits)"
+"""What a bad seed's error says, in every command."""
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the field (or file) and what to do."""
-
-
-def seed_range() -> str:
-    """What a bad seed's error says: the range every command takes."""
-    return "a seed is a whole number from -2**63 to 2**63 - 1 (64 bits)"
 
 
 @dataclass
@@ -158,7 +155,7 @@ class TrainConfig:
         if self.lr <= 0:
             bad("lr", "must be > 0")
         if not MIN_SEED <= self.seed <= MAX_SEED:
-            bad("seed", seed_range())
+            bad("seed", SEED_RANGE)
         for name in ("clip", "weight_decay", "momentum", "eta_min"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")

@@ -38,9 +38,9 @@ def _check_generate_memory(config, mem_len: int, rows: int, prompt_len: int, new
     come to hold, the prompt and the ``new`` tokens or a ``zero_memory`` of mem_len positions, at most mem_len, and
     the prompt, twice over as the cache keeps them), checked against the free memory before anything is allocated."""
     from txl.kernels.runtime import check_fits
+    from txl.model.cache import KVCache
 
-    held = mem_len if zero_memory else min(mem_len, prompt_len + new)
-    positions = max(2 * (held + prompt_len), 16)
+    positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
     check_fits(cache, f"txl generate with mem_len {mem_len:,}", "give a smaller --mem_len (or fewer --num_beams)")
 

@@ -72,7 +72,7 @@ def generate(
     """
     import torch
 
-    from txl.config import MAX_SEED, MIN_SEED, seed_range
+    from txl.config import MAX_SEED, MIN_SEED, SEED_RANGE
     from txl.data import Tokenizer
     from txl.infer.evaluate import describe_reading, read_as, reading_settings
     from txl.infer.generation import Penalties, check_sampling
@@ -92,7 +92,7 @@ def generate(
     if prompt_ids is not None and not prompt_ids:
         raise ValueError("--prompt_ids is empty: give at least one token id, e.g. '[1, 2, 3]'")
     if not MIN_SEED <= seed <= MAX_SEED:
-        raise ValueError(f"--seed = {seed}: {seed_range()}")
+        raise ValueError(f"--seed = {seed}: {SEED_RANGE}")
     penalties = Penalties(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
     if mem_len is not None and mem_len < 1:
         raise ValueError(f"--mem_len = {mem_len}: must be >= 1 (generation carries a memory)")

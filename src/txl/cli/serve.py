@@ -164,9 +164,11 @@ def limits_memory(config, limits, itemsize: int = 4) -> int:
     holds at most the longest prompt and answer, or max_mem_len; the cache keeps a prompt more, twice over) or a
     scored text's (its keys and values over max_mem_len + max_tgt_len positions, and one segment's attention
     probabilities)."""
+    from txl.model.cache import KVCache
+
     per_position = 2 * config.n_layer * config.n_head * config.d_head * itemsize
     prompt = limits.max_prompt_tokens
-    generation = 2 * (min(limits.max_mem_len, prompt + limits.max_new_tokens) + prompt) * per_position
+    generation = KVCache.capacity_for(limits.max_mem_len, prompt, prompt + limits.max_new_tokens) * per_position
     seg = min(limits.max_tgt_len, limits.max_score_tokens)
     keys = limits.max_mem_len + seg
     score = 2 * keys * per_position + config.n_head * seg * keys * 4

@@ -140,10 +140,11 @@ def evaluate_steps(
         zeros = torch.zeros(batch_size // world.size, mem_len, model.config.d_model, device=device, dtype=dtype)
         mems = [zeros] * model.config.n_layer
     if cache and supports_kv_cache(model.config):  # (absolute positions, attn_type 2 and 3, cannot be cached)
-        # (sized by the longest segment and memory the text gives, not by tgt_len and mem_len: lengths past the
-        # text's columns read each column as one segment, with all of it before as the memory)
-        held = mem_len if zero_memory or it.column_len is None else min(mem_len, it.column_len)
-        kv = KVCache(model.config, batch_size // world.size, held, it.max_seq_len, device=device, dtype=dtype)
+        # (sized by the longest segment and the positions the text gives: lengths past the text's columns read
+        # each column as one segment, with all of it before as the memory)
+        written = None if zero_memory or it.column_len is None else it.column_len
+        rows = batch_size // world.size
+        kv = KVCache(model.config, rows, mem_len, it.max_seq_len, positions=written, device=device, dtype=dtype)
         if mems is not None:
             model.transformer.fill_cache(kv, mems, mem_len)
             mems = None

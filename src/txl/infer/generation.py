@@ -201,10 +201,8 @@ def stream(
         B, T = input_ids.shape
         dtype = next(model.parameters()).dtype
         if supports_kv_cache(model.config):
-            # (the buffer is sized by what the memory can come to hold, the starting memory, the prompt and the new
-            # tokens, when that is less than mem_len: a short generation with a long mem_len allocates no more)
-            held = min(mem_len, (mems[0].shape[1] if mems else 0) + T + max_new_tokens)
-            cache = KVCache(model.config, B, held, max_segment=T, device=input_ids.device, dtype=dtype)
+            written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens  # (a short generation: a small buffer)
+            cache = KVCache(model.config, B, mem_len, T, positions=written, device=input_ids.device, dtype=dtype)
             if mems:
                 model.transformer.fill_cache(cache, mems, mem_len)
 
@@ -324,8 +322,10 @@ def beam_steps(
     was_training = model.training
     model.eval()
     try:
-        held = min(mem_len, (mems[0].shape[1] if mems else 0) + T + max_new_tokens)  # (as in stream())
-        cache = KVCache(model.config, B * K, held, max_segment=T, device=dev, dtype=next(model.parameters()).dtype)
+        written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens
+        cache = KVCache(
+            model.config, B * K, mem_len, T, positions=written, device=dev, dtype=next(model.parameters()).dtype
+        )
         if mems:
             model.transformer.fill_cache(cache, [m.repeat_interleave(K, 0) for m in mems], mem_len)
         with transposed_weights():

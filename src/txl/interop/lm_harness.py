@@ -219,8 +219,9 @@ class TransformerXLHarnessLM(LM):
         T = s.tgt_len
         cached = supports_kv_cache(model.config) and s.mem_len > 0
         dtype = next(model.parameters()).dtype
-        held = min(s.mem_len, length)  # (the memory never holds more than the batch's positions)
-        cache = KVCache(model.config, B, held, T, device=ids.device, dtype=dtype) if cached else None
+        cache = (
+            KVCache(model.config, B, s.mem_len, T, positions=length, device=ids.device, dtype=dtype) if cached else None
+        )
         mems, mem_pad = None, None
         for cols in segments_from_end(length, T):
             seg_pad = pad[:, cols]

@@ -162,14 +162,17 @@ class KVCache:
     different lengths): they are never attended to. For fixed weights only: a model that trains must not reuse it.
     """
 
-    def __init__(self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, **kw):
+    def __init__(
+        self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, *,
+        positions: int | None = None, **kw,
+    ):  # fmt: skip
         if not supports_kv_cache(config):
             raise ValueError(
                 f"attn_type {config.attn_type} has absolute positions, which move as the window slides: its keys "
                 "cannot be cached (evaluate without a cache; generation recomputes the memory)"
             )
         self.config = config
-        self.capacity = self.capacity_for(mem_len, max_segment)
+        self.capacity = self.capacity_for(mem_len, max_segment, positions)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
         # (zeroed now: the pages are touched once here, not on the first pass of the window, where each segment's
         # write would fault them in one by one)
@@ -185,9 +188,12 @@ class KVCache:
         self.segment_graphs = None  # (txl.kernels.graphs: a segment's layers as CUDA graphs, keyed)
 
     @staticmethod
-    def capacity_for(mem_len: int, max_segment: int = 1) -> int:
-        """Positions the buffer holds for a window of ``mem_len`` and segments of up to ``max_segment``."""
-        return max(2 * (mem_len + max_segment), 16)
+    def capacity_for(mem_len: int, max_segment: int = 1, positions: int | None = None) -> int:
+        """Positions the buffer holds for a window of ``mem_len`` and segments of up to ``max_segment``; with
+        ``positions``, the most that will ever be written (a starting memory, a prompt and its new tokens, a text),
+        for a window of no more than those (the buffer grows if a call brings more)."""
+        held = mem_len if positions is None else min(mem_len, positions)
+        return max(2 * (held + max_segment), 16)
 
     def weights_changed(self, memory_keys_values: Callable[[int, slice], Tensor]) -> None:
         """The weights changed (an update): forget every W_kR R table, and replace each layer's memory keys and values

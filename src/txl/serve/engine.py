@@ -593,9 +593,9 @@ class Engine:
             if ids is None:
                 return
             dtype = next(self.model.parameters()).dtype
-            # (sized by what the memory can come to hold, when less than mem_len: the prompt and the new tokens)
-            held = min(request.mem_len, ids.shape[1] + request.max_new_tokens)
-            cache = KVCache(self.model.config, 1, held, max_segment=ids.shape[1], dtype=dtype, device=self.device)
+            T, config = ids.shape[1], self.model.config
+            written = T + request.max_new_tokens  # (a short generation: a small buffer)
+            cache = KVCache(config, 1, request.mem_len, T, positions=written, dtype=dtype, device=self.device)
             hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[0]  # [T, D]
             if request.prompt_logprobs:
                 self._score_prompt(request, hidden[:-1])

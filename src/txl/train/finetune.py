@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from txl.config import MAX_SEED, MIN_SEED, seed_range
+from txl.config import MAX_SEED, MIN_SEED, SEED_RANGE
 from txl.data import Tokenizer
 from txl.data.download import sha256_file
 from txl.infer.evaluate import segments_from_end
@@ -126,7 +126,7 @@ class FinetuneConfig:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
         if not MIN_SEED <= self.seed <= MAX_SEED:
-            bad("seed", seed_range())
+            bad("seed", SEED_RANGE)
         if self.mem_len is not None and self.mem_len < 0:
             bad("mem_len", "must be >= 0")
         if self.clamp_len is not None and self.clamp_len != -1 and self.clamp_len <= 0:

@@ -193,6 +193,14 @@ class Trainer(TrainingLoop):
                 "make it smaller (model.d_model, n_layer, d_inner, n_token)",
             )  # fmt: skip
         m = cfg.model
+        train = self.corpus.splits["train"]
+        kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
+        if isinstance(train, list):
+            self.train_iter = SentenceStreamIterator(train, tc.batch_size, tc.tgt_len, **kw)
+        else:
+            self.train_iter = OrderedIterator(
+                train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw
+            )
         self._check_splits_fit()
         mems = (m.n_layer + 1) * m.mem_len * tc.batch_size * m.d_model
         check_space(  # (a checkpoint: fp32 weights, Adam's two moments, the memories; a re-save keeps the old one)
@@ -211,7 +219,6 @@ class Trainer(TrainingLoop):
         self.params = list(self.model.parameters())  # tied tensors once
         self.optimizer = build_optimizer(self.params, tc, w.device)
         self.scaler = torch.amp.GradScaler(w.device.type, enabled=tc.precision == "fp16")
-        self.train_iter = self._train_iterator()
         self.mems: list[list[torch.Tensor] | None] = [None] * tc.batch_chunk
         self.start_loop()
         self.max_steps, self.max_time, self.clip, self.keep_best = tc.max_steps, tc.max_time, tc.clip, tc.keep_best
@@ -244,15 +251,6 @@ class Trainer(TrainingLoop):
 
     # -- setup ------------------------------------------------------------------------------------------------
 
-    def _train_iterator(self) -> OrderedIterator | SentenceStreamIterator:
-        """This process's batches of the training split, from its start."""
-        tc, w = self.tc, self.world
-        train = self.corpus.splits["train"]
-        kw = dict(seed=tc.seed, rank=w.rank, world_size=w.size, device=w.device)
-        if isinstance(train, list):
-            return SentenceStreamIterator(train, tc.batch_size, tc.tgt_len, **kw)
-        return OrderedIterator(train, tc.batch_size, tc.tgt_len, ext_len=tc.ext_len, varlen=tc.varlen, **kw)
-
     def _check_splits_fit(self) -> None:
         """Before anything is written: the validation split fills the periodic evaluation's columns (it would
         fail at the first validation, after the steps before it), and on the CPU one training step's activations
@@ -267,7 +265,7 @@ class Trainer(TrainingLoop):
             )
         if w.device.type != "cpu":
             return
-        seg = self._train_iterator().max_seq_len  # (a column of the stream bounds a segment)
+        seg = self.train_iter.max_seq_len  # (a column of the stream bounds a segment)
         rows = tc.batch_size // w.size // tc.batch_chunk
         half = self.precision in ("bf16", "fp16")
         check_fits(
