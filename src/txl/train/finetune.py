@@ -566,6 +566,7 @@ class Finetuner(TrainingLoop):
             self.best_valid = None if best["step"] is None else best["loss"]
             self.best_step = best["step"]
             self.elapsed = state.get("elapsed", 0.0)
+            self.last_saved = self.step
             torch.set_rng_state(state["rng"]["torch"])
             self.finished = self.step >= cfg.max_steps
             if self.finished:  # (probes.md n03, n04: the record rewritten with options never used, a row again)
@@ -598,6 +599,14 @@ class Finetuner(TrainingLoop):
     def order(self, epoch: int) -> list[int]:
         """The data order of ``epoch`` (a function of the seed: resumable exactly)."""
         return np.random.default_rng([self.cfg.seed % 2**64, epoch]).permutation(len(self.train)).tolist()
+
+    def progress(self) -> dict[str, Any]:
+        """Before a step: the data order's epoch and position, and the random state (for :meth:`rewind`)."""
+        return {"epoch": self.epoch, "position": self.position, "perm": self.perm, "rng": torch.get_rng_state()}
+
+    def rewind(self, progress: dict[str, Any]) -> None:
+        self.epoch, self.position, self.perm = progress["epoch"], progress["position"], progress["perm"]
+        torch.set_rng_state(progress["rng"])
 
     def train_one(self) -> tuple[float, float]:
         cfg, model = self.cfg, self.model

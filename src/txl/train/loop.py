@@ -6,6 +6,11 @@ conditions (``max_steps``, ``max_time``, SIGTERM or a first Ctrl-C: the step fin
 run stops; a second Ctrl-C interrupts at once), the cadence of validation and checkpoints, and the final validation
 and save. A subclass says how one step computes its loss (:meth:`train_one`), how it validates (:meth:`validate`)
 and what it saves (:meth:`save`).
+
+Nothing is lost with a step or a validation that fails (out of memory, a non-finite loss, a bad batch): where one
+process runs, the steps before it are saved first, then the error goes up. A step that fails before the optimizer
+changes the weights is undone first (:meth:`progress` and :meth:`rewind`: the data's position, the memories, the
+random state), so that its checkpoint is the one a run saving at that step writes, and ``--resume`` goes on exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +78,7 @@ class TrainingLoop:
         self.last_eval_step: int | None = None
         self.last_saved: int | None = None
         self._stop_signal = False
+        self._updating = False
 
     def say(self, text: str) -> None:
         self.reporter.say(text)
@@ -93,6 +100,17 @@ class TrainingLoop:
     def latest(self) -> Path | None:
         """The newest complete checkpoint (the run's result when the last step is saved already)."""
         return latest_checkpoint(self.run_dir)
+
+    def progress(self) -> Any:
+        """What a step moves besides the weights and the optimizer's moments (the data's position, the memories, the
+        random state), taken before each step so that one failing before the weights change can be undone and the
+        steps before it saved; None: the subclass cannot rewind (a failing step then loses the steps since the last
+        checkpoint)."""
+        return None
+
+    def rewind(self, progress: Any) -> None:
+        """Back to :meth:`progress`'s state (a step failed before the optimizer changed the weights)."""
+        raise NotImplementedError
 
     def stop_reason(self) -> str | None:
         """A reason of the subclass's own to stop before the next step (e.g. a token budget), or None."""
@@ -131,6 +149,7 @@ class TrainingLoop:
             raise TrainingError(f"non-finite training loss ({loss_value}) at {where}: {self.retry_hint}")
         if not math.isfinite(norm_value) and not self.scaler.is_enabled():
             raise TrainingError(f"non-finite gradient norm ({norm_value}) at {where}: {self.retry_hint}")
+        self._updating = True  # (from here a failure may leave the weights half updated: nothing is saved then)
         self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
         self.scaler.update()
         return loss_value, norm_value
@@ -158,13 +177,47 @@ class TrainingLoop:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    def _unsaved(self) -> bool:
+        """Steps since the last checkpoint that one process can save on its own (a collective save could hang)."""
+        return self.world.size == 1 and self.step > 0 and self.last_saved != self.step
+
+    def _save_first(self, what: str) -> None:
+        """After ``what`` failed: save the steps before it, say so (the error itself goes up from the caller)."""
+        try:
+            path = self.save()
+        except Exception as e:  # (the first error is the one reported; this one is said)
+            self.say(f"{what} failed, and the steps before it could not be saved: {e}")
+            return
+        self.say(f"{what} failed: the steps before it were saved first, {path}")
+
+    def _train_step(self) -> tuple[float, float]:
+        """:meth:`train_one`; where it fails, the steps before it are saved first (undone to before the step)."""
+        before = None
+        if self._unsaved():
+            before = self.progress(), [group["lr"] for group in self.optimizer.param_groups]
+        self._updating = False
+        try:
+            return self.train_one()
+        except Exception:
+            if before is not None and before[0] is not None:
+                what = f"step {self.step + 1:,}"
+                if self._updating:
+                    last = self.latest()
+                    kept = f"the last complete checkpoint is {last}" if last else "no checkpoint exists yet"
+                    self.say(f"{what} failed while the optimizer changed the weights: they are not saved; {kept}")
+                else:
+                    self.rewind(before[0])
+                    for group, lr in zip(self.optimizer.param_groups, before[1], strict=True):
+                        group["lr"] = lr
+                    self._save_first(what)
+            raise
+
     def _evaluate_and_track(self) -> bool:
         try:
             valid = self.validate()
         except Exception:  # (its own steps are not lost with it: they are saved first, where one process runs)
-            if self.world.size == 1 and self.step > 0 and self.last_saved != self.step:
-                path = self.save()
-                self.say(f"the validation at step {self.step:,} failed: the steps before it were saved first, {path}")
+            if self._unsaved():
+                self._save_first(f"the validation at step {self.step:,}")
             raise
         self.last_valid, self.last_eval_step = valid, self.step
         if self.best_valid is None or self.last_valid < self.best_valid:
@@ -183,7 +236,7 @@ class TrainingLoop:
             with self.around_steps():
                 while (reason := self._stop_reason()) is None:
                     t0 = time.perf_counter()
-                    loss, norm = self.train_one()
+                    loss, norm = self._train_step()
                     self.step += 1
                     dt = time.perf_counter() - t0
                     self.elapsed += dt

@@ -14,6 +14,7 @@ same losses and weights, bit for bit, as one that never stopped (same device, pr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import random
@@ -500,6 +501,17 @@ class Trainer(TrainingLoop):
         if self.tc.max_tokens is not None and self.tokens >= self.tc.max_tokens:
             return f"max_tokens {self.tc.max_tokens:,}"
         return None
+
+    def progress(self) -> dict[str, Any]:
+        """Before a step: the data's position, the memories (a step replaces them, never writes into them), the
+        epoch and the random state (what :meth:`rewind` restores after a step that failed)."""
+        iterator, rng = copy.deepcopy(self.train_iter.state_dict()), _rng_state(self.world.device)
+        return {"iterator": iterator, "mems": list(self.mems), "epoch": self._epoch, "rng": rng}
+
+    def rewind(self, progress: dict[str, Any]) -> None:
+        self.train_iter.load_state_dict(progress["iterator"])
+        self.mems, self._epoch = progress["mems"], progress["epoch"]
+        _set_rng_state(progress["rng"], self.world.device)
 
     def train_one(self) -> tuple[float, float]:
         batch = next(self._batches)
