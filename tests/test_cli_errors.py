@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from train_helpers import run_inprocess, tiny_corpus
+from train_helpers import DEBUG, run_inprocess, tiny_corpus
 from txl.cli import main
 from txl.data import Tokenizer, prepare_corpus
 from txl.infer.evaluate import evaluate
@@ -542,3 +542,25 @@ def test_recl_s_plot_draws_its_threshold(tmp_path):
         mp.setattr(matplotlib.axes.Axes, "axhline", record)
         plot_gains([result], tmp_path / "recl.png", threshold=0.1)
     assert drawn == [0.1] and (tmp_path / "recl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("min_freq", "-1", "data.min_freq = -1: must be >= 1"),
+        ("min_freq", "0", "data.min_freq = 0: must be >= 1"),
+        ("max_size", "0", "data.max_size = 0: must be >= 1 (or null: no limit)"),
+        ("valid_shard", "-1", "data.valid_shard = -1: must be in 0..49"),
+        ("valid_shard", "50", "data.valid_shard = 50: must be in 0..49"),
+    ],
+)
+def test_the_vocabulary_s_numbers_are_checked_before_any_file(option, value, message, tmp_path, capsys):
+    """`--data.min_freq -1` and `--data.valid_shard -1` were taken (as 1, or unused outside lm1b); `--data.max_size 0`
+    was refused as an empty vocabulary after the text was read. One line naming the option, in `txl data prepare` and
+    in `txl train`, before the cache or the run folder is made."""
+    corpus = tiny_corpus(tmp_path / "corpus")
+    data = ["--data.path", str(corpus), "--data.dataset", "custom", "--data.cache_dir", str(tmp_path / "cache")]
+    assert message in fails(capsys, ["data", "prepare", *data, f"--data.{option}", value])
+    train = ["train", "--config", str(DEBUG), *data, "--run_dir", str(tmp_path / "run")]
+    assert message in fails(capsys, [*train, f"--data.{option}", value])
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

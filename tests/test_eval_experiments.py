@@ -276,7 +276,10 @@ def test_txl_attention_cli(char_run, tmp_path, capsys):
     np.testing.assert_allclose(record["by_distance"], maps.by_distance, atol=1e-7)
     with pytest.raises(SystemExit):
         main(["attention", "--model", str(char_run), "--layer", "5"])
-    assert "--layer = 5: the model has 2 layers" in capsys.readouterr().err
+    assert "--layer = 5: the model has 2 layers (0..1, or -2..-1 counted from the last)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["attention", "--model", str(char_run), "--head", "-3"])
+    assert "--head = -3: the model has 2 heads (0..1, or -2..-1 counted from the last)" in capsys.readouterr().err
     text = tmp_path / "other.txt"  # another text: --data, as txl eval names it (or --text, its former name)
     text.write_text("Mn op ab cd ef. Gh ij kl mn op ab cd.\n" * 4)
     by_option = {}

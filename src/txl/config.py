@@ -237,6 +237,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.train.validate()
         self.eval.validate()
+        self.data.validate()
         t, m = self.train, self.model
         if m.attn_type in (1, 3) and m.max_klen == 0:  # learned positions: the longest span of training
             m.max_klen = t.tgt_len + t.ext_len + m.mem_len

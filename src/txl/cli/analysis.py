@@ -159,8 +159,8 @@ def attention(
         tgt_len: Segment length (default: the run's evaluation settings).
         mem_len: Memory length (default: the run's evaluation settings).
         same_length: Every query sees the same number (mem_len) of keys (default: the run's evaluation settings).
-        layer: Layer of the full map (-1: the last).
-        head: Head of the full map.
+        layer: Layer of the full map (-1: the last; negative numbers count from the last).
+        head: Head of the full map (negative numbers count from the last).
         threads: torch CPU threads.
     """
     import numpy as np
@@ -187,9 +187,15 @@ def attention(
     lm = TransformerXLLM.from_pretrained(folder)
     cfg = lm.config
     if not -cfg.n_layer <= layer < cfg.n_layer:
-        raise ValueError(f"--layer = {layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1}, or -1)")
+        raise ValueError(
+            f"--layer = {layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1}, or -{cfg.n_layer}..-1 "
+            "counted from the last)"
+        )
     if not -cfg.n_head <= head < cfg.n_head:
-        raise ValueError(f"--head = {head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+        raise ValueError(
+            f"--head = {head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1}, or -{cfg.n_head}..-1 "
+            "counted from the last)"
+        )
     s = eval_settings(run, cfg, tgt_len=tgt_len, mem_len=mem_len, same_length=same_length)
     source = eval_text(folder, run, s.split, data if data is not None else text, None, None)
     if isinstance(source.ids, list):

@@ -81,6 +81,15 @@ class DataConfig:
     on_stale: Literal["rebuild", "error"] = "rebuild"
     """What to do with a cache whose sources, tokenizer or settings changed, or that is corrupt."""
 
+    def validate(self) -> None:
+        """Raise ``DataError`` naming the first bad number as ``data.{field}`` (before any file is read or written)."""
+        if self.min_freq < 1:
+            raise DataError(f"data.min_freq = {self.min_freq}: must be >= 1 (1 keeps every symbol seen)")
+        if self.max_size is not None and self.max_size < 1:
+            raise DataError(f"data.max_size = {self.max_size}: must be >= 1 (or null: no limit)")
+        if not 0 <= self.valid_shard < 50:
+            raise DataError(f"data.valid_shard = {self.valid_shard}: must be in 0..49 (0 is the test shard)")
+
     @property
     def label(self) -> str:
         """What messages call the text: the dataset's name, or the file or folder name of one's own text (a custom
@@ -343,6 +352,7 @@ def _load(folder: Path, meta: dict, tok: Tokenizer) -> Corpus:
 
 def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, Layout, Path]:
     cfg = DataConfig(**{**(asdict(cfg) if cfg else {}), **overrides})
+    cfg.validate()
     settings = _settings(cfg)
     path = check_data_path(cfg.path)
     if not path.exists() and cfg.dataset in DATASETS:
