@@ -401,7 +401,7 @@ def test_sizes_beyond_the_machine_are_refused_before_allocation(tmp_path, capsys
     assert capsys.readouterr().out.startswith("ab")
     err = fails(["generate", "--model", str(run), "--prompt", "ab", "--mem_len", "100000000", "--zero_memory", "true"],
                 capsys)  # fmt: skip
-    assert "txl generate with mem_len 100,000,000" in err and "GiB of memory, more than the" in err
+    assert "txl generate (2 prompt tokens, mem_len 100,000,000, 1 beam(s))" in err and "GiB of memory, more than" in err
     # probes.md a7: txl attention sized its arrays by mem_len, not by the text, and ran for minutes
     out = tmp_path / "att"
     main(["attention", "--model", str(run), "--data", str(text), "--out", str(out), "--mem_len", "100000000"])

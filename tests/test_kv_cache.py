@@ -392,7 +392,8 @@ def test_beam_search_equals_hugging_faces(tmp_path, capsys, monkeypatch):
 
 def test_beam_steps_is_beam_search_one_call_at_a_time():
     """txl.infer.generation.beam_steps yields once per model call (the prompt's, then one per new token) and returns
-    beam_search's result; between steps the caller's gradient mode holds; closing it early restores training mode."""
+    beam_search's result; between steps the caller's gradient mode holds; closing it early restores training mode.
+    The prompt's pass runs once per prompt (its beams start from copies of its cache), not once per beam."""
     from tests.conftest import debug_config
     from txl import TransformerXLLM
     from txl.infer.generation import beam_search, beam_steps
@@ -410,7 +411,11 @@ def test_beam_steps_is_beam_search_one_call_at_a_time():
         n += 1
         assert torch.is_grad_enabled() and not model.training  # (eval mode until it ends)
     assert n == 9 and model.training
+    rows = []
+    hook = model.transformer.register_forward_hook(lambda mod, args, out: rows.append(tuple(args[0].shape)))
     assert got.equal(beam_search(model, prompt, 9, num_beams=3, mem_len=8))
+    hook.remove()
+    assert rows == [(2, 5)] + [(6, 1)] * 8  # (the prompts once, then 3 beams of each: 6 rows of one token)
     steps = beam_steps(model, prompt, 9, num_beams=3, mem_len=8)
     next(steps), next(steps)
     steps.close()

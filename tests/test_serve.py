@@ -661,15 +661,19 @@ def test_limits_that_may_hold_more_than_the_machine_are_noted_at_start(run):
     """The limits bound each request, but max_batch rows of the longest memory and segment could hold more than the
     machine has: the system would stop the server, not a request's error. `txl serve` says so when it starts; the
     estimate counts a generation's cache by its prompt and answer, and a scored text's by its memory and segment."""
+    from txl.cli.common import prompt_pass_bytes
     from txl.cli.serve import limits_memory, limits_memory_note
     from txl.model.config import TransformerXLConfig
 
     cfg = TransformerXLConfig(n_token=100, n_layer=4, d_model=64, n_head=2, d_head=32, d_inner=64)
     position = 2 * 4 * 2 * 32 * 4  # keys and values of one position, every layer
     gen = ServeLimits(max_batch=2, max_prompt_tokens=100, max_new_tokens=20, max_mem_len=150, max_tgt_len=1)
-    assert limits_memory(cfg, gen) == 2 * 2 * (120 + 100) * position  # (a memory of prompt and answer, a prompt more)
+    prompt_pass = prompt_pass_bytes(cfg, 100, 100)  # (one prompt's pass at a time: its [T, K] mask, its scores)
+    assert prompt_pass >= 3 * 100 * 100
+    # (a memory of prompt and answer, a prompt more; the larger of a prompt's pass and a step's log-probabilities)
+    assert limits_memory(cfg, gen) == 2 * 2 * (120 + 100) * position + max(prompt_pass, 2 * 100 * 16)
     score = ServeLimits(max_batch=3, max_prompt_tokens=1, max_new_tokens=1, max_mem_len=100, max_tgt_len=50)
-    assert limits_memory(cfg, score) == 3 * (2 * 150 * position + 2 * 50 * 150 * 4)
+    assert limits_memory(cfg, score) == 3 * (2 * 150 * position + 2 * 50 * 150 * 4) + 3 * 100 * 16
     assert limits_memory_note(cfg, score, free=10**9) is None
     note = limits_memory_note(cfg, score, free=1000)
     assert (
@@ -830,7 +834,8 @@ def test_engine_runs_beam_searches_step_by_step_beside_other_requests():
     for name, k in (("full-a", 3), ("full-b", 2)):
         engine.submit(request(name, [1, 2, 3], 12, num_beams=k))
     assert ended["full-a"].wait(60) and ended["full-b"].wait(60)
-    assert calls == [3] * 12 + [2] * 12  # (the model's calls: rows of each step, one search after the other)
+    # (the model's calls: rows of each step, one search after the other; a prompt's pass is one row for its beams)
+    assert calls == [1] + [3] * 11 + [1] + [2] * 11
 
     calls.clear()
     slow = request("cancelled", [1, 2, 3], 10_000, num_beams=2)

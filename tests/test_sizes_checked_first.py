@@ -133,6 +133,22 @@ def test_generation_holds_what_its_tokens_give(lm):
         )
 
 
+def test_a_prompt_whose_one_pass_does_not_fit_is_refused_first(lm, capsys, monkeypatch):
+    """`txl generate --prompt` of 130,000 characters (a char model; the shell's limit for one argument is 128 KiB) was
+    killed by the system, no message, exit 137: the estimate counted the cache, not the prompt's pass, whose [T, K]
+    mask alone is T * (T + M) bytes (~34 GiB measured there). It counts the pass now: one line naming the prompt's
+    length, before any work; a prompt whose pass fits runs."""
+    from txl.kernels import runtime
+
+    monkeypatch.setattr(runtime, "available_memory", lambda: 2 * 2**30)
+    words = "ab cd ef gh ij kl mn op "
+    long, short = ((words * (n // len(words) + 1))[:n] for n in (30_000, 10_000))
+    line = fails(capsys, ["generate", "--model", str(lm), "--prompt", long, "--max_new_tokens", "2"])
+    assert "txl generate (30,000 prompt tokens, mem_len" in line and "give a shorter prompt" in line
+    main(["generate", "--model", str(lm), "--prompt", short, "--max_new_tokens", "2"])
+    assert capsys.readouterr().out.startswith(short)
+
+
 def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ab cd ef gh. " * 100)

@@ -33,16 +33,40 @@ def _check_eval_memory(config, s, sliding_window: int | None, n_tokens: int | No
                "give a smaller --mem_len, --tgt_len or --batch_size")  # fmt: skip
 
 
-def _check_generate_memory(config, mem_len: int, rows: int, prompt_len: int, new: int, zero_memory: bool) -> None:
-    """``txl generate``'s memory estimate (the K/V cache of every layer for ``rows`` sequences: what the memory can
-    come to hold, the prompt and the ``new`` tokens or a ``zero_memory`` of mem_len positions, at most mem_len, and
-    the prompt, twice over as the cache keeps them), checked against the free memory before anything is allocated."""
+def prompt_pass_bytes(config, prompt_len: int, keys: int, device=None) -> int:  # noqa: ANN001
+    """Bytes a prompt's one pass holds beside the weights and the cache: its [T, K] mask (``keys`` K = the memory
+    and the prompt) while it is built, and where no native kernel reads the scores in blocks (not on the CPU, the
+    kernels off, attn_type other than 0) a layer's fp32 scores and probabilities [H, T, K] and the mask's bias."""
+    import torch
+
+    from txl.kernels import native
+    from txl.kernels.backends import backends
+
+    blocked = (device is None or torch.device(device).type == "cpu") and config.attn_type == 0
+    blocked = blocked and backends().native_attention and native.library() is not None
+    return prompt_len * keys * (3 if blocked else 1 + 4 + 2 * config.n_head * 4)  # (measured: 2 and ~13 at H = 2)
+
+
+def _check_generate_memory(
+    config, mem_len: int, rows: int, prompt_len: int, new: int, zero_memory: bool, device=None
+) -> None:
+    """``txl generate``'s memory estimate, checked against the free memory before anything is allocated: the K/V cache
+    of every layer for ``rows`` sequences (what the memory can come to hold, the prompt and the ``new`` tokens or a
+    ``zero_memory`` of mem_len positions, at most mem_len, and the prompt, twice over as the cache keeps them), plus
+    the larger of the prompt's one pass (:func:`prompt_pass_bytes`) and a step's [rows, vocabulary]
+    log-probabilities (a beam search's)."""
     from txl.kernels.runtime import check_fits
     from txl.model.cache import KVCache
 
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
-    check_fits(cache, f"txl generate with mem_len {mem_len:,}", "give a smaller --mem_len (or fewer --num_beams)")
+    prompt_pass = prompt_pass_bytes(config, prompt_len, prompt_len + (mem_len if zero_memory else 0), device)
+    steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
+    check_fits(
+        cache + max(prompt_pass, steps),
+        f"txl generate ({prompt_len:,} prompt tokens, mem_len {mem_len:,}, {rows:,} beam(s))",
+        "give a shorter prompt, a smaller --mem_len or fewer --num_beams",
+    )
 
 
 def _utf8_text(raw: bytes | str, where: str) -> str:

@@ -119,7 +119,8 @@ def serve(
         import torch
 
         free = torch.cuda.mem_get_info(state.device)[0]
-    note = limits_memory_note(state.model.config, limits, next(state.model.parameters()).element_size(), free)
+    itemsize = next(state.model.parameters()).element_size()
+    note = limits_memory_note(state.model.config, limits, itemsize, free, state.device)
     if note:
         print(f"txl serve: note: {note}", file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1"):
@@ -159,11 +160,13 @@ def serve(
     print("txl serve: stopped", file=sys.stderr)
 
 
-def limits_memory(config, limits, itemsize: int = 4) -> int:
+def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noqa: ANN001
     """Bytes the server may hold at its limits: ``max_batch`` rows, each a generation's keys and values (its memory
     holds at most the longest prompt and answer, or max_mem_len; the cache keeps a prompt more, twice over) or a
     scored text's (its keys and values over max_mem_len + max_tgt_len positions, and one segment's attention
-    probabilities)."""
+    probabilities), and the larger of one prompt's pass (prompts are read one at a time:
+    :func:`~txl.cli.common.prompt_pass_bytes`) and a step's [rows, vocabulary] log-probabilities."""
+    from txl.cli.common import prompt_pass_bytes
     from txl.model.cache import KVCache
 
     per_position = 2 * config.n_layer * config.n_head * config.d_head * itemsize
@@ -172,16 +175,17 @@ def limits_memory(config, limits, itemsize: int = 4) -> int:
     seg = min(limits.max_tgt_len, limits.max_score_tokens)
     keys = limits.max_mem_len + seg
     score = 2 * keys * per_position + config.n_head * seg * keys * 4
-    return limits.max_batch * max(generation, score)
+    transient = max(prompt_pass_bytes(config, prompt, prompt, device), 4 * limits.max_batch * config.n_token * 4)
+    return limits.max_batch * max(generation, score) + transient
 
 
-def limits_memory_note(config, limits, itemsize: int = 4, free: int | None = None) -> str | None:
+def limits_memory_note(config, limits, itemsize: int = 4, free: int | None = None, device=None) -> str | None:  # noqa: ANN001
     """A note when the server's limits may hold more memory than this machine has free (``free``; default: what it
     has now): a busy server would then be stopped by the system, not by a request's error. None when they fit."""
     from txl.kernels.runtime import available_memory
 
     free = available_memory() if free is None else free
-    needed = limits_memory(config, limits, itemsize)
+    needed = limits_memory(config, limits, itemsize, device)
     if free is None or needed <= free:
         return None
     return (

@@ -324,12 +324,15 @@ def beam_steps(
     try:
         written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens
         cache = KVCache(
-            model.config, B * K, mem_len, T, positions=written, device=dev, dtype=next(model.parameters()).dtype
+            model.config, B, mem_len, T, positions=written, device=dev, dtype=next(model.parameters()).dtype
         )
         if mems:
-            model.transformer.fill_cache(cache, [m.repeat_interleave(K, 0) for m in mems], mem_len)
+            model.transformer.fill_cache(cache, mems, mem_len)
         with transposed_weights():
-            h = model.transformer(seq, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
+            # The prompt's one pass, once per prompt: its K beams start from copies of its keys, values and state.
+            h = model.transformer(input_ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state[:, -1]
+            cache.select([b for b in range(B) for _ in range(K)])  # [B * K] rows, beam k of prompt b at b * K + k
+            h = h.repeat_interleave(K, 0)  # [B * K, D]
             yield
             beam_scores = torch.zeros(B, K, device=dev)
             beam_scores[:, 1:] = -1e9  # (the K copies of a prompt: only the first one's continuations at first)
