@@ -661,14 +661,14 @@ def test_limits_that_may_hold_more_than_the_machine_are_noted_at_start(run):
     """The limits bound each request, but max_batch rows of the longest memory and segment could hold more than the
     machine has: the system would stop the server, not a request's error. `txl serve` says so when it starts; the
     estimate counts a generation's cache by its prompt and answer, and a scored text's by its memory and segment."""
-    from txl.cli.common import prompt_pass_bytes
+    from txl.cli.common import attention_pass_bytes
     from txl.cli.serve import limits_memory, limits_memory_note
     from txl.model.config import TransformerXLConfig
 
     cfg = TransformerXLConfig(n_token=100, n_layer=4, d_model=64, n_head=2, d_head=32, d_inner=64)
     position = 2 * 4 * 2 * 32 * 4  # keys and values of one position, every layer
     gen = ServeLimits(max_batch=2, max_prompt_tokens=100, max_new_tokens=20, max_mem_len=150, max_tgt_len=1)
-    prompt_pass = prompt_pass_bytes(cfg, 100, 100)  # (one prompt's pass at a time: its [T, K] mask, its scores)
+    prompt_pass = attention_pass_bytes(cfg, 1, 100, 100)  # (one prompt's pass at a time: its [T, K] mask, its scores)
     assert prompt_pass >= 3 * 100 * 100
     # (a memory of prompt and answer, a prompt more; the larger of a prompt's pass and a step's log-probabilities)
     assert limits_memory(cfg, gen) == 2 * 2 * (120 + 100) * position + max(prompt_pass, 2 * 100 * 16)

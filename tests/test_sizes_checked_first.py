@@ -149,6 +149,24 @@ def test_a_prompt_whose_one_pass_does_not_fit_is_refused_first(lm, capsys, monke
     assert capsys.readouterr().out.startswith(short)
 
 
+def test_txl_eval_counts_the_scores_only_where_they_are_held(lm, tmp_path, capsys, monkeypatch):
+    """The native CPU kernel reads a segment's scores in blocks: its pass holds the [T, K] mask (~2 bytes an entry,
+    measured), not the [H, T, K] scores. `txl eval --tgt_len 40000` over a 130,000-character text ran in 3.7 GB and
+    was refused at "35.8 GiB"; without the kernel (TXL_NATIVE=0, bf16) the scores are counted as before."""
+    from txl.kernels import runtime
+    from txl.kernels.backends import Backends, use_backends
+
+    text = tmp_path / "t.txt"
+    text.write_text("ab cd ef gh. " * 800)  # (10,400 characters: one column of 10,000 at batch 1)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 2**30)  # (the mask: 0.3 GiB; the scores: 2 GiB)
+    args = ["eval", "--model", str(lm), "--data", str(text), "--tgt_len", "10000", "--batch_size", "1"]
+    main(args)
+    assert "loss" in capsys.readouterr().out
+    with use_backends(Backends(native_kernels=False)):
+        assert "txl eval with mem_len" in fails(capsys, args)
+    assert "txl eval with mem_len" in fails(capsys, [*args, "--precision", "bf16"])
+
+
 def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ab cd ef gh. " * 100)

@@ -15,11 +15,13 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _check_eval_memory(config, s, sliding_window: int | None, n_tokens: int | None = None, zero_memory=False) -> None:
+def _check_eval_memory(
+    config, s, sliding_window: int | None, n_tokens: int | None = None, zero_memory=False, device=None, half=False
+) -> None:
     """``txl eval``'s memory estimate (the K/V cache of every layer over mem_len + tgt_len positions, and a
-    segment's attention scores), checked against the free memory before anything is allocated. ``n_tokens``: the
-    text's length, whose columns bound a segment and the memory (lengths past them read a column as one segment,
-    with all of it before as the memory; ``zero_memory``: the memory starts as mem_len positions)."""
+    segment's attention: :func:`attention_pass_bytes`), checked against the free memory before anything is allocated.
+    ``n_tokens``: the text's length, whose columns bound a segment and the memory (lengths past them read a column as
+    one segment, with all of it before as the memory; ``zero_memory``: the memory starts as mem_len positions)."""
     from txl.kernels.runtime import check_fits
 
     column = None if n_tokens is None else max(1, n_tokens // s.batch_size - 1)
@@ -28,23 +30,25 @@ def _check_eval_memory(config, s, sliding_window: int | None, n_tokens: int | No
     keys = mem + seg if sliding_window is None else sliding_window
     queries = seg if sliding_window is None else sliding_window
     cache = 2 * config.n_layer * s.batch_size * keys * config.n_head * config.d_head * 4
-    scores = 3 * s.batch_size * config.n_head * queries * keys * 4  # (scores, probabilities, their product's input)
+    scores = attention_pass_bytes(config, s.batch_size, queries, keys, device, half)
     check_fits(cache + scores, f"txl eval with mem_len {s.mem_len:,} and tgt_len {s.tgt_len:,}",
                "give a smaller --mem_len, --tgt_len or --batch_size")  # fmt: skip
 
 
-def prompt_pass_bytes(config, prompt_len: int, keys: int, device=None) -> int:  # noqa: ANN001
-    """Bytes a prompt's one pass holds beside the weights and the cache: its [T, K] mask (``keys`` K = the memory
-    and the prompt) while it is built, and where no native kernel reads the scores in blocks (not on the CPU, the
-    kernels off, attn_type other than 0) a layer's fp32 scores and probabilities [H, T, K] and the mask's bias."""
+def attention_pass_bytes(config, rows: int, queries: int, keys: int, device=None, half: bool = False) -> int:  # noqa: ANN001
+    """Bytes a segment's pass of ``queries`` positions over ``keys`` keys (the memory and the segment) holds for its
+    attention, beside the weights and the cache: its [T, K] mask while it is built, and where no native kernel reads
+    the scores in blocks (a GPU, ``half`` precision, the kernels off, attn_type other than 0) the mask's -inf bias and
+    every row's fp32 scores and probabilities of a layer [H, T, K]. Measured on the CPU at H = 2, one row: ~2 and ~13
+    bytes an entry of [T, K]; these are 3 and 21."""
     import torch
 
     from txl.kernels import native
     from txl.kernels.backends import backends
 
-    blocked = (device is None or torch.device(device).type == "cpu") and config.attn_type == 0
+    blocked = (device is None or torch.device(device).type == "cpu") and config.attn_type == 0 and not half
     blocked = blocked and backends().native_attention and native.library() is not None
-    return prompt_len * keys * (3 if blocked else 1 + 4 + 2 * config.n_head * 4)  # (measured: 2 and ~13 at H = 2)
+    return queries * keys * (3 if blocked else 1 + 4 + rows * 2 * config.n_head * 4)
 
 
 def _check_generate_memory(
@@ -53,14 +57,14 @@ def _check_generate_memory(
     """``txl generate``'s memory estimate, checked against the free memory before anything is allocated: the K/V cache
     of every layer for ``rows`` sequences (what the memory can come to hold, the prompt and the ``new`` tokens or a
     ``zero_memory`` of mem_len positions, at most mem_len, and the prompt, twice over as the cache keeps them), plus
-    the larger of the prompt's one pass (:func:`prompt_pass_bytes`) and a step's [rows, vocabulary]
+    the larger of the prompt's one pass (:func:`attention_pass_bytes`) and a step's [rows, vocabulary]
     log-probabilities (a beam search's)."""
     from txl.kernels.runtime import check_fits
     from txl.model.cache import KVCache
 
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
-    prompt_pass = prompt_pass_bytes(config, prompt_len, prompt_len + (mem_len if zero_memory else 0), device)
+    prompt_pass = attention_pass_bytes(config, 1, prompt_len, prompt_len + (mem_len if zero_memory else 0), device)
     steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
     check_fits(
         cache + max(prompt_pass, steps),

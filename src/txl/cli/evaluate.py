@@ -123,7 +123,7 @@ def eval(
     text = eval_text(folder, run, s.split, data, dataset, encoding_errors, raw_text)
     n_tokens = None if isinstance(text.ids, list) else len(text.ids)  # (lm1b's sentence streams fill tgt_len)
     for es in settings_list:
-        _check_eval_memory(lm.config, es, sliding_window, n_tokens, zero_memory)
+        _check_eval_memory(lm.config, es, sliding_window, n_tokens, zero_memory, dev, precision != "fp32")
     if sliding_window is not None:
         if zero_memory:
             raise ValueError("--zero_memory gives the memory a start; --sliding_window reads without a memory")
