@@ -204,6 +204,7 @@ def test_a_fine_tuning_step_is_estimated_by_its_documents(lm, tmp_path, capsys, 
     monkeypatch.setattr(runtime, "available_memory", lambda: 1000)
     line = fails(capsys, finetune_args(lm, data, tmp_path / "small", tgt_len=100_000_000))
     assert "a fine-tuning step of 8 documents x segments of 1" in line and "segments of 100,000,000" not in line
+    assert "more than the 1.0 KiB free here" in line and "0.0 GiB" not in line  # (small sizes in their own unit)
     assert not (tmp_path / "small").exists()
 
 

@@ -278,9 +278,16 @@ def check_fits(needed: int, what: str, advice: str) -> None:
     free = available_memory()
     if free is not None and needed > free:
         raise ValueError(
-            f"{what} needs about {needed / 2**30:,.1f} GiB of memory, more than the {free / 2**30:,.1f} GiB free "
-            f"here: {advice}"
+            f"{what} needs about {_size(needed)} of memory, more than the {_size(free)} free here: {advice}"
         )
+
+
+def _size(n: int) -> str:
+    """Bytes as people read them: GiB with one decimal from 1 GiB on, else MiB (or KiB): never "0.0 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{max(n, 0) / 2**10:,.1f} KiB"
 
 
 def functorch_wrapped(x: torch.Tensor) -> bool:
