@@ -81,6 +81,23 @@ def test_two_process_checkpoint_continues_on_one(runs):
     _close(losses(tmp / "shrunk"), losses(tmp / "single"), 1e-5)
 
 
+def test_a_diverging_run_saves_its_steps_on_every_process_before_it_stops(tmp_path):
+    """lr 1e30: step 1's update makes the weights ~1e30, step 2's loss is nan on both processes alike (the loss is
+    all-reduced), before the weights change. Both processes undo step 2 and save step 1 together, then stop with
+    the one-line error; the checkpoint is complete and holds both processes' states."""
+    args = train_args(tmp_path, "diverged", **SETTINGS | dict(train__checkpoint_interval=0, train__eval_interval=0))
+    args += ["--train.lr", "1e30", "--train.clip", "0", "--train.warmup_steps", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "txl", *args]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "non-finite training loss (nan) at step 2" in out, out[-3000:]
+    assert "step 2 failed: the steps before it were saved first" in out, out[-3000:]
+    assert [s for s, _ in list_checkpoints(tmp_path / "diverged")] == [1]
+    states = load_states(list_checkpoints(tmp_path / "diverged")[0][1])
+    assert [(s["step"], s["world_size"]) for s in states] == [(1, 2), (1, 2)]
+
+
 ROUTE_SPY = """
 import os, sys
 from pathlib import Path

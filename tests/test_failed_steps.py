@@ -166,3 +166,15 @@ def test_a_failing_fine_tuning_step_saves_the_steps_before_it_and_resumes_exactl
         load_file(str(latest_checkpoint(run) / "model.safetensors")),
         load_file(str(latest_checkpoint(tmp_path / "ref") / "model.safetensors")),
     )
+
+
+def test_a_run_that_diverges_keeps_its_last_finite_step(tmp_path, capsys):
+    """No injection: lr 1e30 makes step 1's weights ~1e30 and step 2's loss nan. Step 1 is saved before the error."""
+    args = train_args(tmp_path, "run", **RUN, train__checkpoint_interval=0)
+    args += ["--train.lr", "1e30", "--train.clip", "0", "--train.warmup_steps", "0"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "non-finite training loss (nan) at step 2" in err
+    assert latest_checkpoint(tmp_path / "run").name == "step-1" and "step 2 failed: the steps before it" in out

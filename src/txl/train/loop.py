@@ -8,9 +8,11 @@ and save. A subclass says how one step computes its loss (:meth:`train_one`), ho
 and what it saves (:meth:`save`).
 
 Nothing is lost with a step or a validation that fails (out of memory, a non-finite loss, a bad batch): where one
-process runs, the steps before it are saved first, then the error goes up. A step that fails before the optimizer
-changes the weights is undone first (:meth:`progress` and :meth:`rewind`: the data's position, the memories, the
-random state), so that its checkpoint is the one a run saving at that step writes, and ``--resume`` goes on exactly.
+process runs, the steps before it are saved first, then the error goes up; under torchrun, where every process fails
+alike (a non-finite loss or gradient norm, all-reduced), all of them save together. A step that fails before the
+optimizer changes the weights is undone first (:meth:`progress` and :meth:`rewind`: the data's position, the
+memories, the random state), so that its checkpoint is the one a run saving at that step writes, and ``--resume``
+goes on exactly.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def step_memory_bound(m: TransformerXLConfig, rows: int, seg: int, mem: int, ite
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient, a checkpoint that cannot be written); the message says
     where, what was kept and how to go on."""
+
+
+class NonFiniteStep(TrainingError):
+    """A non-finite loss or gradient norm, found before the weights change. Both are all-reduced, so every process
+    finds it at the same step: the steps before it can be saved together, under torchrun too."""
 
 
 def _in_main_thread() -> bool:
@@ -146,9 +153,9 @@ class TrainingLoop:
         local_loss, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one device-to-host copy
         loss_value = all_reduce_sum(w, local_loss)[0] / w.size
         if not math.isfinite(loss_value):
-            raise TrainingError(f"non-finite training loss ({loss_value}) at {where}: {self.retry_hint}")
+            raise NonFiniteStep(f"non-finite training loss ({loss_value}) at {where}: {self.retry_hint}")
         if not math.isfinite(norm_value) and not self.scaler.is_enabled():
-            raise TrainingError(f"non-finite gradient norm ({norm_value}) at {where}: {self.retry_hint}")
+            raise NonFiniteStep(f"non-finite gradient norm ({norm_value}) at {where}: {self.retry_hint}")
         self._updating = True  # (from here a failure may leave the weights half updated: nothing is saved then)
         self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
         self.scaler.update()
@@ -191,15 +198,17 @@ class TrainingLoop:
         self.say(f"{what} failed: the steps before it were saved first, {path}")
 
     def _train_step(self) -> tuple[float, float]:
-        """:meth:`train_one`; where it fails, the steps before it are saved first (undone to before the step)."""
+        """:meth:`train_one`; where it fails, the steps before it are saved first (undone to before the step): by one
+        process, or by all of them together where every one failed alike (:class:`NonFiniteStep`)."""
         before = None
-        if self._unsaved():
+        if self.step > 0 and self.last_saved != self.step:
             before = self.progress(), [group["lr"] for group in self.optimizer.param_groups]
         self._updating = False
         try:
             return self.train_one()
-        except Exception:
-            if before is not None and before[0] is not None:
+        except Exception as e:
+            alike = self.world.size == 1 or isinstance(e, NonFiniteStep)
+            if before is not None and before[0] is not None and alike:
                 what = f"step {self.step + 1:,}"
                 if self._updating:
                     last = self.latest()
