@@ -710,3 +710,25 @@ def test_inputs_embeds_and_head_mask_on_the_base_model_as_hugging_face(tmp_path,
             for a, b in zip(out.mems, theirs.mems, strict=True):
                 torch.testing.assert_close(a, b.transpose(0, 1), rtol=1e-5, atol=1e-5)
             theirs_mems, ours_mems = theirs.mems, out.mems
+
+
+@pytest.mark.parametrize("rows", [[1, 0, 0, 2], [0, 1, 2, 3], [3, 3, 3, 3], [2, 0], [1, 1, 0, 2, 3, 3]])
+def test_select_reorders_the_window_and_take_leaves_the_cache_as_it_was(rows):
+    """KVCache.select keeps these rows in this order: the window's keys, values and padding are the gathered rows'
+    (in place when the number of rows is kept, moving only the rows that change; new buffers otherwise). take()
+    gives the same rows in a new cache and leaves its own unchanged, even for as many rows."""
+    from tests.conftest import debug_config
+    from txl.model.cache import KVCache
+
+    cfg = debug_config()
+    cache = KVCache(cfg, 4, 20, 8, positions=30)
+    cache.k.normal_(), cache.v.normal_()
+    cache.padding.random_(0, 2)
+    cache.start, cache.end = 3, 17
+    k, v, pad = cache.k.clone(), cache.v.clone(), cache.padding.clone()
+    part = cache.take(rows)
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and torch.equal(cache.padding, pad)
+    for got in (part, cache.select(rows)):
+        assert torch.equal(got.k[:, :, :, 3:17], k[:, rows, :, 3:17])
+        assert torch.equal(got.v[:, :, :, 3:17], v[:, rows, :, 3:17])
+        assert torch.equal(got.padding, pad[rows])

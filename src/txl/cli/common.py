@@ -64,6 +64,7 @@ def _check_generate_memory(
 
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
+    cache *= 2 if rows > 1 else 1  # (a beam search's step reads the beams it reorders out first: up to its window)
     prompt_pass = attention_pass_bytes(config, 1, prompt_len, prompt_len + (mem_len if zero_memory else 0), device)
     steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
     check_fits(

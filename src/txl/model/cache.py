@@ -271,10 +271,30 @@ class KVCache:
         self.start = max(self.start, self.end - max(mem_len, 0))
 
     def select(self, rows: list[int]) -> KVCache:
-        """Keep only these batch rows, in this order (e.g. the requests that go on when others finished)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
-        self.padding = self.padding.index_select(0, idx)
+        """Keep only these batch rows, in this order (e.g. the requests that go on when others finished, or a beam
+        search's beams). Only the window [start, end) is copied, the rest of the buffer is never read: as many rows
+        as before are reordered in place, moving only the rows that change (a beam search's step copied the whole
+        buffer, 96% of its time); another number of rows gets new buffers."""
+        if len(rows) != self.k.shape[1]:
+            return self._copy_rows(rows)
+        window, moved = slice(self.start, self.end), [j for j, r in enumerate(rows) if r != j]
+        for t in (self.k, self.v):  # (row by row: index_select on the window's strided view is ~10x slower)
+            sources = {r: t[:, r, :, window].clone() for r in {rows[j] for j in moved}}  # (read before written)
+            for j in moved:
+                t[:, j, :, window].copy_(sources[rows[j]])
+        self.padding = self.padding[rows]
+        self.segment_graphs = None
+        return self
+
+    def _copy_rows(self, rows: list[int]) -> KVCache:
+        """:meth:`select` into new buffers (this cache's are left as they were, for :meth:`take`)."""
+        window = slice(self.start, self.end)
+        shape = (self.k.shape[0], len(rows), *self.k.shape[2:])
+        k, v = self.k.new_empty(shape), self.v.new_empty(shape)
+        for new, old in ((k, self.k), (v, self.v)):
+            for j, r in enumerate(rows):
+                new[:, j, :, window].copy_(old[:, r, :, window])
+        self.k, self.v, self.padding = k, v, self.padding[rows]
         self.segment_graphs = None
         return self
 
@@ -284,7 +304,7 @@ class KVCache:
         part = copy.copy(self)
         part._r_k, part._r_view = list(self._r_k), list(self._r_view)
         part.decode_plan = None
-        return part.select(rows)
+        return part._copy_rows(rows)
 
     @classmethod
     def merge(cls, caches: list[KVCache]) -> KVCache:
