@@ -167,6 +167,24 @@ def test_txl_eval_counts_the_scores_only_where_they_are_held(lm, tmp_path, capsy
     assert "txl eval with mem_len" in fails(capsys, [*args, "--precision", "bf16"])
 
 
+def test_txl_attention_estimates_the_maps_it_keeps(lm, tmp_path, capsys, monkeypatch):
+    """txl attention keeps every layer's and head's [T, K] probabilities of a segment: `--tgt_len 30000 --tokens
+    30000` asked ~86 GiB of a 23 GiB machine and was killed. The estimate counts them, one line, before any work;
+    a segment that fits is mapped."""
+    from txl.kernels import runtime
+
+    text = tmp_path / "t.txt"
+    text.write_text("ab cd ef gh. " * 300)  # (3,900 characters)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 200 * 2**20)
+    out = tmp_path / "maps"
+    args = ["attention", "--model", str(lm), "--data", str(text), "--out", str(out), "--mem_len", "16"]
+    line = fails(capsys, [*args, "--tokens", "3000", "--tgt_len", "3000"])
+    assert "txl attention over segments of 3,000 tokens with a memory of 0" in line and "--tgt_len" in line, line
+    assert not out.exists()
+    main([*args, "--tokens", "600", "--tgt_len", "300"])
+    assert (out / "attention.json").is_file()
+
+
 def test_txl_eval_estimates_what_the_text_gives(lm, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ab cd ef gh. " * 100)

@@ -165,8 +165,10 @@ def attention(
     """
     import numpy as np
 
+    from txl.cli.common import attention_pass_bytes
     from txl.infer.attention_maps import attention_maps, plot_attention
     from txl.infer.evaluate import eval_settings, eval_text
+    from txl.kernels.runtime import check_fits
     from txl.model.modeling import TransformerXLLM
     from txl.train.checkpoint import read_run_config, resolve_model_dir
     from txl.util.fileio import write_bytes
@@ -201,6 +203,14 @@ def attention(
     if isinstance(source.ids, list):
         raise ValueError("txl attention reads one token stream; sentence shards (lm1b) are not one")
     ids = np.asarray(source.ids[:tokens], dtype=np.int64)
+    T = min(s.tgt_len, len(ids))
+    K = min(s.mem_len, len(ids) - T) + T  # (the longest window: a memory holds no more than the text before)
+    check_fits(  # (every layer's probabilities kept, fp32 twice and the last segment's in float64; the distances
+        # and the full map's image, ~34 bytes an entry of [T, K]; measured: 4.0 GB at T = K = 6,000, L = H = 2)
+        16 * cfg.n_layer * cfg.n_head * T * K + 34 * T * K + attention_pass_bytes(cfg, 1, T, K, half=True),
+        f"txl attention over segments of {T:,} tokens with a memory of {K - T:,}",
+        "give a smaller --tgt_len, --mem_len or --tokens",
+    )
     maps = attention_maps(
         lm, ids, tgt_len=s.tgt_len, mem_len=s.mem_len, same_length=s.same_length, clamp_len=s.clamp_len
     )

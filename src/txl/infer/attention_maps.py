@@ -59,18 +59,20 @@ def attention_maps(
             )
             M = mems[0].shape[1] if mems else 0
             T = seg.shape[1]
-            probs = torch.stack(out.attentions)[:, 0].double().numpy()  # [L, H, T, K]
+            probs = torch.stack(out.attentions)[:, 0].numpy()  # [L, H, T, K]
             dist = M + np.arange(T)[:, None] - np.arange(M + T)[None, :]  # [T, K]: i - j
             seen = (dist >= 0) & (dist < mem_len if same_length else True)  # the keys a query may attend to
-            for d in np.unique(dist[seen]):
-                where = dist == d
-                total[..., d] += probs[..., where].sum(-1)
-                counts[d] += int(where.sum())
+            d = dist[seen]  # the distance of each key a query may attend to, row by row
+            counts += np.bincount(d, minlength=span)[:span]
+            for layer, head in np.ndindex(*probs.shape[:2]):  # (sums by distance in one pass: O(T K), in float64)
+                total[layer, head] += np.bincount(d, weights=probs[layer, head][seen], minlength=span)[:span]
             mems, last, last_m = out.mems, probs, M
     finally:
         model.train(was_training)
     by_distance = total / np.maximum(counts, 1)
-    return AttentionMaps(by_distance=by_distance.astype(np.float32), counts=counts, last=last, mem_len=last_m)
+    return AttentionMaps(
+        by_distance=by_distance.astype(np.float32), counts=counts, last=last.astype(np.float64), mem_len=last_m
+    )
 
 
 def plot_attention(maps: AttentionMaps, out: str | Path, layer: int = -1, head: int = 0, title: str = "") -> list[Path]:
