@@ -83,8 +83,11 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ``DataError`` naming the first bad number as ``data.{field}`` (before any file is read or written)."""
-        if self.min_freq < 1:
-            raise DataError(f"data.min_freq = {self.min_freq}: must be >= 1 (1 keeps every symbol seen)")
+        if self.min_freq < 0:
+            raise DataError(
+                f"data.min_freq = {self.min_freq}: must be >= 0 (0 and 1 keep every symbol seen; 0 is the original "
+                "code's and Hugging Face's default)"
+            )
         if self.max_size is not None and self.max_size < 1:
             raise DataError(f"data.max_size = {self.max_size}: must be >= 1 (or null: no limit)")
         if not 0 <= self.valid_shard < 50:
