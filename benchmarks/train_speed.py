@@ -206,6 +206,8 @@ def main() -> None:
             f"bf16 against fp32, {args.bf16_steps} steps of bench-char: largest gap of the 20-step moving averages "
             f"of the loss {100 * gap:.2f}% (target 1%)."
         )
+    elif not args.bf16_steps:
+        bf16 = "No bf16 loss-curve comparison: --bf16_steps 0."
     else:
         bf16 = "No bf16 loss-curve comparison: this device has no native bf16 (txl trains in fp32 there, with a note)."
     print(bf16)
