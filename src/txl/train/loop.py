@@ -185,8 +185,8 @@ class TrainingLoop:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _unsaved(self) -> bool:
-        """Steps since the last checkpoint that one process can save on its own (a collective save could hang)."""
-        return self.world.size == 1 and self.step > 0 and self.last_saved != self.step
+        """Steps since the last checkpoint."""
+        return self.step > 0 and self.last_saved != self.step
 
     def _save_first(self, what: str) -> None:
         """After ``what`` failed: save the steps before it, say so (the error itself goes up from the caller)."""
@@ -201,7 +201,7 @@ class TrainingLoop:
         """:meth:`train_one`; where it fails, the steps before it are saved first (undone to before the step): by one
         process, or by all of them together where every one failed alike (:class:`NonFiniteStep`)."""
         before = None
-        if self.step > 0 and self.last_saved != self.step:
+        if self._unsaved():
             before = self.progress(), [group["lr"] for group in self.optimizer.param_groups]
         self._updating = False
         try:
@@ -225,7 +225,7 @@ class TrainingLoop:
         try:
             valid = self.validate()
         except Exception:  # (its own steps are not lost with it: they are saved first, where one process runs)
-            if self._unsaved():
+            if self.world.size == 1 and self._unsaved():  # (alone: a collective save could hang)
                 self._save_first(f"the validation at step {self.step:,}")
             raise
         self.last_valid, self.last_eval_step = valid, self.step

@@ -88,13 +88,13 @@ class TrainResult:
     best_valid_loss: float | None
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-        "python": list(random.getstate()),
-    }
+def _rng_state(device: torch.device, host: bool = True) -> dict[str, Any]:
+    """The random generators' states: torch's (and the GPU's), and with ``host`` numpy's and Python's."""
+    state = {"torch": torch.get_rng_state()}
+    if host:
+        np_state = np.random.get_state()
+        state["numpy"] = [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]
+        state["python"] = list(random.getstate())
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -102,10 +102,11 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -507,18 +508,13 @@ class Trainer(TrainingLoop):
         epoch and torch's random state (what :meth:`rewind` restores after a step that failed). numpy's and
         Python's generators are not taken (~40 us a step): no step draws from them, so at a failure they are still
         as the step found them."""
-        rng = [torch.get_rng_state()]
-        if self.world.device.type == "cuda":
-            rng.append(torch.cuda.get_rng_state(self.world.device))
-        return {"iterator": copy.deepcopy(self.train_iter.state_dict()), "mems": list(self.mems), "epoch": self._epoch,
-                "rng": rng}  # fmt: skip
+        iterator, rng = copy.deepcopy(self.train_iter.state_dict()), _rng_state(self.world.device, host=False)
+        return {"iterator": iterator, "mems": list(self.mems), "epoch": self._epoch, "rng": rng}
 
     def rewind(self, progress: dict[str, Any]) -> None:
         self.train_iter.load_state_dict(progress["iterator"])
         self.mems, self._epoch = progress["mems"], progress["epoch"]
-        torch.set_rng_state(progress["rng"][0])
-        if self.world.device.type == "cuda":
-            torch.cuda.set_rng_state(progress["rng"][1], self.world.device)
+        _set_rng_state(progress["rng"], self.world.device)
 
     def train_one(self) -> tuple[float, float]:
         batch = next(self._batches)
