@@ -96,6 +96,41 @@ def test_without_trust_or_with_other_globals_nothing_is_read(saved, tmp_path, ca
         convert_original_checkpoint(plain, trust_pickle=True)
 
 
+def test_a_folder_converts_the_checkpoint_in_it_and_wrong_paths_are_named_first(saved, tmp_path, capsys):
+    """The original's work dir (model.pt) and its data folder (cache.pt) as folders: the same model as the files; a
+    missing path, a folder without a checkpoint, a txl model folder and a file that is no pickle: one line each,
+    before any question of trust."""
+    folder = saved / "adaptive"
+    out = tmp_path / "from_folder"
+    main(["convert", "original", str(folder), str(out), "--corpus", str(folder), "--trust-pickle"])
+    assert f"converted {folder / 'model.pt'} -> {out}: TransformerXLLM" in capsys.readouterr().out
+    by_file, _ = convert_original_checkpoint(folder / "model.pt", corpus=folder / "cache.pt", trust_pickle=True)
+    ours, theirs = TransformerXLLM.from_pretrained(out).state_dict(), by_file.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert Tokenizer.load(out / "tokenizer.json").symbols[:3] == ["<eos>", "<unk>", "w0"]
+    nvidia = tmp_path / "nvidia"
+    nvidia.mkdir()
+    (nvidia / "checkpoint_best.pt").write_bytes((folder / "checkpoint_best.pt").read_bytes())
+    main(["convert", "original", str(nvidia), str(tmp_path / "from_nvidia"), "--trust-pickle"])
+    assert f"converted {nvidia / 'checkpoint_best.pt'}" in capsys.readouterr().out
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"hi\n")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        ([str(tmp_path / "nope.pt")], "nope.pt: not found"),
+        ([str(tmp_path / "from_folder"), "--trust-pickle"], "a txl model folder already"),
+        ([str(nvidia), "--corpus", str(nvidia), "--trust-pickle"], "nvidia: a folder without cache.pt or cache.pkl"),
+        ([str(tmp_path / "empty")], "empty: a folder without model.pt, checkpoint_best.pt, checkpoint_last.pt"),
+        ([str(garbage), "--trust-pickle"], "garbage.pt: not a pickle or a PyTorch checkpoint"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["convert", "original", args[0], str(tmp_path / "out"), *args[1:]])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_checkpoint_dict_of_a_wrapped_model_and_other_attention(tmp_path):
     """NVIDIA-style dict of plain tensors saved from a DistributedDataParallel model (keys under module.): the same
     weights; another attention than the paper's is refused by name."""

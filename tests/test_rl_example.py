@@ -58,3 +58,33 @@ def test_gtrxl_uses_its_memory(tmp_path):
         assert r.returncode == 0, r.stderr
         finals[memory] = json.loads((tmp_path / memory / "summary.json").read_text())["final_mean_return"]
     assert finals["gtrxl"] > finals["mlp"] + 0.2, finals
+
+
+def test_minigrid_memory_view_and_a_seeded_run(tmp_path):
+    """MiniGrid's Memory task through the example: the symbolic view one-hot encoded (each of the 7 x 7 cells' object,
+    colour and state one of its own), MiniGrid's own view and its first three actions, and a seeded run repeats."""
+    pytest.importorskip("minigrid")
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import ppo_gtrxl
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    from minigrid.core.constants import OBJECT_TO_IDX
+
+    env = ppo_gtrxl.make_env("minigrid_memory_s7")()
+    obs, _ = env.reset(seed=5)
+    assert env.action_space.n == 3 and obs.shape == (147,)
+    x = ppo_gtrxl.encode(obs[None], env.observation_space)  # [1, 49 * (11 + 6 + 3)]
+    assert x.shape == (1, ppo_gtrxl.one_hot_space(env.observation_space)) == (1, 980)
+    cells = x.reshape(49, 20)
+    assert cells.sum().item() == 147 and (cells[:, :11].sum(1) == 1).all() and (cells[:, 11:17].sum(1) == 1).all()
+    for action in (0, 0, 2):  # (turn left twice: facing the start room, then forward)
+        obs, *_ = env.step(action)
+        assert (obs == env.unwrapped.gen_obs()["image"].reshape(-1)).all()  # MiniGrid's own view, as it is
+    assert int(env.unwrapped.agent_dir) == 2  # (facing left: the three actions are MiniGrid's first three)
+    assert OBJECT_TO_IDX["wall"] in set(obs.reshape(49, 3)[:, 0].tolist())
+    args = [*TINY, "--memory", "gtrxl", "--steps", "256", "--env", "minigrid_memory_s7", "--seed", "2"]
+    a, b = run(tmp_path / "a", *args), run(tmp_path / "b", *args)
+    assert a.returncode == b.returncode == 0, a.stderr
+    assert curve(tmp_path / "a") == curve(tmp_path / "b")
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["params"] > 0

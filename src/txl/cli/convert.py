@@ -44,16 +44,18 @@ def convert_original(
 
     Args:
         src: The original code's model.pt (torch.save of the whole MemTransformerLM, any PyTorch version's format),
-            or NVIDIA DeepLearningExamples' checkpoint_best.pt / checkpoint_last.pt (it holds the vocabulary).
+            or NVIDIA DeepLearningExamples' checkpoint_best.pt / checkpoint_last.pt (it holds the vocabulary); or
+            the folder holding one (model.pt, else checkpoint_best.pt, else checkpoint_last.pt).
         out: Output folder (config.json + model.safetensors + tokenizer.json).
-        corpus: The original code's corpus cache (DATA/cache.pt), for the vocabulary of a model.pt.
+        corpus: The original code's corpus cache (DATA/cache.pt, or the folder DATA), for the vocabulary of a model.pt.
         trust_pickle: Needed: both files are pickles. They are read with a restricted unpickler that rebuilds the
             tensors and keeps every object of the original code as inert data; it runs none of their code.
         overwrite: Replace an existing, non-empty output folder (kept until the new one is complete).
     """
-    from txl.interop.convert_original import convert_original_checkpoint
+    from txl.interop.convert_original import convert_original_checkpoint, original_checkpoint_file
     from txl.util.fileio import size_of, staged_folder
 
+    src = original_checkpoint_file(src)  # (a folder: the checkpoint in it)
     sources = [p for p in (src, corpus) if p is not None]
     with staged_folder(out, overwrite=overwrite, sources=sources, command="txl convert", needed=size_of(src)) as staged:
         model, tokenizer = convert_original_checkpoint(src, staged, corpus=corpus, trust_pickle=trust_pickle)

@@ -64,6 +64,7 @@ STUB_MODULES = (
 TENSOR_FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,  # (newer torch, some dtypes)
     ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state,
     ("collections", "defaultdict"): defaultdict,
@@ -151,8 +152,12 @@ def read_trusted_pickle(path: Path) -> Any:
             return torch.load(path, map_location="cpu", pickle_module=PICKLE_MODULE, weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
-    except UnpicklingError as e:  # (Refused is one)
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: a folder; give the file") from None
+    except Refused as e:
         raise CheckpointError(f"{path}: {e}; the file was not loaded and nothing in it was run") from None
+    except UnpicklingError as e:  # (not a pickle: garbage, or a file of another kind)
+        raise CheckpointError(f"{path}: not a pickle or a PyTorch checkpoint ({e}); nothing in it was run") from None
     except (EOFError, RuntimeError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
 
@@ -288,8 +293,15 @@ def vocab_tokenizer(vocab: Any, dataset: str | None, source: str) -> Tokenizer:
 
 
 def corpus_vocabulary(path: Path, code: str) -> tuple[Any, str | None]:
-    """The ``Vocab`` and the dataset name of a pickled corpus cache (``code``: whose, for the error)."""
-    cache = read_trusted_pickle(Path(path))
+    """The ``Vocab`` and the dataset name of a pickled corpus cache (``code``: whose, for the error); a folder: its
+    cache.pt (the PyTorch code's) or cache.pkl (the TF code's)."""
+    path = Path(path)
+    if path.is_dir():
+        found = [path / n for n in ("cache.pt", "cache.pkl") if (path / n).is_file()]
+        if not found:
+            raise CheckpointError(f"{path}: a folder without cache.pt or cache.pkl (the corpus cache); give the file")
+        path = found[0]
+    cache = read_trusted_pickle(path)
     vocab = cache.get("vocab") if isinstance(cache, Stub) else None
     if vocab is None:
         raise CheckpointError(f"{path}: not {code}'s corpus cache (a Corpus with a vocab)")
@@ -319,6 +331,28 @@ def _namespace(obj: Any) -> dict[str, Any]:
     return obj.state if isinstance(obj, Stub) else obj if isinstance(obj, dict) else {}
 
 
+CHECKPOINT_FILES = ("model.pt", "checkpoint_best.pt", "checkpoint_last.pt")  # the original's, then NVIDIA's
+
+
+def original_checkpoint_file(src: str | Path) -> Path:
+    """``src``, or the checkpoint in the folder ``src`` (the original's work dir: model.pt; NVIDIA's:
+    checkpoint_best.pt, else checkpoint_last.pt); checked before anything is read."""
+    src = Path(src)
+    if src.is_dir():
+        for name in CHECKPOINT_FILES:
+            if (src / name).is_file():
+                return src / name
+        txl_model = (src / "config.json").is_file() and (src / "model.safetensors").is_file()
+        raise CheckpointError(
+            f"{src}: a txl model folder already (txl reads it as it is: nothing to convert)"
+            if txl_model
+            else f"{src}: a folder without {', '.join(CHECKPOINT_FILES)}; give the checkpoint file"
+        )
+    if not src.exists():
+        raise CheckpointError(f"{src}: not found")
+    return src
+
+
 def convert_original_checkpoint(
     src: str | Path, out: str | Path | None = None, corpus: str | Path | None = None, trust_pickle: bool = False
 ) -> tuple[TransformerXLLM, Tokenizer | None]:
@@ -327,7 +361,7 @@ def convert_original_checkpoint(
     ``corpus``: the original's corpus cache (``cache.pt``) for the vocabulary (NVIDIA's checkpoint holds its own).
     Everything is read and checked before anything is written to ``out``.
     """
-    src = Path(src)
+    src = original_checkpoint_file(src)
     if not trust_pickle:
         raise CheckpointError(
             f"{src} is a pickle (the original code saves whole objects); pickles can run code when loaded. If you "
