@@ -1,7 +1,10 @@
-"""PPO with GTrXL, TrXL-I (no gates), a GRU and an MLP (no memory) on POPGym memory tasks, at equal environment steps:
-the learning curves (mean episodic return against env steps and wall-clock) and the table of docs/agents.md.
+"""PPO with GTrXL, TrXL-I (no gates), a GRU and an MLP (no memory) on POPGym's memory tasks and MiniGrid's Memory
+task, at equal environment steps: the learning curves (mean episodic return against env steps and wall-clock) and the
+tables of docs/agents.md (one section per family of tasks).
 
     python experiments/agents.py --steps 1000000 --seeds 1 2 --write docs/agents.md
+    python experiments/agents.py --envs minigrid_memory_s7 --memories gtrxl gru mlp --steps 1000000 --seeds 1 \
+        --write docs/agents.md
 
 Each run is ``python examples/rl/ppo_gtrxl.py --env E --memory K --steps S --seed N --out runs/agents/E-K-sN`` (the
 larger GRU: ``--memory gru --gru-hidden 185``), one thread each, two at a time (2 cores). ``--report-only`` redraws
@@ -28,6 +31,24 @@ TASKS = {
     "position_only_cartpole": "PositionOnlyCartPoleEasy",
     "repeat_first": "RepeatFirstEasy",
 }
+MINIGRID_TASKS = {
+    "minigrid_memory_s7": "MiniGrid-MemoryS7",
+    "minigrid_memory_s9": "MiniGrid-MemoryS9",
+}
+# (section heading, figure, what the returns mean) per family; a run's family is its tasks'
+POPGYM = (
+    "## Results: PPO on POPGym memory tasks",
+    "agents_curves.png",
+    "RepeatPrevious, RepeatFirst: -0.5 is chance, 1 is perfect; PositionOnlyCartPole: 1 is balancing for the whole "
+    "episode",
+)
+MINIGRID = (
+    "## Results: PPO on MiniGrid's Memory task",
+    "agents_minigrid_curves.png",
+    "success gives 1 - 0.9 × steps / max_steps (MemoryS7: 245 steps), the wrong object 0, so a policy without memory "
+    "that always reaches an object gets about half of what one that remembers the cue gets; the symbolic 7 × 7 view, "
+    "one-hot, and MiniGrid's first three actions (left, right, forward)",
+)
 MEMORIES = {  # run name: (label, the example's arguments)
     "gtrxl": ("GTrXL", ["--memory", "gtrxl"]),
     "trxl": ("TrXL-I (no gates)", ["--memory", "trxl"]),
@@ -72,13 +93,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--envs", nargs="+", default=list(TASKS))
+    p.add_argument("--envs", nargs="+", default=list(TASKS), choices=[*TASKS, *MINIGRID_TASKS])
     p.add_argument("--memories", nargs="+", default=list(MEMORIES))
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "agents")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--write", type=Path, default=None)
     a = p.parse_args()
+    if len({e in MINIGRID_TASKS for e in a.envs}) > 1:
+        p.error("give POPGym's tasks or MiniGrid's in one run (each family has its own section and figure)")
     if not a.report_only:
         cmds = [
             [sys.executable, str(ROOT / "examples" / "rl" / "ppo_gtrxl.py"), "--env", e, *MEMORIES[m][1], "--steps",
@@ -96,6 +119,8 @@ def report(a) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    heading, figure_name, meaning = MINIGRID if a.envs[0] in MINIGRID_TASKS else POPGYM
+    names = {**TASKS, **MINIGRID_TASKS}
     fig, axes = plt.subplots(2, len(a.envs), figsize=(6 * len(a.envs), 8), squeeze=False)
     lines = [
         "| task | memory | params | final mean return (per seed) | mean | to 0.9: env steps, wall-clock (per seed) | "
@@ -117,12 +142,12 @@ def report(a) -> None:
                 axes[0][col].plot(steps, ret, **kw)
                 axes[1][col].plot(wall, ret, **kw)
             lines.append(
-                f"| {TASKS[env]} | {name} | {runs[0][1]['params']:,} | {' / '.join(f'{f:.3f}' for f in finals)} | "
+                f"| {names[env]} | {name} | {runs[0][1]['params']:,} | {' / '.join(f'{f:.3f}' for f in finals)} | "
                 f"{sum(finals) / len(finals):.3f} | {' / '.join(to_reach(c, 0.9) for c, _ in runs)} | "
                 f"{runs[0][1]['env_steps']:,} | "
                 f"{' / '.join(f'{w:.0f}' for w in walls)} |"
             )
-        axes[0][col].set_title(f"{TASKS[env]}")
+        axes[0][col].set_title(f"{names[env]}")
         axes[0][col].set_xlabel("environment steps")
         axes[1][col].set_xlabel("wall-clock seconds (1 thread, 2 runs at once on 2 cores)")
         for r in (0, 1):
@@ -130,28 +155,29 @@ def report(a) -> None:
             axes[r][col].legend(loc="lower right")
             axes[r][col].grid(alpha=0.3)
     fig.tight_layout()
-    figure = ROOT / "docs" / "agents_curves.png"
+    figure = ROOT / "docs" / figure_name
     fig.savefig(figure, dpi=80)
+    envs = "" if a.envs == list(TASKS) else f" --envs {' '.join(a.envs)}"
+    memories = "" if a.memories == list(MEMORIES) else f" --memories {' '.join(a.memories)}"
     section = "\n".join(
         [
-            "## Results: PPO on POPGym memory tasks",
+            heading,
             "",
-            f"Command: `python experiments/agents.py --steps {a.steps} --seeds {' '.join(map(str, a.seeds))} "
-            "--write docs/agents.md` (each run: `python examples/rl/ppo_gtrxl.py --env E --memory K "
-            f"--steps {a.steps} --seed N`). "
+            f"Command: `python experiments/agents.py{envs}{memories} --steps {a.steps} --seeds "
+            f"{' '.join(map(str, a.seeds))} --write docs/agents.md` (each run: `python examples/rl/ppo_gtrxl.py "
+            f"--env E --memory K --steps {a.steps} --seed N`). "
             f"Machine: {cpu_description()}; one thread per run, two runs at once. Final mean return: the mean over the "
-            "last 10% of the iterations of the episodes that ended in them (RepeatPrevious, RepeatFirst: -0.5 is "
-            "chance, 1 is perfect; PositionOnlyCartPole: 1 is balancing for the whole episode).",
+            f"last 10% of the iterations of the episodes that ended in them ({meaning}).",
             "",
             *lines,
             "",
-            "![learning curves](agents_curves.png)",
+            f"![learning curves]({figure_name})",
             "",
         ]
     )
     print(section)
     if a.write:
-        replace_section(a.write, "## Results: PPO on POPGym memory tasks", section, title=TITLE)
+        replace_section(a.write, heading, section, title=TITLE)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""PPO with a memory (txl's GTrXL) on POPGym's memory tasks: one file, CleanRL-style.
+"""PPO with a memory (txl's GTrXL) on POPGym's and MiniGrid's memory tasks: one file, CleanRL-style.
 
     python examples/rl/ppo_gtrxl.py --env repeat_first --memory gtrxl --steps 400000 --seed 1 --out runs/rf-gtrxl
 
@@ -7,7 +7,7 @@ Memories (``--memory``): ``gtrxl`` (txl.rl.MemoryTransformer, GRU gates), ``trxl
 (``step``: the cached path, memory updated in place); the update replays windows of ``--window`` steps with gradients
 from the memory stored at each window's start (``window``: block-diagonal in time, equal to the steps). The run writes
 ``curve.csv`` (env steps, wall-clock seconds, mean episodic return of the episodes that ended) and ``summary.json``.
-Needs the ``rl`` extra (gymnasium, popgym).
+Needs the ``rl`` extra (gymnasium, popgym, minigrid).
 """
 
 from __future__ import annotations
@@ -66,7 +66,48 @@ class Args:
     out: str = ""
 
 
+# MiniGrid's Memory tasks (Chevalier-Boisvert et al.): a cue object in the start room, a corridor, then the two
+# objects at its end; success is walking up to the one like the cue (reward 1 - 0.9 * steps / max_steps), the other
+# ends the episode with 0, so a policy without memory gets half of what a perfect one does. The view is the
+# symbolic one (7 x 7 cells of object, colour and state indices: MultiDiscrete, one-hot encoded below) and the
+# actions are the three the task needs (turn left, turn right, forward; MiniGrid's other four do nothing here).
+MINIGRID = {
+    "minigrid_memory_s7": "MiniGrid-MemoryS7-v0",
+    "minigrid_memory_s9": "MiniGrid-MemoryS9-v0",
+    "minigrid_memory_s11": "MiniGrid-MemoryS11-v0",
+    "minigrid_memory_s13": "MiniGrid-MemoryS13-v0",
+}
+
+
+class MiniGridView(gym.Wrapper):
+    """A MiniGrid environment with the symbolic egocentric view as MultiDiscrete and the first ``n_actions``
+    actions (its observation: ``image`` [7, 7, 3] of object, colour and state indices, flattened)."""
+
+    def __init__(self, env: gym.Env, n_actions: int = 3):
+        super().__init__(env)
+        from minigrid.core.constants import COLOR_TO_IDX, OBJECT_TO_IDX, STATE_TO_IDX
+
+        view = env.observation_space["image"].shape  # [7, 7, 3]
+        cell = [len(OBJECT_TO_IDX), len(COLOR_TO_IDX), len(STATE_TO_IDX)]
+        self.observation_space = gym.spaces.MultiDiscrete(np.tile(cell, view[0] * view[1]))
+        self.action_space = gym.spaces.Discrete(n_actions)
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return obs["image"].reshape(-1).astype(np.int64), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(int(action))
+        return obs["image"].reshape(-1).astype(np.int64), reward, terminated, truncated, info
+
+
 def make_env(name: str):
+    if name in MINIGRID:
+        import minigrid  # noqa: F401  (registers the MiniGrid-* ids)
+
+        return lambda: MiniGridView(gym.make(MINIGRID[name]))
+    if name not in ENVS:
+        raise ValueError(f"--env must be one of {', '.join([*ENVS, *MINIGRID])}, got {name!r}")
     module, cls = ENVS[name].split(":")
     env_cls = getattr(__import__(module, fromlist=[cls]), cls)
     return lambda: env_cls()
@@ -87,8 +128,10 @@ def encode(obs: np.ndarray, space: gym.Space) -> Tensor:
     if isinstance(space, gym.spaces.Discrete):
         return F.one_hot(torch.as_tensor(obs, dtype=torch.long), int(space.n)).float()
     if isinstance(space, gym.spaces.MultiDiscrete):
-        parts = [F.one_hot(torch.as_tensor(obs[:, i], dtype=torch.long), int(n)) for i, n in enumerate(space.nvec)]
-        return torch.cat(parts, -1).float()
+        nvec = np.asarray(space.nvec).reshape(-1)
+        first = torch.as_tensor(np.concatenate([[0], np.cumsum(nvec)[:-1]]), dtype=torch.long)  # each part's offset
+        idx = torch.as_tensor(np.asarray(obs).reshape(len(obs), -1), dtype=torch.long) + first  # [N, parts]
+        return torch.zeros(len(obs), int(nvec.sum())).scatter_(1, idx, 1.0)  # every part one-hot, side by side
     return torch.as_tensor(obs, dtype=torch.float32).reshape(obs.shape[0], -1)
 
 
@@ -362,8 +405,8 @@ def main() -> None:
     for name, default in asdict(Args()).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = Args(**vars(p.parse_args()))
-    if args.env not in ENVS:
-        p.error(f"--env must be one of {', '.join(ENVS)}, got {args.env!r}")
+    if args.env not in ENVS and args.env not in MINIGRID:
+        p.error(f"--env must be one of {', '.join([*ENVS, *MINIGRID])}, got {args.env!r}")
     if args.memory not in ("gtrxl", "trxl", "gru", "mlp"):
         p.error(f"--memory must be gtrxl, trxl, gru or mlp, got {args.memory!r}")
     if args.rollout % args.window:
