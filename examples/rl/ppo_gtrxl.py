@@ -6,7 +6,8 @@ Memories (``--memory``): ``gtrxl`` (txl.rl.MemoryTransformer, GRU gates), ``trxl
 ``gru`` (a GRU of similar size) and ``mlp`` (no memory: the floor). Acting runs every environment one step at a time
 (``step``: the cached path, memory updated in place); the update replays windows of ``--window`` steps with gradients
 from the memory stored at each window's start (``window``: block-diagonal in time, equal to the steps). The run writes
-``curve.csv`` (env steps, wall-clock seconds, mean episodic return of the episodes that ended) and ``summary.json``.
+``curve.csv`` (env steps, wall-clock seconds, mean episodic return of the episodes that ended; a row as each
+iteration ends) and, at its end, ``summary.json``.
 Needs the ``rl`` extra (gymnasium, popgym, minigrid).
 """
 
@@ -300,6 +301,12 @@ def train(args: Args) -> dict:
     iterations = max(1, args.steps // (N * R))
     curve, recent, t0, env_steps = [], [], time.perf_counter(), 0
     act_s = update_s = 0.0
+    log = None  # curve.csv, a row per iteration as it ends (a long run can be watched; summary.json ends a run)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "summary.json").unlink(missing_ok=True)
+        log = open(Path(args.out) / "curve.csv", "w", newline="")  # noqa: SIM115  (closed at the end of the run)
+        csv.writer(log).writerow(["env_steps", "wall_s", "mean_return"])
     timings = []  # (rollout s, update s) per iteration
     for it in range(iterations):
         lr = args.lr * (1 - it / iterations)
@@ -377,6 +384,11 @@ def train(args: Args) -> dict:
         mean_ret = float(np.mean(recent)) if recent else float("nan")
         curve.append((env_steps, time.perf_counter() - t0, mean_ret))
         recent = []
+        if log is not None:
+            csv.writer(log).writerow(curve[-1])
+            log.flush()
+    if log is not None:
+        log.close()
     envs.close()
     final = [r for _, _, r in curve[-max(1, len(curve) // 10) :]]
     summary = {
@@ -390,13 +402,7 @@ def train(args: Args) -> dict:
         "iterations_s": timings,
     }
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "curve.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["env_steps", "wall_s", "mean_return"])
-            w.writerows(curve)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
