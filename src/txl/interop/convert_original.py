@@ -152,8 +152,6 @@ def read_trusted_pickle(path: Path) -> Any:
             return torch.load(path, map_location="cpu", pickle_module=PICKLE_MODULE, weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: a folder; give the file") from None
     except Refused as e:
         raise CheckpointError(f"{path}: {e}; the file was not loaded and nothing in it was run") from None
     except UnpicklingError as e:  # (not a pickle: garbage, or a file of another kind)
@@ -297,10 +295,9 @@ def corpus_vocabulary(path: Path, code: str) -> tuple[Any, str | None]:
     cache.pt (the PyTorch code's) or cache.pkl (the TF code's)."""
     path = Path(path)
     if path.is_dir():
-        found = [path / n for n in ("cache.pt", "cache.pkl") if (path / n).is_file()]
-        if not found:
-            raise CheckpointError(f"{path}: a folder without cache.pt or cache.pkl (the corpus cache); give the file")
-        path = found[0]
+        folder, path = path, _file_in(path, ("cache.pt", "cache.pkl"))
+        if path is None:
+            raise CheckpointError(f"{folder}: a folder without cache.pt or cache.pkl (the corpus cache); give the file")
     cache = read_trusted_pickle(path)
     vocab = cache.get("vocab") if isinstance(cache, Stub) else None
     if vocab is None:
@@ -331,6 +328,11 @@ def _namespace(obj: Any) -> dict[str, Any]:
     return obj.state if isinstance(obj, Stub) else obj if isinstance(obj, dict) else {}
 
 
+def _file_in(folder: Path, names: tuple[str, ...]) -> Path | None:
+    """The first of ``names`` that is a file in ``folder``."""
+    return next((folder / name for name in names if (folder / name).is_file()), None)
+
+
 CHECKPOINT_FILES = ("model.pt", "checkpoint_best.pt", "checkpoint_last.pt")  # the original's, then NVIDIA's
 
 
@@ -339,9 +341,8 @@ def original_checkpoint_file(src: str | Path) -> Path:
     checkpoint_best.pt, else checkpoint_last.pt); checked before anything is read."""
     src = Path(src)
     if src.is_dir():
-        for name in CHECKPOINT_FILES:
-            if (src / name).is_file():
-                return src / name
+        if (found := _file_in(src, CHECKPOINT_FILES)) is not None:
+            return found
         txl_model = (src / "config.json").is_file() and (src / "model.safetensors").is_file()
         raise CheckpointError(
             f"{src}: a txl model folder already (txl reads it as it is: nothing to convert)"
