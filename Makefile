@@ -44,9 +44,10 @@ browser:
 
 # `make test` skips the tests marked slow (processes: torchrun, signals, full disks, the browser); `make test-all`
 # and CI (.ci/run: make test SLOW=1) run every test, the browser test included (it installs Chromium first).
-# Then the txl.hf suite in its transformers-5 environment (it compares with 4.46.3 through the main one).
+# Then the txl.hf suite in its transformers-5 environment (it compares with 4.46.3 through the main one). The 15
+# slowest tests are listed at the end (the suite takes 2-3x as long on a CPU without AVX-512).
 test: lint $(if $(SLOW),browser,) setup-hf5
-	$(if $(SLOW),TXL_REQUIRE_BROWSER=1,) $(BIN)/python -m pytest -q $(if $(SLOW),,-m "not slow")
+	$(if $(SLOW),TXL_REQUIRE_BROWSER=1,) $(BIN)/python -m pytest -q --durations=15 $(if $(SLOW),,-m "not slow")
 	$(HF5_BIN)/python -m pytest -q -p no:cacheprovider tests_hf
 
 test-all:

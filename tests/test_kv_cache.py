@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import warnings
 
 import numpy as np
@@ -17,6 +18,7 @@ from tests.conftest import ADAPTIVE_FIXTURE, HF_FIXTURES, debug_config
 from txl import TransformerXLLM
 from txl.infer.evaluate import evaluate
 from txl.infer.generation import generate, stream
+from txl.infer.prompt import read_prompt
 from txl.kernels.backends import set_backends
 from txl.kernels.linear import weight_copies
 from txl.model import modeling
@@ -209,6 +211,65 @@ def test_model_generate_returns_several_samples_per_prompt():
     assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1  # different samples of one prompt
     with pytest.raises(ValueError, match="must be 1 for greedy decoding"):
         model.generate(prompts, max_new_tokens=2, num_return_sequences=2)
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "tf_same_length"])
+@pytest.mark.parametrize("memory", [False, True], ids=["no_memory", "given_memory"])
+def test_a_long_prompt_read_in_pieces_equals_one_pass(variant, memory):
+    """txl.infer.prompt.read_prompt (a long prompt's [T, K] mask and scores are quadratic in its length): in pieces,
+    every position's hidden state, the window the cache keeps and the next steps are those of one pass of the whole
+    prompt, with left padding (a piece of only padding in one row), a starting memory, same_length's window and the TF
+    code's one key more, a last piece of one position (the one-token step)."""
+    overrides = {"same_length": True, "tf_same_length": True} if variant == "tf_same_length" else VARIANTS[variant]
+    model = lm(**overrides, init_std=0.3)
+    cfg, mem_len = model.config, 12
+    lengths, T = [41, 27], 41
+    batch = torch.randint(0, cfg.n_token, (2, T))
+    padding = torch.arange(T)[None, :] < torch.tensor([T - n for n in lengths])[:, None]  # [2, T], True on the left
+    mems = [torch.randn(2, 9, cfg.d_model) for _ in range(cfg.n_layer)]
+    steps = torch.randint(0, cfg.n_token, (2, 6))
+    real = ~padding
+    with torch.no_grad():
+        for chunk in (1, 7, 8, 40):  # (41 = 5 * 8 + 1: a last piece of one position; 1: every piece is one)
+            one, pieces = KVCache(cfg, 2, mem_len, T), KVCache(cfg, 2, mem_len, chunk)
+            if memory:
+                model.transformer.fill_cache(one, mems, mem_len)
+                model.transformer.fill_cache(pieces, mems, mem_len)
+            whole = model.transformer(batch, cache=one, mem_len=mem_len, padding=padding).last_hidden_state
+            got = read_prompt(model, batch, pieces, mem_len, padding, chunk=chunk)
+            torch.testing.assert_close(got[real], whole[real], atol=1e-5, rtol=1e-5, msg=f"chunk {chunk}")
+            assert pieces.length == one.length == mem_len
+            for a, b in ((pieces.k, one.k), (pieces.v, one.v)):
+                torch.testing.assert_close(a[..., pieces.start : pieces.end, :], b[..., one.start : one.end, :])
+            for t in range(steps.shape[1]):  # (the generation after it: the window slides as after one pass)
+                x = steps[:, t : t + 1]
+                h1 = model.transformer(x, cache=one, mem_len=mem_len).last_hidden_state
+                h2 = model.transformer(x, cache=pieces, mem_len=mem_len).last_hidden_state
+                torch.testing.assert_close(h2, h1, atol=1e-5, rtol=1e-5, msg=f"chunk {chunk}, step {t + 1}")
+    with pytest.raises(ValueError, match="at least one position"):
+        read_prompt(model, batch, KVCache(cfg, 2, mem_len, T), mem_len, chunk=0)
+
+
+def test_generation_after_a_prompt_longer_than_one_pass_equals_the_uncached_loop():
+    """A prompt longer than PROMPT_CHUNK is read in pieces by stream, beam search and the server's engine: greedy
+    tokens as the uncached loop, which reads the prompt in one pass, gives them."""
+    from txl.infer.generation import beam_search
+    from txl.infer.prompt import PROMPT_CHUNK
+    from txl.serve.engine import Engine, Generation
+
+    model = lm(**VARIANTS["plain"], init_std=0.3)
+    T, mem_len, steps = PROMPT_CHUNK + 77, 16, 12
+    prompt = torch.randint(0, model.config.n_token, (1, T))
+    expected = greedy_uncached(model, prompt, steps, mem_len)
+    assert generate(model, prompt, steps, temperature=0.0, mem_len=mem_len)[0, T:].tolist() == expected
+    assert beam_search(model, prompt, 1, num_beams=2, mem_len=mem_len)[0, T:].tolist() == expected[:1]
+    got, done = [], threading.Semaphore(0)
+    engine = Engine(model, max_batch=2)
+    engine.submit(Generation(prompt[0].tolist(), steps, lambda t: done.release() if t is None else got.append(t),
+                             mem_len=mem_len, temperature=0.0))  # fmt: skip
+    assert done.acquire(timeout=60)
+    engine.shutdown()
+    assert got == expected
 
 
 @pytest.mark.parametrize("variant", ["plain", "pre_lnorm_untie_r", "adaptive"])

@@ -133,20 +133,30 @@ def test_generation_holds_what_its_tokens_give(lm):
         )
 
 
-def test_a_prompt_whose_one_pass_does_not_fit_is_refused_first(lm, capsys, monkeypatch):
+def test_a_long_prompt_is_read_in_pieces_and_one_whose_pieces_do_not_fit_is_refused_first(lm, capsys, monkeypatch):
     """`txl generate --prompt` of 130,000 characters (a char model; the shell's limit for one argument is 128 KiB) was
-    killed by the system, no message, exit 137: the estimate counted the cache, not the prompt's pass, whose [T, K]
-    mask alone is T * (T + M) bytes (~34 GiB measured there). It counts the pass now: one line naming the prompt's
-    length, before any work; a prompt whose pass fits runs."""
+    killed by the system, no message, exit 137: the prompt's one pass holds a [T, K] mask, T * (T + M) bytes (~34 GiB
+    measured there). A long prompt is now read in pieces (txl.infer.prompt.read_prompt: [1024, K] each), so a prompt
+    whose one pass would not fit in the memory runs; the estimate counts the pieces, and a prompt whose pieces do not
+    fit is refused in one line naming its length, before any work."""
+    from txl.cli.common import attention_pass_bytes
+    from txl.infer.prompt import PROMPT_CHUNK
     from txl.kernels import runtime
+    from txl.model.config import TransformerXLConfig
 
-    monkeypatch.setattr(runtime, "available_memory", lambda: 2 * 2**30)
     words = "ab cd ef gh ij kl mn op "
-    long, short = ((words * (n // len(words) + 1))[:n] for n in (30_000, 5_000))  # (short fits with either path)
-    line = fails(capsys, ["generate", "--model", str(lm), "--prompt", long, "--max_new_tokens", "2"])
+    long = (words * (30_000 // len(words) + 1))[:30_000]
+    config = TransformerXLConfig.from_pretrained(lm)
+    monkeypatch.setattr(runtime, "available_memory", lambda: 2 * 2**30)
+    assert attention_pass_bytes(config, 1, 30_000, 30_000) > 2 * 2**30  # (one pass: refused before, at 2 GiB free)
+    main(["generate", "--model", str(lm), "--prompt", long, "--max_new_tokens", "2"])  # (same_length: window 64)
+    assert capsys.readouterr().out.startswith(long)
+    # without same_length each piece sees the whole prompt before it: [1024, 30,000] for the last one
+    assert attention_pass_bytes(config, 1, PROMPT_CHUNK, 30_000) > 48 * 2**20
+    monkeypatch.setattr(runtime, "available_memory", lambda: 48 * 2**20)
+    line = fails(capsys, ["generate", "--model", str(lm), "--prompt", long, "--max_new_tokens", "2", "--same_length",
+                          "false"])  # fmt: skip
     assert "txl generate (30,000 prompt tokens, mem_len" in line and "give a shorter prompt" in line
-    main(["generate", "--model", str(lm), "--prompt", short, "--max_new_tokens", "2"])
-    assert capsys.readouterr().out.startswith(short)
 
 
 def test_txl_eval_counts_the_scores_only_where_they_are_held(lm, tmp_path, capsys, monkeypatch):

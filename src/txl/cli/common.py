@@ -57,15 +57,20 @@ def _check_generate_memory(
     """``txl generate``'s memory estimate, checked against the free memory before anything is allocated: the K/V cache
     of every layer for ``rows`` sequences (what the memory can come to hold, the prompt and the ``new`` tokens or a
     ``zero_memory`` of mem_len positions, at most mem_len, and the prompt, twice over as the cache keeps them), plus
-    the larger of the prompt's one pass (:func:`attention_pass_bytes`) and a step's [rows, vocabulary]
-    log-probabilities (a beam search's)."""
+    the larger of the prompt's pass (:func:`attention_pass_bytes`; a long prompt is read in pieces,
+    :func:`txl.infer.prompt.read_prompt`: its last piece's) and a step's [rows, vocabulary] log-probabilities (a beam
+    search's)."""
+    from txl.infer.prompt import PROMPT_CHUNK
     from txl.kernels.runtime import check_fits
     from txl.model.cache import KVCache
 
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
     cache *= 2 if rows > 1 else 1  # (a beam search's step reads the beams it reorders out first: up to its window)
-    prompt_pass = attention_pass_bytes(config, 1, prompt_len, prompt_len + (mem_len if zero_memory else 0), device)
+    memory, piece = (mem_len if zero_memory else 0), min(prompt_len, PROMPT_CHUNK)
+    # (the last piece's keys: with same_length a window of mem_len before it, else the memory and the whole prompt)
+    keys = mem_len + piece if prompt_len > PROMPT_CHUNK and config.same_length else memory + prompt_len
+    prompt_pass = attention_pass_bytes(config, 1, piece, keys, device)
     steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
     check_fits(
         cache + max(prompt_pass, steps),

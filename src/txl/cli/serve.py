@@ -164,9 +164,11 @@ def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noq
     """Bytes the server may hold at its limits: ``max_batch`` rows, each a generation's keys and values (its memory
     holds at most the longest prompt and answer, or max_mem_len; the cache keeps a prompt more, twice over) or a
     scored text's (its keys and values over max_mem_len + max_tgt_len positions, and one segment's attention
-    probabilities), and the larger of one prompt's pass (prompts are read one at a time:
-    :func:`~txl.cli.common.attention_pass_bytes`) and a step's [rows, vocabulary] log-probabilities."""
+    probabilities), and the larger of one prompt's pass (prompts are read one at a time, a long one in pieces:
+    :func:`~txl.cli.common.attention_pass_bytes` of its last piece over the whole prompt) and a step's [rows,
+    vocabulary] log-probabilities."""
     from txl.cli.common import attention_pass_bytes
+    from txl.infer.prompt import PROMPT_CHUNK
     from txl.model.cache import KVCache
 
     per_position = 2 * config.n_layer * config.n_head * config.d_head * itemsize
@@ -175,7 +177,8 @@ def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noq
     seg = min(limits.max_tgt_len, limits.max_score_tokens)
     keys = limits.max_mem_len + seg
     score = 2 * keys * per_position + config.n_head * seg * keys * 4
-    transient = max(attention_pass_bytes(config, 1, prompt, prompt, device), 4 * limits.max_batch * config.n_token * 4)
+    prompt_pass = attention_pass_bytes(config, 1, min(prompt, PROMPT_CHUNK), prompt, device)
+    transient = max(prompt_pass, 4 * limits.max_batch * config.n_token * 4)
     return limits.max_batch * max(generation, score) + transient
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txl.infer import static_decode
+from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
 from txl.model.modeling import KVCache, NonFiniteError, TransformerXLLM, supports_kv_cache, transposed_weights
 
@@ -210,6 +211,10 @@ def stream(
                 with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
                     return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
 
+            def read(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # the prompt (in pieces, where it is long)
+                with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):
+                    return read_prompt(model, ids, cache, mem_len, pad)[:, -1]
+
         else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
             if padding is not None:
                 raise ValueError(
@@ -223,8 +228,10 @@ def stream(
                 mems = out.mems
                 return out.last_hidden_state[:, -1]
 
+            read = step
+
         with transposed_weights():  # (the weights are fixed while generating)
-            h = step(input_ids, padding)
+            h = read(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
             if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
                 decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
@@ -330,7 +337,7 @@ def beam_steps(
             model.transformer.fill_cache(cache, mems, mem_len)
         with transposed_weights():
             # The prompt's one pass, once per prompt: its K beams start from copies of its keys, values and state.
-            h = model.transformer(input_ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state[:, -1]
+            h = read_prompt(model, input_ids, cache, mem_len, padding)[:, -1]  # [B, D]
             cache.select([b for b in range(B) for _ in range(K)])  # [B * K] rows, beam k of prompt b at b * K + k
             h = h.repeat_interleave(K, 0)  # [B * K, D]
             yield

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from txl.infer.generation import NoTokenLeftError, Penalties, beam_steps, check_left, check_sampling, choose, stream
+from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
 from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
 
@@ -596,7 +597,7 @@ class Engine:
             T, config = ids.shape[1], self.model.config
             written = T + request.max_new_tokens  # (a short generation: a small buffer)
             cache = KVCache(config, 1, request.mem_len, T, positions=written, dtype=dtype, device=self.device)
-            hidden = self.model.transformer(ids, cache=cache, mem_len=request.mem_len).last_hidden_state[0]  # [T, D]
+            hidden = read_prompt(self.model, ids, cache, request.mem_len)[0]  # [T, D] (in pieces, where it is long)
             if request.prompt_logprobs:
                 self._score_prompt(request, hidden[:-1])
             if request.max_new_tokens == 0:

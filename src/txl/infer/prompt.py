@@ -1,0 +1,52 @@
+"""Reading a prompt into a K/V cache in pieces, with what one pass of the whole prompt computes.
+
+A prompt read in one pass holds its attention's [T, K] mask (and, where no native kernel reads the scores in blocks,
+every head's [T, K] scores): quadratic in the prompt's length, 17 GB of mask alone for 130,000 characters of a
+character model. Read in pieces of ``chunk`` positions, each piece holds [chunk, K] and attends to what it would have
+attended to in one pass:
+
+- without ``same_length`` a query of the one pass sees the whole memory and every prompt position before it, so the
+  cache keeps everything while the prompt is read (the memory it started with and the prompt), and is cut to the last
+  ``mem_len`` positions after it, which is what the one pass leaves;
+- with ``same_length`` a query sees the last ``mem_len`` keys up to itself (``mem_len`` + 1 with tf_same_length),
+  which a window of ``mem_len`` kept between the pieces holds.
+
+The hidden states are those of the one pass up to the rounding of the products' other blocking
+(tests/test_kv_cache.py holds them to it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from txl.model.modeling import KVCache, TransformerXLLM
+
+PROMPT_CHUNK = 1024
+"""Positions of a prompt read in one pass; a longer prompt is read in pieces of this many."""
+
+
+def read_prompt(
+    model: TransformerXLLM,
+    ids: Tensor,
+    cache: KVCache,
+    mem_len: int,
+    padding: Tensor | None = None,
+    chunk: int = PROMPT_CHUNK,
+) -> Tensor:
+    """Read ``ids`` [B, T] (``padding`` [B, T]: True on the left of shorter prompts) into ``cache``, in pieces of
+    ``chunk`` positions where T is longer, and return every position's last hidden state [B, T, D]. Afterwards the
+    cache holds the last ``mem_len`` positions, as after one pass of the whole prompt."""
+    if chunk < 1:
+        raise ValueError(f"chunk = {chunk}: a prompt is read in pieces of at least one position")
+    T = ids.shape[1]
+    if T <= chunk:
+        return model.transformer(ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state
+    keep = mem_len if model.config.same_length else cache.length + T  # (what the pieces' queries must see)
+    hidden = []
+    for start in range(0, T, chunk):
+        piece = slice(start, start + chunk)
+        pad = None if padding is None else padding[:, piece]
+        hidden.append(model.transformer(ids[:, piece], cache=cache, mem_len=keep, padding=pad).last_hidden_state)
+    cache.end_segment(0, mem_len)  # (the window the one pass leaves: its last mem_len positions)
+    return torch.cat(hidden, dim=1)  # [B, T, D]
