@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from _report import replace_section
-from model_speed import build_pair, cpu_description
+from model_speed import build_pair, cpu_description, fmt
 from txl.infer.prompt import PROMPT_CHUNK, read_prompt
 from txl.model.modeling import KVCache
 
@@ -92,10 +92,6 @@ def measure(T: int, repeats: int, hf_limit: int) -> dict:
             times[k].append(T / (time.perf_counter() - t))
     diff = float((out[PROMPT_CHUNK] - out[T]).abs().max())
     return {"rates": times, "peaks": {k: [peak(T, k)] for k in runs}, "diff": diff}
-
-
-def fmt(v: list[float]) -> str:
-    return f"{statistics.median(v):,.0f} ({min(v):,.0f}–{max(v):,.0f})"
 
 
 def main() -> None:
