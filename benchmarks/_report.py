@@ -35,11 +35,12 @@ def code_version(root: Path) -> str:
     return f"{described.stdout.strip() or 'unknown'} (tree {tree_digest(root)})"
 
 
-def publish(section: str, path: Path | None, heading: str) -> None:
-    """Print an experiment's ``section``; with ``path`` (docs/paper.md), also replace its section there."""
+def publish(section: str, path: Path | None, heading: str, title: str = PAPER_TITLE) -> None:
+    """Print an experiment's or a benchmark's ``section``; with ``path`` (docs/paper.md, docs/benchmarks.md), also
+    replace its section there."""
     print(section)
     if path is not None:
-        replace_section(path, heading, section, title=PAPER_TITLE)
+        replace_section(path, heading, section, title=title)
 
 
 def replace_section(path: Path, heading: str, section: str, title: str = TITLE) -> None:
