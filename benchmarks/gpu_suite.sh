@@ -26,9 +26,8 @@
 #               beside the attention written out and compiled by Inductor (not in the default list: name it).
 # Measured on an H200 (2026-11-27): tests 93 s, base 190 s (one row fewer then), track 236 s for its first three
 # variants (the compiled fp32 path 115 s with its compile, each bf16 run 55-67 s; the eager reference ~45 s) + 133 s
-# without dropout, track-text 184 s; all steps take
-# more than one device call (10 minutes): a GPU session names the steps it has time for (GPU_SUITE_STEPS="track" for
-# issue 50's last acceptance point, then "tests base" in a second call).
+# without dropout, track-text 184 s; all steps take more than one device call (10 minutes): a GPU session names the
+# steps it has time for (e.g. GPU_SUITE_STEPS="tests base" in one call, "track-text others generation" in another).
 # (The user's path, txl train and txl eval with the WT103 base recipe, is benchmarks/gpu_e2e.sh: ~2 more minutes.)
 # GPU_SUITE_SMOKE=1: the same commands on the CPU at the smallest configuration and a few steps (no tests step), so
 # that the test suite checks every command line here before a GPU session spends its one run on it.
