@@ -60,17 +60,15 @@ def _check_generate_memory(
     the larger of the prompt's pass (:func:`attention_pass_bytes`; a long prompt is read in pieces,
     :func:`txl.infer.prompt.read_prompt`: its last piece's) and a step's [rows, vocabulary] log-probabilities (a beam
     search's)."""
-    from txl.infer.prompt import PROMPT_CHUNK
+    from txl.infer.prompt import last_piece
     from txl.kernels.runtime import check_fits
     from txl.model.cache import KVCache
 
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
     cache *= 2 if rows > 1 else 1  # (a beam search's step reads the beams it reorders out first: up to its window)
-    memory, piece = (mem_len if zero_memory else 0), min(prompt_len, PROMPT_CHUNK)
-    # (the last piece's keys: with same_length a window of mem_len before it, else the memory and the whole prompt)
-    keys = mem_len + piece if prompt_len > PROMPT_CHUNK and config.same_length else memory + prompt_len
-    prompt_pass = attention_pass_bytes(config, 1, piece, keys, device)
+    queries, keys = last_piece(prompt_len, mem_len if zero_memory else 0, mem_len, config.same_length)
+    prompt_pass = attention_pass_bytes(config, 1, queries, keys, device)
     steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
     check_fits(
         cache + max(prompt_pass, steps),

@@ -168,7 +168,7 @@ def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noq
     :func:`~txl.cli.common.attention_pass_bytes` of its last piece over the whole prompt) and a step's [rows,
     vocabulary] log-probabilities."""
     from txl.cli.common import attention_pass_bytes
-    from txl.infer.prompt import PROMPT_CHUNK
+    from txl.infer.prompt import last_piece
     from txl.model.cache import KVCache
 
     per_position = 2 * config.n_layer * config.n_head * config.d_head * itemsize
@@ -177,7 +177,8 @@ def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noq
     seg = min(limits.max_tgt_len, limits.max_score_tokens)
     keys = limits.max_mem_len + seg
     score = 2 * keys * per_position + config.n_head * seg * keys * 4
-    prompt_pass = attention_pass_bytes(config, 1, min(prompt, PROMPT_CHUNK), prompt, device)
+    # (counted without same_length's window: the whole prompt before the last piece, whatever a request reads with)
+    prompt_pass = attention_pass_bytes(config, 1, *last_piece(prompt, 0, limits.max_mem_len, False), device)
     transient = max(prompt_pass, 4 * limits.max_batch * config.n_token * 4)
     return limits.max_batch * max(generation, score) + transient
 

@@ -207,12 +207,8 @@ def stream(
             if mems:
                 model.transformer.fill_cache(cache, mems, mem_len)
 
-            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
                 with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
-                    return model.transformer(ids, cache=cache, mem_len=mem_len, padding=pad).last_hidden_state[:, -1]
-
-            def read(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # the prompt (in pieces, where it is long)
-                with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):
                     return read_prompt(model, ids, cache, mem_len, pad)[:, -1]
 
         else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
@@ -228,10 +224,8 @@ def stream(
                 mems = out.mems
                 return out.last_hidden_state[:, -1]
 
-            read = step
-
         with transposed_weights():  # (the weights are fixed while generating)
-            h = read(input_ids, padding)
+            h = step(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
             if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
                 decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")

@@ -26,6 +26,14 @@ PROMPT_CHUNK = 1024
 """Positions of a prompt read in one pass; a longer prompt is read in pieces of this many."""
 
 
+def last_piece(prompt_len: int, memory: int, mem_len: int, same_length: bool) -> tuple[int, int]:
+    """(queries, keys) of the largest attention :func:`read_prompt` holds for a prompt of ``prompt_len`` after
+    ``memory`` positions: its last piece's, which sees with ``same_length`` a window of ``mem_len`` before it, else
+    the memory and the whole prompt (the memory estimates count it)."""
+    piece = min(prompt_len, PROMPT_CHUNK)
+    return piece, (mem_len + piece if prompt_len > PROMPT_CHUNK and same_length else memory + prompt_len)
+
+
 def read_prompt(
     model: TransformerXLLM,
     ids: Tensor,
