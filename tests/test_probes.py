@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_finetune import make_data
 from tests.test_input_safety import fails, tree_digest
@@ -302,3 +303,244 @@ def test_export_to_a_folder_that_takes_no_file_is_refused_before_the_export(lm, 
     err = capsys.readouterr().err
     assert e.value.code == 1 and f"{out}: Read-only file system" in err and ".partial-" not in err, err
     assert time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Round 5 (../shared/research/round5_defects.md): each test names its probe ids and failed on the code they ran on.
+# ------------------------------------------------------------------------------------------------------------------
+def _round5_archives():
+    """Each dataset of `txl data get`: (the files a mirror serves, a path in --out that the get writes)."""
+    from tests.test_data_download import _tar, _zip
+    from txl.data import readers
+
+    root, tr, ho = readers.LM1B_ROOT, readers.LM1B_TRAIN, readers.LM1B_HELDOUT
+    splits = {s: f"= {s} =\n words @-@ here \n".encode() for s in readers.SPLITS}
+    lm1b = {f"{root}/{tr}/news.en-00001-of-00100": b"a b\n", f"{root}/{ho}/news.en.heldout-00000-of-00050": b"b\n"}
+    return {
+        "wt103": ({"wikitext-103-v1.zip": _zip({f"wikitext-103/wiki.{s}.tokens": b for s, b in splits.items()})},
+                  "train.txt"),
+        "wt2": ({"wikitext-2-v1.zip": _zip({f"wikitext-2/wiki.{s}.tokens": b for s, b in splits.items()})},
+                "valid.txt"),
+        "enwik8": ({"enwik8.zip": _zip({"enwik8": b"<page>x</page>\n" * 9})}, "enwik8"),
+        "text8": ({"text8.zip": _zip({"text8": b" anarchism originated " * 9})}, "text8"),
+        "ptb": ({f"ptb.{s}.txt": b for s, b in splits.items()}, "test.txt"),
+        "lm1b": ({f"{root}.tar.gz": _tar(lm1b), "1b_word_vocab.txt": b"<S> 1\n<UNK> 1\na 1\n"},
+                 f"{root}/{tr}/news.en-00001-of-00100"),
+        "lm1b-vocab": ({f"{root}.tar.gz": _tar(lm1b), "1b_word_vocab.txt": b"<S> 1\n<UNK> 1\na 1\n"},
+                       "1b_word_vocab.txt"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["wt103", "wt2", "enwik8", "text8", "ptb", "lm1b", "lm1b-vocab"])
+def test_data_get_never_replaces_a_users_file(name, tmp_path, monkeypatch, capsys):
+    """n37t8 (high): `txl data get text8 --out DIR --mirror URL` replaced the user's DIR/text8 (and every other
+    dataset's extraction wrote over existing files). Now: refused in one line naming the file, the file
+    byte-identical, nothing downloaded; a get into a fresh folder, and again over its own files, still works."""
+    from tests.test_data_download import _Server, _sha
+    from txl.data import sources
+
+    files, victim = _round5_archives()[name]
+    dataset = name.removesuffix("-vocab")
+    server = _Server(files)
+    try:
+        pinned = [sources.Remote(f, ("http://unreachable.invalid/" + f,), None if dataset == "text8" else _sha(b))
+                  for f, b in files.items()]  # fmt: skip
+        monkeypatch.setitem(sources.REMOTES, dataset, pinned)
+        out, cache = tmp_path / "mine", tmp_path / "cache"
+        (out / victim).parent.mkdir(parents=True)
+        (out / victim).write_bytes(b"my precious notes\n")
+        args = ["data", "get", dataset, "--out", str(out), "--mirror", server.url, "--cache", str(cache)]
+        err = fails(args, capsys)
+        assert f"{out / victim}: the file exists and txl did not write it; nothing written" in err, err
+        assert (out / victim).read_bytes() == b"my precious notes\n" and server.requests == []
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [victim]
+        fresh = tmp_path / "fresh"
+        main([*args[:3], "--out", str(fresh), *args[5:]])
+        assert (fresh / victim).is_file() and (fresh / sources.MANIFEST).is_file()
+        main([*args[:3], "--out", str(fresh), *args[5:]])  # (its own files: a re-run is fine)
+        (fresh / victim).write_bytes(b"edited by hand\n")
+        capsys.readouterr()
+        err = fails([*args[:3], "--out", str(fresh), *args[5:]], capsys)
+        assert f"{fresh / victim}: changed since txl wrote it; nothing written" in err, err
+        assert (fresh / victim).read_bytes() == b"edited by hand\n"
+    finally:
+        server.close()
+
+
+def test_an_archive_from_a_mirror_never_becomes_the_trusted_checksum(tmp_path, monkeypatch, capsys):
+    """n37t8: a fake text8.zip (no published sha256) served by a --mirror was recorded as "checked from now on"."""
+    from tests.test_data_download import _Server, _zip
+    from txl.data import sources
+
+    assert sources.REMOTES["text8"][0].sha256 is None  # (nothing published)
+    monkeypatch.setitem(
+        sources.REMOTES, "text8", [sources.Remote("text8.zip", ("http://unreachable.invalid/t",), None)]
+    )
+    server = _Server({"text8.zip": _zip({"text8": b" fake text " * 9})})
+    try:
+        main(["data", "get", "text8", "--out", str(tmp_path / "t8"), "--mirror", server.url,
+              "--cache", str(tmp_path / "cache")])  # fmt: skip
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert "not recorded or trusted: compare it with the original's yourself" in err, err
+    assert "checked from now on" not in err
+    assert not list((tmp_path / "cache").rglob("*.sha256"))  # no trusted record anywhere
+    assert not (tmp_path / "cache" / "text8" / "text8.zip").exists()  # (the usual address's file is not the mirror's)
+
+
+def _agent(gate: str = "gru", seed: int = 0):
+    from txl.rl import MemoryTransformer, gtrxl_config
+
+    torch.manual_seed(seed)
+    cfg = gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4, gate=gate, init_std=0.2)
+    return MemoryTransformer(cfg, 3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("gate", ["gru", "residual"])
+def test_a_non_finite_observation_never_reaches_the_next_episode(bad, gate):
+    """rl10, rl12, rl49, rl50: one NaN (or inf) observation in environment 0, then a reset: every later step of that
+    environment was NaN (0 x NaN through the masked memory), and so was a window over its state. Now the episode after
+    the reset equals the same episode on a fresh memory, step by step and through window(), with the reset at the next
+    step or at every step."""
+    model = _agent(gate).eval()
+    N, S = 2, 12
+    x = torch.randn(N, S, 3)
+    resets = torch.zeros(N, S, dtype=torch.bool)
+    resets[:, 0] = True
+    for every_step in (False, True):
+        poisoned = x.clone()
+        poisoned[0, 3] = bad
+        r = resets.clone()
+        r[0, 4] = True
+        if every_step:
+            r[0, 4:] = True
+        memory = model.initial_memory(N)
+        feats = [model.step(poisoned[:, t], r[:, t], memory) for t in range(6)]
+        state = memory.state()
+        feats += [model.step(poisoned[:, t], r[:, t], memory) for t in range(6, S)]
+        after = torch.stack(feats[4:], 1)[0]
+        assert torch.isfinite(after).all()
+        clean = model.initial_memory(1)  # the same episode from a fresh memory
+        ref = torch.stack([model.step(x[:1, t], r[:1, t] | (t == 4), clean) for t in range(4, S)], 1)[0]
+        torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            replay, end = model.window(poisoned[:, 6:], r[:, 6:], state)
+        assert torch.isfinite(replay[0]).all() and torch.isfinite(end.hidden[0][:, ~end.invalid[0]]).all()
+        torch.testing.assert_close(replay[0], after[2:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_stepping_another_models_memory_uses_its_own_weights():
+    """rl13: model B (same config, other weights) stepping model A's memory reused A's cached keys silently (1e-2
+    away from B's own replay). Now the cache is keyed to the model: B recomputes the keys from the kept layer inputs,
+    and its steps equal B's window over the same state."""
+    a, b = _agent(seed=1).eval(), _agent(seed=2).eval()
+    N = 2
+    x, resets = torch.randn(N, 10, 3), torch.zeros(N, 10, dtype=torch.bool)
+    resets[:, 0] = True
+    memory = a.initial_memory(N)
+    for t in range(6):
+        a.step(x[:, t], resets[:, t], memory)
+    state = memory.state()
+    steps = torch.stack([b.step(x[:, t], resets[:, t], memory) for t in range(6, 10)], 1)
+    with torch.no_grad():
+        replay, _ = b.window(x[:, 6:], resets[:, 6:], state)
+    torch.testing.assert_close(steps, replay, rtol=1e-5, atol=1e-5)
+    import copy
+
+    c = copy.deepcopy(a)  # (a copy updated in place: its own key too)
+    with torch.no_grad():
+        for p in c.parameters():
+            p.mul_(1.5)
+    again = a.initial_memory(N)
+    for t in range(6):
+        a.step(x[:, t], resets[:, t], again)
+    steps = torch.stack([c.step(x[:, t], resets[:, t], again) for t in range(6, 10)], 1)
+    with torch.no_grad():
+        replay, _ = c.window(x[:, 6:], resets[:, 6:], state)
+    torch.testing.assert_close(steps, replay, rtol=1e-5, atol=1e-5)
+
+
+def test_agent_memory_inputs_and_folders_are_checked_first(tmp_path):
+    """rl19-rl24, rl29, rl39, rl41, rl47, rl48: each a one-line error naming what is wrong (before: matmul dtype
+    errors, reshape errors, a hang while 1,000,000 layers were built, a model of d_input 0, raw OS errors)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from txl.model.pretrained import CheckpointError
+    from txl.rl import MemoryState, MemoryTransformer
+
+    model = _agent()
+    for dtype in (torch.int64, torch.float16):
+        with pytest.raises(ValueError, match=f"initial_memory: dtype {dtype} differs from the model's weights"):
+            model.initial_memory(2, dtype=dtype)
+    state = model.initial_memory(2).state()
+    with pytest.raises(ValueError, match=r"window: needs at least one step \(T = 0\)"):
+        model.window(torch.zeros(2, 0, 3), torch.zeros(2, 0, dtype=torch.bool), state)
+    empty = MemoryState(state.hidden[:, :, :0], state.invalid[:, :0])
+    with pytest.raises(ValueError, match=r"a memory of at least one step \(M = 0\)"):
+        model.window(torch.zeros(2, 1, 3), torch.zeros(2, 1, dtype=torch.bool), empty)
+    with pytest.raises(ValueError, match=r"state.invalid must be \[N=2, M=4\] bool, got \(2, 4\) torch.float32"):
+        model.window(
+            torch.zeros(2, 1, 3), torch.zeros(2, 1, dtype=torch.bool), MemoryState(state.hidden, state.invalid.float())
+        )
+    folder = model.save_pretrained(tmp_path / "agent")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="save_pretrained: .*afile is a file, not a folder"):
+        model.save_pretrained(tmp_path / "afile")
+    config = json.loads((folder / "config.json").read_text())
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**config, "n_layer": 1_000_000}))
+    (huge / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match=r"n_layer = 1,000,000, but .*model.safetensors holds 2 layers"):
+        MemoryTransformer.from_pretrained(huge)
+    tensors = load_file(folder / "model.safetensors")
+    for bad in (torch.zeros(16), torch.zeros(16, 0)):
+        (huge / "config.json").write_text(json.dumps(config))
+        save_file({**tensors, "embed.weight": bad}, huge / "model.safetensors")
+        with pytest.raises(CheckpointError, match=r"embed.weight is \[16(, 0)?\]; a MemoryTransformer's is"):
+            MemoryTransformer.from_pretrained(huge)
+    (huge / "model.safetensors").unlink()
+    (huge / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors: not a file"):
+        MemoryTransformer.from_pretrained(huge)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n_layer", 1_000_000, "n_layer = 1,000,000, but {w} holds 2 layers"),  # hl1, hl2, rl29
+        ("d_inner", 1_000_000_000, "d_inner = 1,000,000,000, but {w} holds "),  # hl3
+        ("n_token", 10_000_000_000, "n_token = 10,000,000,000, but {w} holds "),  # hl5
+    ],
+)
+def test_a_config_that_does_not_describe_its_weights_is_refused_before_the_model_is_built(
+    field, value, message, lm, tmp_path, capsys
+):
+    """hl1-hl5: a config.json asking for 1,000,000 layers over the weights of 2 hung `txl generate` and `txl eval`
+    while memory grew; a huge d_inner or n_token gave an out-of-memory message blaming batch and lengths. Now one
+    line naming the field, from the weights file's header (nothing allocated), at once."""
+    import time
+
+    src = next(p.parent for p in sorted(lm.rglob("model.safetensors")))
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    text = tmp_path / "t.txt"
+    text.write_text("ab ba " * 50)
+    want = message.format(w=folder / "model.safetensors")
+    for args in (
+        ["generate", "--model", str(folder), "--prompt", "ab"],
+        ["eval", "--model", str(folder), "--data", str(text)],
+    ):
+        start = time.monotonic()
+        err = fails(args, capsys)
+        assert f"{folder / 'config.json'}: {want}" in err and "the config does not describe these weights" in err, err
+        assert time.monotonic() - start < 30

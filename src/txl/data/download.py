@@ -89,6 +89,7 @@ def download(
     attempts: int = 3,
     timeout: float = 60.0,
     check: Callable[[Path], str | None] | None = None,
+    trust_first: bool = True,
 ) -> Path:
     """Download the first URL that works to ``dest``, resuming a partial ``dest.part``, then check it.
 
@@ -96,7 +97,8 @@ def download(
     recorded in ``dest.sha256`` and checked on every later use (trust on first use; the message says so), once
     ``check`` (a function returning what is wrong with the file, or None) accepts the content, so that an error page
     or a truncated file is never the one trusted. A failed transfer keeps ``dest.part`` so the next run resumes; a
-    wrong checksum or content moves the file to ``dest.bad``.
+    wrong checksum or content moves the file to ``dest.bad``. With ``trust_first=False`` (a file from a mirror) the
+    first digest is printed, never recorded: nothing from that source becomes a trusted checksum.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +129,12 @@ def download(
             "transfer was corrupted. Delete it and retry, or use another mirror."
         )
     os.replace(part, dest)
-    if expected is None:
+    if expected is None and trust_first:
         write_bytes(record, (digest + "\n").encode())
         log(f"{dest.name}: sha256 {digest} (not pinned by txl; recorded in {record} and checked from now on)")
+    elif expected is None:
+        log(
+            f"{dest.name}: sha256 {digest} from {url}; txl has no published checksum of this file, so it is not "
+            "recorded or trusted: compare it with the original's yourself"
+        )
     return dest

@@ -12,13 +12,14 @@ files, whose names, imports and signatures recur thousands of characters later),
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,9 +154,98 @@ def _copy_stream(src, size: int = 1 << 22):
         yield chunk
 
 
-def _copy_atomic(src: Path, dest: Path) -> None:
+# ------------------------------------------------------------------------------------- what txl wrote
+MANIFEST = ".txl-data.json"
+"""The file in an ``--out`` folder that lists what ``txl data get`` wrote there (path, size, sha256)."""
+_WRITER = "txl data get"
+
+
+class Ledger:
+    """The files ``txl data get`` wrote in ``out``, recorded in ``out/MANIFEST``.
+
+    The one rule of every writer in ``txl data``: a file that exists is replaced only when this ledger lists it with
+    its current size and sha256 (txl wrote it, and nobody changed it since). :meth:`check` is called on every path a
+    command may write before it writes any; :meth:`write` records each file as soon as it is in place.
+    """
+
+    def __init__(self, out: Path):
+        self.out, self.path = Path(out), Path(out) / MANIFEST
+        self.files: dict[str, dict] = {}
+        if self.path.exists() or self.path.is_symlink():
+            try:
+                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                ok = isinstance(doc, dict) and doc.get("written_by") == _WRITER and isinstance(doc.get("files"), dict)
+            except (OSError, UnicodeDecodeError, ValueError):
+                ok = False
+            if not ok:
+                raise DataError(
+                    f"{self.path}: the file exists and is not txl's list of the files it wrote; nothing written. "
+                    "Give --out a new folder, or move the file away"
+                )
+            self.files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+
+    def ours(self, rel: str) -> bool:
+        """Whether ``out/rel`` is a file txl wrote and nobody changed since."""
+        rec, path = self.files.get(rel), self.out / rel
+        if rec is None or path.is_symlink() or not path.is_file() or path.stat().st_size != rec.get("size"):
+            return False
+        return sha256_file(path) == rec.get("sha256")
+
+    def _refuse(self, rel: str) -> DataError:
+        path = self.out / rel
+        if not path.is_file() or path.is_symlink():
+            what = "exists and is not a file"
+        elif rel in self.files:
+            what = "changed since txl wrote it"
+        else:
+            what = "the file exists and txl did not write it"
+        return DataError(f"{path}: {what}; nothing written. Give --out a new folder, or move the file away")
+
+    def check(self, rels: Iterable[str] = (), folders: Iterable[str] = (), same: dict[str, bytes] | None = None):
+        """Refuse (DataError naming the file) when a path in ``rels``, or any file under one of ``folders``, exists
+        and is not :meth:`ours`; a file whose bytes equal ``same[rel]`` is allowed (a re-run finds the same bytes)."""
+        same = same or {}
+        for rel in rels:
+            path = self.out / rel
+            if not (path.exists() or path.is_symlink()) or self.ours(rel):
+                continue
+            if rel in same and path.is_file() and not path.is_symlink() and path.stat().st_size == len(same[rel]):
+                if path.read_bytes() == same[rel]:
+                    continue
+            raise self._refuse(rel)
+        for folder in folders:
+            top = self.out / folder
+            if top.is_symlink() or top.exists() and not top.is_dir():
+                raise DataError(
+                    f"{top}: exists and is not a folder; nothing written. Give --out a new folder, or move it away"
+                )
+            for path in sorted(top.rglob("*")) if top.is_dir() else []:
+                rel = path.relative_to(self.out).as_posix()
+                if not (path.is_dir() and not path.is_symlink()) and not self.ours(rel):
+                    raise self._refuse(rel)
+
+    def write(self, rel: str, chunks: Iterable[bytes]) -> Path:
+        """Write ``out/rel`` atomically from ``chunks`` and record its size and sha256."""
+        h, size = hashlib.sha256(), 0
+
+        def counted() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in chunks:
+                h.update(chunk)
+                size += len(chunk)
+                yield chunk
+
+        dest = self.out / rel
+        write_bytes(dest, counted())
+        self.files[rel] = {"size": size, "sha256": h.hexdigest()}
+        doc = {"written_by": _WRITER, "files": dict(sorted(self.files.items()))}
+        write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
+        return dest
+
+
+def _copy_atomic(src: Path, ledger: Ledger, rel: str) -> None:
     with open(src, "rb") as f:
-        write_bytes(dest, _copy_stream(f))
+        ledger.write(rel, _copy_stream(f))
 
 
 # ------------------------------------------------------------------------------------------- Shakespeare
@@ -192,24 +282,17 @@ def _write_splits(
     archive: Path, out: Path, texts: dict[str, bytes], expected: dict[str, str] | None
 ) -> dict[str, Path]:
     """``out/{split}.txt`` from ``texts``, after checking them against the ``expected`` sha256s (nothing is written
-    when one differs)."""
+    when one differs) and the folder's files against its :class:`Ledger` (a file of the user's is never replaced)."""
     if expected:
         for s in SPLITS:
             got = hashlib.sha256(texts[s]).hexdigest()
             if got != expected[s]:
                 raise DataError(f"{archive}: the {s} split has sha256 {got}, expected {expected[s]}; nothing written")
-    paths = {s: out / f"{s}.txt" for s in SPLITS}
-    for s, path in paths.items():  # (files of the user's are never replaced: a re-run finds the same bytes)
-        if path.exists() and (not path.is_file() or path.stat().st_size != len(texts[s]) or
-                              path.read_bytes() != texts[s]):  # fmt: skip
-            raise DataError(
-                f"{path}: the file exists and is not this corpus's {s} split; nothing written. Give --out a new "
-                "folder, or move the file away"
-            )
+    ledger = Ledger(out)
+    names = {s: f"{s}.txt" for s in SPLITS}
+    ledger.check(names.values(), same={names[s]: texts[s] for s in SPLITS})
     out.mkdir(parents=True, exist_ok=True)
-    for s, path in paths.items():
-        write_bytes(path, texts[s])
-    return paths
+    return {s: ledger.write(names[s], [texts[s]]) for s in SPLITS}
 
 
 def fetch_sdist(requirement: str, archive: Remote, cache: Path, log: Callable[[str], None] = _say) -> Path:
@@ -286,21 +369,27 @@ def sympy_from_archive(archive: Path, out: Path, expected: dict[str, str] | None
 
 
 # ---------------------------------------------------------------------------------------- the others
-def _unzip_members(archive: Path, pairs: dict[str, Path]) -> None:
+def _unzip_members(archive: Path, ledger: Ledger, pairs: dict[str, str]) -> None:
+    """Extract each zip ``member`` of ``pairs`` to ``ledger.out / rel`` (all members found before any is written)."""
     try:
         with zipfile.ZipFile(archive) as z:
             names = set(z.namelist())
-            for member, dest in pairs.items():
-                if member not in names:
-                    raise DataError(f"{archive}: no member {member}")
+            missing = [m for m in pairs if m not in names]
+            if missing:
+                raise DataError(f"{archive}: no member {missing[0]}")
+            for member, rel in pairs.items():
                 with z.open(member) as src:
-                    write_bytes(dest, _copy_stream(src))
+                    ledger.write(rel, _copy_stream(src))
     except zipfile.BadZipFile as e:
         raise DataError(f"{archive}: not a zip archive ({e})") from None
 
 
-def _untar_lm1b(archive: Path, out: Path, log: Callable[[str], None]) -> None:
-    keep = (f"{LM1B_ROOT}/{LM1B_TRAIN}/", f"{LM1B_ROOT}/{LM1B_HELDOUT}/")
+LM1B_FOLDERS = (f"{LM1B_ROOT}/{LM1B_TRAIN}", f"{LM1B_ROOT}/{LM1B_HELDOUT}")
+"""The folders of ``out`` that lm1b's shards are extracted to (every file in them must be txl's)."""
+
+
+def _untar_lm1b(archive: Path, ledger: Ledger, log: Callable[[str], None]) -> None:
+    keep = tuple(f + "/" for f in LM1B_FOLDERS)
     log(f"extracting {archive.name} (training and held-out shards)")
     try:
         with tarfile.open(archive, "r:*") as tar:
@@ -308,9 +397,26 @@ def _untar_lm1b(archive: Path, out: Path, log: Callable[[str], None]) -> None:
                 name = m.name.removeprefix("./")
                 if m.isfile() and name.startswith(keep) and "/" not in name.split("/", 2)[2]:
                     with tar.extractfile(m) as src:
-                        write_bytes(out / name, _copy_stream(src))
+                        ledger.write(name, _copy_stream(src))
     except tarfile.TarError as e:
         raise DataError(f"{archive}: unreadable tar archive ({e})") from None
+
+
+def _layout(name: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """What ``get`` writes for ``name``: (archive member or downloaded file -> path in ``out``, folders it may fill)."""
+    if name in ("wt103", "wt2"):
+        sub = "wikitext-103" if name == "wt103" else "wikitext-2"
+        return {f"{sub}/wiki.{s}.tokens": f"{s}.txt" for s in SPLITS}, ()
+    if name in ("enwik8", "text8"):
+        return {name: name}, ()
+    if name == "ptb":
+        return {f"ptb.{s}.txt": f"{s}.txt" for s in SPLITS}, ()
+    return {LM1B_VOCAB: LM1B_VOCAB}, LM1B_FOLDERS
+
+
+def _mirror_folder(mirror: str) -> str:
+    """A cache folder name for downloads from ``mirror`` (kept apart from the usual addresses' files)."""
+    return "mirror-" + hashlib.sha256(mirror.rstrip("/").encode()).hexdigest()[:12]
 
 
 def get_dataset(
@@ -356,23 +462,34 @@ def get_dataset(
         return out
     if name not in REMOTES:
         raise DataError(f"unknown dataset {name!r}; txl data get knows: {', '.join(DATASETS)}")
+    ledger = Ledger(out)  # (every path this get may write is checked before anything is downloaded or written)
+    pairs, folders = _layout(name)
+    ledger.check(pairs.values(), folders)
+    if not folders and all(ledger.ours(rel) for rel in pairs.values()):
+        log(f"{out}: {name} already there (the files txl wrote, unchanged)")
+        return out
     files = {}
     for r in REMOTES[name]:
-        urls = (mirror.rstrip("/") + "/" + r.filename,) if mirror else r.urls
-        dest = cache / name / r.filename
-        files[r.filename] = download(urls, dest, sha256=r.sha256, size=r.size, log=log, check=CHECKS.get(r.filename))
+        if mirror:
+            # A file without a published checksum, fetched from a mirror, is checked by what the mirror sent only:
+            # it is kept in a folder of that mirror's, and its sha256 never becomes the one trusted for the usual
+            # addresses (probes n37t8: a fake text8.zip from a mirror was "checked from now on").
+            urls = (mirror.rstrip("/") + "/" + r.filename,)
+            dest = cache / name / _mirror_folder(mirror) / r.filename
+        else:
+            urls, dest = r.urls, cache / name / r.filename
+        files[r.filename] = download(
+            urls, dest, sha256=r.sha256, size=r.size, log=log, check=CHECKS.get(r.filename),
+            trust_first=not mirror,
+        )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    if name in ("wt103", "wt2"):
-        sub = "wikitext-103" if name == "wt103" else "wikitext-2"
-        members = {f"{sub}/wiki.{s}.tokens": out / f"{s}.txt" for s in SPLITS}
-        _unzip_members(files[REMOTES[name][0].filename], members)
-    elif name in ("enwik8", "text8"):
-        _unzip_members(files[f"{name}.zip"], {name: out / name})
+    if name in ("wt103", "wt2", "enwik8", "text8"):
+        _unzip_members(files[REMOTES[name][0].filename], ledger, pairs)
     elif name == "ptb":
-        for s in SPLITS:
-            _copy_atomic(files[f"ptb.{s}.txt"], out / f"{s}.txt")
+        for member, rel in pairs.items():
+            _copy_atomic(files[member], ledger, rel)
     else:
-        _untar_lm1b(files[f"{LM1B_ROOT}.tar.gz"], out, log)
-        _copy_atomic(files[LM1B_VOCAB], out / LM1B_VOCAB)
+        _untar_lm1b(files[f"{LM1B_ROOT}.tar.gz"], ledger, log)
+        _copy_atomic(files[LM1B_VOCAB], ledger, LM1B_VOCAB)
     log(f"{name} is ready in {out}")
     return out

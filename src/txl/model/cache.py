@@ -237,8 +237,14 @@ class KVCache:
 
     def forget(self, rows: Tensor) -> None:
         """Mark the whole memory of the rows where ``rows`` [B] (bool) is True as padding, in place: none of it is
-        attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged."""
+        attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged. Their
+        keys and values are zeroed: a masked position then adds exactly 0 to the attention, where a non-finite value
+        would add 0 x NaN = NaN (one NaN observation would poison the episodes after it)."""
         self.padding[:, self.start : self.end] |= rows[:, None]
+        if self.length and bool(rows.any()):
+            gone = rows.to(self.k.device)[None, :, None, None, None]  # [1, B, 1, 1, 1]
+            for t in (self.k, self.v):
+                t[:, :, :, self.start : self.end].masked_fill_(gone, 0)
         self.padded = self.padded or bool(rows.any())
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

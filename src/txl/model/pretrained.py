@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Self
@@ -189,6 +190,53 @@ def read_weights_into(
     _check_weights(module, read, str(path), fresh=fresh)  # now the values: NaN/inf
 
 
+def _one(shapes: dict[str, list[int]], suffix: str) -> list[int] | None:
+    """The shape of the first tensor whose name ends with ``suffix`` (after a dot, or the whole name)."""
+    return next((v for k, v in sorted(shapes.items()) if k == suffix or k.endswith("." + suffix)), None)
+
+
+def check_config_fits_weights(config: Any, shapes: dict[str, list[int]], config_path: str, weights: str) -> None:
+    """Before a model is built from ``config``: the fields that size it (n_layer, d_model, d_inner, n_token, n_head x
+    d_head) against the weights file's header (``shapes``: name -> shape, nothing read or allocated). A config.json
+    that asks for 1,000,000 layers over the weights of 2 would otherwise be built first (minutes, gigabytes) and
+    only then found wrong (probes rl29, hl1-hl5). One error naming the field and what the weights hold."""
+    found: dict[str, int] = {}
+    layers = {int(m.group(1)) for k in shapes if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))}
+    if layers:
+        found["n_layer"] = max(layers) + 1
+    if (ff := _one(shapes, "layers.0.ff.layer_1.weight")) is not None and len(ff) == 2:
+        found["d_inner"], found["d_model"] = ff
+    if (qkv := _one(shapes, "layers.0.attn.qkv_net.weight")) is not None and len(qkv) == 2 and qkv[0] % 3 == 0:
+        found["n_head x d_head"] = qkv[0] // 3
+    tables = [v for k, v in shapes.items() if re.search(r"(?:^|\.)word_emb\.emb_layers\.\d+\.weight$", k)]
+    if tables and all(len(v) == 2 for v in tables):
+        found["n_token"] = sum(v[0] for v in tables)
+    wanted = {k: getattr(config, k, None) for k in ("n_layer", "d_inner", "d_model", "n_token")}
+    if getattr(config, "n_head", None) is not None and getattr(config, "d_head", None) is not None:
+        wanted["n_head x d_head"] = config.n_head * config.d_head
+    for name, held in found.items():
+        want = wanted.get(name)
+        if isinstance(want, int) and not isinstance(want, bool) and want != held:
+            unit = "layers" if name == "n_layer" else "in its tensors"
+            raise CheckpointError(
+                f"{config_path}: {name} = {want:,}, but {weights} holds {held:,} {unit}; the config does not "
+                f"describe these weights (set {name} to {held:,}, or use the config.json saved with them)"
+            )
+
+
+def check_fits_memory(model: torch.nn.Module, source: str, dtype: torch.dtype | None = None) -> None:
+    """Before a model built on the meta device is allocated: its parameters' bytes against the memory free now."""
+    from txl.kernels.runtime import available_memory
+
+    need = sum(p.numel() * (dtype or p.dtype).itemsize for p in unique_state_dict(model).values())
+    free = available_memory()
+    if free is not None and need > free:
+        raise CheckpointError(
+            f"{source}: the model needs {need / 2**30:,.1f} GiB for its weights and {free / 2**30:,.1f} GiB is free; "
+            "it cannot be loaded on this machine"
+        )
+
+
 HEADS = {"crit": "the language-model head", "score": "the classification head"}
 
 
@@ -319,11 +367,18 @@ class PretrainedMixin:
         config = cls.load_config(directory)
         if config_overrides:
             config = cls.config_class.from_dict({**config.to_dict(), **config_overrides})
+        path = Path(directory) / WEIGHTS_NAME
+        index = safetensors_index(path)[0]
+        check_config_fits_weights(config, {k: e[1] for k, e in index.items()}, str(directory / CONFIG_NAME), str(path))
         with torch.device("meta"):
             model = cls(config, init=False)
-        path = Path(directory) / WEIGHTS_NAME
         saved = read_json(Path(directory) / CONFIG_NAME).get("architecture")
-        rename, fresh = architecture_plan(model, list(safetensors_index(path)[0]), saved, str(directory))
+        rename, fresh = architecture_plan(model, list(index), saved, str(directory))
+        specs = {(k if rename is None else rename[k]): torch.empty(e[1], dtype=e[0], device="meta")
+                 for k, e in index.items() if rename is None or k in rename}  # fmt: skip
+        _check_weights(model, specs, str(path), finite=False, fresh=fresh)  # (every shape, before any allocation)
+        if not mmap:
+            check_fits_memory(model, str(directory), dtype)
         if mmap:
             tensors = read_safetensors(path)
             if rename is not None:

@@ -33,9 +33,11 @@ from txl.model.config import TransformerXLConfig
 from txl.model.pretrained import (
     WEIGHTS_NAME,
     CheckpointError,
+    check_config_fits_weights,
     load_weights,
     read_config,
     read_safetensors,
+    safetensors_index,
     unique_state_dict,
     write_config,
 )
@@ -112,7 +114,8 @@ class AgentMemory:
         as the cache is about to slide its keys (to the front of the buffer, once every mem_len + 1 steps)."""
         c = self.cache
         if c.length:
-            c.forget(reset)
+            c.forget(reset)  # (masked and zeroed: nothing of a past episode, a NaN included, reaches the new one)
+            self.hidden[:, :, c.start : c.end].masked_fill_(reset.to(self.hidden.device)[None, :, None, None], 0)
         if c.end + 1 > c.capacity:  # (KVCache.begin slides its window to the front now: the same here)
             n = c.length
             self.hidden[:, :, :n] = self.hidden[:, :, c.start : c.end].clone()
@@ -158,6 +161,7 @@ class MemoryTransformer(nn.Module):
         self.embed = nn.Linear(d_input, config.d_model)
         self.core = TransformerXL(config)
         self._watched: tuple | None = None  # (the modules the cached keys depend on, their parameters)
+        self._token = object()  # (which model computed a memory's cached keys; a copy of the model gets its own)
 
     @property
     def d_model(self) -> int:
@@ -166,6 +170,8 @@ class MemoryTransformer(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (no pickle) into ``directory``."""
         out = Path(directory)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"save_pretrained: {out} is a file, not a folder; give a folder to write the model into")
         out.mkdir(parents=True, exist_ok=True)
         save_safetensors(unique_state_dict(self), out / WEIGHTS_NAME, {"format": "pt"})
         write_config(self.config, out, type(self).__name__)
@@ -175,11 +181,20 @@ class MemoryTransformer(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike) -> MemoryTransformer:
         """The model ``save_pretrained`` wrote (d_input is read from the input layer's weight)."""
         config = read_config(TransformerXLConfig, directory)
-        tensors = read_safetensors(Path(directory) / WEIGHTS_NAME)
-        if "embed.weight" not in tensors:
+        path = Path(directory) / WEIGHTS_NAME
+        if path.exists() and not path.is_file():
+            raise CheckpointError(f"{path}: not a file (a model folder holds its weights in this file)")
+        shapes = {k: e[1] for k, e in safetensors_index(path)[0].items()}  # (the header only: nothing allocated)
+        check_config_fits_weights(config, shapes, str(Path(directory) / "config.json"), str(path))
+        embed = shapes.get("embed.weight")
+        if embed is None:
             raise CheckpointError(f"{directory}: no embed.weight in {WEIGHTS_NAME}: not a MemoryTransformer's folder")
-        model = cls(config, tensors["embed.weight"].shape[1])
-        load_weights(model, tensors, str(directory))
+        if len(embed) != 2 or min(embed) < 1 or embed[0] != config.d_model:
+            raise CheckpointError(
+                f"{path}: embed.weight is {embed}; a MemoryTransformer's is [d_model={config.d_model}, d_input >= 1]"
+            )
+        model = cls(config, embed[1])
+        load_weights(model, read_safetensors(path), str(directory))
         return model
 
     def initial_memory(
@@ -193,6 +208,11 @@ class MemoryTransformer(nn.Module):
         if isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 1:
             raise ValueError(f"mem_len must be a positive integer (steps remembered), got {mem_len!r}")
         w = self.embed.weight
+        if dtype is not None and dtype != w.dtype:  # (probes rl19, rl20: a matmul error deep in the first step)
+            raise ValueError(
+                f"initial_memory: dtype {dtype} differs from the model's weights ({w.dtype}): the memory is attended "
+                f"with them; leave dtype out, or cast the model first (model.to({dtype}))"
+            )
         return AgentMemory(self.config, n_envs, mem_len, device or w.device, dtype or w.dtype)
 
     def _inputs(self, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
@@ -238,12 +258,15 @@ class MemoryTransformer(nn.Module):
         )
         if self._watched is None or self._watched[0] != tuple(map(id, parts)):
             self._watched = (tuple(map(id, parts)), [p for m in parts for p in m.parameters()])
-        versions = tuple(p._version for p in self._watched[1])
-        if memory.weights == versions:
+        # the key: this model (another model of the same config has other weights: probes rl13), the tensors, and
+        # their version counters (bumped by every in-place write)
+        params = self._watched[1]
+        key = (self._token, tuple(map(id, params)), tuple(p._version for p in params))
+        if memory.weights == key:
             return
         layers = self.core.layers
         memory.cache.weights_changed(lambda i, at: layers[i].attn.memory_keys_values(memory.hidden[i, :, at]))
-        memory.weights = versions
+        memory.weights = key
 
     def window(
         self, x: Tensor, resets: Tensor, state: MemoryState, every_step: bool = False
@@ -261,11 +284,18 @@ class MemoryTransformer(nn.Module):
         if state.hidden.dim() != 4 or tuple(state.hidden.shape[:2]) != (N, L) or state.hidden.shape[3] != D:
             raise ValueError(f"window: state.hidden must be [N={N}, L={L}, M, D={D}], got {tuple(state.hidden.shape)}")
         M = state.hidden.shape[2]
-        if tuple(state.invalid.shape) != (N, M):
-            raise ValueError(f"window: state.invalid must be [N={N}, M={M}], got {tuple(state.invalid.shape)}")
+        if tuple(state.invalid.shape) != (N, M) or state.invalid.dtype != torch.bool:
+            raise ValueError(
+                f"window: state.invalid must be [N={N}, M={M}] bool, got {tuple(state.invalid.shape)} "
+                f"{state.invalid.dtype}"
+            )
+        if T == 0 or M == 0:  # (probes rl21, rl23)
+            raise ValueError(f"window: needs at least one step (T = {T}) and a memory of at least one step (M = {M})")
         episode, keys, unfilled = _episodes(resets, state.invalid.to(x.device))
         blocked = _blocked(episode, keys, unfilled)  # [N, T, M + T]
-        mems = list(state.hidden.to(x).detach().unbind(1))  # L x [N, M, D]
+        # the memory's invalid steps are never attended, and are zeroed so that they add exactly 0 (not 0 x NaN)
+        held = state.hidden.to(x).detach().masked_fill(state.invalid.to(x.device)[:, None, :, None], 0)
+        mems = list(held.unbind(1))  # L x [N, M, D]
         out = self.core(
             inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M, output_hidden_states=every_step
         )
@@ -274,7 +304,7 @@ class MemoryTransformer(nn.Module):
             return out.last_hidden_state, MemoryState(torch.stack(out.mems, 1), invalid)
         # after step t the memory is keys t + 1 .. t + M of [memory; window]: windows of M over the keys
         layer_inputs = torch.stack(out.hidden_states[:-1], 1).detach()  # [N, L, T, D]
-        every = torch.cat([state.hidden.to(x).detach(), layer_inputs], 2)  # [N, L, M + T, D]
+        every = torch.cat([held, layer_inputs], 2)  # [N, L, M + T, D]
         hidden = every.unfold(2, M, 1)[:, :, 1:].permute(0, 2, 1, 4, 3)  # [N, T, L, M, D]
         invalid = unfilled.unfold(1, M, 1)[:, 1:] | (keys.unfold(1, M, 1)[:, 1:] != episode[:, :, None])  # [N, T, M]
         return out.last_hidden_state, MemoryState(hidden, invalid)
