@@ -141,11 +141,14 @@ def test_load_errors(tmp_path):
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "n_layer": 3}))
     (bad / "model.safetensors").write_bytes((tmp_path / "ok" / "model.safetensors").read_bytes())
-    with pytest.raises(CheckpointError, match=r"missing keys: transformer\.layers\.2\."):
-        TransformerXLLM.from_pretrained(bad)
+    with pytest.raises(CheckpointError, match=r"config.json: n_layer = 3, but .*model.safetensors holds 2 layers"):
+        TransformerXLLM.from_pretrained(bad)  # (from the file's header, before the model is built)
     (bad / "config.json").write_text(json.dumps({**cfg, "d_inner": 40}))
-    with pytest.raises(CheckpointError, match=r"mis-shaped keys: .*ff\.layer_1\.bias: file \(32,\) vs model \(40,\)"):
+    with pytest.raises(CheckpointError, match=r"config.json: d_inner = 40, but .*model.safetensors holds 32 in its"):
         TransformerXLLM.from_pretrained(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "d_head": 4, "n_head": 2 * cfg["n_head"]}))
+    with pytest.raises(CheckpointError, match=r"mis-shaped keys: .*r_w_bias: file"):
+        TransformerXLLM.from_pretrained(bad)  # (every other shape: from the model built on the meta device)
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="not a readable safetensors"):

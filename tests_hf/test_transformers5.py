@@ -294,3 +294,225 @@ def test_a_pickle_checkpoint_is_read_only_when_trusted(tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Round 5 (../shared/research/round5_defects.md, "txl.hf under transformers 5"): D1-D11 against transformers 4.46.3
+# itself (tests_hf/hf4_probes.py, run by the main environment), or refused in one line where 4.x had no behaviour.
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf4() -> dict:
+    assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (transformers 4.46.3); run `make setup`"
+    run = subprocess.run(
+        [str(MAIN_PYTHON), str(ROOT / "tests_hf" / "hf4_probes.py"), str(ORACLE)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def structure(v):
+    if isinstance(v, torch.Tensor):
+        return list(v.shape)
+    if isinstance(v, tuple | list):
+        return [structure(x) for x in v]
+    return repr(v)
+
+
+def test_d1_losses_keep_position_order_without_clusters(hf4):
+    """D1 (high): with cutoffs=[] and -100 labels, losses[b, t] slid into other positions (grouping by cluster where
+    there are none). 4.46.3 keeps position order; so does txl.hf (4.x's grouping only with clusters)."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp")
+    ids = load_file(ORACLE / "char-sharp" / "inputs.safetensors")["seg0.input_ids"]
+    labels = ids.clone()
+    labels[0, 3:7] = -100
+    labels[1, 10] = -100
+    with torch.no_grad():
+        losses = model(ids, labels=labels).losses
+    close(losses, torch.tensor(hf4["d1_losses"]))
+    assert (losses[0, 2:6] == 0).all() and losses[1, 9] == 0 and (losses[0, 6:] != 0).all()
+
+
+def test_d3_d11_tuples_are_4x_tuples(hf4):
+    """D3: return_dict=False with labels gave (losses, mems, loss); 4.x gives (losses, (), mems, loss) (and with
+    trainer_compatible=True, D11, which was ignored: (loss, (), losses, mems))."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp")
+    ids = load_file(ORACLE / "char-sharp" / "inputs.safetensors")["seg0.input_ids"]
+    with torch.no_grad():
+        assert structure(model(ids, labels=ids, return_dict=False)) == hf4["d3_tuple_labels"]
+        assert structure(model(ids, return_dict=False)) == hf4["d3_tuple"]
+        both = model(ids, labels=ids, return_dict=False, output_hidden_states=True)
+        assert structure(both) == hf4["d3_tuple_hidden"]
+        losses, _, mems = model(ids, labels=ids, return_dict=False)[:3]  # (4.x code that unpacks the tuple)
+        assert losses.shape == (2, 15) and len(mems) == 3
+        tc = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp", trainer_compatible=True)
+        out = tc(ids, labels=ids, return_dict=False)
+        assert structure(out) == hf4["d11_tuple_labels"]
+        assert abs(float(out[0]) - hf4["d11_loss_first"]) < 1e-5
+
+
+def test_d2_the_memory_length_is_one_value(hf4, tmp_path):
+    """D2: model.config.mem_len changed after loading half-applied (a first memory of the new length, a kept one of
+    the old: scores off by 6.2, silently); reset_memory_length was an AttributeError (D9e). Now config.mem_len,
+    transformer.mem_len and 4.x's reset_memory_length are one value, and give 4.46.3's scores."""
+    inp = load_file(ORACLE / "char-sharp" / "inputs.safetensors")
+    for how in ("reset", "config", "attribute"):
+        model = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp")
+        if how == "reset":
+            model.reset_memory_length(8)
+        elif how == "config":
+            model.config.mem_len = 8
+        else:
+            model.transformer.mem_len = 8
+        assert model.config.mem_len == model.transformer.mem_len == 8
+        mems = None
+        with torch.no_grad():
+            for s in range(3):
+                out = model(inp[f"seg{s}.input_ids"], mems=mems)
+                close(out.prediction_scores, torch.tensor(hf4["d2_scores"][s]))
+                mems = out.mems
+        assert [list(m.shape) for m in mems] == hf4["d2_mem_shapes"]
+    with pytest.raises(ValueError, match="reset_memory_length: mem_len must be an integer >= 0"):
+        model.reset_memory_length(-1)
+
+
+def test_d4_the_pipelines_text_reads_as_text(tmp_path):
+    """D4: pipeline("text-generation") glued the prompt to a word-level continuation ('... the king .w17 ...'). Now
+    the full text is the prompt, then the continuation as the whole sequence decodes it (4.x's rule)."""
+    folder, _ = _word_folder(tmp_path)
+    tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    generator = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+    for prompt in PROMPTS:
+        out = generator(prompt, max_new_tokens=4, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+        text = generator(prompt, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+        new = out[-4:]
+        assert text == prompt + " " + tok.decode(new), text
+        assert text.split() == prompt.split() + [tok.convert_ids_to_tokens(i) for i in new]
+        only = generator(prompt, max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+        assert only == tok.decode(new)
+
+
+def _word_folder(tmp_path: Path) -> tuple[Path, list[str]]:
+    folder = tmp_path / "model"
+    shutil.copytree(ORACLE / "word-adaptive-sharp", folder)
+    words = ["<eos>", "<unk>", "<formula>", *sorted(set(" ".join(PROMPTS).split()))]
+    words += [f"w{i}" for i in range(1000 - len(words))]
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    return folder, words
+
+
+def test_d5_generate_honours_a_left_padded_attention_mask(tmp_path):
+    """D5: generate(attention_mask=...) was accepted and ignored, so left-padded rows attended to their pads. Now
+    the pads are never attended (in the prompt, nor later in the memory): a padded row generates what it generates
+    alone (with the original's empty first memory, which padding cannot move), and the pad id does not matter."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "word-adaptive-sharp", mem_init="empty")
+    ids = load_file(ORACLE / "word-adaptive-sharp" / "inputs.safetensors")["seg0.input_ids"]
+    short, long = ids[0, :5], ids[1, :9]
+    alone = [
+        model.generate(x[None], max_new_tokens=30, min_new_tokens=30, do_sample=False)[0, len(x) :]
+        for x in (short, long)
+    ]
+    for pad in (3, 7):
+        batch = torch.stack([torch.cat([torch.full((4,), pad), short]), long])
+        mask = torch.ones_like(batch)
+        mask[0, :4] = 0
+        got = model.generate(batch, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False)[:, 9:]
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1]), (got, alone)
+    zeros = AutoModelForCausalLM.from_pretrained(ORACLE / "word-adaptive-sharp")  # (Hugging Face's zero memory)
+    runs = []
+    for pad in (3, 7):
+        batch = torch.stack([torch.cat([torch.full((4,), pad), short]), long])
+        mask = torch.ones_like(batch)
+        mask[0, :4] = 0
+        runs.append(zeros.generate(batch, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False))
+    assert torch.equal(runs[0][:, 4:], runs[1][:, 4:])
+
+
+def test_d6_loading_arguments_are_applied_or_refused(tmp_path):
+    """D6: device_map, quantization_config and the like were dropped silently on a 4.x-layout folder."""
+    folder = ORACLE / "char-sharp"
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", low_cpu_mem_usage=True)
+    assert next(model.parameters()).device.type == "cpu"
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map={"": "cpu"}, dtype=torch.float64)
+    assert next(model.parameters()).dtype == torch.float64
+    with pytest.raises(TypeError, match=r"quantization_config cannot be applied to a folder in Hugging Face 4.x's"):
+        AutoModelForCausalLM.from_pretrained(folder, quantization_config={"load_in_8bit": True})
+    with pytest.raises(ValueError, match=r"device_map=\{'transformer': 'cpu', 'crit': 'meta'\}: a folder in"):
+        AutoModelForCausalLM.from_pretrained(folder, device_map={"transformer": "cpu", "crit": "meta"})
+
+
+@pytest.mark.parametrize("name", ["word-adaptive-div4-sharp", "word-adaptive-sharp", "char-sharp"])
+@pytest.mark.parametrize("layer", [-1, 0])
+def test_d7_resize_token_embeddings_as_4x(name, layer, hf4, tmp_path):
+    """D7: resize_token_embeddings was a torch traceback ('AdaptiveEmbedding' object has no attribute 'weight'). Now
+    4.x's resize: the cluster's table and softmax layer grow (tied again), vocab_size and cutoffs follow, as in
+    4.46.3 (one exception: with div_val 1 and clusters, 4.46.3 set every cutoff to the new size, emptying the tail
+    clusters; txl.hf keeps the cutoffs and grows the last cluster), and the model saves and loads again."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / name)
+    x = load_file(ORACLE / name / "inputs.safetensors")["seg0.input_ids"][:, :4]
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        before = emb(x)
+    n = model.config.vocab_size
+    model.resize_token_embeddings(n + 3, layer=layer)
+    ref = hf4[f"d7_{name}_{layer}"]
+    emb = model.get_input_embeddings()
+    assert model.config.vocab_size == ref["vocab_size"] == n + 3
+    assert [list(e.weight.shape) for e in emb.emb_layers] == ref["tables"]
+    assert [list(o.weight.shape) for o in model.crit.out_layers] == ref["out_layers"]
+    if name == "word-adaptive-sharp":
+        assert model.config.cutoffs == [100, 400] and ref["cutoffs"] == [n + 3, n + 3]
+    else:
+        assert list(model.config.cutoffs) == ref["cutoffs"]
+    if model.config.tie_word_embeddings:
+        assert all(o.weight is e.weight for o, e in zip(model.crit.out_layers, emb.emb_layers, strict=True))
+    with torch.no_grad():
+        scores = model(x).prediction_scores
+        assert list(scores.shape) == ref["scores"] and torch.isfinite(scores).all()
+        if layer == -1:  # (the old ids keep their rows)
+            close(emb(x), before)
+        new = torch.tensor([[n, n + 1, n + 2, 0]])
+        assert torch.isfinite(model(new, labels=new).loss)
+    model.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized")
+    with torch.no_grad():
+        assert torch.equal(again(x).prediction_scores, scores)
+    with pytest.raises(TypeError, match="pad_to_multiple_of is not supported by TransfoXL's adaptive embedding"):
+        model.resize_token_embeddings(n + 8, pad_to_multiple_of=8)
+
+
+def test_d8_generate_returns_the_attentions_and_hidden_states_it_is_asked_for(hf4):
+    """D8: generate(output_attentions/hidden_states, return_dict_in_generate=True) gave tuples of None; 4.46.3 gives
+    each step's tensors."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "word-adaptive-div4-sharp")
+    x = load_file(ORACLE / "word-adaptive-div4-sharp" / "inputs.safetensors")["seg0.input_ids"][:1, :6]
+    g = model.generate(
+        x, max_new_tokens=3, do_sample=False, output_attentions=True, output_hidden_states=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert structure(g.attentions) == hf4["d8_attentions"]
+    assert structure(g.hidden_states) == hf4["d8_hidden_states"]
+    close(g.attentions[0][0], torch.tensor(hf4["d8_first_attention"]))
+
+
+def test_d9_d10_messages_say_what_is_wrong(tmp_path, recwarn):
+    """D9: (a) mems of another batch size, shown transposed; (b) neither input_ids nor inputs_embeds: AttributeError;
+    (c) labels of the wrong shape: a kernel's message 27 frames deep; (d) AutoTokenizer without a vocabulary:
+    transformers' generic message. D10: every generate warned of a maximum length of -1."""
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp")
+    x = load_file(ORACLE / "char-sharp" / "inputs.safetensors")["seg0.input_ids"]
+    mems = model(x).mems
+    with pytest.raises(ValueError, match=r"mems\[0\] must be \[mem_len, batch=1, d_model=32\] \(time-major"):
+        model(x[:1], mems=mems)
+    with pytest.raises(ValueError, match="You have to specify either input_ids or inputs_embeds"):
+        model()
+    with pytest.raises(
+        ValueError, match=r"labels must be \[batch, seq_len\] = \[2, 16\] \(usually input_ids\), got \[2, 15\]"
+    ):
+        model(x, labels=x[:, 1:])
+    (tmp_path / "config.json").write_text((ORACLE / "char-sharp" / "config.json").read_text())
+    with pytest.raises(OSError, match="TransfoXLTokenizer needs a vocabulary: vocab.json"):
+        AutoTokenizer.from_pretrained(tmp_path)
+    model.generate(x[:1, :4], max_new_tokens=2, do_sample=False)
+    assert not [w for w in recwarn if "maximum length" in str(w.message)]
+    assert model.config.max_position_embeddings is None

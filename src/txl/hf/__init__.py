@@ -41,6 +41,7 @@ from txl.hf.modeling import (  # noqa: E402
     TransfoXLPreTrainedModel,
     TransfoXLSequenceClassifierOutputWithPast,
 )
+from txl.hf.pipeline import TransfoXLTextGenerationPipeline, register  # noqa: E402
 from txl.hf.tokenization import TransfoXLTokenizer  # noqa: E402
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "TransfoXLModelOutput",
     "TransfoXLPreTrainedModel",
     "TransfoXLSequenceClassifierOutputWithPast",
+    "TransfoXLTextGenerationPipeline",
     "TransfoXLTokenizer",
     "txl_config",
 ]
@@ -62,3 +64,4 @@ AutoModel.register(TransfoXLConfig, TransfoXLModel, exist_ok=True)
 AutoModelForCausalLM.register(TransfoXLConfig, TransfoXLLMHeadModel, exist_ok=True)
 AutoModelForSequenceClassification.register(TransfoXLConfig, TransfoXLForSequenceClassification, exist_ok=True)
 AutoTokenizer.register(TransfoXLConfig, tokenizer_class=TransfoXLTokenizer, exist_ok=True)
+register()  # pipeline("text-generation"): a word-level continuation keeps its space (txl.hf.pipeline)

@@ -26,6 +26,9 @@ class TransfoXLConfig(PreTrainedConfig):
         ``losses`` in the order of the positions. By default they are in Hugging Face 4.x's order: its adaptive
         softmax (``keep_order=False``) returned them grouped by cluster (the head's positions, then each tail
         cluster's) whenever ``cutoffs`` is not empty: the same values, reordered.
+    trainer_compatible (`bool`, defaults to `False`):
+        Hugging Face 4.x's flag: with ``return_dict=False`` and labels, the tuple starts with the loss, ``(loss, (),
+        losses, mems, ...)``, instead of 4.x's default ``(losses, (), mems, ..., loss)``.
     """
 
     model_type = "transfo-xl"
@@ -69,6 +72,7 @@ class TransfoXLConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     mem_init: Literal["zeros", "empty"] = "zeros"
     keep_order: bool = False
+    trainer_compatible: bool = False
 
     def __post_init__(self, **kwargs):
         if self.tie_projs is None:  # Hugging Face derived it from proj_share_all_but_first
@@ -82,8 +86,10 @@ class TransfoXLConfig(PreTrainedConfig):
         self.to_txl()
 
     @property
-    def max_position_embeddings(self) -> int:
-        return -1  # (relative positions: no limit on the sequence length)
+    def max_position_embeddings(self) -> None:
+        """None: relative positions put no limit on the sequence length (transformers then sets no maximum; -1 made
+        every ``generate`` warn that it exceeded a maximum length of -1)."""
+        return None
 
     def to_txl(self) -> TransformerXLConfig:
         """txl's configuration of the same model."""

@@ -147,7 +147,18 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         config = kwargs.pop("config", None)
         dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+        device = _device_of(kwargs.pop("device_map", None))
+        for k in list(kwargs):  # (arguments of a download, a memory hint or transformers' own: nothing to do here)
+            if k in _LOCAL_NO_OPS or k.startswith("_") or k == "subfolder" and not kwargs[k]:
+                kwargs.pop(k)
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in TransfoXLConfig.__dataclass_fields__}
+        if kwargs:  # (probes D6: device_map, quantization_config and the like were dropped silently)
+            raise TypeError(
+                f"from_pretrained({str(folder)!r}): {', '.join(sorted(kwargs))} cannot be applied to a folder in "
+                "Hugging Face 4.x's TransfoXL layout (txl reads it with its converter); it takes config fields, "
+                "dtype, device_map (one device) and trust_pickle. Save it once with save_pretrained to load it "
+                "through transformers with every argument"
+            )
         if config is None:
             config = TransfoXLConfig.from_pretrained(folder, **overrides)
         elif overrides:
@@ -166,12 +177,79 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
                 module._declare_ties()
         if dtype is not None and dtype != "auto":
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        if device is not None:
+            model = model.to(device)
         return model.eval()
 
     def _adopt(self, txl_model: TransformerXL | TransformerXLLM, source: str) -> None:
         """Take the modules of ``txl_model`` (loaded from ``source``) in place of this model's (built on the meta
         device)."""
         raise NotImplementedError
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, layer: int = -1, **kwargs: Any) -> nn.Module:
+        """Hugging Face 4.x's TransfoXL resize: the adaptive embedding's cluster ``layer`` (the last by default) gets
+        rows added (initialised as the model initialises) or removed at its end, and so does the adaptive softmax's
+        output layer of that cluster (tied again where the model ties them); ``vocab_size`` and ``cutoffs`` follow.
+        Resizing another cluster than the last moves the ids after it: the tokenizer's new tokens must be placed to
+        match, as in 4.x. Returns the input embedding."""
+        if kwargs:  # (transformers 5's pad_to_multiple_of / mean_resizing have no adaptive equivalent)
+            raise TypeError(
+                f"resize_token_embeddings: {', '.join(sorted(kwargs))} is not supported by TransfoXL's adaptive "
+                "embedding (it takes new_num_tokens and layer, as in Hugging Face 4.x)"
+            )
+        emb = self.get_input_embeddings()
+        if new_num_tokens is None:
+            return emb
+        core = self.transformer.core if hasattr(self, "transformer") else self.core
+        n = len(emb.emb_layers)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer < n:
+            raise ValueError(
+                f"resize_token_embeddings: layer must be an index of the {n} embedding clusters, got {layer!r}"
+            )
+        layer %= n
+        sizes = [e.num_embeddings for e in emb.emb_layers]
+        rows = new_num_tokens - (sum(sizes) - sizes[layer])
+        cutoffs = list(self.config.cutoffs)
+        if rows <= 0 or (n == 1 and cutoffs and new_num_tokens <= cutoffs[-1]):
+            raise ValueError(
+                f"resize_token_embeddings({new_num_tokens}): the cluster {layer} would have no tokens left "
+                f"(cutoffs {cutoffs}, cluster sizes {sizes})"
+            )
+        emb.emb_layers[layer] = self._resized(emb.emb_layers[layer], rows)
+        sizes[layer] = rows
+        if n > 1:  # (one table per cluster: the cutoffs are the tables' cumulative sizes)
+            cutoffs = [sum(sizes[: i + 1]) for i in range(n - 1)]
+        ends = [0, *cutoffs, new_num_tokens]
+        emb.ends = ends
+        crit = getattr(self, "crit", None)
+        if crit is not None:
+            i = layer if n > 1 else 0
+            crit.out_layers[i] = self._resized(crit.out_layers[i], rows if n > 1 else new_num_tokens)
+            crit.ends, crit.n_token, crit.shortlist = ends, new_num_tokens, ends[1]
+        self.config.vocab_size, self.config.cutoffs = new_num_tokens, cutoffs
+        core.config.n_token, core.config.cutoffs = new_num_tokens, list(cutoffs)
+        if crit is not None and core.config.tie_weight:  # (txl's rule: each output layer is its cluster's table)
+            for out_layer, emb_layer in zip(crit.out_layers, emb.emb_layers, strict=True):
+                out_layer.weight = emb_layer.weight
+        for module in self.modules():
+            if isinstance(module, TransfoXLPreTrainedModel):
+                module._declare_ties()
+        return self.get_input_embeddings()
+
+    def _resized(self, module: nn.Embedding | nn.Linear, rows: int) -> nn.Module:
+        """``module`` with ``rows`` rows (the first ones kept, new ones initialised as the model initialises)."""
+        w = module.weight
+        if isinstance(module, nn.Embedding):
+            new = nn.Embedding(rows, w.shape[1], device=w.device, dtype=w.dtype)
+        else:
+            new = nn.Linear(w.shape[1], rows, bias=module.bias is not None, device=w.device, dtype=w.dtype)
+        self._init_weights(new)
+        keep = min(rows, w.shape[0])
+        with torch.no_grad():
+            new.weight[:keep] = w[:keep]
+            if getattr(module, "bias", None) is not None:
+                new.bias[:keep] = module.bias[:keep]
+        return new
 
     def _body(self, *args: Any) -> tuple[TransfoXLModelOutput, bool]:
         """A head's call of its base model ``self.transformer`` with the forward's arguments (input_ids, mems,
@@ -190,6 +268,30 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
             f"{source}: {name} of {type(self).__name__} is newly initialised; train it before use", stacklevel=3
         )
         return module
+
+
+_LOCAL_NO_OPS = ("low_cpu_mem_usage", "local_files_only", "cache_dir", "force_download", "proxies", "token",
+                 "revision", "code_revision", "trust_remote_code", "use_safetensors", "adapter_kwargs")  # fmt: skip
+"""``from_pretrained`` arguments that change nothing when a local 4.x-layout folder is read whole into memory."""
+
+
+def _device_of(device_map: Any) -> torch.device | None:
+    """The one device of a ``device_map`` (a device, its name or index, ``"auto"``, or ``{"": device}``); a map that
+    splits the model over several devices is refused."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        return torch.device("cuda", device_map)
+    if isinstance(device_map, str | torch.device):
+        return torch.device(device_map)
+    raise ValueError(
+        f"device_map={device_map!r}: a folder in Hugging Face 4.x's layout loads onto one device (a device, its "
+        'name or index, "auto", or {"": device}); save it with save_pretrained to split it over several'
+    )
 
 
 def _core(txl_model: TransformerXL | TransformerXLLM) -> TransformerXL:
@@ -219,6 +321,25 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
     def set_input_embeddings(self, value: nn.Module) -> None:
         self.core.word_emb = value
 
+    @property
+    def mem_len(self) -> int:
+        """The memory length: ``config.mem_len``, the one value every call reads (set it here, in the config, or with
+        :meth:`reset_memory_length`)."""
+        return self.config.mem_len
+
+    @mem_len.setter
+    def mem_len(self, mem_len: int) -> None:
+        self.reset_memory_length(mem_len)
+
+    def reset_memory_length(self, mem_len: int) -> None:
+        """Hugging Face 4.x's: remember ``mem_len`` positions from now on (``config.mem_len`` too)."""
+        if isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 0:
+            raise ValueError(f"reset_memory_length: mem_len must be an integer >= 0, got {mem_len!r}")
+        if mem_len == 0 and self.config.same_length:
+            raise ValueError("reset_memory_length: mem_len 0 with same_length=True (same_length needs a memory)")
+        self.config.mem_len = mem_len
+        self.core.config.mem_len = mem_len
+
     def init_mems(self, bsz: int) -> list[Tensor] | None:
         """Hugging Face's first memory: ``mem_len`` zeros per layer ([mem_len, bsz, d_model]; None when mem_len is
         0)."""
@@ -246,12 +367,17 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         return_dict = cfg.return_dict if return_dict is None else return_dict
+        if (input_ids is None) == (inputs_embeds is None):  # (probes D9b: an AttributeError on None.shape)
+            raise ValueError("You have to specify either input_ids or inputs_embeds (one of them)")
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         if mems is None and cfg.mem_init == "zeros":
             mems = self.init_mems(batch)
+        if mems is not None:
+            _check_mems(mems, batch, cfg)
         out = self.core(
             input_ids,
             None if mems is None else [m.transpose(0, 1) for m in mems],  # -> txl's [batch, M, d_model]
+            mem_len=cfg.mem_len,  # (config.mem_len, read at every call: probes D2)
             inputs_embeds=inputs_embeds,
             head_mask=head_mask,
             attention_mask=attention_mask,
@@ -265,6 +391,20 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             attentions=tuple(out.attentions) if output_attentions else None,
         )
         return result if return_dict else result.to_tuple()
+
+
+def _check_mems(mems: list[Tensor], batch: int, cfg: TransfoXLConfig) -> None:
+    """Hugging Face's memories: n_layer tensors [M, batch, d_model] (time-major); one error naming what differs."""
+    if not isinstance(mems, list | tuple) or len(mems) != cfg.n_layer:
+        n = len(mems) if isinstance(mems, list | tuple) else type(mems).__name__
+        raise ValueError(f"mems must be a list of n_layer = {cfg.n_layer} tensors [mem_len, batch, d_model], got {n}")
+    for i, m in enumerate(mems):
+        if not isinstance(m, Tensor) or m.dim() != 3 or m.shape[1] != batch or m.shape[2] != cfg.d_model:
+            got = list(m.shape) if isinstance(m, Tensor) else type(m).__name__
+            raise ValueError(
+                f"mems[{i}] must be [mem_len, batch={batch}, d_model={cfg.d_model}] (time-major, as the model returns "
+                f"them), got {got}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,17 +464,28 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
         B, T, D = h.shape
         losses = loss = scores = None
         if labels is not None:
+            if not isinstance(labels, Tensor) or tuple(labels.shape) != (B, T):  # (probes D9c)
+                got = list(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+                raise ValueError(f"labels must be [batch, seq_len] = [{B}, {T}] (usually input_ids), got {got}")
             targets = labels[:, 1:].to(h.device)  # [B, T - 1]: "tokens < n predict n"
             nll, _ = self.crit(h[:, :-1].reshape(-1, D), targets.reshape(-1))
             scored = (targets != -100).sum()
             loss = nll.sum() / scored.clamp(min=1)
-            if not self.config.keep_order:
+            if not self.config.keep_order and self.crit.n_clusters > 0:  # (4.x groups by cluster only with clusters)
                 nll = self._grouped(nll, targets.reshape(-1))
             losses = nll.view(B, T - 1)
         else:
             _, log_probs = self.crit(h.reshape(-1, D), None, True)
             scores = log_probs.view(B, T, -1)
-        result = TransfoXLLMHeadModelOutput(
+        if not return_dict:  # Hugging Face 4.x's tuples, () where its prediction_scores were empty (with labels)
+            rest = tuple(v for v in (out.mems, out.hidden_states, out.attentions) if v is not None)
+            first = () if scores is None else scores
+            if getattr(self.config, "trainer_compatible", False):
+                head = (first, losses) if losses is not None else (first,)
+                return ((loss,) + head + rest) if loss is not None else head + rest
+            head = ((losses, first) if losses is not None else (first,)) + rest
+            return head + (loss,) if loss is not None else head
+        return TransfoXLLMHeadModelOutput(
             losses=losses,
             prediction_scores=scores,
             mems=out.mems,
@@ -342,7 +493,13 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
             attentions=out.attentions,
             loss=loss,
         )
-        return result if return_dict else result.to_tuple()
+
+    def reset_memory_length(self, mem_len: int) -> None:
+        """Hugging Face 4.x's: the memory length from now on (see ``TransfoXLModel.reset_memory_length``)."""
+        self.transformer.reset_memory_length(mem_len)
+
+    def init_mems(self, bsz: int) -> list[Tensor] | None:
+        return self.transformer.init_mems(bsz)
 
     def _grouped(self, nll: Tensor, targets: Tensor) -> Tensor:
         """The losses in Hugging Face 4.x's order (``keep_order=False``): the head cluster's positions first, then
@@ -356,10 +513,23 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids: Tensor, past_key_values: list[Tensor] | None = None, **kwargs: Any
     ) -> dict[str, Any]:
-        """The first step reads the whole prompt; every later step the newest token on top of the memory."""
-        if past_key_values:
-            return {"input_ids": input_ids[:, -1:], "mems": past_key_values}
-        return {"input_ids": input_ids}
+        """The first step reads the whole prompt; every later step the newest token on top of the memory.
+
+        ``attention_mask`` (0 = padding, as a tokenizer pads a batch on the left) is honoured: the prompt's pads are
+        never attended, nor later as part of the memory (the memory's positions the mask does not cover, the zero
+        memory of ``mem_init="zeros"``, count as tokens). ``output_attentions`` / ``output_hidden_states`` are
+        passed on, so ``return_dict_in_generate=True`` returns them per step."""
+        inputs: dict[str, Any] = {k: kwargs[k] for k in ("output_attentions", "output_hidden_states") if k in kwargs}
+        mask = kwargs.get("attention_mask")
+        padded = mask is not None and not bool(mask.all())
+        if not past_key_values:
+            return {**inputs, "input_ids": input_ids, **({"attention_mask": mask} if padded else {})}
+        inputs.update(input_ids=input_ids[:, -1:], mems=past_key_values)
+        if padded:  # [batch, M + 1]: the memory (the last M positions before this one) and the new token
+            M = past_key_values[0].shape[0]
+            before = torch.cat([mask.new_ones(mask.shape[0], M), mask[:, :-1]], 1)[:, -M:] if M else mask[:, :0]
+            inputs["attention_mask"] = torch.cat([before, mask[:, -1:]], 1)
+        return inputs
 
     @staticmethod
     def _reorder_cache(mems: list[Tensor], beam_idx: Tensor) -> list[Tensor]:

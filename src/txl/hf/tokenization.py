@@ -12,12 +12,17 @@ from typing import Any
 
 from transformers import PreTrainedTokenizer
 
+from txl.data.errors import DataError
 from txl.data.rawtext import Moses
 from txl.data.tokenizer import BYTE_OF_CHAR, Tokenizer
 from txl.interop.hf_vocab import convert_hf_tokenizer
 from txl.model.pretrained import CheckpointError
 
 VOCAB_FILES = {"vocab_file": "vocab.json", "vocab_txt": "vocab.txt", "vocab_pkl": "vocab.pkl"}
+
+
+class VocabularyError(OSError):
+    """A vocabulary that cannot be read (missing, not a vocabulary, a pickle not trusted): which file, what to do."""
 
 
 class TransfoXLTokenizer(PreTrainedTokenizer):
@@ -49,6 +54,17 @@ class TransfoXLTokenizer(PreTrainedTokenizer):
         kwargs.pop("extra_special_tokens", None)
         super().__init__(**specials, additional_special_tokens=extra, **kwargs)
         self.init_kwargs.pop("trust_pickle", None)  # (a permission for this load, not a setting to save)
+
+    @classmethod
+    def _from_pretrained(cls, *args: Any, **kwargs: Any):
+        """transformers' loading, with the tokenizer's own message where transformers would replace it by its generic
+        "Unable to load vocabulary from file" (probes D9d, tk0-tk9: which file, and what to give)."""
+        try:
+            return super()._from_pretrained(*args, **kwargs)
+        except OSError as e:
+            if isinstance(e.__context__, VocabularyError):
+                raise VocabularyError(str(e.__context__)) from None
+            raise
 
     @property
     def vocab_size(self) -> int:
@@ -106,9 +122,9 @@ def _read(vocab_file: str | None, vocab_txt: str | None, vocab_pkl: str | None, 
             tok = convert_hf_tokenizer((txt or pkl).parent, trust_pickle, (txt, pkl))
             if tok is not None:
                 return tok
-    except CheckpointError as e:
-        raise OSError(str(e)) from None
-    raise OSError(
+    except (CheckpointError, DataError) as e:
+        raise VocabularyError(str(e)) from None
+    raise VocabularyError(
         "TransfoXLTokenizer needs a vocabulary: vocab.json (txl's), vocab.txt or vocab.pkl (Hugging Face 4.x's, "
         "with trust_pickle=True), or tokenizer=<a txl Tokenizer>"
     )
