@@ -236,3 +236,26 @@ def test_unknown_model_args_are_refused_by_name(harness_run, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and err.startswith("txl lm-eval: error: --model_args memlen: not an argument of the txl")
     assert "did you mean mem_len?" in err and not (tmp / "refused").exists()
+
+
+@pytest.mark.parametrize(
+    "probe, extra, message",
+    [
+        ("lm1", ",mem_len=abc", "--model_args mem_len='abc': not an integer"),
+        ("lm1", ",clamp_len=-5", "--model_args clamp_len=-5: must be >= -1"),
+        ("lm1", ",same_length=maybe", "--model_args same_length='maybe': true or false"),
+        ("lm2", "", "--model_args pretrained is empty: give a run folder"),
+        ("lm3", ",batch_size=0", "--model_args batch_size: also given by the harness's --batch_size option"),
+    ],
+)
+def test_model_args_of_the_wrong_kind_are_one_line(probe, extra, message, harness_run, capsys):
+    """lm1: mem_len=abc was a TypeError traceback; lm2: `pretrained=` read the current folder; lm3: batch_size in
+    model_args was the harness's own "got multiple values" traceback. Each is now one line, before any loading."""
+    tmp, run, _ = harness_run
+    model_args = "pretrained=" if probe == "lm2" else f"pretrained={run}{extra}"
+    with pytest.raises(SystemExit) as e:
+        main(["lm-eval", "--model", "txl", "--model_args", model_args, "--tasks", "txl_choice",
+              "--include_path", str(tmp / "tasks"), "--output_path", str(tmp / "refused")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith(f"txl lm-eval: error: {message}"), err
+    assert not (tmp / "refused").exists()

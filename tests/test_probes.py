@@ -544,3 +544,30 @@ def test_a_config_that_does_not_describe_its_weights_is_refused_before_the_model
         err = fails(args, capsys)
         assert f"{folder / 'config.json'}: {want}" in err and "the config does not describe these weights" in err, err
         assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize(
+    "probe, fixture, name, shape",
+    [
+        ("tf12", "adaptive", "adaptive_embed/cutoff_0/lookup_table", (100,)),
+        ("tf12", "char", "adaptive_embed/lookup_table", (64,)),
+        ("tf13", "adaptive", "adaptive_embed/cutoff_2/lookup_table", ()),
+        ("tf14", "adaptive", "layer_0/ff/layer_1/kernel", (32, 64, 1)),
+        ("tf17", "adaptive", "layer_0/rel_attn/qkv/kernel", (96,)),
+        ("tf19", "adaptive", "r_r_bias", (4,)),
+        ("tf19", "adaptive", "adaptive_softmax/cutoff_0/cluster_b", (2, 1)),
+    ],
+)
+def test_every_tf_variable_of_the_wrong_rank_is_one_error(probe, fixture, name, shape, tmp_path, monkeypatch, capsys):
+    """tf12-tf19: a 0-D or 1-D lookup table and a 3-D kernel were IndexError / t() tracebacks; a 1-D qkv kernel was
+    blamed on the embedding's projection, a 1-D r_r_bias on its row count. Now every variable's rank is checked first,
+    one line naming the variable and its shape."""
+    import txl.interop.convert_tf as convert_tf
+    from txl.interop.tf_checkpoint import read_tf_checkpoint
+
+    src = Path(__file__).parent / "fixtures" / "tf" / fixture / "model"
+    variables = read_tf_checkpoint(src) | {f"transformer/{name}": torch.zeros(shape)}
+    monkeypatch.setattr(convert_tf, "read_tf_checkpoint", lambda _: variables)
+    err = fails(["convert", "tf", str(src), str(tmp_path / "out"), "--mem_len", "24"], capsys)
+    assert f"transformer/{name} has shape {list(shape)} ({len(shape)}-D); the TF code's is" in err, err
+    assert not (tmp_path / "out").exists()

@@ -33,6 +33,7 @@ as mem_len zero vectors) it reads a text as the TF code's evaluation did. The vo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,32 @@ class _Read(dict):
         if key in self:
             self.read.add(key)
         return super().get(key, default)
+
+
+RANKS = (
+    (re.compile(r"layer_\d+/(rel_attn/(qkv|r|o)|ff/layer_[12])/kernel"), 2, "a kernel [in, out]"),
+    (re.compile(r"layer_\d+/(rel_attn|ff)/LayerNorm/(gamma|beta)|layer_\d+/ff/layer_[12]/bias"), 1, "a vector"),
+    (re.compile(r"r_[wr]_bias"), (2, 3), "[n_head, d_head], or [n_layer, n_head, d_head] with untie_r"),
+    (re.compile(r"adaptive_embed/(cutoff_\d+/)?(lookup_table|proj_W)"), 2, "a matrix"),
+    (re.compile(r"adaptive_softmax/(cutoff_\d+/)?(proj|cluster_W)"), 2, "a matrix"),
+    (re.compile(r"adaptive_softmax/(cutoff_\d+/(b|cluster_b)|bias)"), 1, "a vector"),
+)
+"""Each variable of the TF code's model (after ``transformer/``): the rank its tensor has, and what it is."""
+
+
+def _check_ranks(tf: dict[str, torch.Tensor], source: str) -> None:
+    """Every variable's rank, before any is used (probes tf12-tf19: a 0-D or 1-D lookup table and a 3-D kernel were
+    IndexErrors or t() errors deep in the conversion, a 1-D qkv kernel blamed the embedding's projection)."""
+    for name, value in tf.items():
+        for pattern, rank, what in RANKS:
+            if pattern.fullmatch(name[len(T) :]):
+                ranks = rank if isinstance(rank, tuple) else (rank,)
+                if value.dim() not in ranks:
+                    raise CheckpointError(
+                        f"{source}: {name} has shape {list(value.shape)} ({value.dim()}-D); the TF code's is {what} "
+                        f"({' or '.join(map(str, ranks))}-D): not a Transformer-XL checkpoint of the TF code"
+                    )
+                break
 
 
 def _need(tf: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
@@ -203,16 +230,23 @@ def convert_tf_checkpoint(
         raise CheckpointError(
             f"{source}: {whole[0]} holds {tf[whole[0]].dtype} values; the model's variables are floating-point"
         )
+    _check_ranks(tf, source)
     qkv = _need(tf, T + "layer_0/rel_attn/qkv/kernel", source)
     d_model = int(qkv.shape[0])
     n_layer = 1 + max(int(k[len(T) :].split("/")[0].split("_")[1]) for k in tf if k.startswith(T + "layer_"))
-    r_w_bias = _need(tf, T + "r_w_bias", source)
-    if r_w_bias.dim() not in (2, 3):  # (probes.md tf5/tf6: a 1-D or scalar bias was an IndexError)
-        raise CheckpointError(
-            f"{source}: {T}r_w_bias has shape {list(r_w_bias.shape)}; the TF code's is [n_head, d_head] (or "
-            "[n_layer, n_head, d_head] with untie_r)"
-        )
+    r_w_bias = _need(tf, T + "r_w_bias", source)  # (its rank checked above: probes.md tf5/tf6)
     untie_r = r_w_bias.dim() == 3
+    r_r_bias = _need(tf, T + "r_r_bias", source)
+    if r_r_bias.shape != r_w_bias.shape:  # (probes tf19: a 1-D r_r_bias was blamed on its row count)
+        raise CheckpointError(
+            f"{source}: {T}r_r_bias has shape {list(r_r_bias.shape)} and {T}r_w_bias {list(r_w_bias.shape)}; the TF "
+            "code's two biases have one shape"
+        )
+    if qkv.shape[1] != 3 * r_w_bias.shape[-2] * r_w_bias.shape[-1]:  # (probes tf17: blamed on the embedding)
+        raise CheckpointError(
+            f"{source}: {T}layer_0/rel_attn/qkv/kernel has shape {list(qkv.shape)}; the TF code's is [d_model, 3 x "
+            f"n_head x d_head = {3 * r_w_bias.shape[-2] * r_w_bias.shape[-1]}] for r_w_bias {list(r_w_bias.shape)}"
+        )
     fields, tensors = _adaptive(tf, d_model, source)
     tensors |= _layers(tf, n_layer, untie_r, source)
     dataset, *sota = SOTA.get(fields["n_token"], (None, None, -1, True))  # (no model of the paper: defaults)

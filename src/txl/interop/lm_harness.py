@@ -74,19 +74,26 @@ class TransformerXLHarnessLM(LM):
         """The harness's constructor from ``--model_args`` as a string, checked by :meth:`_check_args`."""
         from lm_eval.utils import simple_parse_args_string
 
-        cls._check_args(simple_parse_args_string(arg_string or ""))
+        cls._check_args(simple_parse_args_string(arg_string or ""), additional_config)
         return super().create_from_arg_string(arg_string, additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> TransformerXLHarnessLM:
         """The harness's constructor from ``--model_args`` as a mapping, checked by :meth:`_check_args`."""
-        cls._check_args(arg_dict)
+        cls._check_args(arg_dict, additional_config)
         return super().create_from_arg_obj(arg_dict, additional_config)
 
     @classmethod
-    def _check_args(cls, args: dict) -> None:
+    def _check_args(cls, args: dict, additional_config: dict | None = None) -> None:
         """An argument the model does not take is refused by name (a misspelt ``memlen=256`` would otherwise be
-        dropped: the run reads with another memory than asked)."""
+        dropped: the run reads with another memory than asked); so is a value of the wrong kind, and an argument the
+        harness passes too (``--batch_size``)."""
+        given = {k for k, v in (additional_config or {}).items() if v is not None}
+        both = sorted(given & set(args))
+        if both:  # (probes lm3: the harness's own call failed with "got multiple values for keyword argument")
+            raise ValueError(
+                f"--model_args {both[0]}: also given by the harness's --{both[0]} option; give it once, as --{both[0]}"
+            )
         import difflib
         import inspect
 
@@ -97,6 +104,22 @@ class TransformerXLHarnessLM(LM):
                 hint = f"did you mean {close[0]}? " if close else ""
                 raise ValueError(f"--model_args {name}: not an argument of the txl model ({hint}it takes "
                                  f"{', '.join(known)})")  # fmt: skip
+        # each value's type, before the model is loaded (probes lm1: mem_len=abc was a TypeError traceback)
+        for name, value in args.items():
+            if name in ("tgt_len", "mem_len", "clamp_len", "max_gen_toks", "threads") and value is not None:
+                if isinstance(value, float) and value.is_integer():  # (the harness reads "-5" as -5.0)
+                    value = int(value)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"--model_args {name}={value!r}: not an integer")
+                low = -1 if name == "clamp_len" else 0 if name == "mem_len" else 1
+                if value < low:
+                    raise ValueError(f"--model_args {name}={value}: must be >= {low}")
+            if name == "same_length" and value is not None and not isinstance(value, bool):
+                raise ValueError(f"--model_args same_length={value!r}: true or false")
+        if "pretrained" in args and not str(args["pretrained"]).strip():  # (probes lm2: read as the current folder)
+            raise ValueError(
+                "--model_args pretrained is empty: give a run folder, a step-N checkpoint or a model folder"
+            )
 
     def __init__(
         self,
@@ -132,6 +155,8 @@ class TransformerXLHarnessLM(LM):
         self.settings = reading_settings(folder, self.model.config, **given)
         read_as(self.model, self.settings)  # (its generation reads clamp_len and same_length from the config)
         self.batch_size = _int(batch_size, "batch_size", 8)
+        if self.batch_size < 1:
+            raise ValueError(f"--batch_size {batch_size}: must be >= 1 (or auto)")
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
         self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)
         self._noted: set[str] = set()  # notes given once: unused generation_kwargs, "beam sampling"
