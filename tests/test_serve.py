@@ -670,13 +670,16 @@ def test_limits_that_may_hold_more_than_the_machine_are_noted_at_start(run):
     gen = ServeLimits(max_batch=2, max_prompt_tokens=100, max_new_tokens=20, max_mem_len=150, max_tgt_len=1)
     prompt_pass = attention_pass_bytes(cfg, 1, 100, 100)  # (one prompt's pass at a time: its [T, K] mask, its scores)
     assert prompt_pass >= 3 * 100 * 100
-    # (a memory of prompt and answer, a prompt more; the larger of a prompt's pass and a step's log-probabilities)
-    assert limits_memory(cfg, gen) == 2 * 2 * (120 + 100) * position + max(prompt_pass, 2 * 100 * 16)
+    # (a memory of prompt and answer, a prompt more; the larger of a prompt's pass and a step's log-probabilities;
+    # max_batch rows and as many parked generations)
+    generation = 2 * (120 + 100) * position
+    assert limits_memory(cfg, gen) == 2 * 2 * generation + max(prompt_pass, 2 * 100 * 16)
     score = ServeLimits(max_batch=3, max_prompt_tokens=1, max_new_tokens=1, max_mem_len=100, max_tgt_len=50)
-    assert limits_memory(cfg, score) == 3 * (2 * 150 * position + 2 * 50 * 150 * 4) + 3 * 100 * 16
+    parked = 16 * position  # (a generation's cache of a 1-token prompt and answer: 16 positions at least)
+    assert limits_memory(cfg, score) == 3 * (2 * 150 * position + 2 * 50 * 150 * 4 + parked) + 3 * 100 * 16
     long = ServeLimits(max_batch=1, max_prompt_tokens=5000, max_new_tokens=1, max_mem_len=10, max_tgt_len=1)
     pieces = attention_pass_bytes(cfg, 1, 1024, 5000)  # (a long prompt is read in pieces of 1,024 positions)
-    assert limits_memory(cfg, long) == 2 * (10 + 5000) * position + pieces < attention_pass_bytes(cfg, 1, 5000, 5000)
+    assert limits_memory(cfg, long) == 2 * 2 * (10 + 5000) * position + pieces
     assert limits_memory_note(cfg, score, free=10**9) is None
     note = limits_memory_note(cfg, score, free=1000)
     assert (

@@ -246,7 +246,7 @@ def test_a_generation_whose_caller_takes_nothing_waits_and_then_gives_the_same_t
     assert ended["a"].wait(30)  # (a goes on beside b, which waits)
     time.sleep(0.3)
     assert len(got["b"]) == 6 and gens["b"].unread == 6 and not ended["b"].is_set()
-    assert engine.active == 1 and engine.rows == 1  # (parked, it still counts: it holds its memory)
+    assert engine.active == 1 and engine.rows == 0  # (parked: its row given to others, up to max_parked of them)
     gens["b"].took(2)  # (not yet half)
     time.sleep(0.3)
     assert len(got["b"]) == 6
@@ -286,3 +286,127 @@ def test_requests_read_two_ways_are_refused_and_the_connection_closed(served):
     assert res.status_code == 400 and res.json()["error"]["param"] is None
     assert "not valid JSON" in res.json()["error"]["message"]
     assert httpx.get(url + "/docs/").status_code == 404 and httpx.get(url + "/v1/model/").status_code == 404
+
+
+@pytest.mark.slow  # (~80 s: the slow reader reads its ~5 MB stream at 320 KB/s)
+def test_a_slow_reader_and_normal_clients_share_the_server(tmp_path):
+    """Round 5's s1 (a soak): one client reads an n=8 stream (logprobs 20, echo) 16 KB every 0.05 s, and meanwhile
+    other clients ask for 5 greedy tokens, one after another. Before, the slow reader's 8 parked generations held all
+    8 rows of --max_batch for as long as it read and the plain requests timed out after 70 s; now a parked generation
+    gives its row to others, so every plain request is answered within seconds, the slow reader still gets every
+    token of its 8 choices, and nothing is left in flight at the end."""
+    import threading
+
+    from train_helpers import run_inprocess
+
+    run = run_inprocess(tmp_path, train__max_steps=3, train__eval_interval=0)
+    proc, url = start_server(run, "--max_batch", "8", "--max_queue", "16", "--stream_buffer_tokens", "16",
+                             "--max_new_tokens", "400", "--max_prompt_tokens", "4096")  # fmt: skip
+    try:
+        # (the echo of a long prompt with 20 alternatives per token: more than the sockets' buffers hold, so the
+        # generations wait for the reader, parked, as the probe's did)
+        body = {"prompt": "ab cd " * 300, "n": 8, "logprobs": 20, "echo": True, "max_tokens": 60, "stream": True}
+        slow = connect(url, 4096)
+        post(slow, "/v1/completions", body)
+        received, done = bytearray(), threading.Event()
+
+        def read_slowly():
+            slow.settimeout(0.5)
+            while not done.is_set():
+                try:
+                    chunk = slow.recv(16384)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                received.extend(chunk)
+                if b"data: [DONE]" in received[-64:]:
+                    break
+                time.sleep(0.05)
+            done.set()
+
+        reader = threading.Thread(target=read_slowly, daemon=True)
+        reader.start()
+        time.sleep(2)  # (the slow reader's 8 choices are parked by now)
+        waits = []
+        with httpx.Client(base_url=url, timeout=60) as client:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not done.is_set():
+                t0 = time.monotonic()
+                res = client.post("/v1/generate", json={"prompt": "ab", "max_new_tokens": 5, "temperature": 0})
+                assert res.status_code == 200 and len(res.json()["token_ids"]) == 5, res.text
+                waits.append(time.monotonic() - t0)
+        assert len(waits) >= 3 and max(waits) < 5, waits  # (before: the first one waited 70 s, then timed out)
+        reader.join(timeout=240)
+        assert done.is_set(), "the slow reader never got the end of its stream"
+        text = bytes(received).decode("utf-8", "replace")
+        assert text.count('"finish_reason":"length"') + text.count('"finish_reason": "length"') == 8, text[-2000:]
+        assert idle(url, 20) < 20
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_parked_generations_give_their_rows_to_others():
+    """s1 in the engine: 8 generations whose caller takes nothing fill max_batch 8 and park; a plain request then
+    runs at once beside them (before, it waited for as long as they were parked). More parked than max_parked hold
+    their rows again; once their caller takes their tokens the parked ones end with the tokens they give alone."""
+    import threading
+
+    import torch
+
+    from tests.conftest import debug_config
+    from txl import TransformerXLLM
+    from txl.infer.generation import generate
+    from txl.serve.engine import Engine, Generation
+
+    torch.manual_seed(0)
+    model = TransformerXLLM(debug_config(n_token=40, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24,
+                                         n_layer=2, mem_len=8)).eval()  # fmt: skip
+    engine = Engine(model, max_batch=8, max_unread=4, max_parked=8)
+    got = {i: [] for i in range(10)}
+    ended = {i: threading.Event() for i in range(10)}
+    gens = {}
+
+    def emit(i, takes):
+        def f(tok):
+            if tok is None:
+                ended[i].set()
+            else:
+                got[i].append(tok)
+                if takes:
+                    gens[i].took()
+
+        return f
+
+    for i in range(8):
+        gens[i] = Generation([1 + i, 2], 20, emit(i, False), mem_len=8, temperature=0.0)
+        engine.submit(gens[i])
+    deadline = time.monotonic() + 30
+    while sum(len(got[i]) for i in range(8)) < 8 * 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert engine.rows == 0 and engine.active == 8  # (all 8 parked: no row held)
+    gens[8] = Generation([3, 4, 5], 6, emit(8, True), mem_len=8, temperature=0.0)
+    engine.submit(gens[8])
+    assert ended[8].wait(10), "a plain request waited behind parked generations"
+    engine.max_parked = 0  # (beyond max_parked, parked generations hold their rows again: 8 of 8)
+    time.sleep(0.2)
+    gens[9] = Generation([6], 3, emit(9, True), mem_len=8, temperature=0.0)
+    engine.submit(gens[9])
+    time.sleep(0.5)
+    assert not ended[9].is_set() and engine.waiting == 1
+    engine.max_parked = 8
+    assert ended[9].wait(10)
+    deadline = time.monotonic() + 60
+    while not all(ended[i].is_set() for i in range(8)):  # (now a caller that keeps up)
+        for i in range(8):
+            gens[i].took(gens[i].unread)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    engine.shutdown()
+    for i in list(range(8)) + [8, 9]:
+        prompt, n = gens[i].prompt_ids, gens[i].max_new_tokens
+        alone = generate(model, torch.tensor([prompt]), n, temperature=0.0, mem_len=8)[0, len(prompt) :].tolist()
+        assert got[i] == alone, i

@@ -161,7 +161,8 @@ def serve(
 
 
 def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noqa: ANN001
-    """Bytes the server may hold at its limits: ``max_batch`` rows, each a generation's keys and values (its memory
+    """Bytes the server may hold at its limits: ``max_batch`` rows and as many parked generations (waiting for their
+    slow clients, their rows given to others), each a generation's keys and values (its memory
     holds at most the longest prompt and answer, or max_mem_len; the cache keeps a prompt more, twice over) or a
     scored text's (its keys and values over max_mem_len + max_tgt_len positions, and one segment's attention
     probabilities), and the larger of one prompt's pass (prompts are read one at a time, a long one in pieces:
@@ -180,7 +181,7 @@ def limits_memory(config, limits, itemsize: int = 4, device=None) -> int:  # noq
     # (counted without same_length's window: the whole prompt before the last piece, whatever a request reads with)
     prompt_pass = attention_pass_bytes(config, 1, *last_piece(prompt, 0, limits.max_mem_len, False), device)
     transient = max(prompt_pass, 4 * limits.max_batch * config.n_token * 4)
-    return limits.max_batch * max(generation, score) + transient
+    return limits.max_batch * (max(generation, score) + generation) + transient
 
 
 def limits_memory_note(config, limits, itemsize: int = 4, free: int | None = None, device=None) -> str | None:  # noqa: ANN001

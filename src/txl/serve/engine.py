@@ -245,13 +245,18 @@ class Engine:
         max_batch: int = 8,
         max_queue: int = 64,
         max_unread: int = 256,
+        max_parked: int | None = None,
         on_failure: Callable[[str], None] | None = None,
     ):
-        if max_batch < 1 or max_queue < 0 or max_unread < 1:
-            raise ValueError("max_batch and max_unread must be >= 1, max_queue >= 0")
+        if max_batch < 1 or max_queue < 0 or max_unread < 1 or (max_parked is not None and max_parked < 0):
+            raise ValueError("max_batch and max_unread must be >= 1, max_queue and max_parked >= 0")
         self.max_unread = max_unread
         """Tokens of one generation that its caller has not taken yet, at most: with as many, the generation waits
         (parked: its memory kept apart, its row given to others) until the caller has taken half of them."""
+        self.max_parked = max_batch if max_parked is None else max_parked
+        """Parked generations that take no row: a slow reader's generations wait apart while others use the rows
+        (probes s1: one slow reader of an n=8 stream held all 8 rows for as long as it read). Beyond this many, each
+        parked one holds its row again, so that the memory held stays within max_batch + max_parked rows."""
         self.model = model.eval()
         self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -469,10 +474,14 @@ class Engine:
 
     def _counts_now(self) -> tuple[int, int]:
         """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
-        of all rows, a stepped job one of one row."""
-        batched = sum(len(b.rows) for b in self._batches.values()) + len(self._parked)  # (a parked one holds its row)
-        requests = batched + len(self._searches) + len(self._solos) + len(self._jobs)
-        rows = batched + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
+        of all rows, a stepped job one of one row. A parked generation whose caller is taking its tokens again holds
+        a row (it rejoins before anything new is admitted); one still waiting for its caller holds none, up to
+        ``max_parked`` of them."""
+        batched = sum(len(b.rows) for b in self._batches.values())
+        held = sum(1 for p in self._parked if not self._resumable(p.request))
+        parked = len(self._parked) - min(held, self.max_parked)  # (the parked generations that hold a row)
+        requests = batched + len(self._parked) + len(self._searches) + len(self._solos) + len(self._jobs)
+        rows = batched + parked + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
         return requests, rows + len(self._jobs)
 
     def _publish(self) -> None:
@@ -632,13 +641,17 @@ class Engine:
 
     def _unpark(self) -> None:
         """Parked generations whose callers took their tokens join their batches again (the same memory, so the
-        same tokens as if they had never waited); cancelled ones end."""
+        same tokens as if they had never waited), oldest first, while a row is free; cancelled ones end."""
         for parked in [p for p in self._parked if self._resumable(p.request)]:
-            self._parked.remove(parked)
             request = parked.request
             if request.cancelled:
+                self._parked.remove(parked)
                 self._finish(request, self._ended)
                 continue
+            active = sum(len(b.rows) for b in self._batches.values()) + sum(r.num_beams for r, _ in self._searches)
+            if active + len(self._jobs) + len(self._solos) * self.max_batch >= self.max_batch:
+                break  # (no row free now: it waits, ahead of what is admitted, as its row is counted)
+            self._parked.remove(parked)
             try:
                 self._join(request, parked.cache, parked.last)
             except Exception as e:
