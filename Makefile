@@ -4,13 +4,17 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup setup-hf5 demo test test-all lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+.PHONY: setup setup-hf5 setup-oldest demo test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
 	bench-vanilla-full bench-serve experiments clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml declares the ranges txl supports; the environments are installed from constraints/*.txt, which pin
+# the exact versions the tests run with (the lock files: constraints/main.txt reproduces .venv).
+PIP := python -m pip install --quiet --disable-pip-version-check
+
+$(STAMP): pyproject.toml constraints/main.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev,bench,serve,lmeval,onnx,rl,triton]'
+	$(BIN)/$(PIP) -c constraints/main.txt torch
+	$(BIN)/$(PIP) -c constraints/main.txt -e '.[dev,bench,serve,lmeval,onnx,rl,triton]'
 	touch $(STAMP)
 
 # The environment of the txl.hf suite (tests_hf): transformers 5, which cannot share one with the 4.46.3 above.
@@ -18,15 +22,42 @@ HF5_VENV  ?= .venv-hf5
 HF5_BIN   := $(HF5_VENV)/bin
 HF5_STAMP := $(HF5_VENV)/.installed-stamp
 
-$(HF5_STAMP): pyproject.toml
+$(HF5_STAMP): pyproject.toml constraints/hf5.txt
 	$(PYTHON) -m venv $(HF5_VENV)
-	$(HF5_BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(HF5_BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[hf-test]'
+	$(HF5_BIN)/$(PIP) -c constraints/hf5.txt torch
+	$(HF5_BIN)/$(PIP) -c constraints/hf5.txt -e '.[hf-test]'
 	touch $(HF5_STAMP)
+
+# The oldest versions txl supports (pyproject.toml's floors: torch 2.9.1, numpy 2.0.2, ...; constraints/oldest.txt).
+# PyPI's torch 2.9.1 for x86-64 is a CUDA build: ~7 GB with its NVIDIA libraries, ~3 minutes to install here.
+OLD_VENV  ?= .venv-oldest
+OLD_BIN   := $(OLD_VENV)/bin
+OLD_STAMP := $(OLD_VENV)/.installed-stamp
+
+$(OLD_STAMP): pyproject.toml constraints/oldest.txt
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_BIN)/$(PIP) 'setuptools>=69,<81'  # (the build backend pyproject.toml names; the venv's own is older)
+	$(OLD_BIN)/$(PIP) -c constraints/oldest.txt torch
+	$(OLD_BIN)/$(PIP) -c constraints/oldest.txt -e '.[dev]'
+	touch $(OLD_STAMP)
 
 setup: $(STAMP)
 
 setup-hf5: $(HF5_STAMP)
+
+setup-oldest: $(OLD_STAMP)
+
+# The fast suite (< 3 minutes on 2 cores): the model against the reference, its paths and formats, the data, the
+# command line's errors, agents' memory, the packaging. `make test-oldest` runs it on the oldest supported versions.
+FAST := tests/test_packaging.py tests/test_model_api.py tests/test_oracle_parity.py tests/test_adaptive.py \
+	tests/test_attn_types.py tests/test_backends_exact.py tests/test_data_tokenizer.py tests/test_cli_errors.py \
+	tests/test_rl_memory.py
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(FAST)
+
+test-oldest: setup-oldest
+	$(OLD_BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider $(FAST)
 
 demo: setup
 	$(BIN)/python -m txl.demo
@@ -92,4 +123,4 @@ bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) $(HF5_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF5_VENV) $(OLD_VENV) runs .pytest_cache .ruff_cache

@@ -12,10 +12,12 @@ import difflib
 import errno
 import inspect
 import json as _json
+import math
 import os
 import re
 import sys
 from argparse import ArgumentError
+from pathlib import Path
 
 from txl.cli.analysis import attention, plot, recl
 from txl.cli.convert import convert_hf, convert_original, convert_tf
@@ -224,9 +226,34 @@ def build_parser():
     return top, parsers
 
 
+def _recipe_sections(argv: list[str], keep: tuple[str, ...]) -> tuple[list[str], Path | None]:
+    """``argv`` with a ``--config`` recipe that has more sections than the command takes (a training recipe given to
+    ``txl data prepare``: its model and train sections) replaced by a copy of the sections it takes (probes cfg2:
+    jsonargparse's KeyError 'data'); and that copy, to remove after parsing (None when nothing was replaced)."""
+    import tempfile
+
+    import yaml
+
+    for i, arg in enumerate(argv[:-1]):
+        if arg != "--config":
+            continue
+        try:
+            recipe = yaml.safe_load(Path(argv[i + 1]).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return argv, None  # (the parser names what is wrong with the file)
+        if isinstance(recipe, dict) and set(recipe) & set(keep) and set(recipe) - set(keep):
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, encoding="utf-8") as f:
+                yaml.safe_dump({k: v for k, v in recipe.items() if k in keep}, f)
+            return [*argv[: i + 1], f.name, *argv[i + 2 :]], Path(f.name)
+    return argv, None
+
+
 def run(argv: list[str]) -> None:
     """Parse ``argv`` (already normalized) and run the command."""
     top, parsers = build_parser()
+    copy = None
+    if argv[:2] == ["data", "prepare"]:  # (a training recipe's data section)
+        argv, copy = _recipe_sections(argv, ("data", "verify"))
     try:
         namespace = top.parse_args(argv)
     except ArgumentError as e:
@@ -234,6 +261,9 @@ def run(argv: list[str]) -> None:
         if not hint:
             raise
         raise ArgumentError(None, f"{e}{hint}") from None
+    finally:
+        if copy is not None:
+            copy.unlink(missing_ok=True)
     path, node, commands = (), namespace, COMMANDS
     while True:
         name = node["subcommand"]
@@ -332,6 +362,12 @@ def _argument_message(message: str) -> str:
     if choices:
         return f"{option} = {value}: expected one of {choices.group(1).replace(chr(39), '')}"
     expected = re.search(r"Expected a <class '(\w+)'>", message)
+    if expected and expected.group(1) == "float" and given:
+        try:
+            if not math.isfinite(float(given.group(1).strip())):  # (probes cf12-cf15: nan is a float, not a finite one)
+                return f"{option} = {value}: expected a finite number"
+        except ValueError:
+            pass
     if expected:
         return f"{option} = {value}: expected {'an' if expected.group(1)[0] in 'aeiou' else 'a'} {expected.group(1)}"
     return f"{option}: {message[key.end() :].strip()}"
@@ -414,5 +450,10 @@ def main(argv: list[str] | None = None) -> None:
         ]
         if configs and "Problems parsing config:" in message:  # (the recipe's checks name its line: name its file)
             message = message.replace("Problems parsing config:", f"{configs[-1]}:")
+        if configs and "Unexpected config:" in message:  # (probes ya10, ya11: an empty file, a top-level list)
+            message = (
+                f"txl: error: {configs[-1]}: not a recipe (an empty file, or not a mapping at its top level); a "
+                "recipe is YAML sections of options, as configs/*.yaml"
+            )
         print(message, file=sys.stderr)
         raise SystemExit(code) from None
