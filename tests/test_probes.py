@@ -571,3 +571,74 @@ def test_every_tf_variable_of_the_wrong_rank_is_one_error(probe, fixture, name, 
     err = fails(["convert", "tf", str(src), str(tmp_path / "out"), "--mem_len", "24"], capsys)
     assert f"transformer/{name} has shape {list(shape)} ({len(shape)}-D); the TF code's is" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "probe, args, message",
+    [
+        ("cf12", ["serve", "--model", "m", "--stream_timeout", "nan"], "--stream_timeout = 'nan': expected a finite"),
+        ("cf13", ["serve", "--model", "m", "--header_timeout", "inf"], "--header_timeout = 'inf': expected a finite"),
+        (
+            "cf15",
+            ["generate", "--model", "m", "--length_penalty", "nan"],
+            "--length_penalty = 'nan': expected a finite",
+        ),
+    ],
+)
+def test_a_non_finite_number_is_named_as_such(probe, args, message, capsys):
+    """cf12, cf13, cf15: 'nan' was "expected a float" (it is one: the option wants a finite number)."""
+    assert message in fails(args, capsys)
+
+
+def test_recipes_that_are_not_recipes_are_named(tmp_path, capsys):
+    """ya10, ya11: an empty file and a top-level list were "Unexpected config: ..." without the file's name; ya7: lr
+    .inf was accepted, a run folder written, and the run stopped at step 2 with a NaN loss; cfg2: `txl data prepare
+    --config RECIPE` (a model: and a data: section, as every recipe has) was jsonargparse's KeyError 'data'."""
+    root = Path(__file__).resolve().parents[1]
+    for name, text in (("empty.yaml", ""), ("list.yaml", "- 1\n- 2\n")):
+        (tmp_path / name).write_text(text)
+        err = fails(["train", "--config", str(tmp_path / name), "--run_dir", str(tmp_path / "r")], capsys)
+        assert f"{tmp_path / name}: not a recipe (an empty file, or not a mapping at its top level)" in err, err
+    err = fails(["train", "--config", str(root / "configs" / "debug.yaml"), "--train.lr", ".inf",
+                 "--run_dir", str(tmp_path / "r")], capsys)  # fmt: skip
+    assert "train.lr = inf: must be a finite number" in err and not (tmp_path / "r").exists()
+    data = tmp_path / "d"
+    data.mkdir()
+    for s in ("train", "valid", "test"):
+        (data / f"{s}.txt").write_text("hello world\n" * 20)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((root / "configs" / "debug.yaml").read_text())
+    main(["data", "prepare", "--config", str(recipe), "--data.path", str(data), "--data.dataset", "custom",
+          "--data.cache_dir", str(tmp_path / "cache")])  # fmt: skip
+    assert '"vocab_size"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "probe, lines, message",
+    [
+        (
+            "pl2",
+            ['{"step": 1, "split": "train", "loss": Infinity}', '{"step": 2, "split": "train", "loss": 1e308}'],
+            "no row has a finite loss to plot",
+        ),
+        (
+            "pl7",
+            ['{"step": 1, "split": "train", "loss": "high"}', '{"step": 2, "split": "train", "loss": [1]}'],
+            "no row has a finite loss to plot",
+        ),
+        ("pl8", None, "metrics.jsonl: not a file (a run's metrics are a JSON-lines file"),
+    ],
+)
+def test_plot_names_what_it_cannot_plot(probe, lines, message, tmp_path, capsys):
+    """pl2, pl7: matplotlib's and numpy's messages; pl8: a folder was exit 1 with advice about permissions."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if lines is None:
+        (run / "metrics.jsonl").mkdir()
+    else:
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert message in fails(["plot", str(run)], capsys)
+    if lines is not None:  # (a finite row among them is plotted; the others are left out)
+        (run / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 3, "split": "train", "loss": 2.0}']) + "\n")
+        main(["plot", str(run)])
+        assert (run / "loss.png").is_file()

@@ -516,3 +516,61 @@ def test_d9_d10_messages_say_what_is_wrong(tmp_path, recwarn):
     model.generate(x[:1, :4], max_new_tokens=2, do_sample=False)
     assert not [w for w in recwarn if "maximum length" in str(w.message)]
     assert model.config.max_position_embeddings is None
+
+
+@pytest.mark.parametrize(
+    "probe, files, message",
+    [
+        ("tk0", {}, "TransfoXLTokenizer needs a vocabulary: vocab.json"),
+        ("tk2", {"vocab.json": b"garbage"}, "vocab.json:1: invalid JSON"),
+        ("tk3", {"vocab.json": b"[]"}, "vocab.json: expected a JSON object"),
+        ("tk7", {"vocab.json": b"\x00\xff\xfe"}, "vocab.json: not a JSON text file"),
+        ("tk4", {"vocab.json": b"{}"}, "vocab.json: not a txl tokenizer file (no model)"),
+        ("tk8", {"vocab.txt": b""}, "vocab.txt: an empty vocabulary"),
+        (
+            "tk9",
+            {"vocab.pkl": b"\x80\x04K\x01."},
+            "vocab.pkl is a pickle (HF's TransfoXL vocabulary); pickles can run "
+            "code when loaded. If you trust its origin pass trust_pickle=True",
+        ),
+    ],
+)
+def test_tokenizer_folders_that_cannot_be_read_say_why(probe, files, message, tmp_path):
+    """tk0-tk9 (D9d): transformers' generic "Unable to load vocabulary from file" hid the tokenizer's own message; `{}`
+    named a missing key; an empty vocab.txt loaded and refused every text."""
+    shutil.copy(ORACLE / "char-sharp" / "config.json", tmp_path)
+    for name, body in files.items():
+        (tmp_path / name).write_bytes(body)
+    with pytest.raises(OSError) as e:
+        AutoTokenizer.from_pretrained(tmp_path)
+    assert message in str(e.value) and "Unable to load vocabulary" not in str(e.value), str(e.value)
+
+
+def test_weights_and_configs_that_mislead_are_refused(tmp_path):
+    """hf17: a pickle-only 4.x folder's message named the CLI flag --trust-pickle to a library caller; hf18, hf22: a
+    NaN weight and an int64 weight of a saved folder loaded silently (txl's own loaders refuse both, and never cast);
+    hf28: layer_norm_epsilon "x" did not name the field."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(ORACLE / "char-sharp" / "config.json", folder)
+    torch.save(load_file(ORACLE / "char-sharp" / "model.safetensors"), folder / "pytorch_model.bin")
+    with pytest.raises(OSError, match="pass trust_pickle=True") as e:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert "--trust-pickle" not in str(e.value)
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / "char-sharp")
+    model.save_pretrained(tmp_path / "saved")
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("layer_1.weight"))
+    for bad, message in ((tensors[name].clone().fill_(float("nan")), "non-finite values"),
+                         (tensors[name].long(), f"{name} holds torch.int64 values")):  # fmt: skip
+        save_file({**tensors, name: bad}, tmp_path / "saved" / "model.safetensors", {"format": "pt"})
+        with pytest.raises(OSError, match=message):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    config = json.loads((ORACLE / "char-sharp" / "config.json").read_text())
+    (tmp_path / "eps").mkdir()
+    (tmp_path / "eps" / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": "x"}))
+    shutil.copy(ORACLE / "char-sharp" / "model.safetensors", tmp_path / "eps")
+    with pytest.raises(Exception, match=r"layer_norm_epsilon = 'x': must be a finite number"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "eps")

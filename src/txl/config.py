@@ -13,6 +13,7 @@ from the final values, so derived defaults (``model.d_embed`` = ``d_model``, ``m
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -150,6 +151,9 @@ class TrainConfig:
         for name in ("threads", "max_tokens", "eval_max_steps", "eval_tgt_len", "decay_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, "must be >= 1 (or null)")
+        for name in ("lr", "clip", "weight_decay", "momentum", "eta_min", "eps", "loss_fraction"):
+            if not math.isfinite(getattr(self, name)):  # (probes ya7: lr .inf trained to a NaN loss at step 2)
+                bad(name, "must be a finite number")
         if not 0.0 < self.loss_fraction <= 1.0:
             bad("loss_fraction", "must be in (0, 1] (1: every position is scored; 0.5: the paper's half loss)")
         if self.lr <= 0:

@@ -663,8 +663,12 @@ class Tokenizer:
             unk = model.get("unk_token")
             extra = model.get("txl") or {}
             raw = raw_text_from_json(extra.get("raw_text"), source)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise DataError(f"{source}: not a txl word/char/byte tokenizer ({e})") from None
+        except (KeyError, TypeError, AttributeError) as e:  # (probes tk4: `{}` named only its missing key)
+            what = f"no {e.args[0]}" if isinstance(e, KeyError) and e.args else str(e)
+            raise DataError(
+                f"{source}: not a txl tokenizer file ({what}): txl reads the tokenizer.json (or vocab.json) that its "
+                "tokenizers save, a word, char or byte vocabulary"
+            ) from None
         return cls(
             kind,
             symbols,

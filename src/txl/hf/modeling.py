@@ -144,7 +144,17 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         folder = Path(str(pretrained_model_name_or_path))
         trust_pickle = bool(kwargs.pop("trust_pickle", False))
         if not (folder.is_dir() and is_hf_layout(folder)):
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            if folder.is_dir():
+                _check_stored_dtypes(folder)
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            model = loaded[0] if isinstance(loaded, tuple) else loaded  # (output_loading_info=True)
+            bad = [n for n, p in model.named_parameters()
+                   if p.is_floating_point() and p.device.type != "meta" and not torch.isfinite(p).all()]  # fmt: skip
+            if bad:  # (probes hf18: a NaN weight loaded silently; txl's own loaders refuse it)
+                raise OSError(
+                    f"{folder}: non-finite values (NaN/inf: a diverged or corrupted checkpoint) in {', '.join(bad[:5])}"
+                )
+            return loaded
         config = kwargs.pop("config", None)
         dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
         device = _device_of(kwargs.pop("device_map", None))
@@ -168,7 +178,7 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         try:
             txl_model, source = load_hf_weights(folder, config.to_txl(), trust_pickle)
         except CheckpointError as e:
-            raise OSError(str(e)) from None
+            raise OSError(library_words(str(e))) from None
         with torch.device("meta"):
             model = cls(config, *model_args)
         model._adopt(txl_model, source)
@@ -270,9 +280,34 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         return module
 
 
+def library_words(message: str) -> str:
+    """A message of txl's converters in a library caller's words (probes hf17: a CLI flag named to Python code)."""
+    return message.replace("pass --trust-pickle", "pass trust_pickle=True").replace(
+        "--trust-pickle", "trust_pickle=True"
+    )
+
+
 _LOCAL_NO_OPS = ("low_cpu_mem_usage", "local_files_only", "cache_dir", "force_download", "proxies", "token",
                  "revision", "code_revision", "trust_remote_code", "use_safetensors", "adapter_kwargs")  # fmt: skip
 """``from_pretrained`` arguments that change nothing when a local 4.x-layout folder is read whole into memory."""
+
+
+def _check_stored_dtypes(folder: Path) -> None:
+    """The weights files of a local folder hold floating-point tensors only (probes hf22: an int64 weight was cast
+    silently by transformers' loading; txl's loaders never cast weights). Read from the safetensors headers."""
+    from txl.model.pretrained import safetensors_index
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            index = safetensors_index(path)[0]
+        except CheckpointError:
+            continue  # (transformers names what is wrong with the file)
+        whole = [(k, dt) for k, (dt, *_) in index.items() if not dt.is_floating_point]
+        if whole:
+            raise OSError(
+                f"{path}: {whole[0][0]} holds {whole[0][1]} values; the model's weights are floating-point (txl never "
+                "casts weights: convert the file, or save the model again)"
+            )
 
 
 def _device_of(device_map: Any) -> torch.device | None:

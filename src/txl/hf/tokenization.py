@@ -123,7 +123,10 @@ def _read(vocab_file: str | None, vocab_txt: str | None, vocab_pkl: str | None, 
             if tok is not None:
                 return tok
     except (CheckpointError, DataError) as e:
-        raise VocabularyError(str(e)) from None
+        words = (
+            str(e).replace("pass --trust-pickle", "pass trust_pickle=True").replace("--trust-pickle", "trust_pickle")
+        )
+        raise VocabularyError(words) from None
     raise VocabularyError(
         "TransfoXLTokenizer needs a vocabulary: vocab.json (txl's), vocab.txt or vocab.pkl (Hugging Face 4.x's, "
         "with trust_pickle=True), or tokenizer=<a txl Tokenizer>"

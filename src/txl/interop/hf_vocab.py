@@ -153,6 +153,8 @@ def convert_hf_tokenizer(
     state: dict[str, Any] = {}
     if text.is_file():
         symbols = _symbols_from_text(text)
+        if not symbols:  # (probes tk8: an empty vocab.txt loaded, then every text was "not in the vocabulary")
+            raise CheckpointError(f"{text}: an empty vocabulary (HF's vocab.txt holds one symbol per line)")
     elif pkl.is_file():
         if not trust_pickle:
             raise CheckpointError(

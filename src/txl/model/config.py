@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -137,6 +138,10 @@ class TransformerXLConfig:
             bad("tie_projs", why)
         if self.div_val > 1 and self.d_embed // self.div_val ** len(c) < 1:
             bad("div_val", f"gives a zero-width embedding for the last cluster (d_embed={self.d_embed})")
+        for name in ("dropout", "dropatt", "init_std", "init_range", "proj_init_std", "layer_norm_epsilon"):
+            value = getattr(self, name)  # (probes hf28: a string was "'<=' not supported between str and int")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                bad(name, "must be a finite number")
         for name in ("dropout", "dropatt"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 bad(name, "must be in [0, 1)")

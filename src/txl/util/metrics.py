@@ -21,6 +21,8 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
+    if not path.is_file():  # (probes pl8: a folder was "Is a directory (check that folder's permissions ...)", exit 1)
+        raise ValueError(f"{path}: not a file (a run's metrics are a JSON-lines file that txl train writes)")
     rows = []
     for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:

@@ -4,6 +4,7 @@ go, and how they are written."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 from txl.util.fileio import write_bytes
@@ -76,11 +77,17 @@ def run_figure(run_dir: str | Path):
         raise ValueError(f"{path}: no metrics yet (is this a run folder of `txl train`?)")
     metric = next((m for m in ("bpc", "ppl", "accuracy", "mse") if m in (train or valid)[0]), None)
     per = "document" if metric in ("accuracy", "mse") else "token"  # (txl finetune's runs: a loss per document)
-    fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(11 if metric else 6, 4), squeeze=False)
-    for ax, key in zip(axes[0], ["loss", metric], strict=False):
+    keys = ["loss", metric] if metric else ["loss"]
+    if not any(_value(r.get(k)) is not None for r in train + valid for k in keys):
+        raise ValueError(  # (probes pl2, pl7: values of Infinity, 1e308, "high" or [1] were matplotlib's errors)
+            f"{run_dir / METRICS}: no row has a finite {' or '.join(keys)} to plot (diverged, or edited by hand)"
+        )
+    fig, axes = plt.subplots(1, len(keys), figsize=(11 if metric else 6, 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
         for series, label, style in ((train, "train", "-"), (valid, "valid", "o-")):
-            if series:
-                ax.plot([r["step"] for r in series], [r[key] for r in series], style, label=label, markersize=3)
+            points = [(r["step"], v) for r in series if (v := _value(r.get(key))) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, label=label, markersize=3)
         ax.set_xlabel("step")
         ax.set_ylabel(key if key != "loss" else f"loss (nats/{per})")
         if key == "ppl":
@@ -90,6 +97,14 @@ def run_figure(run_dir: str | Path):
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     return fig
+
+
+def _value(v) -> float | None:
+    """A metric's value as a number to plot: a finite int or float, within what an axis can span; else None (the
+    row is left out of that curve)."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or abs(v) > 1e150:
+        return None
+    return float(v)
 
 
 def plot_memory_sweep(points: list[tuple[int, float]], metric: str, out: str | Path, title: str = "") -> Path:
