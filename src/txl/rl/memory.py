@@ -293,8 +293,10 @@ class MemoryTransformer(nn.Module):
             raise ValueError(f"window: needs at least one step (T = {T}) and a memory of at least one step (M = {M})")
         episode, keys, unfilled = _episodes(resets, state.invalid.to(x.device))
         blocked = _blocked(episode, keys, unfilled)  # [N, T, M + T]
-        # the memory's invalid steps are never attended, and are zeroed so that they add exactly 0 (not 0 x NaN)
-        held = state.hidden.to(x).detach().masked_fill(state.invalid.to(x.device)[:, None, :, None], 0)
+        # the memory's invalid steps are never attended, nor any step of it when the window starts an episode: zeroed,
+        # they add exactly 0 (not 0 x NaN)
+        unseen = state.invalid.to(x.device) | resets[:, :1]  # [N, M]
+        held = state.hidden.to(x).detach().masked_fill(unseen[:, None, :, None], 0)
         mems = list(held.unbind(1))  # L x [N, M, D]
         out = self.core(
             inputs_embeds=self.embed(x), mems=mems, key_mask=blocked, mem_len=M, output_hidden_states=every_step
