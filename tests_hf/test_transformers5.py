@@ -574,3 +574,22 @@ def test_weights_and_configs_that_mislead_are_refused(tmp_path):
     shutil.copy(ORACLE / "char-sharp" / "model.safetensors", tmp_path / "eps")
     with pytest.raises(Exception, match=r"layer_norm_epsilon = 'x': must be a finite number"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "eps")
+
+
+@pytest.mark.parametrize("layout", ["4.x", "saved"])
+def test_a_config_that_does_not_describe_its_weights_is_refused_before_the_model_is_built(layout, tmp_path):
+    """rl29/hl1 through txl.hf: config.json with n_layer 1,000,000 over the weights of 2 layers was built first (a
+    hang while memory grew). Refused from the weights' headers, in one line naming the field, at once."""
+    import time
+
+    folder = tmp_path / "huge"
+    if layout == "4.x":
+        shutil.copytree(ORACLE / "word-adaptive-sharp", folder)
+    else:
+        AutoModelForCausalLM.from_pretrained(ORACLE / "word-adaptive-sharp").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_layer": 1_000_000}))
+    start = time.monotonic()
+    with pytest.raises(OSError, match=r"n_layer = 1,000,000, but .* holds 2 layers"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert time.monotonic() - start < 30

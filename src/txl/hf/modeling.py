@@ -146,6 +146,10 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         if not (folder.is_dir() and is_hf_layout(folder)):
             if folder.is_dir():
                 _check_stored_dtypes(folder)
+                if (folder / "config.json").is_file():  # (its shape against the weights' headers, before building)
+                    given = kwargs.get("config")
+                    saved = given if isinstance(given, TransfoXLConfig) else TransfoXLConfig.from_pretrained(folder)
+                    _check_fits(folder, saved)
             loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
             model = loaded[0] if isinstance(loaded, tuple) else loaded  # (output_loading_info=True)
             bad = [n for n, p in model.named_parameters()
@@ -175,6 +179,7 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
             config = TransfoXLConfig.from_dict({**config.to_dict(), **overrides})
         if not isinstance(config, TransfoXLConfig):
             raise TypeError(f"config must be a TransfoXLConfig, not {type(config).__name__}")
+        _check_fits(folder, config)
         try:
             txl_model, source = load_hf_weights(folder, config.to_txl(), trust_pickle)
         except CheckpointError as e:
@@ -308,6 +313,24 @@ def _check_stored_dtypes(folder: Path) -> None:
                 f"{path}: {whole[0][0]} holds {whole[0][1]} values; the model's weights are floating-point (txl never "
                 "casts weights: convert the file, or save the model again)"
             )
+
+
+def _check_fits(folder: Path, config: TransfoXLConfig) -> None:
+    """The config's shape (n_layer, d_model, d_inner, vocab_size, n_head x d_head) against the safetensors headers of
+    the folder, before the model is built: a config.json asking for 1,000,000 layers over the weights of 2 would be
+    built first (probes rl29, hl1-hl5). One OSError naming the field."""
+    from txl.model.pretrained import check_config_fits_weights, safetensors_index
+
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            shapes |= {k: e[1] for k, e in safetensors_index(path)[0].items()}
+        except CheckpointError:
+            return  # (the loader names what is wrong with the file)
+    try:
+        check_config_fits_weights(config.to_txl(), shapes, str(folder / "config.json"), f"{folder}'s weights")
+    except CheckpointError as e:
+        raise OSError(str(e)) from None
 
 
 def _device_of(device_map: Any) -> torch.device | None:
