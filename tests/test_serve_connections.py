@@ -208,36 +208,53 @@ def test_head_is_get_without_the_body(served):
     assert res.status_code == 200 and res.content == b""
 
 
-def test_a_generation_whose_caller_takes_nothing_waits_and_then_gives_the_same_tokens():
-    """The engine's backpressure: a generation whose caller has not taken max_unread tokens is parked (its memory
-    kept apart, its row freed for others) and makes nothing more; once the caller takes half of them it rejoins the
-    batch and goes on with exactly the tokens it gives alone (greedy), and so do the requests beside it."""
-    import threading
+class _Callers:
+    """The engine's callers of a test: each generation's tokens, whether it ended, and a caller that takes its tokens
+    as they come (``takes``) or never."""
 
+    def __init__(self):
+        import collections
+        import threading
+
+        self.got, self.gens = collections.defaultdict(list), {}
+        self.ended = collections.defaultdict(threading.Event)
+
+    def emit(self, name, takes: bool):
+        def f(tok):
+            if tok is None:
+                self.ended[name].set()
+            else:
+                self.got[name].append(tok)
+                if takes:
+                    self.gens[name].took()
+
+        return f
+
+
+def _engine_model():
     import torch
 
     from tests.conftest import debug_config
     from txl import TransformerXLLM
+
+    torch.manual_seed(0)
+    return TransformerXLLM(debug_config(n_token=40, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24,
+                                        n_layer=2, mem_len=8)).eval()  # fmt: skip
+
+
+def test_a_generation_whose_caller_takes_nothing_waits_and_then_gives_the_same_tokens():
+    """The engine's backpressure: a generation whose caller has not taken max_unread tokens is parked (its memory
+    kept apart, its row freed for others) and makes nothing more; once the caller takes half of them it rejoins the
+    batch and goes on with exactly the tokens it gives alone (greedy), and so do the requests beside it."""
+    import torch
+
     from txl.infer.generation import generate
     from txl.serve.engine import Engine, Generation
 
-    torch.manual_seed(0)
-    model = TransformerXLLM(debug_config(n_token=40, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24,
-                                         n_layer=2, mem_len=8)).eval()  # fmt: skip
+    model = _engine_model()
     engine = Engine(model, max_batch=4, max_unread=6)
-    got, ended = {"a": [], "b": []}, {"a": threading.Event(), "b": threading.Event()}
-    gens = {}
-
-    def emit(name, takes):
-        def f(tok):
-            if tok is None:
-                ended[name].set()
-            else:
-                got[name].append(tok)
-                if takes:
-                    gens[name].took()
-
-        return f
+    callers = _Callers()
+    got, ended, gens, emit = callers.got, callers.ended, callers.gens, callers.emit
 
     gens["a"] = Generation([1, 2, 3], 40, emit("a", True), mem_len=8, temperature=0.0)
     gens["b"] = Generation([4, 5], 30, emit("b", False), mem_len=8, temperature=0.0)
@@ -351,33 +368,15 @@ def test_parked_generations_give_their_rows_to_others():
     """s1 in the engine: 8 generations whose caller takes nothing fill max_batch 8 and park; a plain request then
     runs at once beside them (before, it waited for as long as they were parked). More parked than max_parked hold
     their rows again; once their caller takes their tokens the parked ones end with the tokens they give alone."""
-    import threading
-
     import torch
 
-    from tests.conftest import debug_config
-    from txl import TransformerXLLM
     from txl.infer.generation import generate
     from txl.serve.engine import Engine, Generation
 
-    torch.manual_seed(0)
-    model = TransformerXLLM(debug_config(n_token=40, d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=24,
-                                         n_layer=2, mem_len=8)).eval()  # fmt: skip
+    model = _engine_model()
     engine = Engine(model, max_batch=8, max_unread=4, max_parked=8)
-    got = {i: [] for i in range(10)}
-    ended = {i: threading.Event() for i in range(10)}
-    gens = {}
-
-    def emit(i, takes):
-        def f(tok):
-            if tok is None:
-                ended[i].set()
-            else:
-                got[i].append(tok)
-                if takes:
-                    gens[i].took()
-
-        return f
+    callers = _Callers()
+    got, ended, gens, emit = callers.got, callers.ended, callers.gens, callers.emit
 
     for i in range(8):
         gens[i] = Generation([1 + i, 2], 20, emit(i, False), mem_len=8, temperature=0.0)
