@@ -81,7 +81,7 @@ def test_eval_cuda_on_a_cpu_machine_names_the_option(char_run, capsys):
     "args, message",
     [
         (["--temperature", "-1"], "temperature = -1.0: must be >= 0"),
-        (["--temperature", "nan"], "--temperature = 'nan': expected a float"),
+        (["--temperature", "nan"], "--temperature = 'nan': expected a finite number"),
         (["--top_p", "1.5"], "top_p = 1.5: must be in (0, 1]"),
         (["--top_p", "0"], "top_p = 0.0: must be in (0, 1]"),
         (["--top_k", "-3"], "top_k = -3: must be >= 0"),
