@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -58,7 +59,8 @@ def test_the_constraints_file_reproduces_this_environment():
         if line and not line.startswith("#"):
             pkg, version = line.split("==")
             pins[pkg.lower().replace("_", "-")] = version
-    here = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in metadata.distributions()}
+    site = [sysconfig.get_paths()["purelib"]]  # (not the vendored dist-infos of a package on sys.path: setuptools')
+    here = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in metadata.distributions(path=site)}
     here.pop("transformer-xl", None)
     for tool in ("pip", "setuptools", "wheel"):  # (the venv's own tools)
         here.pop(tool, None)

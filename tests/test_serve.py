@@ -454,8 +454,8 @@ def test_engine_queue_limit_and_shutdown(run):
     engine = Engine(model, max_batch=1, max_queue=1)
     reasons = []
     gens = [Generation([1, 2], 100_000, lambda t: None, mem_len=8) for _ in range(2)]
-    for g in gens:
-        g.emit = lambda t, g=g: reasons.append(g.finish_reason) if t is None else None
+    for g in gens:  # (callers that take their tokens: a parked generation, whose caller does not, frees its row)
+        g.emit = lambda t, g=g: reasons.append(g.finish_reason) if t is None else g.took()
         engine.submit(g)  # one runs, one waits
         while not engine.active:
             time.sleep(0.001)

@@ -239,7 +239,7 @@ def convert_tf_checkpoint(
     r_r_bias = _need(tf, T + "r_r_bias", source)
     if r_r_bias.shape != r_w_bias.shape:  # (probes tf19: a 1-D r_r_bias was blamed on its row count)
         raise CheckpointError(
-            f"{source}: {T}r_r_bias has shape {list(r_r_bias.shape)} and {T}r_w_bias {list(r_w_bias.shape)}; the TF "
+            f"{source}: {T}r_w_bias has shape {list(r_w_bias.shape)} and {T}r_r_bias {list(r_r_bias.shape)}; the TF "
             "code's two biases have one shape"
         )
     if qkv.shape[1] != 3 * r_w_bias.shape[-2] * r_w_bias.shape[-1]:  # (probes tf17: blamed on the embedding)
