@@ -663,3 +663,33 @@ def test_data_get_shakespeare_never_replaces_a_users_file(tmp_path, monkeypatch,
     capsys.readouterr()
     err = fails(["data", "get", "shakespeare", "--out", str(tmp_path / "fresh")], capsys)
     assert "test.txt: changed since txl wrote it; nothing written" in err, err
+
+
+@pytest.mark.parametrize("every_step", [False, True])
+def test_a_non_finite_observation_inside_a_window_never_reaches_the_next_episode(every_step):
+    """rl10-rl50 within one training window: a NaN observation, then a reset, both inside the window. The episode
+    after the reset equals what `step` computes (and a clean run of it); the other environment's features are the
+    one window's."""
+    model = _agent("gru", seed=3).eval()
+    N, pre, T = 2, 6, 10
+    x = torch.randn(N, pre + T, 3)
+    resets = torch.zeros(N, pre + T, dtype=torch.bool)
+    resets[:, 0] = True
+    resets[0, pre + 5] = True  # (a reset inside the window, after the NaN)
+    resets[1, pre + 3] = True
+    poisoned = x.clone()
+    poisoned[0, pre + 2] = float("nan")
+    memory = model.initial_memory(N)
+    for t in range(pre):
+        model.step(poisoned[:, t], resets[:, t], memory)
+    state = memory.state()
+    steps = torch.stack([model.step(poisoned[:, t], resets[:, t], memory) for t in range(pre, pre + T)], 1)
+    with torch.no_grad():
+        clean, _ = model.window(x[:, pre:], resets[:, pre:], state, every_step)  # (no NaN: one window)
+    feats, end = model.window(poisoned[:, pre:], resets[:, pre:], state, every_step)
+    later = feats[0, 5:]
+    assert torch.isfinite(later).all() and torch.isfinite(feats[1]).all()
+    torch.testing.assert_close(later, steps[0, 5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(later, clean[0, 5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats[1], clean[1], rtol=1e-5, atol=1e-5)
+    assert end.hidden.shape[0] == N and (end.hidden.shape[1] == T) == every_step

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.runtime import functorch_wrapped
 from txl.model.cache import KVCache
 from txl.model.config import TransformerXLConfig
 from txl.model.pretrained import (
@@ -291,6 +292,10 @@ class MemoryTransformer(nn.Module):
             )
         if T == 0 or M == 0:  # (probes rl21, rl23)
             raise ValueError(f"window: needs at least one step (T = {T}) and a memory of at least one step (M = {M})")
+        if not (functorch_wrapped(x) or torch.compiler.is_compiling()):  # (a host read: not under vmap, not compiled)
+            apart = ~torch.isfinite(x).flatten(1).all(1) & resets[:, 1:].any(1)  # [N]
+            if bool(apart.any()):
+                return self._window_apart(x, resets, state, every_step, apart)
         episode, keys, unfilled = _episodes(resets, state.invalid.to(x.device))
         blocked = _blocked(episode, keys, unfilled)  # [N, T, M + T]
         # the memory's invalid steps are never attended, nor any step of it when the window starts an episode: zeroed,
@@ -310,6 +315,34 @@ class MemoryTransformer(nn.Module):
         hidden = every.unfold(2, M, 1)[:, :, 1:].permute(0, 2, 1, 4, 3)  # [N, T, L, M, D]
         invalid = unfilled.unfold(1, M, 1)[:, 1:] | (keys.unfold(1, M, 1)[:, 1:] != episode[:, :, None])  # [N, T, M]
         return out.last_hidden_state, MemoryState(hidden, invalid)
+
+    def _window_apart(
+        self, x: Tensor, resets: Tensor, state: MemoryState, every_step: bool, apart: Tensor
+    ) -> tuple[Tensor, MemoryState]:
+        """:meth:`window` where some environments (``apart`` [N]) hold a non-finite observation and a reset after the
+        window's first step: one window would reach the later episode through its masked keys of the earlier one
+        (0 x NaN). Each such environment's window runs in pieces cut at its resets (a piece that starts an episode
+        attends nothing before it, and its memory is zeroed), the others together as one window: each computes what
+        T calls of :meth:`step` compute. The gradients are the one window's: nothing crosses a reset."""
+        N, T = resets.shape
+        rows: dict[int, tuple[Tensor, MemoryState]] = {}
+        together = (~apart).nonzero().flatten()
+        if len(together):
+            feats, end = self.window(x[together], resets[together], state.index(together.to(state.hidden.device)),
+                                     every_step)  # fmt: skip
+            for i, n in enumerate(together.tolist()):
+                rows[n] = feats[i : i + 1], end.index(slice(i, i + 1))
+        for n in apart.nonzero().flatten().tolist():
+            cuts = [0, *(t for t in range(1, T) if bool(resets[n, t])), T]
+            now, pieces, ends = state.index(slice(n, n + 1)), [], []
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                feats, end = self.window(x[n : n + 1, a:b], resets[n : n + 1, a:b], now, every_step)
+                pieces.append(feats)
+                ends.append(end)
+                now = MemoryState(end.hidden[:, -1], end.invalid[:, -1]) if every_step else end
+            joined = MemoryState(torch.cat([e.hidden for e in ends], 1), torch.cat([e.invalid for e in ends], 1))
+            rows[n] = torch.cat(pieces, 1), joined if every_step else now
+        return torch.cat([rows[n][0] for n in range(N)]), MemoryState.stack([rows[n][1] for n in range(N)])
 
     @staticmethod
     def window_mask(resets: Tensor, invalid: Tensor) -> Tensor:
