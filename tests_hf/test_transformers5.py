@@ -433,6 +433,9 @@ def test_d6_loading_arguments_are_applied_or_refused(tmp_path):
     folder = ORACLE / "char-sharp"
     model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", low_cpu_mem_usage=True)
     assert next(model.parameters()).device.type == "cpu"
+    for where in ("meta", {"": "meta"}):  # (a device other than the CPU: the map is applied, not dropped)
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=where)
+        assert {p.device.type for p in model.parameters()} == {"meta"}
     model = AutoModelForCausalLM.from_pretrained(folder, device_map={"": "cpu"}, dtype=torch.float64)
     assert next(model.parameters()).dtype == torch.float64
     with pytest.raises(TypeError, match=r"quantization_config cannot be applied to a folder in Hugging Face 4.x's"):

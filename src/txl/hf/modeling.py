@@ -24,6 +24,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from txl.hf.configuration import TransfoXLConfig
+from txl.hf.tokenization import library_words
 from txl.interop.convert import is_hf_layout, load_hf_weights
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.modeling import TransformerXL, TransformerXLLM
@@ -144,12 +145,13 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         folder = Path(str(pretrained_model_name_or_path))
         trust_pickle = bool(kwargs.pop("trust_pickle", False))
         if not (folder.is_dir() and is_hf_layout(folder)):
-            if folder.is_dir():
-                _check_stored_dtypes(folder)
-                if (folder / "config.json").is_file():  # (its shape against the weights' headers, before building)
-                    given = kwargs.get("config")
-                    saved = given if isinstance(given, TransfoXLConfig) else TransfoXLConfig.from_pretrained(folder)
-                    _check_fits(folder, saved)
+            if folder.is_dir():  # (its weights' dtypes and shape against the config, from the headers, first)
+                given = kwargs.get("config")
+                has_config = isinstance(given, TransfoXLConfig) or (folder / "config.json").is_file()
+                saved = given if isinstance(given, TransfoXLConfig) else None
+                if has_config and saved is None:
+                    saved = TransfoXLConfig.from_pretrained(folder)
+                _check_headers(folder, saved, dtypes=True)
             loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
             model = loaded[0] if isinstance(loaded, tuple) else loaded  # (output_loading_info=True)
             bad = [n for n, p in model.named_parameters()
@@ -179,7 +181,7 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
             config = TransfoXLConfig.from_dict({**config.to_dict(), **overrides})
         if not isinstance(config, TransfoXLConfig):
             raise TypeError(f"config must be a TransfoXLConfig, not {type(config).__name__}")
-        _check_fits(folder, config)
+        _check_headers(folder, config)
         try:
             txl_model, source = load_hf_weights(folder, config.to_txl(), trust_pickle)
         except CheckpointError as e:
@@ -285,49 +287,36 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         return module
 
 
-def library_words(message: str) -> str:
-    """A message of txl's converters in a library caller's words (probes hf17: a CLI flag named to Python code)."""
-    return message.replace("pass --trust-pickle", "pass trust_pickle=True").replace(
-        "--trust-pickle", "trust_pickle=True"
-    )
-
-
 _LOCAL_NO_OPS = ("low_cpu_mem_usage", "local_files_only", "cache_dir", "force_download", "proxies", "token",
                  "revision", "code_revision", "trust_remote_code", "use_safetensors", "adapter_kwargs")  # fmt: skip
 """``from_pretrained`` arguments that change nothing when a local 4.x-layout folder is read whole into memory."""
 
 
-def _check_stored_dtypes(folder: Path) -> None:
-    """The weights files of a local folder hold floating-point tensors only (probes hf22: an int64 weight was cast
-    silently by transformers' loading; txl's loaders never cast weights). Read from the safetensors headers."""
-    from txl.model.pretrained import safetensors_index
+def _check_headers(folder: Path, config: TransfoXLConfig | None, dtypes: bool = False) -> None:
+    """From the safetensors headers of a local folder (nothing allocated), before the model is built: the config's
+    shape (n_layer, d_model, d_inner, vocab_size, n_head x d_head) against the weights (probes rl29, hl1-hl5: a
+    config.json asking for 1,000,000 layers over the weights of 2 was built first), and with ``dtypes`` floating-point
+    tensors only (probes hf22: transformers' loading cast an int64 weight silently; txl's loaders never cast). One
+    OSError naming the field or the tensor."""
+    from txl.model.pretrained import check_config_fits_weights, safetensors_index
 
+    index: dict[str, tuple] = {}
     for path in sorted(folder.glob("*.safetensors")):
         try:
-            index = safetensors_index(path)[0]
+            entries = safetensors_index(path)[0]
         except CheckpointError:
-            continue  # (transformers names what is wrong with the file)
-        whole = [(k, dt) for k, (dt, *_) in index.items() if not dt.is_floating_point]
-        if whole:
+            return  # (the loader names what is wrong with the file)
+        whole = [(k, e[0]) for k, e in entries.items() if not e[0].is_floating_point]
+        if dtypes and whole:
             raise OSError(
                 f"{path}: {whole[0][0]} holds {whole[0][1]} values; the model's weights are floating-point (txl never "
                 "casts weights: convert the file, or save the model again)"
             )
-
-
-def _check_fits(folder: Path, config: TransfoXLConfig) -> None:
-    """The config's shape (n_layer, d_model, d_inner, vocab_size, n_head x d_head) against the safetensors headers of
-    the folder, before the model is built: a config.json asking for 1,000,000 layers over the weights of 2 would be
-    built first (probes rl29, hl1-hl5). One OSError naming the field."""
-    from txl.model.pretrained import check_config_fits_weights, safetensors_index
-
-    shapes: dict[str, list[int]] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            shapes |= {k: e[1] for k, e in safetensors_index(path)[0].items()}
-        except CheckpointError:
-            return  # (the loader names what is wrong with the file)
+        index |= entries
+    if config is None:
+        return
     try:
+        shapes = {k: e[1] for k, e in index.items()}
         check_config_fits_weights(config.to_txl(), shapes, str(folder / "config.json"), f"{folder}'s weights")
     except CheckpointError as e:
         raise OSError(str(e)) from None
@@ -538,7 +527,7 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
         if not return_dict:  # Hugging Face 4.x's tuples, () where its prediction_scores were empty (with labels)
             rest = tuple(v for v in (out.mems, out.hidden_states, out.attentions) if v is not None)
             first = () if scores is None else scores
-            if getattr(self.config, "trainer_compatible", False):
+            if self.config.trainer_compatible:
                 head = (first, losses) if losses is not None else (first,)
                 return ((loss,) + head + rest) if loss is not None else head + rest
             head = ((losses, first) if losses is not None else (first,)) + rest

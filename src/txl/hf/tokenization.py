@@ -21,6 +21,11 @@ from txl.model.pretrained import CheckpointError
 VOCAB_FILES = {"vocab_file": "vocab.json", "vocab_txt": "vocab.txt", "vocab_pkl": "vocab.pkl"}
 
 
+def library_words(message: str) -> str:
+    """A message of txl's converters in a library caller's words (probes hf17: a CLI flag named to Python code)."""
+    return message.replace("--trust-pickle", "trust_pickle=True")
+
+
 class VocabularyError(OSError):
     """A vocabulary that cannot be read (missing, not a vocabulary, a pickle not trusted): which file, what to do."""
 
@@ -123,10 +128,7 @@ def _read(vocab_file: str | None, vocab_txt: str | None, vocab_pkl: str | None, 
             if tok is not None:
                 return tok
     except (CheckpointError, DataError) as e:
-        words = (
-            str(e).replace("pass --trust-pickle", "pass trust_pickle=True").replace("--trust-pickle", "trust_pickle")
-        )
-        raise VocabularyError(words) from None
+        raise VocabularyError(library_words(str(e))) from None
     raise VocabularyError(
         "TransfoXLTokenizer needs a vocabulary: vocab.json (txl's), vocab.txt or vocab.pkl (Hugging Face 4.x's, "
         "with trust_pickle=True), or tokenizer=<a txl Tokenizer>"

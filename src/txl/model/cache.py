@@ -241,11 +241,13 @@ class KVCache:
         keys and values are zeroed: a masked position then adds exactly 0 to the attention, where a non-finite value
         would add 0 x NaN = NaN (one NaN observation would poison the episodes after it)."""
         self.padding[:, self.start : self.end] |= rows[:, None]
-        if self.length and bool(rows.any()):
+        if not bool(rows.any()):
+            return
+        if self.length:
             gone = rows.to(self.k.device)[None, :, None, None, None]  # [1, B, 1, 1, 1]
             for t in (self.k, self.v):
                 t[:, :, :, self.start : self.end].masked_fill_(gone, 0)
-        self.padded = self.padded or bool(rows.any())
+        self.padded = True
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""

@@ -226,15 +226,10 @@ def check_config_fits_weights(config: Any, shapes: dict[str, list[int]], config_
 
 def check_fits_memory(model: torch.nn.Module, source: str, dtype: torch.dtype | None = None) -> None:
     """Before a model built on the meta device is allocated: its parameters' bytes against the memory free now."""
-    from txl.kernels import runtime
+    from txl.kernels.runtime import check_fits
 
     need = sum(p.numel() * (dtype or p.dtype).itemsize for p in unique_state_dict(model).values())
-    free = runtime.available_memory()
-    if free is not None and need > free:
-        raise CheckpointError(
-            f"{source}: the model's weights need {runtime._size(need)} of memory, more than the "
-            f"{runtime._size(free)} free here; it cannot be loaded on this machine"
-        )
+    check_fits(need, f"{source}: the model's weights", "it cannot be loaded on this machine")
 
 
 HEADS = {"crit": "the language-model head", "score": "the classification head"}

@@ -333,7 +333,7 @@ class MemoryTransformer(nn.Module):
             for i, n in enumerate(together.tolist()):
                 rows[n] = feats[i : i + 1], end.index(slice(i, i + 1))
         for n in apart.nonzero().flatten().tolist():
-            cuts = [0, *(t for t in range(1, T) if bool(resets[n, t])), T]
+            cuts = [0, *(1 + resets[n, 1:].nonzero().flatten()).tolist(), T]
             now, pieces, ends = state.index(slice(n, n + 1)), [], []
             for a, b in zip(cuts[:-1], cuts[1:], strict=True):
                 feats, end = self.window(x[n : n + 1, a:b], resets[n : n + 1, a:b], now, every_step)
