@@ -47,17 +47,21 @@ setup-hf5: $(HF5_STAMP)
 
 setup-oldest: $(OLD_STAMP)
 
-# The fast suite (< 3 minutes on 2 cores): the model against the reference, its paths and formats, the data, the
-# command line's errors, agents' memory, the packaging. `make test-oldest` runs it on the oldest supported versions.
+# The fast suite (< 3 minutes on 2 cores): the model against the reference, its paths and formats, changed models
+# in every path, the fast paths' measured choice, the data, the command line's errors, agents' memory, the packaging.
+# `make test-oldest` runs it on the oldest supported versions.
 FAST := tests/test_packaging.py tests/test_model_api.py tests/test_oracle_parity.py tests/test_adaptive.py \
 	tests/test_attn_types.py tests/test_backends_exact.py tests/test_data_tokenizer.py tests/test_cli_errors.py \
-	tests/test_rl_memory.py
+	tests/test_rl_memory.py tests/test_changed_models.py tests/test_measured.py
+# The tests run in parallel, one process per core (at most 4: each holds models and a native build), with pytest-xdist
+# (tests/conftest.py gives each its share of the threads).
+PARALLEL := -n auto --maxprocesses 4
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(FAST)
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not slow" $(FAST)
 
 test-oldest: setup-oldest
-	$(OLD_BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider $(FAST)
+	$(OLD_BIN)/python -m pytest -q $(PARALLEL) -m "not slow" -p no:cacheprovider $(FAST)
 
 demo: setup
 	$(BIN)/python -m txl.demo
@@ -73,12 +77,14 @@ browser:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	    chromium chromium-driver; }
 
-# `make test` skips the tests marked slow (processes: torchrun, signals, full disks, the browser); `make test-all`
-# and CI (.ci/run: make test SLOW=1) run every test, the browser test included (it installs Chromium first).
-# Then the txl.hf suite in its transformers-5 environment (it compares with 4.46.3 through the main one). The 15
-# slowest tests are listed at the end (the suite takes 2-3x as long on a CPU without AVX-512).
+# `make test` skips the tests marked slow (processes: torchrun, signals, full disks, the browser), and runs the others
+# in parallel; `make test-all` and CI (.ci/run: make test SLOW=1) then run the slow ones too, one at a time (they
+# start processes of their own), the browser test included (it installs Chromium first). Then the txl.hf suite in its
+# transformers-5 environment (it compares with 4.46.3 through the main one). The 15 slowest tests of the default
+# suite are listed at the end.
 test: lint $(if $(SLOW),browser,) setup-hf5
-	$(if $(SLOW),TXL_REQUIRE_BROWSER=1,) $(BIN)/python -m pytest -q --durations=15 $(if $(SLOW),,-m "not slow")
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=15 -m "not slow"
+	$(if $(SLOW),TXL_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q --durations=15 -m slow,)
 	$(HF5_BIN)/python -m pytest -q -p no:cacheprovider tests_hf
 
 test-all:

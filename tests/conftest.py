@@ -8,11 +8,23 @@ from pathlib import Path
 # Triton's kernels (txl.kernels.fused_attention) run under its interpreter on the CPU in the tests: it reads this
 # when triton is imported, so it is set before anything can import it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every fast path runs wherever it applies (the tests hold each one to the reference), not only where this machine
+# measured it faster (txl.kernels.measured; tests/test_measured.py fakes a measurement): set before txl is imported,
+# and inherited by the commands the tests run.
+os.environ.setdefault("TXL_MEASURE", "0")
+# Under pytest-xdist (make test: -n 2) the machine's cores are shared by the workers: each takes its part, and so do
+# the commands it runs (OMP_NUM_THREADS), so that two workers do not run four threads on two cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
-import pytest
-import torch
+import pytest  # noqa: E402 (after the environment above)
+import torch  # noqa: E402
 
-from txl import TransformerXLConfig
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+from txl import TransformerXLConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT.parent / "shared" / "oracle" / "hf"

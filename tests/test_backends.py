@@ -39,8 +39,8 @@ def test_a_block_chooses_for_its_thread_and_the_process_for_all():
     worker.start()
     worker.join()
     assert not seen["later"].native_attention
-    assert Backends().describe() == "fast paths: all that can run"
-    assert backends().describe() == "fast paths: off: native_attention"
+    assert Backends(measured=True).describe() == "fast paths: all that can run"
+    assert backends().describe().startswith("fast paths: off: native_attention")
 
 
 def test_the_model_reads_the_policy_at_each_call(monkeypatch):
@@ -199,9 +199,10 @@ def test_the_fused_attention_runs_where_it_was_measured_faster(monkeypatch):
     x = torch.randint(0, 97, (2, 9))
 
     def count(train: bool, **policy) -> int:
-        calls.clear()
         model.train(train)
         with use_backends(native_kernels=False, **policy), torch.set_grad_enabled(train):
+            model(x[:, :-1], x[:, 1:])  # (the first call in a process also checks the kernel against the reference)
+            calls.clear()
             model(x[:, :-1], x[:, 1:])
         return len(calls)
 

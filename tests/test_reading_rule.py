@@ -96,3 +96,22 @@ def test_a_model_folder_without_a_run_reads_with_its_own_config(run, tmp_path, c
     assert json.loads(capsys.readouterr().out)["reading"] == {
         "mem_len": cfg.mem_len, "clamp_len": cfg.clamp_len, "same_length": cfg.same_length,
     }  # fmt: skip
+
+
+def test_no_reader_writes_its_settings_into_the_models_config(run):
+    """The reading settings are passed to the model's calls (``reading=``), never written into ``model.config``: the
+    loaded model keeps the config of its folder, and generation with a Reading equals a model whose config says the
+    same."""
+    from txl.infer.load import load
+    from txl.model.config import Reading
+    from txl.serve.state import Server
+
+    folder = resolve_model_dir(run)
+    saved = TransformerXLLM.load_config(folder)
+    loaded = load(run, "cpu", clamp_len=5, same_length=True, mem_len=20)
+    assert loaded.model.config == saved and loaded.reading == Reading(20, True, 5)
+    assert Server(run, ServeLimits()).model.config == saved
+    ids, g = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]]), torch.Generator().manual_seed(0)
+    got = generate(loaded.model, ids, 30, generator=g, reading=loaded.reading)[0].tolist()
+    assert got == reference(run, ids[0].tolist(), 30, mem_len=20, clamp_len=5, same_length=True)
+    assert loaded.model.config == saved

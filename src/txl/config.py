@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from txl.data import DataConfig
 from txl.kernels.backends import Backends
-from txl.model.modeling import TransformerXLConfig
+from txl.model.modeling import Reading, TransformerXLConfig
 from txl.util.folders import read_json
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
@@ -205,6 +205,10 @@ class EvalConfig:
     """Relative distances above this share one positional embedding (-1: none)."""
     same_length: bool = True
     """Every query sees the same number (mem_len) of keys."""
+
+    def reading(self) -> Reading:
+        """How the model reads with these settings (its mem_len, same_length, clamp_len), for its calls."""
+        return Reading(self.mem_len, self.same_length, self.clamp_len)
 
     def validate(self, prefix: str = "eval.") -> None:
         """Raise ``ConfigError`` naming the first bad field as ``{prefix}{field}``."""

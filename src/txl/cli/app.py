@@ -428,6 +428,26 @@ def _allocation(e: BaseException) -> str:
     return one_line(str(e)).split(". ")[0]
 
 
+def version_report() -> str:
+    """``txl --version``: the versions, the native kernels' state, and which CPU fast paths this machine measured
+    faster (``txl.kernels.measured``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from txl.kernels import measured, native
+    from txl.kernels.backends import backends
+
+    try:
+        mine = version("transformer-xl")
+    except PackageNotFoundError:
+        mine = "(source tree)"
+    return "\n".join(
+        [f"txl {mine} (torch {torch.__version__})", f"native kernels: {native.status()}", backends().describe(),
+         measured.describe()]
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["lm-eval"], ["lm_eval"]):  # EleutherAI's harness, its own command line (txl.interop.lm_harness)
@@ -437,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"txl: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         lm_eval_cli(argv[1:])
+        return
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version_report())
         return
     try:
         run(normalize_argv(argv))

@@ -73,15 +73,13 @@ def generate(
     import torch
 
     from txl.config import MAX_SEED, MIN_SEED, SEED_RANGE
-    from txl.data import Tokenizer
-    from txl.infer.evaluate import describe_reading, read_as, reading_settings
+    from txl.infer.evaluate import describe_reading
     from txl.infer.generation import Penalties, check_sampling
     from txl.infer.generation import stream as stream_tokens
+    from txl.infer.load import load
     from txl.kernels import native
     from txl.kernels.backends import backends
     from txl.kernels.runtime import configure_allocator
-    from txl.model.modeling import TransformerXLLM
-    from txl.train.checkpoint import resolve_model_dir
     from txl.util.distributed import resolve_device
 
     if model is None or (prompt is None) == (prompt_ids is None):
@@ -100,15 +98,11 @@ def generate(
     dev = resolve_device(device, option="--device")
     if dev.type == "cpu":
         configure_allocator()
-    folder = resolve_model_dir(model)
-    lm = TransformerXLLM.from_pretrained(folder).to(dev)
-    reading = reading_settings(folder, lm.config, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    loaded = load(model, dev, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    lm, folder, reading, tok = loaded.model, loaded.folder, loaded.settings, loaded.tokenizer
     if reading.mem_len < 1:
         raise ValueError(f"{folder}: the model reads with no memory; give --mem_len >= 1 (generation carries one)")
     mem_len = reading.mem_len
-    read_as(lm, reading)
-    tok_file = folder / "tokenizer.json"
-    tok = Tokenizer.load(tok_file).for_model(lm.config.n_token, tok_file) if tok_file.exists() else None
     if tok is not None and unknown is not None:  # (probes.md d16: the error advised an option generate lacked)
         tok = tok.with_unknown(unknown)
     if prompt is not None:
@@ -151,7 +145,7 @@ def generate(
         found = beam_search(
             lm, prompt_tensor, max_new_tokens, num_beams=num_beams,
             length_penalty=length_penalty, eos_token_ids=stops, mem_len=mem_len, mems=zeros,
-            penalties=penalties,
+            penalties=penalties, reading=loaded.reading,
         )  # fmt: skip
         tokens = iter(found[0, len(prompt_ids) :, None])
         stream = False
@@ -159,7 +153,7 @@ def generate(
         tokens = stream_tokens(
             lm, prompt_tensor, max_new_tokens, temperature=temperature, top_k=top_k,
             top_p=top_p, mem_len=mem_len, generator=g, stop_tokens=stops, mems=zeros,
-            penalties=penalties,
+            penalties=penalties, reading=loaded.reading,
         )  # fmt: skip
     if json or tok is None or not stream:
         new = [int(t) for t in tokens]

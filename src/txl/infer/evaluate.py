@@ -296,11 +296,6 @@ def reading_settings(folder: str | Path, model_config: TransformerXLConfig, **gi
     return eval_settings(read_run_config(Path(folder)), model_config, **given)
 
 
-def read_as(model: TransformerXLLM, s: EvalConfig) -> None:
-    """Make ``s``'s clamp_len and same_length the model's own (what its generation steps read from its config)."""
-    model.config.clamp_len, model.config.same_length = s.clamp_len, s.same_length
-
-
 def describe_reading(s: EvalConfig) -> str:
     """The reading settings as the commands print them."""
     return f"mem_len {s.mem_len}, clamp_len {s.clamp_len}, same_length {s.same_length}"

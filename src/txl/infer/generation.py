@@ -22,6 +22,7 @@ from torch import Tensor
 from txl.infer import static_decode
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
+from txl.model.config import Reading
 from txl.model.modeling import KVCache, NonFiniteError, TransformerXLLM, supports_kv_cache, transposed_weights
 
 
@@ -176,6 +177,7 @@ def stream(
     mems: list[Tensor] | None = None,
     observe: Callable[[Tensor, Tensor], None] | None = None,
     penalties: Penalties | None = None,
+    reading: Reading | None = None,
 ) -> Iterator[Tensor]:
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
@@ -186,12 +188,15 @@ def stream(
     e.g. ``[torch.zeros(B, mem_len, d_model)] * n_layer`` for Hugging Face's and the TF code's zero memory.
     ``observe(log_probs [B, V], tokens [B])`` is called with each step's log-probabilities (the model's, before
     temperature and filtering) and chosen tokens, before they are yielded. ``penalties`` (:class:`Penalties`) change
-    the scores by what each row holds so far (its prompt, padding included, and its new tokens).
+    the scores by what each row holds so far (its prompt, padding included, and its new tokens). ``reading``
+    (:class:`~txl.model.config.Reading`): how the model reads, its same_length and clamp_len (and mem_len, which the
+    argument overrides); None: the model's config.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty [batch, seq_len] tensor")
-    mem_len = model.config.mem_len if mem_len is None else mem_len
+    reading = (reading or Reading()).over(mem_len=mem_len).resolved(model.config)
+    mem_len = reading.mem_len
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
     if padding is not None and (padding.shape != input_ids.shape or bool(padding[:, -1].any())):
@@ -209,7 +214,7 @@ def stream(
 
             def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
                 with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
-                    return read_prompt(model, ids, cache, mem_len, pad)[:, -1]
+                    return read_prompt(model, ids, cache, mem_len, pad, reading=reading)[:, -1]
 
         else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
             if padding is not None:
@@ -220,7 +225,7 @@ def stream(
 
             def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
                 nonlocal mems
-                out = model.transformer(ids, mems, mem_len=mem_len)
+                out = model.transformer(ids, mems, mem_len=mem_len, reading=reading)
                 mems = out.mems
                 return out.last_hidden_state[:, -1]
 
@@ -228,7 +233,9 @@ def stream(
             h = step(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
             if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
-                decoder = static_decode.StaticDecoder(model, cache, mem_len, graph=h.device.type == "cuda")
+                decoder = static_decode.StaticDecoder(
+                    model, cache, mem_len, graph=h.device.type == "cuda", reading=reading
+                )
                 cache = None  # (the decoder's ring holds the memory now: the cache's buffers can go)
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
             pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
@@ -296,6 +303,7 @@ def beam_steps(
     padding: Tensor | None = None,
     mems: list[Tensor] | None = None,
     penalties: Penalties | None = None,
+    reading: Reading | None = None,
 ) -> Generator[None, None, Tensor]:
     """:func:`beam_search` one model call at a time: the generator yields after each call (the prompt's, then one per
     new token) and returns the result (``StopIteration.value``), so a caller can run other work between two steps
@@ -310,7 +318,8 @@ def beam_steps(
     check_sampling(max_new_tokens)
     B, T = input_ids.shape
     K, dev = num_beams, input_ids.device
-    mem_len = model.config.mem_len if mem_len is None else mem_len
+    reading = (reading or Reading()).over(mem_len=mem_len).resolved(model.config)
+    mem_len = reading.mem_len
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
     eos = [int(e) for e in eos_token_ids]
@@ -331,7 +340,7 @@ def beam_steps(
             model.transformer.fill_cache(cache, mems, mem_len)
         with transposed_weights():
             # The prompt's one pass, once per prompt: its K beams start from copies of its keys, values and state.
-            h = read_prompt(model, input_ids, cache, mem_len, padding)[:, -1]  # [B, D]
+            h = read_prompt(model, input_ids, cache, mem_len, padding, reading=reading)[:, -1]  # [B, D]
             cache.select([b for b in range(B) for _ in range(K)])  # [B * K] rows, beam k of prompt b at b * K + k
             h = h.repeat_interleave(K, 0)  # [B * K, D]
             yield
@@ -401,7 +410,8 @@ def beam_steps(
                     break
                 cache.select(rows)
                 with fp32_route(False):  # (products of a few rows: 3x slower routed)
-                    h = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len).last_hidden_state[:, -1]
+                    out = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len, reading=reading)
+                    h = out.last_hidden_state[:, -1]
                 yield
     finally:
         model.train(was_training)

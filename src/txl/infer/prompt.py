@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from txl.model.config import Reading
 from txl.model.modeling import KVCache, TransformerXLLM
 
 PROMPT_CHUNK = 1024
@@ -41,20 +42,24 @@ def read_prompt(
     mem_len: int,
     padding: Tensor | None = None,
     chunk: int = PROMPT_CHUNK,
+    reading: Reading | None = None,
 ) -> Tensor:
     """Read ``ids`` [B, T] (``padding`` [B, T]: True on the left of shorter prompts) into ``cache``, in pieces of
     ``chunk`` positions where T is longer, and return every position's last hidden state [B, T, D]. Afterwards the
-    cache holds the last ``mem_len`` positions, as after one pass of the whole prompt."""
+    cache holds the last ``mem_len`` positions, as after one pass of the whole prompt. ``reading``: how the model
+    reads (same_length, clamp_len; None: its config's)."""
     if chunk < 1:
         raise ValueError(f"chunk = {chunk}: a prompt is read in pieces of at least one position")
     T = ids.shape[1]
     if T <= chunk:
-        return model.transformer(ids, cache=cache, mem_len=mem_len, padding=padding).last_hidden_state
-    keep = mem_len if model.config.same_length else cache.length + T  # (what the pieces' queries must see)
+        return model.transformer(ids, cache=cache, mem_len=mem_len, padding=padding, reading=reading).last_hidden_state
+    same_length = (reading or Reading()).resolved(model.config).same_length
+    keep = mem_len if same_length else cache.length + T  # (what the pieces' queries must see)
     hidden = []
     for start in range(0, T, chunk):
         piece = slice(start, start + chunk)
         pad = None if padding is None else padding[:, piece]
-        hidden.append(model.transformer(ids[:, piece], cache=cache, mem_len=keep, padding=pad).last_hidden_state)
+        out = model.transformer(ids[:, piece], cache=cache, mem_len=keep, padding=pad, reading=reading)
+        hidden.append(out.last_hidden_state)
     cache.end_segment(0, mem_len)  # (the window the one pass leaves: its last mem_len positions)
     return torch.cat(hidden, dim=1)  # [B, T, D]

@@ -34,8 +34,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from txl.kernels.admission import admits
 from txl.kernels.backends import backends
 from txl.model.cache import DecodeLayer
+from txl.model.config import Reading
 from txl.model.modeling import KVCache, RelPartialLearnableMultiHeadAttn, TransformerXLLM, sinusoid_embedding
 
 MIN_NEW_TOKENS = 8
@@ -52,7 +54,7 @@ def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -
         and device.type == "cuda"
         and model.config.attn_type == 0
         and max_new_tokens >= MIN_NEW_TOKENS
-        and DecodeLayer.plain(model.transformer.layers)  # (the step reads the weights: plain modules only)
+        and admits("graph_decode", model.transformer.layers, deep=True, name="layers")  # (stock layers: else said)
         and not torch.is_autocast_enabled(device.type)
     )
 
@@ -63,8 +65,12 @@ class StaticDecoder:
     (the one the cache was filled with). ``graph``: capture the step as a CUDA graph at the first call (CUDA only).
     """
 
-    def __init__(self, model: TransformerXLLM, cache: KVCache, mem_len: int, *, graph: bool = False):
+    def __init__(
+        self, model: TransformerXLLM, cache: KVCache, mem_len: int, *, graph: bool = False,
+        reading: Reading | None = None,
+    ):  # fmt: skip
         cfg = model.config
+        read = (reading or Reading()).resolved(cfg)  # (same_length, clamp_len: how the model reads)
         if cfg.attn_type != 0:
             raise ValueError(f"the static decoder is for attn_type 0 (relative attention), not {cfg.attn_type}")
         if mem_len <= 0:
@@ -88,10 +94,10 @@ class StaticDecoder:
         self.pos = torch.full((1,), L, dtype=torch.long, device=dev)  # the newest position
         self.ids = torch.zeros(B, dtype=torch.long, device=dev)  # the step's input tokens
         # The keys a query sees with same_length (itself included); C sees them all.
-        self.window = mem_len + int(cfg.tf_same_length) if cfg.same_length else C
+        self.window = mem_len + int(cfg.tf_same_length) if read.same_length else C
         # W_kR R_d of every layer for the distances d = 0..C-1 ([H, Dh, C]), and the biases u, v ([H, Dh]).
         self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # R's, the softmax's (fp32 for bf16)
-        r = sinusoid_embedding(C, cfg.d_model, cfg.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
+        r = sinusoid_embedding(C, cfg.d_model, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
         self.r_k = [torch.mm(lay.attn.r_net.weight, r.t()).view(H, Dh, C) for lay in self.layers]
         self.biases = RelPartialLearnableMultiHeadAttn.biases(tr)
         self.graph = graph and dev.type == "cuda"

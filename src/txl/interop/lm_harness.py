@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,13 +39,12 @@ except ImportError as e:  # pragma: no cover - the extra is missing
         "txl's lm-evaluation-harness model needs the lmeval extra: pip install 'transformer-xl[lmeval]'"
     ) from e
 
-from txl.data.tokenizer import Tokenizer
-from txl.infer.evaluate import autocast, evaluate, read_as, reading_settings, segments_from_end
+from txl.infer.evaluate import autocast, evaluate, segments_from_end
 from txl.infer.generation import Penalties, beam_search, stream
+from txl.infer.load import load
 from txl.kernels.runtime import effective_precision
-from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache
+from txl.model.modeling import KVCache, supports_kv_cache
 from txl.util.distributed import resolve_device
-from txl.util.folders import resolve_model_dir
 
 
 def _int(value: Any, name: str, default: int) -> int:
@@ -138,8 +136,6 @@ class TransformerXLHarnessLM(LM):
         super().__init__()
         if threads is not None:
             torch.set_num_threads(_int(threads, "threads", 1))
-        folder = resolve_model_dir(str(pretrained))
-        self.model = TransformerXLLM.from_pretrained(folder)
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             print(
                 f"txl: note: device {device} asked for (the harness's default), but CUDA is not here: cpu",
@@ -148,12 +144,12 @@ class TransformerXLHarnessLM(LM):
             device = "cpu"
         self._device = resolve_device(device or "cpu", option="device")
         self.precision, _ = effective_precision(self._device, precision)
-        self.model.to(self._device).eval()
-        tok_file = Path(folder) / "tokenizer.json"
-        self.tokenizer = Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file)
         given = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-        self.settings = reading_settings(folder, self.model.config, **given)
-        read_as(self.model, self.settings)  # (its generation reads clamp_len and same_length from the config)
+        loaded = load(str(pretrained), self._device, **given)
+        self.model, self.settings = loaded.model, loaded.settings
+        if loaded.tokenizer is None:
+            raise ValueError(f"{loaded.folder}: no tokenizer.json (lm-eval reads the tasks' text with the model's own)")
+        self.tokenizer = loaded.tokenizer
         self.batch_size = _int(batch_size, "batch_size", 8)
         if self.batch_size < 1:
             raise ValueError(f"--batch_size {batch_size}: must be >= 1 (or auto)")
@@ -315,7 +311,7 @@ class TransformerXLHarnessLM(LM):
         with autocast(self._device, self.precision):
             if beams > 1 and not sample:
                 found = beam_search(
-                    self.model, ids, max_new, num_beams=beams, mem_len=self.settings.mem_len, padding=padding,
+                    self.model, ids, max_new, num_beams=beams, reading=self.settings.reading(), padding=padding,
                     length_penalty=float(kwargs.get("length_penalty", 1.0)), penalties=penalties,
                     early_stopping=bool(kwargs.get("early_stopping", False)),
                 )  # fmt: skip
@@ -323,7 +319,7 @@ class TransformerXLHarnessLM(LM):
             else:
                 steps = stream(
                     self.model, ids, max_new, temperature=temperature, top_k=int(kwargs.get("top_k", 0) or 0),
-                    top_p=float(kwargs.get("top_p", 1.0) or 1.0), mem_len=self.settings.mem_len, padding=padding,
+                    top_p=float(kwargs.get("top_p", 1.0) or 1.0), reading=self.settings.reading(), padding=padding,
                     penalties=penalties,
                 )  # fmt: skip
             for tok in steps:

@@ -10,17 +10,19 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from txl.kernels import native
+from txl.kernels import measured, native
+from txl.kernels.admission import admits, verified
 from txl.kernels.backends import backends, fused_pays
 from txl.kernels.dropout import dropout_seed
 from txl.kernels.native import ops
 
 
 def rel_attention(
-    q: Tensor, u: Tensor, v: Tensor, kv: Tensor | tuple[Tensor, Tensor], positions: Callable[[int], Tensor],
-    scale: float, mask: Tensor | None, dropatt: float, reference: Callable[[], Tensor],
+    module: nn.Module, q: Tensor, u: Tensor, v: Tensor, kv: Tensor | tuple[Tensor, Tensor],
+    positions: Callable[[int], Tensor], scale: float, mask: Tensor | None, dropatt: float,
+    reference: Callable[[], Tensor],
 ) -> Tensor:  # fmt: skip
     """attn_type 0's attention, softmax((q + u) k + shift((q + v) W_kR R)) v, [B, T, H*Dh]: the named operation. The
     ``reference()`` is the model's (its scores() + attend()); the backends compute the same as one call, with the
@@ -35,18 +37,41 @@ def rel_attention(
       and is the same mask.
 
     ``q`` [B, T, H, Dh] raw queries (the kernels form (q + u) * scale and (q + v) * scale), ``kv`` the keys and values
-    [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K]."""
+    [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K].
+
+    The kernels stand in for ``module``'s scores() and attend(): only where it is stock (``txl.kernels.admission``:
+    the attention class as txl wrote it, its dropout too, no hook), and checked against ``reference()`` the first
+    time in the process (without dropatt: with it the two draw different masks). The native kernel runs only where
+    it was measured faster here (``txl.kernels.measured``)."""
     grad = torch.is_grad_enabled()
-    out = _fused(q, u, v, kv, positions, scale, mask, grad, dropatt)
-    if out is None:
-        out = _native(q, u, v, kv, positions, scale, mask, grad, dropatt)
-    return reference() if out is None else out
+    name = "fused_attention" if _fused_wanted(q, grad) else "native_attention"
+    if not _wanted(q, grad) or not admits(name, module) or not admits(name, module.dropatt):
+        return reference()
+    fast = _fused(q, u, v, kv, positions, scale, mask, grad, dropatt)
+    if fast is None:
+        fast = _native(q, u, v, kv, positions, scale, mask, grad, dropatt, reference)
+    if fast is None:
+        return reference()
+    if dropatt or verified(name, (type(module), grad, q.dtype, q.device.type, mask is None), fast, reference):
+        return fast()
+    return reference()
 
 
-def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:  # noqa: ANN001
-    """The fused Triton kernel where the policy lists q's device (``Backends.fused_attention``, with gradients
-    ``fused_attention_training``) and it applies (triton installed, the operands' layout; with gradients only for
-    keys and values of this step, not a cache's). On a GPU only where it was measured faster: products in half
+def _fused_wanted(q: Tensor, grad: bool) -> bool:
+    policy = backends()
+    return q.device.type in (policy.fused_attention_training if grad else policy.fused_attention)
+
+
+def _wanted(q: Tensor, grad: bool) -> bool:
+    """Whether a kernel might run (before the module is looked at: the common no-kernel case costs nothing more)."""
+    policy = backends()
+    return _fused_wanted(q, grad) or (policy.native_attention and native.usable(q))
+
+
+def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Callable[[], Tensor] | None:  # noqa: ANN001
+    """The fused Triton kernel (a call of it) where the policy lists q's device (``Backends.fused_attention``, with
+    gradients ``fused_attention_training``) and it applies (triton installed, the operands' layout; with gradients
+    only for keys and values of this step, not a cache's). On a GPU only where it was measured faster: products in half
     precision, and segments of several positions (one-token steps are the decode paths')."""
     policy = backends()
     if q.device.type not in (policy.fused_attention_training if grad else policy.fused_attention):
@@ -67,8 +92,12 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:
     k, v_, r_k = (t if t.dtype == dt else t.to(dt) for t in (k, v_, r_k))
     if not fused.applies(q, u, v, k, v_, r_k, mask):
         return None
-    seed = torch.randint(0, 2**62, (1,), device=q.device) if dropatt else None  # (on the device: no host read)
-    return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
+
+    def call() -> Tensor:
+        seed = torch.randint(0, 2**62, (1,), device=q.device) if dropatt else None  # (on the device: no host read)
+        return fused.fused_rel_attention(q, u, v, k, v_, r_k, mask, scale, dropatt, seed)
+
+    return call
 
 
 _FUSED: list = []  # [the module, or None without triton], once imported
@@ -85,8 +114,9 @@ def _fused_module():  # noqa: ANN202
     return _FUSED[0]
 
 
-def _native(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None:  # noqa: ANN001
-    """The native CPU kernel where ``Backends.native_attention`` is on and it applies."""
+def _native(q, u, v, kv, positions, scale, mask, grad, dropatt, reference) -> Callable[[], Tensor] | None:  # noqa: ANN001
+    """The native CPU kernel (a call of it) where ``Backends.native_attention`` is on, it applies, and it was measured
+    faster than ``reference`` here."""
     policy = backends()
     if not (policy.native_attention and native.usable(q)) or (dropatt and not (grad and policy.native_dropout)):
         return None
@@ -95,11 +125,15 @@ def _native(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Tensor | None
     qt, biases = q.transpose(1, 2), (u, v, scale)  # [B, H, T, Dh]
     if not native.attention_applies(qt, k, v_, qt, r_k, query_bias=biases):
         return None
+    shapes = (q.shape, k.shape)
     if not grad:
-        return ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)
+        call = lambda: ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)  # noqa: E731
+        return call if measured.faster("native_attention", shapes, q.dtype, call, reference) else None
     if not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
         return None
-    return ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, dropout_seed() if dropatt else 0)[0]
+    seed = dropout_seed if dropatt else lambda: 0
+    train = lambda: ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, seed())[0]  # noqa: E731
+    return train if measured.faster("native_attention_train", shapes, q.dtype, train, reference, (q, kv)) else None
 
 
 def score_sum(ac: Tensor, bd: Tensor | None) -> Tensor:

@@ -28,6 +28,12 @@ def _native_from_env() -> bool:
     return os.environ.get("TXL_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _measure_from_env() -> bool:
+    """``TXL_MEASURE=0`` (or false, no, off) starts a process whose CPU fast paths run unmeasured, wherever they
+    apply (the tests: the kernels they hold to the reference always run)."""
+    return os.environ.get("TXL_MEASURE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class Backends:
     """The fast paths that may run (each True: where it can; False: the reference kernels instead)."""
@@ -36,6 +42,11 @@ class Backends:
     """Every kernel of :mod:`txl.kernels.native` (built with the machine's C compiler on first use); off: the PyTorch
     path
     everywhere. The default comes from ``TXL_NATIVE`` (``TXL_NATIVE=0``: off)."""
+    measured: bool = field(default_factory=_measure_from_env)
+    """Each CPU fast path (native attention, dropout, relu + dropout, NLL, decode; the segment projection) runs only
+    where it was measured faster than the reference on this machine, at its first use (``txl.kernels.measured``:
+    kept per machine and version in ``~/.cache/txl/native/measured.json``; ``txl --version`` lists them). False
+    (``TXL_MEASURE=0``): wherever it applies."""
     native_attention: bool = True
     """The attention of attn_type 0 as one native call per head where it can (fp32 on the CPU, a C compiler to build
     it): in inference (evaluation, prompts, :func:`txl.kernels.native.attention`) the (b)+(d) product, the shift, the
@@ -67,9 +78,11 @@ class Backends:
     """CPU inference on a few rows keeps a transposed copy of each weight with at least as many outputs as inputs
     (about 2/3 of the layer weights): generation is faster, at that memory. False saves the memory."""
     fast_decode: bool = True
-    """A cached step of one token (generation, serving) as one loop over the layers' weights
-    (``TransformerXL._decode``) instead of the layers' general path. It declines layers it does not compute
-    (``DecodeLayer.plain``): hooks, adapters, and GTrXL's ``identity_map`` and gates (their step runs the layers)."""
+    """A cached step of one token (generation, serving) as one loop over the layers (``TransformerXL._decode``: the
+    attention's products and scores from its weights, then the layer's own output, norm, gate and feed-forward
+    modules) instead of the layers' general path. Admitted only for stock layers (``txl.kernels.admission``: no
+    subclass, replaced method, shadowing attribute, swapped module or hook; checked against the layers' forward once
+    per process), else declined with one log line."""
     native_decode: bool = True
     """``TransformerXL._decode`` as one native call where it can (fp32 on the CPU, a C compiler to build it)."""
     graph_decode: bool = True
@@ -104,19 +117,18 @@ class Backends:
     fp32 accumulation; the log-softmax, its sum and the loss stay fp32). Elsewhere, or off: the products in fp32."""
 
     def describe(self) -> str:
-        """One line for a log: which fast paths are off (all on: the default)."""
+        """One line for a log: which fast paths are off (all on: the default), and whether the CPU ones run only where
+        measured faster (the default)."""
         default = Backends()
-        off = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is False]
-        changed = [
-            f.name
-            for f in dataclasses.fields(self)
-            if f.name not in off and getattr(self, f.name) != getattr(default, f.name)
-        ]
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "measured"]
+        off = [n for n in fields if getattr(self, n) is False]
+        changed = [n for n in fields if n not in off and getattr(self, n) != getattr(default, n)]
+        how = "" if self.measured else " (CPU paths unmeasured: wherever they apply)"
         if not off and not changed:
-            return "fast paths: all that can run"
+            return f"fast paths: all that can run{how}"
         parts = [f"off: {', '.join(off)}"] if off else []
         parts += [f"{n} = {getattr(self, n)!r}" for n in changed]
-        return "fast paths: " + "; ".join(parts)
+        return "fast paths: " + "; ".join(parts) + how
 
     def training_paths(self, device: str, precision: str) -> str:
         """One line for a training log: which backend each of training's operations takes on ``device`` ("cuda",
@@ -131,7 +143,7 @@ class Backends:
         elif fused:
             layers = f"eager{fused}"
         elif native_cpu and self.native_attention:
-            layers = "eager, attention by the native kernels"
+            layers = "eager, attention by the native kernels" + self._where_measured()
         elif device in self.sdpa_training_devices and not half:
             layers = "eager, attention by scaled_dot_product_attention"
         else:
@@ -148,7 +160,7 @@ class Backends:
             triton = importlib.util.find_spec("triton") is not None
             attention = "the fused Triton kernel" if triton else "PyTorch kernels (the fused kernel needs triton)"
         elif device == "cpu" and self.native_kernels and self.native_attention and not half:
-            attention = "the native kernels"
+            attention = "the native kernels" + self._where_measured()
         else:
             attention = "PyTorch kernels (one SDPA call)"
         graphs = (
@@ -156,6 +168,9 @@ class Backends:
         )
         logits = self._logits(device, precision)
         return f"evaluation on {device} ({precision}): attention by {attention}{graphs}; adaptive softmax {logits}"
+
+    def _where_measured(self) -> str:
+        return " where measured faster here (else PyTorch's; txl --version lists them)" if self.measured else ""
 
     def _logits(self, device: str, precision: str) -> str:
         """The adaptive softmax's path, for the two lines above."""

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import native
+from txl.kernels import measured, native
+from txl.kernels.admission import admits, stock
 from txl.kernels.backends import backends
 from txl.kernels.native import ops
 
@@ -24,6 +25,7 @@ def dropout_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
+@stock
 class Dropout(nn.Module):
     """``nn.Dropout`` with a cheaper mask on the CPU. Each call draws one 64-bit seed from torch's generator (so
     ``torch.manual_seed`` and a saved RNG state fix the masks) for :mod:`txl.kernels.native`'s one-pass kernel;
@@ -43,7 +45,13 @@ class Dropout(nn.Module):
         if x.device.type != "cpu" or torch.compiler.is_compiling():  # (a graph draws its mask as F.dropout does)
             return F.dropout(x, self.p, True)
         if backends().native_dropout and native.dropout_applies(x):
-            return ops.dropout(x, self.p, dropout_seed(), False)
+            call = lambda: ops.dropout(x, self.p, dropout_seed(), False)  # noqa: E731
+            if measured.faster("native_dropout", [x.shape], x.dtype, call, lambda: self._mask(x), (x,)):
+                return call()
+        return self._mask(x)
+
+    def _mask(self, x: Tensor) -> Tensor:
+        """The PyTorch path: two 24-bit uniforms per random word of torch's generator."""
         n = x.numel()
         words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
         uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
@@ -53,7 +61,10 @@ class Dropout(nn.Module):
     def relu(self, x: Tensor) -> Tensor:
         """``self(F.relu(x))``: in one native pass where the native dropout runs (the same mask)."""
         if self.training and self.p > 0 and _relu_dropout_fused() and native.dropout_applies(x):
-            return ops.dropout(x, self.p, dropout_seed(), True)
+            if admits("native_relu_dropout", self):  # (a subclass's forward, a hook: called below)
+                call = lambda: ops.dropout(x, self.p, dropout_seed(), True)  # noqa: E731
+                if measured.faster("native_relu_dropout", [x.shape], x.dtype, call, lambda: self(F.relu(x)), (x,)):
+                    return call()
         return self(F.relu(x))
 
     def extra_repr(self) -> str:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from txl.kernels.admission import global_hooks, own_hooks
 from txl.kernels.backends import backends, use_backends
 
 MAX_GRAPHS = 32
@@ -78,10 +79,7 @@ def module_state(module: nn.Module) -> tuple:
     """What a graph of ``module``'s kernels depends on besides the inputs: its parameters' and buffers' addresses and
     dtypes, and whether any forward hook (the module's, its submodules', or a global one) is registered."""
     tensors = tuple((t.data_ptr(), t.dtype) for t in (*module.parameters(), *module.buffers()))
-    g = torch.nn.modules.module
-    hooked = bool(g._global_forward_hooks or g._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for m in module.modules()
-    )
+    hooked = global_hooks() or any(own_hooks(m) for m in module.modules())  # (txl.kernels.admission's one check)
     return tensors, hooked
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels import measured
+from txl.kernels.admission import global_hooks, is_stock
 from txl.kernels.backends import backends
 
 # ---------------------------------------------------------------------------------------------------------
@@ -25,27 +27,12 @@ from txl.kernels.backends import backends
 # ---------------------------------------------------------------------------------------------------------
 
 
-def hooks_anywhere(module: nn.Module) -> bool:
-    """Whether a call of ``module`` runs any hook: its own forward, forward-pre or backward hooks, or the global
-    module hooks (``torch.nn.modules.module.register_module_forward_hook`` and its kin)."""
-    g = torch.nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or g._global_forward_hooks
-        or g._global_forward_pre_hooks
-        or g._global_backward_hooks
-        or g._global_backward_pre_hooks
-    )
-
-
 def plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``nn.Linear`` (exactly that class: not a LoRA wrapper, a quantised or
-    parametrized layer, or a subclass) with no hooks: one whose call is ``F.linear(x, module.weight,
-    module.bias)``, so that a backend may read its weight instead of calling it."""
-    return type(module) is nn.Linear and not hooks_anywhere(module)
+    """Whether ``module`` is a plain ``nn.Linear``: exactly that class (not a LoRA wrapper, a quantised or
+    parametrized layer, or a subclass), its methods as torch wrote them, none shadowed on the instance, no hooks
+    (``txl.kernels.admission``): one whose call is ``F.linear(x, module.weight, module.bias)``, so that a backend
+    may read its weight instead of calling it."""
+    return type(module) is nn.Linear and is_stock(module) and not global_hooks()
 
 
 def project(module: nn.Module, x: Tensor, out: slice | None = None) -> Tensor:
@@ -256,10 +243,19 @@ def segment_memory_projection(module: nn.Module, mem: Tensor, x: Tensor, n_q: in
         qkv = module(torch.cat([mem, x], dim=1))  # [B, M+T, out]
         return qkv[:, -T:, :n_q], qkv[..., n_q:]
     grad = torch.is_grad_enabled() and x.requires_grad and not mem.requires_grad
+
+    def apart() -> tuple[Tensor, Tensor]:
+        q = project(module, x, out=slice(0, n_q))  # queries of the segment only, [B, T, n_q]
+        return q, project(module, torch.cat([mem, x], dim=1), out=slice(n_q, None))  # [B, M+T, out - n_q]
+
     if backends().segment_projection and grad and module.bias is None:
-        return _SegmentMemoryProjection.apply(mem, x, module.weight, n_q)
-    q = project(module, x, out=slice(0, n_q))  # queries of the segment only, [B, T, n_q]
-    return q, project(module, torch.cat([mem, x], dim=1), out=slice(n_q, None))  # [B, M+T, out - n_q]
+        call = lambda: _SegmentMemoryProjection.apply(mem, x, module.weight, n_q)  # noqa: E731
+        shapes = [mem.shape, x.shape, module.weight.shape]
+        if x.device.type != "cpu" or measured.faster(
+            "segment_projection", shapes, x.dtype, call, apart, (x, module.weight)
+        ):
+            return call()
+    return apart()
 
 
 def logits_linear(h: Tensor, weight: Tensor, bias: Tensor | None, autocast: torch.dtype | None = None) -> Tensor:

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from txl.kernels import native
+from txl.kernels import measured, native
+from txl.kernels.admission import admits
 from txl.kernels.backends import backends
 from txl.kernels.linear import stamp, weight_copies
 from txl.kernels.native import ops
@@ -26,12 +27,18 @@ def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
     return -x.log_softmax(-1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
 
 
-def adaptive_nll(h: Tensor, reference: Callable[[], Tensor], per_cluster: Callable[[], Tensor]) -> Tensor:
+def adaptive_nll(
+    module: nn.Module, h: Tensor, reference: Callable[[], Tensor], per_cluster: Callable[[], Tensor]
+) -> Tensor:
     """The adaptive softmax's per-token NLL of the rows ``h`` [N, d_model] (fp32): ``per_cluster()`` (each cluster's
-    NLL from its logits by the native kernel, no log-softmax tensor) where ``Backends.native_nll`` is on and the
-    native kernels run for ``h`` (fp32 on the CPU), else ``reference()`` (log-softmax and gather)."""
-    if backends().native_nll and native.nll_applies(h):
-        return per_cluster()
+    NLL from its logits by the native kernel, no log-softmax tensor) where ``Backends.native_nll`` is on, the
+    native kernels run for ``h`` (fp32 on the CPU), ``module`` (the adaptive softmax) is stock
+    (``txl.kernels.admission``) and the kernel was measured faster here; else ``reference()`` (log-softmax and
+    gather)."""
+    if backends().native_nll and native.nll_applies(h) and admits("native_nll", module, deep=True, name="crit"):
+        vocabulary = (getattr(module, "n_token", 0), getattr(module, "n_clusters", 0))  # (the cost grows with it)
+        if measured.faster("native_nll", [h.shape, vocabulary], h.dtype, per_cluster, reference, (h,)):
+            return per_cluster()
     return reference()
 
 

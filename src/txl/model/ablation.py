@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from txl.kernels.admission import stock
 from txl.model.attention import RelPartialLearnableMultiHeadAttn, _Attention
 from txl.model.config import TransformerXLConfig
 from txl.model.positions import rel_shift, sinusoid_embedding
@@ -40,6 +41,7 @@ def _distances(K: int, limit: int, clamp_len: int, device) -> Tensor:
     return torch.arange(K - 1, -1, -1, device=device).clamp(max=cap)  # [K]
 
 
+@stock
 class RelLearnableMultiHeadAttn(_Attention):
     """attn_type 1: learned relative positions (Shaw et al., 2018) with the original code's biases."""
 
@@ -68,6 +70,7 @@ class RelLearnableMultiHeadAttn(_Attention):
         return q_w, bd
 
 
+@stock
 class MultiHeadAttn(_Attention):
     """attn_type 2 and 3: standard attention, A_ij = q_i.k_j; positions are in the inputs. attn_type 3 owns its
     layer's learned position table (``r_emb`` [max_klen, d_model], row p = position p)."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.admission import stock
 from txl.kernels.linear import output_logits, plain_linear, projection
 from txl.kernels.nll import adaptive_nll, cluster_nll
 from txl.model.attention import at_least_fp32
@@ -30,6 +31,7 @@ def _has_projs(cfg: TransformerXLConfig) -> bool:
     return cfg.div_val > 1 or cfg.d_embed != cfg.d_model
 
 
+@stock
 class AdaptiveEmbedding(nn.Module):
     def __init__(self, cfg: TransformerXLConfig, *, init: bool = True):
         super().__init__()
@@ -75,6 +77,7 @@ multiple of this many columns: they take no probability (exp(-inf) = 0), and the
 bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: no padding."""
 
 
+@stock
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
     cutoffs[0] + i - 1, the Hugging Face order; then -inf columns up to a multiple of ``HEAD_ALIGN``); log p(tail
@@ -184,7 +187,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
                 if not self.plain():  # (the native backends read the weights)
                     return reference(), None
-                return adaptive_nll(h, reference, lambda: self._nll_native(h, targets, weights)), None
+                return adaptive_nll(self, h, reference, lambda: self._nll_native(h, targets, weights)), None
             head = self._log_softmax(h, 0, autocast, weights)  # [N, shortlist + n_clusters (+ -inf columns)]
             nll = log_probs = None
             if return_log_probs and self.n_clusters == 0:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.admission import stock
 from txl.kernels.attention import attend, rel_attention, score_sum
 from txl.kernels.dropout import Dropout
 from txl.kernels.linear import plain_linear, project, segment_memory_projection
@@ -41,6 +42,7 @@ def at_least_fp32(x: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@stock
 class _Attention(nn.Module):
     """Multi-head attention over [memory; segment] without the positional terms: QKV and output projections,
     post-LN (or pre-LN), dropouts, and the attend step."""
@@ -220,6 +222,7 @@ class RelPositions(NamedTuple):
     v: Tensor
 
 
+@stock
 class RelPartialLearnableMultiHeadAttn(_Attention):
     """attn_type 0: the Transformer-XL relative attention."""
 
@@ -291,7 +294,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         # The same terms as scores() + attend() (the kernels form (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as
         # _terms() does, and read the (b)+(d) rows at their shift).
         positions = functools.partial(self._positions, pos)
-        return rel_attention(q, pos.u, pos.v, kv, positions, self.scale, mask, dropatt, reference)
+        return rel_attention(self, q, pos.u, pos.v, kv, positions, self.scale, mask, dropatt, reference)
 
     def scores(self, q: Tensor, pos: RelPositions, K: int) -> tuple[Tensor, Tensor]:
         B, T, H, Dh = q.shape

@@ -13,26 +13,11 @@ from torch import Tensor, nn
 
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
-from txl.model.gating import GATES, GRUGate
+from txl.model.gating import GRUGate
 from txl.model.positions import SHIFT_ALIGN
 
 if TYPE_CHECKING:
     from txl.model.transformer import TransformerXLLayer
-
-
-_DECODED = (
-    (("qkv_net", nn.Linear), ("o_net", nn.Linear), ("r_net", nn.Linear), ("layer_norm", nn.LayerNorm)),
-    (("layer_1", nn.Linear), ("layer_2", nn.Linear), ("layer_norm", nn.LayerNorm)),
-)
-"""The modules of a layer's attention and feed-forward whose weights the one-token loop reads, with their class."""
-
-
-def _plain_gate(gate: nn.Module) -> bool:
-    """Whether a GTrXL gate is one of txl's (whose forward the loop calls), no hook on it or its linear layers, those
-    plain ``nn.Linear``."""
-    if type(gate) not in GATES.values() or gate._forward_hooks or gate._forward_pre_hooks:
-        return False
-    return all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in gate._modules.values())
 
 
 def _gru_weights(gate: nn.Module | None) -> tuple | None:
@@ -46,10 +31,12 @@ def _gru_weights(gate: nn.Module | None) -> tuple | None:
 
 
 class DecodeLayer(NamedTuple):
-    """One layer's weights as ``TransformerXL._decode`` reads them (the tensors themselves: changes in place are
-    seen), and its attention (for the scores). ``norm1``/``norm2``: the arguments of ``F.layer_norm`` after the
-    input."""
+    """One layer as the one-token step reads it: the layer itself (its attention's scores and output, its
+    feed-forward: called, so the step is derived from the layer's own code) and the weights the step and decode.c
+    read (the tensors themselves: changes in place are seen). ``norm1``/``norm2``: the arguments of ``F.layer_norm``
+    after the input (decode.c's)."""
 
+    layer: TransformerXLLayer
     attn: RelPartialLearnableMultiHeadAttn
     qkv: Tensor
     o: Tensor
@@ -67,32 +54,6 @@ class DecodeLayer(NamedTuple):
     """Each gate's weights as a GRU gate's (W, U, U_g, b_g); () without a gate; None for another kind of gate (the C
     step computes the GRU gate and the residual sum)."""
 
-    @staticmethod
-    def plain(layers: nn.ModuleList) -> bool:
-        """Whether the loop over the layers' weights computes what their forward does: every linear layer a plain
-        ``nn.Linear`` and every layer norm a plain ``nn.LayerNorm`` (not an adapter, a quantised or replaced layer),
-        and no forward hook on any of them, on the modules that hold them, or global (hooks fire only when modules are
-        called); GTrXL's gates are txl's own, their linear layers plain too. Checked at every step through the modules'
-        own dicts (``nn.Module`` attribute lookups would cost ~50 us per step for six layers)."""
-        g = torch.nn.modules.module
-        if g._global_forward_hooks or g._global_forward_pre_hooks or layers._forward_hooks or layers._forward_pre_hooks:
-            return False
-        for layer in layers._modules.values():
-            if layer._forward_hooks or layer._forward_pre_hooks:
-                return False
-            for part, names in zip(layer._modules.values(), _DECODED, strict=True):  # attn, ff
-                if part._forward_hooks or part._forward_pre_hooks:
-                    return False
-                modules = part._modules
-                for name, kind in names:
-                    m = modules[name]
-                    if type(m) is not kind or m._forward_hooks or m._forward_pre_hooks:
-                        return False
-                gate = modules.get("gate")  # (None: an attribute, not a module)
-                if gate is not None and not _plain_gate(gate):
-                    return False
-        return True
-
     @classmethod
     def of(cls, layer: TransformerXLLayer) -> DecodeLayer:
         attn, ff = layer.attn, layer.ff
@@ -101,9 +62,9 @@ class DecodeLayer(NamedTuple):
             return ln.normalized_shape, ln.weight, ln.bias, ln.eps
 
         return cls(
-            attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight, ff.layer_1.bias,
-            ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm, attn.identity_map, attn.gate,
-            ff.gate, (_gru_weights(attn.gate), _gru_weights(ff.gate)),
+            layer, attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight,
+            ff.layer_1.bias, ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
+            attn.identity_map, attn.gate, ff.gate, (_gru_weights(attn.gate), _gru_weights(ff.gate)),
         )  # fmt: skip
 
     def step(
@@ -119,8 +80,9 @@ class DecodeLayer(NamedTuple):
         added (-inf), for the queries ``q`` [B, H, 1, Dh]; ``attend(q_w, k, v, bd)`` the heads' values [B, H, 1, Dh]
         (default: softmax(q_w k + bd) v as one SDPA call)."""
         B = h.shape[0]
-        H, Dh = self.attn.n_head, self.attn.d_head
-        x = F.layer_norm(h, *self.norm1) if self.pre_lnorm else h
+        attn = self.attn
+        H, Dh = attn.n_head, attn.d_head
+        x = attn.layer_norm(h) if self.pre_lnorm else h
         q, k, v = product(x, self.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
         k, v = keys_values(k, v)  # [B, H, K, Dh]
         q_w, bd = positional(q, k.shape[2])  # [B, H, 1, Dh], [B, H, 1, K]
@@ -128,25 +90,8 @@ class DecodeLayer(NamedTuple):
             vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
         else:
             vec = attend(q_w, k, v, bd)
-        return self.after_attention(h, vec, product)
-
-    def after_attention(self, h: Tensor, vec: Tensor, product: Callable = F.linear) -> Tensor:
-        """The rest of the layer for one position per row: W_o of the heads' values ``vec`` [B, H, 1, Dh], the
-        residual and norm, the feed-forward, the residual and norm; ``h`` [B, 1, D] is the layer's input."""
-        B, H, _, Dh = vec.shape
-        out = product(vec.transpose(1, 2).reshape(B, 1, H * Dh), self.o)  # [B, 1, D]
-        h = self.join(h, out, self.norm1, self.gate1)
-        x = F.layer_norm(h, *self.norm2) if self.pre_lnorm else h
-        y = product(F.relu(product(x, self.w1, self.b1)), self.w2, self.b2)  # [B, 1, D]
-        return self.join(h, y, self.norm2, self.gate2)
-
-    def join(self, h: Tensor, y: Tensor, norm: tuple, gate: nn.Module | None) -> Tensor:
-        """A sub-module's output ``y`` joined to the residual stream ``h``: LN(h + y) (post-LN), h + y (pre-LN); with
-        GTrXL's identity_map through a ReLU first, and with a gate g(h, y) instead of the sum (the layers' own)."""
-        if not self.pre_lnorm:
-            return F.layer_norm(h + y, *norm)
-        y = F.relu(y) if self.identity_map else y
-        return h + y if gate is None else gate(h, y)
+        # the rest is the layer's own: W_o, the residual, norm or gate (attn.output), then its feed-forward
+        return self.layer.ff(attn.output(h, vec.transpose(1, 2).reshape(B, 1, H * Dh)))  # [B, 1, D]
 
 
 class KVCache:
@@ -181,11 +126,21 @@ class KVCache:
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
-        self._r_k: list[Tensor | None] = [None] * config.n_layer
-        self._r_key: tuple | None = None
-        self._r_view: list[tuple | None] = [None] * config.n_layer  # (K, table, its view for K) of the last call
-        self.decode_plan: tuple | None = None  # (the model, its layers' DecodeLayer, the native kernel's state)
-        self.segment_graphs = None  # (txl.kernels.graphs: a segment's layers as CUDA graphs, keyed)
+        self._reset(plan=True, graphs=True, tables=True)
+
+    def _reset(self, *, plan: bool = False, graphs: bool = False, tables: bool = False) -> None:
+        """Forget state derived from the buffers or the weights (the one place it is reset): the decoding ``plan``
+        (the model, its layers' DecodeLayer, the native kernel's state), the segment ``graphs`` (txl.kernels.graphs:
+        a segment's layers as CUDA graphs, keyed), the W_kR R ``tables`` (one per layer, their key, the last view)."""
+        if plan:
+            self.decode_plan: tuple | None = None
+        if graphs:
+            self.segment_graphs = None
+        if tables:
+            n = self.config.n_layer
+            self._r_k: list[Tensor | None] = [None] * n
+            self._r_key: tuple | None = None
+            self._r_view: list[tuple | None] = [None] * n  # (K, table, its view for K) of the last call
 
     @staticmethod
     def capacity_for(mem_len: int, max_segment: int = 1, positions: int | None = None) -> int:
@@ -199,7 +154,7 @@ class KVCache:
         """The weights changed (an update): forget every W_kR R table, and replace each layer's memory keys and values
         with ``memory_keys_values(layer, positions)`` ([2, B, H, M, Dh]; ``txl.rl`` recomputes them from the layer
         inputs it keeps at those buffer positions)."""
-        self._r_k, self._r_key, self._r_view = [None] * len(self._r_k), None, [None] * len(self._r_view)
+        self._reset(tables=True)
         if self.length:
             window = slice(self.start, self.end)
             for i in range(self.k.shape[0]):
@@ -291,7 +246,7 @@ class KVCache:
             for j in moved:
                 t[:, j, :, window].copy_(sources[rows[j]])
         self.padding = self.padding[rows]
-        self.segment_graphs = None
+        self._reset(graphs=True)
         return self
 
     def _copy_rows(self, rows: list[int]) -> KVCache:
@@ -303,7 +258,7 @@ class KVCache:
             for j, r in enumerate(rows):
                 new[:, j, :, window].copy_(old[:, r, :, window])
         self.k, self.v, self.padding = k, v, self.padding[rows]
-        self.segment_graphs = None
+        self._reset(graphs=True)
         return self
 
     def take(self, rows: list[int]) -> KVCache:
@@ -311,7 +266,7 @@ class KVCache:
         aside while the others go on."""
         part = copy.copy(self)
         part._r_k, part._r_view = list(self._r_k), list(self._r_view)
-        part.decode_plan = None
+        part._reset(plan=True)
         return part._copy_rows(rows)
 
     @classmethod
@@ -338,10 +293,7 @@ class KVCache:
         merged.padding[:, n:] = False
         merged.padded = bool(merged.padding[:, :n].any())
         merged.start, merged.end = 0, n
-        merged._r_k, merged._r_key = [None] * first.config.n_layer, None
-        merged._r_view = [None] * first.config.n_layer
-        merged.decode_plan = None
-        merged.segment_graphs = None
+        merged._reset(plan=True, graphs=True, tables=True)
         return merged
 
 

@@ -247,3 +247,39 @@ def _with_hf_names(init: Callable[..., None]) -> Callable[..., None]:
 
 
 TransformerXLConfig.__init__ = _with_hf_names(TransformerXLConfig.__init__)  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a model reads a text (the paper evaluates with a longer memory than it trained with): each setting None
+    is the model config's. Passed to the model's calls (``model(ids, reading=...)``, generation, scoring); the config
+    is never changed by it."""
+
+    mem_len: int | None = None
+    """Positions of memory kept per layer."""
+    same_length: bool | None = None
+    """Every query sees the same number of keys (mem_len)."""
+    clamp_len: int | None = None
+    """Relative distances beyond this use the same encoding (-1: none)."""
+
+    def over(
+        self, mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None
+    ) -> Reading:
+        """These settings with the given ones that are not None in their place."""
+        if mem_len is None and same_length is None and clamp_len is None:
+            return self
+        return Reading(
+            self.mem_len if mem_len is None else mem_len,
+            self.same_length if same_length is None else same_length,
+            self.clamp_len if clamp_len is None else clamp_len,
+        )
+
+    def resolved(self, config: TransformerXLConfig) -> Reading:
+        """Every setting set: the config's where this one has None."""
+        if self.mem_len is not None and self.same_length is not None and self.clamp_len is not None:
+            return self
+        return Reading(
+            config.mem_len if self.mem_len is None else self.mem_len,
+            config.same_length if self.same_length is None else self.same_length,
+            config.clamp_len if self.clamp_len is None else self.clamp_len,
+        )

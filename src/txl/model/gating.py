@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from txl.kernels.admission import stock
 from txl.kernels.linear import project
 from txl.model.config import TransformerXLConfig
 
 
+@stock
 class _Gate(nn.Module):
     """g(x, y) for x, y [B, T, D]; ``b_g`` [D] is learnt, initialised to ``cfg.gate_bias``."""
 
@@ -25,6 +27,7 @@ class _Gate(nn.Module):
         self.b_g = nn.Parameter(torch.full((cfg.d_model,), float(cfg.gate_bias)))
 
 
+@stock
 class GRUGate(_Gate):
     """r = σ(W_r y + U_r x), z = σ(W_z y + U_z x − b_g), ĥ = tanh(W_g y + U_g (r ⊙ x)), g = (1 − z) ⊙ x + z ⊙ ĥ."""
 
@@ -44,6 +47,7 @@ class GRUGate(_Gate):
         return (1 - z) * x + z * h
 
 
+@stock
 class InputGate(nn.Module):
     """g = σ(W_g x) ⊙ x + y (no bias: it cannot start as the identity)."""
 
@@ -55,6 +59,7 @@ class InputGate(nn.Module):
         return torch.sigmoid(project(self.w, x)) * x + y
 
 
+@stock
 class OutputGate(_Gate):
     """g = x + σ(W_g x − b_g) ⊙ y."""
 
@@ -66,6 +71,7 @@ class OutputGate(_Gate):
         return x + torch.sigmoid(project(self.w, x) - self.b_g) * y
 
 
+@stock
 class HighwayGate(_Gate):
     """g = σ(W_g x + b_g) ⊙ x + (1 − σ(W_g x + b_g)) ⊙ y."""
 
@@ -78,6 +84,7 @@ class HighwayGate(_Gate):
         return c * x + (1 - c) * y
 
 
+@stock
 class SigmoidTanhGate(_Gate):
     """g = x + σ(W_g y − b_g) ⊙ tanh(U_g y)."""
 

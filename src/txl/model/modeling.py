@@ -29,7 +29,7 @@ from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attenti
 from txl.model.adaptive import HEAD_ALIGN, AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPartialLearnableMultiHeadAttn, RelPositions, at_least_fp32
 from txl.model.cache import KVCache, supports_kv_cache
-from txl.model.config import HF_CONFIG_NAMES, NonFiniteError, TransformerXLConfig
+from txl.model.config import HF_CONFIG_NAMES, NonFiniteError, Reading, TransformerXLConfig
 from txl.model.heads import (
     SequenceClassifierOutput,
     TransformerXLForSequenceClassification,
@@ -66,6 +66,7 @@ __all__ = [
     "ProjectedAdaptiveLogSoftmax",
     "RelLearnableMultiHeadAttn",
     "RelPartialLearnableMultiHeadAttn",
+    "Reading",
     "RelPositions",
     "SHIFT_ALIGN",
     "SMALL_ROWS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.admission import stock
 from txl.kernels.compiled import layer_call
 from txl.kernels.decode import native_loop, one_token_step
 from txl.kernels.dropout import Dropout
@@ -22,7 +23,7 @@ from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attenti
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
 from txl.model.cache import DecodeLayer, KVCache
-from txl.model.config import TransformerXLConfig
+from txl.model.config import Reading, TransformerXLConfig
 from txl.model.gating import make_gate
 from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
 from txl.model.pretrained import PretrainedMixin
@@ -32,6 +33,7 @@ from txl.model.pretrained import PretrainedMixin
 # ---------------------------------------------------------------------------------------------------------
 
 
+@stock
 class PositionwiseFF(nn.Module):
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
@@ -53,6 +55,7 @@ class PositionwiseFF(nn.Module):
         return h + y if self.gate is None else self.gate(h, y)
 
 
+@stock
 class TransformerXLLayer(nn.Module):
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__()
@@ -80,6 +83,53 @@ class TransformerXLModelOutput:
     """n_layer + 1 tensors [B, T, d_model]: the input of every layer, then the final output."""
     attentions: list[Tensor] | None = None
     """n_layer tensors [B, H, T, K] of attention probabilities."""
+
+
+@dataclass
+class Segment:
+    """A segment prepared for the layers (``TransformerXL._prepare``)."""
+
+    h: Tensor
+    """[B, T, D] the layers' input: the word embedding, dropped out."""
+    T: int
+    mlen: int
+    """Positions of memory before the segment."""
+    mask: Tensor | None
+    """[T, K] or [B, 1, T, K], True = masked (None: nothing is)."""
+    pos: list
+    """Each layer's positional input (the attention variant's ``prepare``)."""
+    heads: list
+    """Each layer's head mask [1, H, 1, 1] or None."""
+    cache: KVCache | None
+    mems: list[Tensor] | None
+    read: Reading
+    window: int
+    """The keys a query sees with same_length."""
+
+
+FORWARD_ARGUMENTS = """Arguments of ``TransformerXL.forward``:
+
+* ``input_ids`` [B, T], or ``inputs_embeds`` [B, T, d_model]: the word embedding's output
+  (``model.word_emb(ids)``, its scale included, as Hugging Face's TransfoXL takes it), e.g. soft prompts.
+* ``mems``: the memory, n_layer tensors [B, M, d_model] (None: empty; n_layer zero tensors [B, mem_len, d_model]
+  reproduce Hugging Face's / the TF code's zero memory). The returned memory keeps the last ``mem_len`` layer inputs,
+  excluding the last ``ext_len`` positions of the segment (fed again as extended context).
+* ``reading`` (:class:`~txl.model.config.Reading`), or ``mem_len``, ``same_length``, ``clamp_len`` one by one (which
+  win over ``reading``): how this call reads, each None the config's (evaluation with a longer memory).
+* ``cache`` (:class:`KVCache`): the memory as its keys and values, updated in place (``mems`` is then None in the
+  output): the same result, without projecting the memory again (inference).
+* ``padding``: positions never attended to (True = padding), e.g. the left padding of texts of different lengths
+  (relative distances count them: pad on the left); with a cache [B, T] (the cache remembers the memory's), without
+  [B, M + T]. ``attention_mask``: the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory
+  as tokens).
+* ``key_mask`` [B, T, M + T] (True = that query never attends that key), on top of the causal mask: e.g. an agent's
+  episode boundaries (``txl.rl``).
+* ``head_mask`` ([n_head], or [n_layer, n_head]; Hugging Face's) multiplies each head's attention probabilities:
+  1 keeps a head, 0 silences it.
+* ``output_hidden_states``: every layer's input then the output; ``output_attentions``: every layer's probabilities.
+* ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments); the
+  paper's stop-gradient is the default.
+"""
 
 
 class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
@@ -169,55 +219,80 @@ class TransformerXL(TransformerXLPreTrainedModel):
         return shapes[0][1]
 
     def forward(
-        self,
-        input_ids: Tensor | None = None,
-        mems: list[Tensor] | None = None,
-        *,
-        inputs_embeds: Tensor | None = None,
-        head_mask: Tensor | None = None,
-        mem_len: int | None = None,
-        same_length: bool | None = None,
-        clamp_len: int | None = None,
-        ext_len: int = 0,
-        cache: KVCache | None = None,
-        padding: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        key_mask: Tensor | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
+        self, input_ids: Tensor | None = None, mems: list[Tensor] | None = None, *,
+        inputs_embeds: Tensor | None = None, head_mask: Tensor | None = None, reading: Reading | None = None,
+        mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None, ext_len: int = 0,
+        cache: KVCache | None = None, padding: Tensor | None = None, attention_mask: Tensor | None = None,
+        key_mask: Tensor | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
         detach_mems: bool = True,
-    ) -> TransformerXLModelOutput:
-        """Run one segment ``input_ids`` [B, T] on top of the memory ``mems``.
+    ) -> TransformerXLModelOutput:  # fmt: skip
+        """Run one segment ``input_ids`` [B, T] on top of the memory ``mems`` (n_layer tensors [B, M, d_model];
+        None: an empty memory, as the original PyTorch code; zeros: Hugging Face's / the TF code's), or of a
+        ``cache`` (:class:`KVCache`, inference: the memory's keys and values, updated in place). See
+        :data:`FORWARD_ARGUMENTS` for every argument. Returns the last layer's output and the next memory."""
+        read = (reading or Reading()).over(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
+        read = read.resolved(self.config)
+        seg = self._prepare(
+            input_ids, inputs_embeds, mems, cache, padding, attention_mask, key_mask, head_mask, read, ext_len
+        )
+        h, hids, attns = self._run(seg, output_hidden_states, output_attentions)  # every layer
+        hids[-1] = h = self.drop(h)
+        if cache is not None:
+            cache.end_segment(seg.T, read.mem_len)  # (the segment is memory now)
+            new_mems = None
+        else:
+            new_mems = self._update_mems(hids[:-1], mems, seg.mlen, seg.T, read.mem_len, ext_len, detach_mems)
+        return TransformerXLModelOutput(
+            last_hidden_state=h,
+            mems=new_mems,
+            hidden_states=hids if output_hidden_states else None,
+            attentions=attns if output_attentions else None,
+        )
 
-        ``mems=None`` is an empty memory (the original PyTorch code); pass ``n_layer`` zero tensors
-        ``[B, mem_len, d_model]`` to reproduce Hugging Face's / the TF code's zero memory. ``mem_len``,
-        ``same_length`` and ``clamp_len`` default to the config and can be changed per call (evaluation with a
-        longer memory). The returned memory keeps the last ``mem_len`` layer inputs, excluding the last
-        ``ext_len`` positions of the segment (they will be fed again as extended context).
-
-        For inference, the memory can instead be a ``cache`` (:class:`KVCache`) of its keys/values, updated in place
-        (``mems`` is then None in the output): the same result, without projecting the memory again.
-        ``padding`` marks positions that are never attended to (True = padding), e.g. the left padding of texts of
-        different lengths; relative distances count them, so pad on the left. With a cache it is [B, T] (the cache
-        remembers the memory's); without, [B, M + T], the memory's positions then the segment's.
-        ``attention_mask`` is the same in Hugging Face's form (1 = token, 0 = padding; [B, T] takes the memory as
-        tokens), as a tokenizer call gives it.
-        ``key_mask`` [B, T, M + T] (True = that query never attends that key) masks keys per query, on top of the
-        causal mask: e.g. an agent's episode boundaries within a segment (``txl.rl``: block-diagonal in time).
-        ``head_mask`` ([n_head], or [n_layer, n_head] for each layer; Hugging Face's) multiplies each head's attention
-        probabilities: 1 keeps a head, 0 silences it (its weights, as returned with ``output_attentions``, too).
-        ``inputs_embeds`` [B, T, d_model] replaces ``input_ids``: the word embedding's output (``model.word_emb(ids)``,
-        its scale included, as Hugging Face's TransfoXL takes it), e.g. soft prompts or embeddings edited.
-        ``detach_mems=False`` keeps the returned memory in the autograd graph (gradient through several segments,
-        e.g. fine-tuning a classifier on long documents); the paper's stop-gradient is the default.
-        """
+    def _prepare(
+        self, input_ids: Tensor | None, inputs_embeds: Tensor | None, mems: list[Tensor] | None,
+        cache: KVCache | None, padding: Tensor | None, attention_mask: Tensor | None, key_mask: Tensor | None,
+        head_mask: Tensor | None, read: Reading, ext_len: int,
+    ) -> Segment:  # fmt: skip
+        """The segment's input h (embedded, dropped out), its mask over the memory's and its keys, every layer's
+        positional input and head mask: what the layers take."""
         cfg = self.config
-        mem_len = cfg.mem_len if mem_len is None else mem_len
-        same_length = cfg.same_length if same_length is None else same_length
-        clamp_len = cfg.clamp_len if clamp_len is None else clamp_len
-        if same_length and mem_len <= 0:
+        if read.same_length and read.mem_len <= 0:
             raise ValueError("same_length=True needs mem_len > 0")
-        window = mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
+        window = read.mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
+        word_emb, dev = self._embed(input_ids, inputs_embeds)  # [B, T, D]
+        B, T = word_emb.shape[:2]
+        if attention_mask is not None:
+            if padding is not None:
+                raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
+            padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
+        heads = self._head_masks(head_mask)  # (per layer: [1, H, 1, 1] or None)
+        if cache is None:
+            mlen = self._check_mems(mems, B) if mems else 0
+            if attention_mask is not None and mlen and padding.shape[-1] == T:
+                padding = F.pad(padding, (mlen, 0), value=False)  # [B, M + T]: the memory's positions are tokens
+            mask = None
+            if _masks_any(T, mlen, read.same_length, window):
+                mask = causal_mask(T, mlen, read.same_length, window, device=dev)  # [T, K]
+            if padding is not None:
+                if tuple(padding.shape) != (B, mlen + T):
+                    raise ValueError(
+                        f"padding must be [batch, M + T] = [{B}, {mlen + T}] without a cache, not {list(padding.shape)}"
+                    )
+                mask = _padding_mask(mask, padding, T, mlen)  # [B, 1, T, K]
+            dtype = word_emb.dtype
+        else:
+            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, read.same_length, window, ext_len)
+            dev, dtype = cache.k.device, cache.k.dtype
+        if key_mask is not None:
+            mask = self._with_key_mask(mask, key_mask, B, T, mlen)  # [B, 1, T, K]
+        # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
+        pos = self.attention.prepare(self, mlen + T, read.clamp_len, dtype, dev, cache)
+        return Segment(self.drop(word_emb), T, mlen, mask, pos, heads, cache, mems, read, window)
+
+    def _embed(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[Tensor, torch.device]:
+        """The word embedding's output [B, T, D] of ``input_ids`` (checked against n_token), or ``inputs_embeds``."""
+        cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give input_ids or inputs_embeds (the word embedding's output), one of them")
         if inputs_embeds is not None:
@@ -225,91 +300,56 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 raise ValueError(
                     f"inputs_embeds must be [batch, seq_len, d_model={cfg.d_model}], got {tuple(inputs_embeds.shape)}"
                 )
-            B, T = inputs_embeds.shape[:2]
-            dev = inputs_embeds.device
-        else:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-            B, T = input_ids.shape
-            # (not in a graph being exported or compiled: a host read there; the ids are then the caller's to check)
-            graph = torch.compiler.is_exporting() or torch.compiler.is_compiling()
-            lo, hi = (0, 0) if graph else map(int, torch.aminmax(input_ids))
-            if lo < 0 or hi >= cfg.n_token:
-                raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
-            dev = input_ids.device
-        if attention_mask is not None:
-            if padding is not None:
-                raise ValueError("pass padding (True = padding) or attention_mask (0 = padding), not both")
-            padding = attention_mask.to(device=dev) == 0  # [B, T] or [B, M + T]
-        heads = self._head_masks(head_mask)  # (per layer: [1, H, 1, 1] or None)
-        word_emb = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
-        if cache is None:
-            mlen = self._check_mems(mems, B) if mems else 0
-            if attention_mask is not None and mlen and padding.shape[-1] == T:
-                padding = F.pad(padding, (mlen, 0), value=False)  # [B, M + T]: the memory's positions are tokens
-            mask = (
-                causal_mask(T, mlen, same_length, window, device=dev)
-                if _masks_any(T, mlen, same_length, window)
-                else None
-            )
-            if padding is not None:
-                if tuple(padding.shape) != (B, mlen + T):
-                    raise ValueError(
-                        f"padding must be [batch, M + T] = [{B}, {mlen + T}] without a cache, not {list(padding.shape)}"
-                    )
-                mask = _padding_mask(mask, padding, T, mlen)
-            dtype = word_emb.dtype
-        else:
-            mlen, mask = self._prepare_cache(cache, B, T, mems, padding, same_length, window, ext_len)
-            dev, dtype = cache.k.device, cache.k.dtype
-        if key_mask is not None:
-            mask = self._with_key_mask(mask, key_mask, B, T, mlen)  # [B, 1, T, K]
-        # Each layer's positional input, built by the attention variant (attn_type) for the K = M + T keys.
-        pos = self.attention.prepare(self, mlen + T, clamp_len, dtype, dev, cache)
-        h = self.drop(word_emb)
+            return inputs_embeds, inputs_embeds.device
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        # (not in a graph being exported or compiled: a host read there; the ids are then the caller's to check)
+        graph = torch.compiler.is_exporting() or torch.compiler.is_compiling()
+        lo, hi = (0, 0) if graph else map(int, torch.aminmax(input_ids))
+        if lo < 0 or hi >= cfg.n_token:
+            raise ValueError(f"input_ids must be in [0, n_token={cfg.n_token}), got values in [{lo}, {hi}]")
+        return self.word_emb(input_ids), input_ids.device
 
-        hids, attns = [h], []
+    def _run(self, s: Segment, want_hids: bool, want_attns: bool) -> tuple[Tensor, list[Tensor], list]:
+        """Every layer on the segment: the output [B, T, D], every layer's input then the output, and the attention
+        weights (where asked for). Without a cache the layers' forward; with one, a step of one token by the
+        one-token loop where it is admitted, a segment by the layers (replayed as graphs where that applies)."""
+        hids, attns = [s.h], []
 
-        def layers(h: Tensor) -> Tensor:  # every layer's forward (the reference), each output recorded
-            return self._layers(h, pos, mask, cache, mems, heads, output_attentions, hids, attns)
+        def layers(h: Tensor = s.h) -> Tensor:  # every layer's forward (the reference), each output recorded
+            del hids[1:], attns[:]
+            return self._layers(h, s.pos, s.mask, s.cache, s.mems, s.heads, want_attns, hids, attns)
 
-        def loop() -> Tensor:  # the same as layers(), as one loop over their weights
-            hids.append(self._decode(hids[0], pos, mask, cache, hids if output_hidden_states else None))
-            return hids[-1]
+        if s.cache is None:
+            return layers(), hids, attns
+        if s.T == 1 and self.config.attn_type == 0 and s.heads.count(None) == len(s.heads) and not want_attns:
 
-        def segment() -> Tensor:  # layers(), or with a cache the same kernels replayed (txl.kernels.graphs)
-            if cache is None:
-                return layers(hids[0])
-            graphed = T > 1 and cfg.attn_type == 0 and mask.dim() == 2 and head_mask is None
-            graphed = graphed and not (output_attentions or output_hidden_states)
-            key = (T, mlen, same_length, window, clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
-            # The graphs keep this function alive (and what their kernels read) in the cache: it holds the cache
-            # weakly, so that a cache nobody uses is freed at once with its graphs' memory, not at the next cycle
-            # collection (a reference cycle: GPU memory that Python's collector does not see).
-            cache_ref = weakref.ref(cache)
+            def loop() -> Tensor:  # the same as layers(), as one loop over the layers (a step of one token)
+                del hids[1:]
+                hids.append(self._decode(s.h, s.pos, s.mask, s.cache, hids if want_hids else None))
+                return hids[-1]
 
-            def quiet(h: Tensor) -> Tensor:  # the same, recording nothing
-                return self._layers(h, pos, mask, cache_ref(), mems, heads, False)
+            kind = (type(self), self.config.pre_lnorm, self.config.identity_map, s.h.dtype, s.h.device.type)
+            return one_token_step(self.layers, kind, layers, loop), hids, attns
+        return self._segment(s, layers, want_hids or want_attns), hids, attns
 
-            return segment_layers(graphed, key, cache, cache.start, self, hids[0], layers, quiet)
+    def _segment(self, s: Segment, layers: Callable[[Tensor], Tensor], recorded: bool) -> Tensor:
+        """A cached segment's layers, or the same kernels replayed as graphs (txl.kernels.graphs)."""
+        cache, mask = s.cache, s.mask
+        graphed = s.T > 1 and self.config.attn_type == 0 and mask.dim() == 2 and s.heads.count(None) == len(s.heads)
+        graphed = graphed and not recorded
+        read = s.read
+        key = (s.T, s.mlen, read.same_length, s.window, read.clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
+        # The graphs keep this function alive (and what their kernels read) in the cache: it holds the cache weakly,
+        # so that a cache nobody uses is freed at once with its graphs' memory, not at the next cycle collection (a
+        # reference cycle: GPU memory that Python's collector does not see).
+        cache_ref = weakref.ref(cache)
+        pos, mems, heads = s.pos, s.mems, s.heads
 
-        one_token = cache is not None and T == 1 and cfg.attn_type == 0 and head_mask is None
-        one_token = one_token and DecodeLayer.plain(self.layers)  # (the loop reads weights: plain modules only)
-        h = one_token_step(one_token and not output_attentions, segment, loop)
-        h = self.drop(h)
-        hids[-1] = h
+        def quiet(h: Tensor) -> Tensor:  # the same, recording nothing
+            return self._layers(h, pos, mask, cache_ref(), mems, heads, False)
 
-        if cache is not None:
-            cache.end_segment(T, mem_len)
-            new_mems = None
-        else:
-            new_mems = self._update_mems(hids[:-1], mems, mlen, T, mem_len, ext_len, detach=detach_mems)
-        return TransformerXLModelOutput(
-            last_hidden_state=h,
-            mems=new_mems,
-            hidden_states=hids if output_hidden_states else None,
-            attentions=attns if output_attentions else None,
-        )
+        return segment_layers(graphed, key, cache, cache.start, self, s.h, layers, quiet)
 
     def _layers(
         self, h: Tensor, pos: list, mask: Tensor | None, cache: KVCache | None, mems: list[Tensor] | None,
@@ -379,7 +419,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         _, plan, kernel_state = cache.decode_plan
         biases = (self.r_w_bias, self.r_r_bias)
         # (the same loop in C where it applies: fp32 on the CPU, a C compiler; txl.kernels.decode)
-        loop = lambda: self._loop(plan, h, pos, mask, cache, hids)  # noqa: E731
+        loop = lambda kept: self._loop(plan, h, pos, mask, cache, kept)  # noqa: E731
         return native_loop(plan, biases, h, pos, mask, cache, kernel_state, loop, hids)
 
     def _loop(

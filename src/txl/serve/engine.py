@@ -45,7 +45,7 @@ import torch
 from txl.infer.generation import NoTokenLeftError, Penalties, beam_steps, check_left, check_sampling, choose, stream
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
-from txl.model.modeling import KVCache, TransformerXLLM, supports_kv_cache, transposed_weights
+from txl.model.modeling import KVCache, Reading, TransformerXLLM, supports_kv_cache, transposed_weights
 
 TokenScore = tuple[float, list[tuple[int, float]]]
 """A token's log-probability and the most likely tokens at its place, as (id, log-probability), best first."""
@@ -247,6 +247,7 @@ class Engine:
         max_unread: int = 256,
         max_parked: int | None = None,
         on_failure: Callable[[str], None] | None = None,
+        reading: Reading | None = None,
     ):
         if max_batch < 1 or max_queue < 0 or max_unread < 1 or (max_parked is not None and max_parked < 0):
             raise ValueError("max_batch and max_unread must be >= 1, max_queue and max_parked >= 0")
@@ -258,6 +259,8 @@ class Engine:
         (probes s1: one slow reader of an n=8 stream held all 8 rows for as long as it read). Beyond this many, each
         parked one holds its row again, so that the memory held stays within max_batch + max_parked rows."""
         self.model = model.eval()
+        self.reading = reading or Reading()
+        """How the model reads (same_length, clamp_len; each request's mem_len over it): the config is not changed."""
         self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.batched = supports_kv_cache(model.config)
@@ -606,7 +609,8 @@ class Engine:
             T, config = ids.shape[1], self.model.config
             written = T + request.max_new_tokens  # (a short generation: a small buffer)
             cache = KVCache(config, 1, request.mem_len, T, positions=written, dtype=dtype, device=self.device)
-            hidden = read_prompt(self.model, ids, cache, request.mem_len)[0]  # [T, D] (in pieces, where it is long)
+            # [T, D] (in pieces, where it is long)
+            hidden = read_prompt(self.model, ids, cache, request.mem_len, reading=self.reading)[0]
             if request.prompt_logprobs:
                 self._score_prompt(request, hidden[:-1])
             if request.max_new_tokens == 0:
@@ -663,7 +667,9 @@ class Engine:
         batch = self._batches[mem_len]
         try:
             with fp32_route(False):  # (products of a few rows: 3x slower routed)
-                out = self.model.transformer(batch.last[:, None], cache=batch.cache, mem_len=mem_len)
+                out = self.model.transformer(
+                    batch.last[:, None], cache=batch.cache, mem_len=mem_len, reading=self.reading
+                )
             hidden = out.last_hidden_state[:, -1]  # [B, D]
             _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [B, V]
         except Exception as e:
@@ -711,6 +717,7 @@ class Engine:
             steps = beam_steps(
                 self.model, ids, request.max_new_tokens, num_beams=request.num_beams,
                 length_penalty=request.length_penalty, mem_len=request.mem_len, penalties=request.penalties,
+                reading=self.reading,
             )  # fmt: skip
         except Exception as e:
             self._fail(request, e)
@@ -751,7 +758,7 @@ class Engine:
             if ids is None:
                 return
             if request.prompt_logprobs:
-                out = self.model.transformer(ids, mem_len=request.mem_len)
+                out = self.model.transformer(ids, mem_len=request.mem_len, reading=self.reading)
                 self._score_prompt(request, out.last_hidden_state[0, :-1])
             if request.max_new_tokens == 0:
                 self._finish(request, "length")
@@ -759,7 +766,7 @@ class Engine:
             tokens = stream(
                 self.model, ids, request.max_new_tokens, temperature=request.temperature, top_k=request.top_k,
                 top_p=request.top_p, mem_len=request.mem_len, generator=request.generator, observe=record,
-                penalties=request.penalties,
+                penalties=request.penalties, reading=self.reading,
             )  # fmt: skip
         except Exception as e:
             self._fail(request, e)

@@ -67,7 +67,8 @@ class ServeLimits:
     """What bounds one request's work, checked before it is admitted (each a `txl serve` option)."""
 
     max_prompt_tokens: int = 4096
-    """Longest prompt, in tokens (it is read in one forward pass)."""
+    """Longest prompt, in tokens (read in pieces of 1,024 positions: ``txl.infer.prompt``, the memory a piece holds
+    bounded by them)."""
     max_new_tokens: int = 1024
     """Most tokens one generation may ask for."""
     max_batch: int = 8

@@ -32,30 +32,20 @@ class Server:
         unknown: UnknownPolicy = "error",
         served_names: list[str] | None = None,
     ):
-        import torch
 
-        from txl.config import read_run_config
-        from txl.data import Tokenizer
-        from txl.infer.evaluate import metric_name, read_as, reading_settings
-        from txl.model.modeling import TransformerXLLM
+        from txl.infer.evaluate import metric_name
+        from txl.infer.load import load
         from txl.util.distributed import resolve_device
-        from txl.util.folders import resolve_model_dir
 
         if unknown not in get_args(UnknownPolicy):
             raise ValueError(f"--unknown {unknown}: must be one of {', '.join(get_args(UnknownPolicy))}")
         self.device = resolve_device(device, option="--device")
         self.source = Path(model_dir)
-        self.folder = resolve_model_dir(model_dir)
-        self.run = read_run_config(self.folder)
-        self.model = TransformerXLLM.from_pretrained(self.folder).eval().to(self.device)
-        self.reading = reading_settings(self.folder, self.model.config)
+        loaded = load(model_dir, self.device)
+        self.folder, self.run, self.model, self.tokenizer = loaded.folder, loaded.run, loaded.model, loaded.tokenizer
+        self.reading = loaded.settings
         """How the model reads text unless a request says otherwise (the one rule:
-        txl.infer.evaluate.reading_settings)."""
-        read_as(self.model, self.reading)  # (generation reads clamp_len and same_length from the config)
-        tok_file = self.folder / "tokenizer.json"
-        self.tokenizer = (
-            Tokenizer.load(tok_file).for_model(self.model.config.n_token, tok_file) if tok_file.exists() else None
-        )
+        txl.infer.evaluate.reading_settings); passed to the engine, never written into the model's config."""
         self.metric = metric_name(self.tokenizer.kind) if self.tokenizer else "ppl"
         self.limits = limits
         self.api_key = api_key
@@ -71,7 +61,6 @@ class Server:
         self._in_flight = 0
         self._cut = 0
         self._lock = threading.Lock()
-        self._torch = torch
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -79,7 +68,7 @@ class Server:
         lim = self.limits
         self.engine = Engine(
             self.model, max_batch=lim.max_batch, max_queue=lim.max_queue, max_unread=lim.stream_buffer_tokens,
-            on_failure=self._fatal,
+            on_failure=self._fatal, reading=self.reading.reading(),
         )  # fmt: skip
 
     def _fatal(self, failure: str) -> None:

@@ -252,9 +252,21 @@ class FolderLock:
                 self.path.parent.rmdir()
 
 
+def _txl_lock(path: Path) -> bool:
+    """Whether ``path`` is a lock file of txl's (empty, or naming a txl command): not another tool's ``.lock`` (pytest
+    keeps one with its pid in its temporary folders' root, which every test's folder lies in)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return not head.strip() or head.startswith("txl")
+
+
 def _locked_folder_around(target: Path) -> Path | None:
-    """The nearest folder at or above ``target`` that has a lock file (a run folder, a corpus cache), if any."""
-    return next((a for a in (target, *target.parents) if (a / LOCK).is_file()), None)
+    """The nearest folder at or above ``target`` that has a lock file of txl's (a run folder, a corpus cache), if
+    any."""
+    return next((a for a in (target, *target.parents) if (a / LOCK).is_file() and _txl_lock(a / LOCK)), None)
 
 
 @contextmanager

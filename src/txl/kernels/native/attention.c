@@ -10,7 +10,7 @@
  * The queries come scaled, with u and v added, or raw with u, v and the scale given (query_bias, blocks.h): then the
  * kernel forms (q + u) / sqrt(Dh) and (q + v) / sqrt(Dh) as it copies each block's rows, rounded as torch's two
  * operations round them. Optionally an additive bias [B, H, T, K] instead of the positional
- * term (the other attention variants). Built with the other kernels by txl/native/__init__.py, called through ctypes
+ * term (the other attention variants). Built with the other kernels by txl/kernels/native/__init__.py, called through ctypes
  * by txl.modeling.
  *
  * Why: on a 2-core EPYC torch's CPU flash attention runs these shapes (d_head 32, 128 queries over 768 keys) at

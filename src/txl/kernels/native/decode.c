@@ -1,5 +1,5 @@
 /* One cached decoding step of Transformer-XL (attn_type 0), every layer, for B rows of one new token each: what
- * TransformerXL._decode computes with PyTorch kernels, as one call. Built on first use by txl/native/__init__.py
+ * TransformerXL._decode computes with PyTorch kernels, as one call. Built on first use by txl/kernels/native/__init__.py
  * (cc -O3 -march=native -fopenmp; plain C with GCC vector extensions, no dependency), called through ctypes.
  *
  * Why: one token is ~15 MFLOP for the bench-char model, but ~30 MB of weights, cached keys/values and projected

@@ -1,5 +1,5 @@
 /* Dropout in one pass, with a counter-based random stream: y = x * (keep ? 1/(1-p) : 0). Built with decode.c by
- * txl/native/__init__.py (cc -O3 -march=native -fopenmp; plain C with GCC vector extensions), called through
+ * txl/kernels/native/__init__.py (cc -O3 -march=native -fopenmp; plain C with GCC vector extensions), called through
  * ctypes by txl.kernels.dropout.Dropout.
  *
  * Why: PyTorch's CPU generator draws its random words one at a time on one core (~5.7 ns per 64-bit word here),
