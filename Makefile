@@ -57,7 +57,7 @@ FAST := tests/test_packaging.py tests/test_model_api.py tests/test_oracle_parity
 # (tests/conftest.py gives each its share of the threads).
 PARALLEL := -n auto --maxprocesses 4
 
-test-fast: setup
+test-fast: lint
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not slow" $(FAST)
 
 test-oldest: setup-oldest

@@ -25,6 +25,7 @@ def two_segments(model, x):
     return float(a.loss + b.loss), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # (64 s on 2 AVX2 cores: Inductor compiles every layer shape; CI runs it)
 def test_the_compiled_layers_trace_whole_and_compute_the_reference():
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(**CONFIG)).train()

@@ -159,6 +159,7 @@ def test_registered_op_passes_opcheck_and_is_seen_by_compile_and_export():
     assert "txl.rel_attention" in str(exported.graph)
 
 
+@pytest.mark.slow  # (35-74 s: torch.compile of the layers; CI runs it)
 def test_compiled_layers_call_the_fused_op_without_a_graph_break(monkeypatch):
     """The GPU's training configuration with the kernel on (layers compiled by Inductor, the attention the fused
     op): no graph break, and the loss and every gradient of two segments with the memory equal the reference

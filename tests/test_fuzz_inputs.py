@@ -90,6 +90,7 @@ words = st.sampled_from([
 ])  # fmt: skip
 
 
+@pytest.mark.slow  # (~80 s: 150 command lines; CI runs it)
 @SETTINGS
 @given(st.lists(words, max_size=6))
 def test_the_command_line_parses_or_refuses_random_argument_lists(argv):
@@ -344,6 +345,7 @@ LIST_ITEMS = st.one_of(st.integers(-3, 50), st.floats(allow_nan=False, width=16)
                        st.booleans(), st.none())  # fmt: skip
 
 
+@pytest.mark.slow  # (~80 s; CI runs it)
 @SETTINGS
 @given(st.lists(LIST_ITEMS, min_size=1, max_size=4))
 def test_list_options_parse_or_name_the_bad_item(items):

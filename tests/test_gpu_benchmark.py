@@ -27,6 +27,7 @@ def tree_digest(root: Path) -> str:
     return module.tree_digest(root)
 
 
+@pytest.mark.slow  # (the GPU scripts on the CPU, processes of their own; CI runs them)
 def test_gpu_paper_runs_and_writes_its_rows(tmp_path):
     out = tmp_path / "gpu.json"
     out.write_text(json.dumps([{"config": "other", "case": "train-bf16", "impl": "txl", "tokens_per_s": 1.0}]))
@@ -159,6 +160,7 @@ def test_the_committed_gpu_results_have_the_format():
     assert {"train-bf16", "train-fp32", "eval-fp32"} <= {c for c, _ in base}
 
 
+@pytest.mark.slow
 def test_the_gpu_end_to_end_script_runs_the_users_commands_on_the_cpu(tmp_path):
     """benchmarks/gpu_e2e.sh's smoke mode: txl train with the WT103 base recipe on a synthetic corpus, then txl eval of
     its checkpoint in bf16 and fp32 (the same commands as on a GPU, a small model), with the policy change it passes

@@ -220,6 +220,7 @@ def test_without_a_compiler_the_pytorch_path_is_used(tmp_path, monkeypatch, caps
     ), err
 
 
+@pytest.mark.slow  # (builds the library again: ~25-30 s; CI runs it)
 @needs_lib
 def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
     """A second process finds the built library instead of compiling again; a changed source builds a new one."""
@@ -249,6 +250,7 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     assert len(sorted(tmp_path.glob("txl-*.so"))) == 2
 
 
+@pytest.mark.slow  # (builds the library again: ~25-30 s; CI runs it)
 @needs_lib
 def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path, monkeypatch):
     """probes.md n85: a cached library cut short (a full disk, a copy interrupted) used to kill every command with
@@ -327,6 +329,7 @@ KERNEL_TESTS = (
 
 
 @needs_lib
+@pytest.mark.slow  # (two more builds of the library and its tests in a process: ~30 s each; CI runs them)
 @pytest.mark.parametrize("cflags", ["-O3 -fopenmp", "-O3 -march=x86-64-v3 -fopenmp"], ids=["baseline", "avx2"])
 def test_builds_without_the_machines_vector_extensions_pass_the_kernel_tests(tmp_path, monkeypatch, cflags):
     """The library as a machine without AVX-512 builds it (the portable exponential, 16-float vectors as narrower

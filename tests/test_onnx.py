@@ -69,6 +69,7 @@ def test_exported_step_generates_what_txl_generate_does_without_torch(lm, tmp_pa
     assert len(set(want)) >= 3  # not one token repeated (seeded weights: a fixed continuation)
 
 
+@pytest.mark.slow  # (~25 s: an export and its check in a process of its own; CI runs it)
 def test_adaptive_softmax_and_same_length_export_within_tolerance(tmp_path):
     """Through the txl command as a user runs it: the one line of the report, and nothing from torch's exporter
     about itself (the torchvision operators it skips, its deprecations) on stderr."""

@@ -29,7 +29,7 @@ def curve(out: Path) -> list[tuple[str, str]]:
         return [(r[0], r[2]) for r in csv.reader(f)]  # (env steps, mean return): wall-clock differs
 
 
-@pytest.mark.parametrize("memory", ["gtrxl", "gru"])
+@pytest.mark.parametrize("memory", ["gtrxl", pytest.param("gru", marks=pytest.mark.slow)])
 def test_the_same_seed_gives_the_same_curve(tmp_path, memory):
     args = [*TINY, "--memory", memory, "--steps", "512", "--env", "repeat_previous"]
     a, b, c = (run(tmp_path / n, *args, "--seed", s) for n, s in (("a", "3"), ("b", "3"), ("c", "4")))

@@ -79,8 +79,13 @@ for _torch_class in (nn.Linear, nn.LayerNorm, nn.ModuleList, nn.ParameterList, n
 
 def _class_unchanged(cls: type) -> bool:
     """Whether no method of ``cls`` or its stock bases was replaced, added or removed since registration."""
+    compiling = torch.compiler.is_compiling()  # (dynamo traces no itemgetter: the plain loop there)
     for base, get, values, names, size in _STOCK[cls]:
         own = vars(base)
+        if compiling:
+            if any(own.get(k) is not v for k, v in zip(names, values, strict=True)):
+                return False
+            continue
         try:
             now = get(own)
         except KeyError:  # (a method deleted)

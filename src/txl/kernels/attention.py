@@ -120,20 +120,25 @@ def _native(q, u, v, kv, positions, scale, mask, grad, dropatt, reference) -> Ca
     policy = backends()
     if not (policy.native_attention and native.usable(q)) or (dropatt and not (grad and policy.native_dropout)):
         return None
+    if grad and not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
+        return None
     k, v_ = kv
+    name, shapes = ("native_attention_train" if grad else "native_attention"), (q.shape, k.shape)
+    known = measured.decided(name, shapes, q.dtype)
+    if known is False:  # (measured slower here: W_kR R is not even projected for it)
+        return None
     r_k = positions(k.shape[2])
     qt, biases = q.transpose(1, 2), (u, v, scale)  # [B, H, T, Dh]
     if not native.attention_applies(qt, k, v_, qt, r_k, query_bias=biases):
         return None
-    shapes = (q.shape, k.shape)
     if not grad:
         call = lambda: ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)  # noqa: E731
-        return call if measured.faster("native_attention", shapes, q.dtype, call, reference) else None
-    if not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
+    else:
+        seed = dropout_seed if dropatt else lambda: 0
+        call = lambda: ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, seed())[0]  # noqa: E731
+    if known is None and not measured.faster(name, shapes, q.dtype, call, reference, (q, kv) if grad else ()):
         return None
-    seed = dropout_seed if dropatt else lambda: 0
-    train = lambda: ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, seed())[0]  # noqa: E731
-    return train if measured.faster("native_attention_train", shapes, q.dtype, train, reference, (q, kv)) else None
+    return call
 
 
 def score_sum(ac: Tensor, bd: Tensor | None) -> Tensor:

@@ -159,6 +159,20 @@ def ratio(fast: Callable[[], Any], reference: Callable[[], Any], grad_of: Sequen
     return statistics.median(ratios)
 
 
+def decided(path: str, shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> bool | None:
+    """Whether the fast path runs for these operands, where that is known without measuring: True where it runs
+    unmeasured (``Backends.measured`` off, code being compiled), the choice made here earlier, else None (the caller
+    then asks :func:`faster`, which measures)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting() or not backends().measured:
+        return True
+    choice = _choices.get(kind_of(path, shapes, dtype))
+    if choice is None and not _loaded[0]:
+        with _lock:
+            _load()
+        choice = _choices.get(kind_of(path, shapes, dtype))
+    return None if choice is None else choice["use"]
+
+
 def faster(path: str, shapes: Sequence[Sequence[int]] | str, dtype: torch.dtype | None, fast: Callable[[], Any],
            reference: Callable[[], Any], grad_of: Sequence[Tensor] = ()) -> bool:  # fmt: skip
     """Whether the fast path ``path`` is to run for operands of these ``shapes`` and ``dtype`` (kept under

@@ -36,8 +36,10 @@ def adaptive_nll(
     (``txl.kernels.admission``) and the kernel was measured faster here; else ``reference()`` (log-softmax and
     gather)."""
     if backends().native_nll and native.nll_applies(h) and admits("native_nll", module, deep=True, name="crit"):
-        vocabulary = (getattr(module, "n_token", 0), getattr(module, "n_clusters", 0))  # (the cost grows with it)
-        if measured.faster("native_nll", [h.shape, vocabulary], h.dtype, per_cluster, reference, (h,)):
+        # (the cost grows with the vocabulary; in inference the native path reads packed weights, in training logits)
+        grad = 2 if torch.is_grad_enabled() else 1  # (1, 2: apart after the kind's rounding to powers of two)
+        kind = [h.shape, (getattr(module, "n_token", 0), getattr(module, "n_clusters", 0), grad)]
+        if measured.faster("native_nll", kind, h.dtype, per_cluster, reference, (h,)):
             return per_cluster()
     return reference()
 
