@@ -110,14 +110,10 @@ def global_hooks() -> bool:
 
 
 def own_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has a hook of its own (forward, forward-pre, backward)."""
+    """Whether ``module`` has a hook of its own (forward, forward-pre, backward): with :func:`global_hooks`, the one
+    hook check of the package."""
     d = module.__dict__
     return bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"])
-
-
-def hooks_anywhere(module: nn.Module) -> bool:
-    """Whether a call of ``module`` runs any hook: its own, or a global one. (The one hook check of the package.)"""
-    return own_hooks(module) or global_hooks()
 
 
 def _changed(module: nn.Module) -> str | None:
@@ -148,24 +144,15 @@ def is_stock(module: nn.Module) -> bool:
 
 def _walk(module: nn.Module) -> list[nn.Module] | None:
     """Every module of the tree under ``module`` (itself first), or None where one is not stock."""
-    seen: set[type] = set()
     todo, out = [module], []
     while todo:
         m = todo.pop()
         if m is None:
             continue
-        cls = type(m)
-        if cls not in seen:
-            if cls not in _STOCK or not _class_unchanged(cls):
-                return None
-            seen.add(cls)
-        d = m.__dict__
-        if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
-            return None
-        if not _METHODS[cls].isdisjoint(d):
+        if not is_stock(m):
             return None
         out.append(m)
-        todo.extend(d["_modules"].values())
+        todo.extend(m._modules.values())
     return out
 
 

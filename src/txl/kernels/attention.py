@@ -73,8 +73,7 @@ def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Callable[[], T
     gradients ``fused_attention_training``) and it applies (triton installed, the operands' layout; with gradients
     only for keys and values of this step, not a cache's). On a GPU only where it was measured faster: products in half
     precision, and segments of several positions (one-token steps are the decode paths')."""
-    policy = backends()
-    if q.device.type not in (policy.fused_attention_training if grad else policy.fused_attention):
+    if not _fused_wanted(q, grad):
         return None
     if torch.compiler.is_exporting():  # (an exported graph, ONNX's too, must not need txl's library)
         return None
