@@ -176,11 +176,10 @@ def test_every_path_computes_what_the_changed_model_computes(change, monkeypatch
             got.append(m(out[:, t : t + 1], cache=cache, mem_len=64, return_log_probs=True).log_probs)
     torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=0)
 
-    # beam search and the engine: as with every fast path off (the model's own code)
+    # beam search: as with every fast path off (the model's own code)
     with use_backends(**ALL_OFF):
         beams_ref = beam_search(m, prompt[:1], 6, num_beams=3, mem_len=64)
     assert torch.equal(beam_search(m, prompt[:1], 6, num_beams=3, mem_len=64), beams_ref)
-    _engine_matches(m, prompt[0].tolist())
 
     # cached evaluation: segments of 4 on a KV cache, as txl eval reads
     with torch.no_grad():
@@ -198,12 +197,18 @@ def test_every_path_computes_what_the_changed_model_computes(change, monkeypatch
         assert line.count("\n") == 0 and "txl: fast path" in line
 
 
-def _engine_matches(m, prompt):
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_serve_engine_generates_what_the_changed_model_generates(change, monkeypatch):
+    """txl serve's engine (batched one-token steps): as the changed model's own code generates alone."""
+    pytest.importorskip("fastapi", reason="the server needs the extra 'serve'")
+    pytest.importorskip("uvicorn", reason="the server needs the extra 'serve'")
     import threading
 
     from txl.infer.generation import generate
     from txl.serve.engine import Engine, Generation
 
+    m = _model(change, monkeypatch)
+    prompt = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(1)).tolist()
     got, done = [], threading.Event()
     engine = Engine(m, max_batch=2)
     try:

@@ -352,7 +352,7 @@ def test_acting_steps_one_token_loops_compute_what_the_layers_do(gate, d_model, 
     applies (the GRU gate and TrXL-I's ReLU included) and in Python otherwise (any gate), recording each layer's input
     for the memory: the features and the memory's state as the layers' own forward gives them, over 20 steps with
     resets, and the C step ran (or, for another gate, did not)."""
-    from txl.kernels import native
+    from txl.kernels import admission, native
     from txl.kernels.backends import use_backends
 
     torch.manual_seed(3)
@@ -366,7 +366,8 @@ def test_acting_steps_one_token_loops_compute_what_the_layers_do(gate, d_model, 
 
     def counted(*args, **kw):
         out = step(*args, **kw)
-        ran.append(out is not None)
+        if not admission.checking():  # (a kind's first step is checked against the Python loop: it runs once more)
+            ran.append(out is not None)
         return out
 
     results = {}
@@ -381,7 +382,8 @@ def test_acting_steps_one_token_loops_compute_what_the_layers_do(gate, d_model, 
         torch.testing.assert_close(results[name][0], feats, rtol=1e-4, atol=1e-4 * float(feats.abs().max()))
         torch.testing.assert_close(results[name][1], hidden, rtol=1e-4, atol=1e-4 * float(hidden.abs().max()))
     in_c = gate in ("gru", "residual") and native.library() is not None
-    assert results["native"][2] == [in_c] * 20 and results["loop"][2] == [] and results["layers"][2] == []
+    assert sum(results["native"][2]) == 20 * in_c  # (each step in C, or none)
+    assert not any(results["loop"][2] + results["layers"][2])
 
 
 def test_a_hook_on_a_gates_layer_keeps_the_acting_step_on_the_layers():
