@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup setup-hf5 setup-oldest demo test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+.PHONY: setup setup-hf5 setup-keras setup-oldest test-keras demo test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
 	bench-vanilla-full bench-serve experiments clean
 
 # pyproject.toml declares the ranges txl supports; the environments are installed from constraints/*.txt, which pin
@@ -30,6 +30,17 @@ $(HF5_STAMP): pyproject.toml constraints/hf5.txt
 
 # The oldest versions txl supports (pyproject.toml's floors: torch 2.9.1, numpy 2.0.2, ...; constraints/oldest.txt).
 # PyPI's torch 2.9.1 for x86-64 is a CUDA build: ~7 GB with its NVIDIA libraries, ~3 minutes to install here.
+# The environment of the txl.keras suite (tests_keras): Keras 3 with TensorFlow and JAX beside torch.
+KERAS_VENV  ?= .venv-keras
+KERAS_BIN   := $(KERAS_VENV)/bin
+KERAS_STAMP := $(KERAS_VENV)/.installed-stamp
+
+$(KERAS_STAMP): pyproject.toml constraints/keras.txt
+	$(PYTHON) -m venv $(KERAS_VENV)
+	$(KERAS_BIN)/$(PIP) -c constraints/keras.txt torch
+	$(KERAS_BIN)/$(PIP) -c constraints/keras.txt -e '.[keras-test]'
+	touch $(KERAS_STAMP)
+
 OLD_VENV  ?= .venv-oldest
 OLD_BIN   := $(OLD_VENV)/bin
 OLD_STAMP := $(OLD_VENV)/.installed-stamp
@@ -44,6 +55,8 @@ $(OLD_STAMP): pyproject.toml constraints/oldest.txt
 setup: $(STAMP)
 
 setup-hf5: $(HF5_STAMP)
+
+setup-keras: $(KERAS_STAMP)
 
 setup-oldest: $(OLD_STAMP)
 
@@ -67,8 +80,8 @@ demo: setup
 	$(BIN)/python -m txl.demo
 
 lint: setup
-	$(BIN)/ruff check src tests tests_hf benchmarks experiments examples
-	$(BIN)/ruff format --check src tests tests_hf benchmarks experiments examples
+	$(BIN)/ruff check src tests tests_hf tests_keras benchmarks experiments examples
+	$(BIN)/ruff format --check src tests tests_hf tests_keras benchmarks experiments examples
 	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml: [tool.importlinter])
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
@@ -82,17 +95,23 @@ browser:
 # start processes of their own), the browser test included (it installs Chromium first). Then the txl.hf suite in its
 # transformers-5 environment (it compares with 4.46.3 through the main one). The 15 slowest tests of the default
 # suite are listed at the end.
-test: lint $(if $(SLOW),browser,) setup-hf5
+test: lint $(if $(SLOW),browser,) setup-hf5 setup-keras
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=15 -m "not slow"
 	$(if $(SLOW),TXL_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q --durations=15 -m slow,)
 	$(HF5_BIN)/python -m pytest -q -p no:cacheprovider tests_hf
+	$(MAKE) test-keras
+
+# txl.keras on each backend it is tested on (one pytest per backend: Keras reads KERAS_BACKEND once per process)
+test-keras: setup-keras
+	KERAS_BACKEND=jax $(KERAS_BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests_keras
+	KERAS_BACKEND=tensorflow $(KERAS_BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests_keras
 
 test-all:
 	$(MAKE) test SLOW=1
 
 format: setup
-	$(BIN)/ruff format src tests tests_hf benchmarks experiments examples
-	$(BIN)/ruff check --fix src tests tests_hf benchmarks experiments examples
+	$(BIN)/ruff format src tests tests_hf tests_keras benchmarks experiments examples
+	$(BIN)/ruff check --fix src tests tests_hf tests_keras benchmarks experiments examples
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
@@ -129,4 +148,4 @@ bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) $(HF5_VENV) $(OLD_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF5_VENV) $(KERAS_VENV) $(OLD_VENV) runs .pytest_cache .ruff_cache

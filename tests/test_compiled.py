@@ -137,6 +137,7 @@ def test_a_users_torch_compile_reads_the_process_policy_and_recompiles_when_it_c
     torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # (the heaviest of the default suite: CI runs it with the slow ones)
 def test_a_whole_training_forward_compiles_with_no_host_read_but_the_adaptive_softmaxs_one():
     """torch.compile of the whole forward with its loss and memory (toward a training step as one graph): a model
     without tail clusters traces as one graph (no host read: the ids' and targets' checks are the caller's inside a

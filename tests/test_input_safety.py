@@ -73,6 +73,7 @@ def test_convert_refuses_an_existing_folder_and_its_own_source(tmp_path, capsys)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # (no staged copy left behind)
 
 
+@pytest.mark.slow  # (the heaviest of the default suite: CI runs it with the slow ones)
 def test_export_refuses_an_existing_file_and_leaves_nothing_when_it_fails(tmp_path, capsys):
     """A failed ONNX export left its .onnx at the destination; an existing one was overwritten silently."""
     pytest.importorskip("onnxruntime")

@@ -226,6 +226,7 @@ def test_local_completions_through_txl_serve(harness_run, tmp_path):
         assert sample["resps"][0][0] == full[:cut]
 
 
+@pytest.mark.slow  # (the heaviest of the default suite: CI runs it with the slow ones)
 def test_unknown_model_args_are_refused_by_name(harness_run, capsys):
     """`--model_args ...,memlen=256` (a typo of mem_len) was dropped silently: the run read with the model's memory.
     Now the command stops with one line naming it and the close match."""
@@ -238,6 +239,7 @@ def test_unknown_model_args_are_refused_by_name(harness_run, capsys):
     assert "did you mean mem_len?" in err and not (tmp / "refused").exists()
 
 
+@pytest.mark.slow  # (an lm-eval run each: CI runs them with the slow ones)
 @pytest.mark.parametrize(
     "probe, extra, message",
     [

@@ -1,0 +1,621 @@
+"""Hugging Face's TensorFlow TransfoXL classes in Keras 3: the backbone (``TFTransfoXLModel``), the language model
+(``TFTransfoXLLMHeadModel``, with ``generate()`` and ``fit()`` over a token stream) and the classifier
+(``TFTransfoXLForSequenceClassification``), on any Keras backend.
+
+Their ``call`` takes Hugging Face's arguments (``input_ids``, ``mems``, ``head_mask``, ``inputs_embeds``, ``labels``,
+``output_attentions``, ``output_hidden_states``) and returns its outputs (``last_hidden_state`` / ``prediction_scores``
+/ ``logits``, ``mems`` as ``n_layer`` tensors ``[mem_len, batch, d_model]``, ``hidden_states``, ``attentions``,
+``losses``, ``loss``) as named tuples: ``out.mems``, ``out["mems"]`` and ``out[0]`` all work, and every backend's
+compiler takes them as a structure of tensors.
+
+The memory: ``mems=None`` starts from ``mem_len`` zero states (Hugging Face's and the TF code's ``mem_init="zeros"``;
+``mem_init="empty"`` starts from none, as the original PyTorch code). For ``fit()`` over a token stream the model
+carries the memory itself, from batch to batch (:meth:`TFTransfoXLLMHeadModel.carry_memory`, a stateful layer as
+Keras's stateful RNNs have: a fixed batch size, ``reset_memory()`` to start over).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+from keras import ops
+
+from txl.keras.layers import (
+    MASKED,
+    AdaptiveEmbedding,
+    AdaptiveSoftmax,
+    PositionwiseFF,
+    RelPartialLearnableMultiHeadAttn,
+    causal_mask,
+    sinusoid_embedding,
+)
+from txl.model.config import TransformerXLConfig
+
+BACKENDS = ("tensorflow", "jax", "torch")
+"""The Keras backends whose ops the model needs (einsum, take, where, log_softmax) and that can train it."""
+
+
+def check_backend() -> str:
+    """The Keras backend, or one clear error for one that cannot run the model."""
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        raise RuntimeError(
+            f"txl.keras runs on the Keras backends {', '.join(BACKENDS)}; this process uses {backend!r} "
+            "(set KERAS_BACKEND=jax or tensorflow before importing keras)"
+        )
+    return backend
+
+
+def check_config(cfg: TransformerXLConfig) -> None:
+    """The paper's model is what txl.keras computes: refuse a configuration of txl's PyTorch-only variants."""
+    unsupported = {
+        "attn_type": (cfg.attn_type, 0),
+        "gate": (cfg.gate, "residual"),
+        "identity_map": (cfg.identity_map, False),
+    }
+    for name, (value, paper) in unsupported.items():
+        if value != paper:
+            raise ValueError(
+                f"TransformerXLConfig.{name} = {value!r}: txl.keras computes the paper's model ({name} = {paper!r}); "
+                "this variant runs in txl's PyTorch model only"
+            )
+
+
+def _getitem(self, key):  # out["mems"] as well as out.mems and out[0] (Hugging Face's ModelOutput)
+    return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
+
+
+def _to_tuple(self) -> tuple:
+    """The outputs that are set, in order (Hugging Face's ``to_tuple()``)."""
+    return tuple(v for v in self if v is not None)
+
+
+def _keys(self) -> list[str]:
+    return [k for k, v in zip(self._fields, self, strict=True) if v is not None]
+
+
+class TFTransfoXLModelOutput(NamedTuple):
+    """The backbone's outputs."""
+
+    last_hidden_state: Any = None
+    mems: list | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+    __getitem__ = _getitem
+    to_tuple = _to_tuple
+    keys = _keys
+
+
+class TFTransfoXLLMHeadModelOutput(NamedTuple):
+    """The language model's outputs: ``prediction_scores`` [B, T, V] (log-probabilities); with ``labels``, ``losses``
+    [B, T-1] (position t predicts ``labels[:, t + 1]``, in positional order; 0 where ``labels`` is -100) and ``loss``
+    (their mean over the scored positions)."""
+
+    prediction_scores: Any = None
+    mems: list | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+    losses: Any = None
+    loss: Any = None
+    __getitem__ = _getitem
+    to_tuple = _to_tuple
+    keys = _keys
+
+
+class TFTransfoXLSequenceClassifierOutputWithPast(NamedTuple):
+    """The classifier's outputs."""
+
+    loss: Any = None
+    logits: Any = None
+    mems: list | None = None
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+    __getitem__ = _getitem
+    to_tuple = _to_tuple
+    keys = _keys
+
+
+@keras.saving.register_keras_serializable(package="txl")
+class SegmentMemory(keras.layers.Layer):
+    """The memory a stateful model carries between calls: ``n_layer`` x ``[batch, mem_len, d_model]`` in one
+    non-trainable variable. It is state, not a weight: it is neither saved nor loaded."""
+
+    def __init__(self, n_layer: int, batch_size: int, mem_len: int, d_model: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.shape_ = (n_layer, batch_size, mem_len, d_model)
+        self.state = self.add_weight(shape=self.shape_, initializer="zeros", trainable=False, name="state")
+
+    def read(self) -> list:
+        return [self.state[i] for i in range(self.shape_[0])]
+
+    def write(self, mems: list) -> None:
+        self.state.assign(ops.stack(mems, axis=0))
+
+    def reset(self) -> None:
+        self.state.assign(ops.zeros(self.shape_))
+
+    def save_own_variables(self, store: Any) -> None:  # (state, not a weight)
+        pass
+
+    def load_own_variables(self, store: Any) -> None:
+        pass
+
+    def get_config(self) -> dict[str, Any]:
+        n_layer, batch_size, mem_len, d_model = self.shape_
+        return {**super().get_config(), "n_layer": n_layer, "batch_size": batch_size, "mem_len": mem_len,
+                "d_model": d_model}  # fmt: skip
+
+
+def _unpack(inputs: Any, **given: Any) -> dict[str, Any]:
+    """Hugging Face's TF convention: the first argument may be a dict of the named ones."""
+    if isinstance(inputs, dict):
+        return {**given, **inputs}
+    return {**given, "input_ids": inputs}
+
+
+class _Base(keras.Model):
+    """What the three models share: the config, Keras serialization, the memory's conventions."""
+
+    def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
+        super().__init__(**kwargs)
+        check_backend()
+        self.config = config if isinstance(config, TransformerXLConfig) else TransformerXLConfig.from_dict(config)
+        check_config(self.config)
+        if mem_init not in ("zeros", "empty"):
+            raise ValueError(
+                f"mem_init = {mem_init!r}: 'zeros' (Hugging Face's, the TF code's) or 'empty' (the original PyTorch "
+                "code's)"
+            )
+        self.mem_init = mem_init
+        self.tokenizer = None  # (txl's, when the weights came from a folder with a tokenizer.json: generate on text)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "mem_init": self.mem_init, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> _Base:
+        return cls(**config)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> _Base:
+        """The model with the weights of a txl folder (config.json + model.safetensors: ``txl train``'s, a
+        checkpoint's, a run's) or a Hugging Face 4.x TransfoXL folder; see :func:`txl.keras.weights.load`."""
+        from txl.keras.weights import load
+
+        return load(cls, path, **kwargs)
+
+    def save_pretrained(self, path: str) -> None:
+        """A txl folder (config.json + model.safetensors) that ``txl eval`` and ``TransformerXLLM`` read."""
+        from txl.keras.weights import save
+
+        save(self, path)
+
+    def reset_memory_length(self, mem_len: int) -> None:
+        """Hugging Face's: the memory length from now on (mems returned, the zero memory, same_length's window)."""
+        self.config = TransformerXLConfig.from_dict({**self.config.to_dict(), "mem_len": int(mem_len)})
+        self._backbone().config = self.config
+
+    def _backbone(self) -> TransfoXLBackbone:
+        return self.transformer
+
+
+@keras.saving.register_keras_serializable(package="txl")
+class TransfoXLBackbone(keras.layers.Layer):
+    """Hugging Face's ``TFTransfoXLMainLayer``: embeddings, the layers with their memories, the new memories. Takes
+    and returns batch-first memories ``[B, M, D]``; the models turn them into Hugging Face's time-major ones."""
+
+    def __init__(self, config: TransformerXLConfig, **kwargs: Any):
+        super().__init__(**kwargs)
+        cfg = self.config = config
+        self.word_emb = AdaptiveEmbedding(cfg, name="word_emb")
+        bias_shape = (cfg.n_layer, cfg.n_head, cfg.d_head) if cfg.untie_r else (cfg.n_head, cfg.d_head)
+        init = keras.initializers.RandomNormal(stddev=cfg.init_std)
+        self.r_w_bias = self.add_weight(shape=bias_shape, initializer=init, name="r_w_bias")  # u
+        self.r_r_bias = self.add_weight(shape=bias_shape, initializer=init, name="r_r_bias")  # v
+        self.attn = [RelPartialLearnableMultiHeadAttn(cfg, name=f"layers_{i}_attn") for i in range(cfg.n_layer)]
+        self.ff = [PositionwiseFF(cfg, name=f"layers_{i}_ff") for i in range(cfg.n_layer)]
+        self.drop = keras.layers.Dropout(cfg.dropout)
+        self.memory: SegmentMemory | None = None
+        self.built = True
+
+    def biases(self, i: int) -> tuple[Any, Any]:
+        """Layer i's u, v [H, Dh]."""
+        if self.config.untie_r:
+            return self.r_w_bias[i], self.r_r_bias[i]
+        return self.r_w_bias, self.r_r_bias
+
+    def call(
+        self,
+        input_ids: Any = None,
+        mems: list | None = None,
+        head_mask: Any = None,
+        inputs_embeds: Any = None,
+        training: bool = False,
+        mem_pad: Any = None,
+    ) -> tuple[Any, list | None, list, list]:
+        """Returns (the last layer's output [B, T, D], the new memories (n_layer x [B, <=mem_len, D], or None when
+        mem_len is 0), every layer's input and the output (n_layer + 1 x [B, T, D]), each layer's probabilities).
+        ``mem_pad``: the memories' first positions that are not states (a memory kept at one length, as generation
+        keeps it: one shape for every step); no query sees them, and the others are as without them."""
+        cfg = self.config
+        word = self.word_emb(input_ids) if input_ids is not None else ops.cast(inputs_embeds, "float32")  # [B, T, D]
+        T = word.shape[1]
+        M = 0 if mems is None else mems[0].shape[1]
+        window = cfg.mem_len + 1 if cfg.tf_same_length else cfg.mem_len
+        mask = causal_mask(T, M, cfg.same_length, window)  # [T, K]
+        if mem_pad is not None:  # (a tensor, so that a compiled step serves every length of the memory)
+            mask = ops.logical_or(mask, ops.expand_dims(ops.arange(M + T) < mem_pad, 0))
+        pos_emb = self.drop(sinusoid_embedding(M + T, cfg.d_model, cfg.clamp_len), training=training)  # [K, D]
+        h = self.drop(word, training=training)
+        hids, probs = [], []
+        for i in range(cfg.n_layer):
+            hids.append(h)
+            u, v = self.biases(i)
+            head = None if head_mask is None else head_mask[i]
+            h, prob = self.attn[i](h, pos_emb, u, v, mask, None if mems is None else mems[i], head, training=training)
+            h = self.ff[i](h, training=training)
+            probs.append(prob)
+        h = self.drop(h, training=training)
+        hids.append(h)
+        new_mems = None
+        if cfg.mem_len > 0:
+            new_mems = [
+                ops.stop_gradient((x if mems is None else ops.concatenate([m, x], axis=1))[:, -cfg.mem_len :])
+                for m, x in zip(mems or [None] * cfg.n_layer, hids, strict=False)
+            ]
+        return h, new_mems, hids, probs
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "config": self.config.to_dict()}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TransfoXLBackbone:
+        config = dict(config)
+        return cls(TransformerXLConfig.from_dict(config.pop("config")), **config)
+
+
+def _check_mems(mems: Any, batch: int, cfg: TransformerXLConfig) -> list:
+    """Hugging Face's time-major ``mems`` (n_layer x [M, batch, d_model]) as batch-first [batch, M, d_model]."""
+    if not isinstance(mems, list | tuple) or len(mems) != cfg.n_layer:
+        n = len(mems) if isinstance(mems, list | tuple) else type(mems).__name__
+        raise ValueError(f"mems must be a list of n_layer = {cfg.n_layer} tensors [mem_len, batch, d_model], got {n}")
+    out, M = [], None
+    for i, m in enumerate(mems):
+        shape = tuple(getattr(m, "shape", ()))
+        ok = len(shape) == 3 and shape[1] in (batch, None) and shape[2] == cfg.d_model and (M is None or shape[0] == M)
+        if not ok:
+            raise ValueError(
+                f"mems[{i}] must be [mem_len, batch={batch}, d_model={cfg.d_model}] (time-major, as the model returns "
+                f"them; every layer's of one length), got {list(shape)}"
+            )
+        M = shape[0]
+        out.append(ops.transpose(ops.cast(m, "float32"), (1, 0, 2)))
+    return out
+
+
+def _head_mask(head_mask: Any, cfg: TransformerXLConfig) -> Any:
+    """Hugging Face's head_mask ([n_head], or [n_layer, n_head]; 1 keeps a head, 0 silences it) as [n_layer, H]."""
+    if head_mask is None:
+        return None
+    hm = ops.convert_to_tensor(head_mask, "float32")
+    if tuple(hm.shape) == (cfg.n_head,):
+        return ops.broadcast_to(hm[None], (cfg.n_layer, cfg.n_head))
+    if tuple(hm.shape) != (cfg.n_layer, cfg.n_head):
+        raise ValueError(
+            f"head_mask must be [n_head = {cfg.n_head}] or [n_layer = {cfg.n_layer}, n_head], got {list(hm.shape)}"
+        )
+    return hm
+
+
+@keras.saving.register_keras_serializable(package="txl")
+class TFTransfoXLModel(_Base):
+    """Hugging Face's ``TFTransfoXLModel``: the hidden states of the last layer, and the new memories."""
+
+    TORCH_TWIN = "TransformerXL"
+    """txl's PyTorch class with the same weights (txl.keras.weights reads and writes its folders)."""
+
+    def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
+        super().__init__(config, mem_init, **kwargs)
+        self.transformer = TransfoXLBackbone(self.config, name="transformer")
+        self.built = True
+
+    def body(
+        self,
+        input_ids: Any = None,
+        mems: Any = None,
+        head_mask: Any = None,
+        inputs_embeds: Any = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        training: bool = False,
+    ) -> TFTransfoXLModelOutput:
+        """The backbone with Hugging Face's conventions (what the heads call)."""
+        cfg = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You have to specify either input_ids or inputs_embeds (one of them)")
+        if input_ids is not None:
+            input_ids = ops.convert_to_tensor(input_ids)
+            if len(input_ids.shape) != 2 or "int" not in str(input_ids.dtype):
+                raise ValueError(f"input_ids must be integer token ids [batch, seq_len], got {list(input_ids.shape)} "
+                                 f"{input_ids.dtype}")  # fmt: skip
+        else:
+            inputs_embeds = ops.convert_to_tensor(inputs_embeds)
+            if len(inputs_embeds.shape) != 3 or inputs_embeds.shape[-1] != cfg.d_model:
+                raise ValueError(
+                    f"inputs_embeds must be [batch, seq_len, d_model = {cfg.d_model}], got {list(inputs_embeds.shape)}"
+                )
+        first = input_ids if input_ids is not None else inputs_embeds
+        batch = first.shape[0]
+        memory = self.transformer.memory
+        if mems is not None:
+            mems_bf = _check_mems(mems, batch, cfg)
+        elif memory is not None:  # the memory this model carries (carry_memory)
+            if batch is not None and batch != memory.shape_[1]:
+                raise ValueError(
+                    f"this model carries a memory for batches of {memory.shape_[1]} (carry_memory); got a batch of "
+                    f"{batch}: give batches of that size, or call carry_memory again"
+                )
+            mems_bf = memory.read()
+        elif self.mem_init == "zeros" and cfg.mem_len > 0:
+            mems_bf = [ops.zeros((ops.shape(first)[0], cfg.mem_len, cfg.d_model))] * cfg.n_layer
+        else:
+            mems_bf = None
+        h, new, hids, probs = self.transformer(
+            input_ids, mems_bf, _head_mask(head_mask, cfg), inputs_embeds, training=training
+        )
+        if mems is None and memory is not None and new is not None:
+            memory.write(new)
+        return TFTransfoXLModelOutput(
+            last_hidden_state=h,
+            mems=None if new is None else [ops.transpose(m, (1, 0, 2)) for m in new],  # [M, B, D]
+            hidden_states=tuple(hids) if output_hidden_states else None,
+            attentions=tuple(probs) if output_attentions else None,
+        )
+
+    def call(
+        self,
+        input_ids: Any = None,
+        mems: Any = None,
+        head_mask: Any = None,
+        inputs_embeds: Any = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        training: bool = False,
+        **kwargs: Any,
+    ) -> TFTransfoXLModelOutput:
+        args = _unpack(
+            input_ids,
+            mems=mems,
+            head_mask=head_mask,
+            inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        return self.body(**args, training=training)
+
+    def carry_memory(self, batch_size: int) -> None:
+        """From now on the model carries its memory from call to call (``mems`` not given), for batches of
+        ``batch_size``: what ``fit()``, ``evaluate()`` and ``predict()`` over a token stream need. Starts at zeros."""
+        cfg = self.config
+        if cfg.mem_len <= 0:
+            raise ValueError("carry_memory: the model has mem_len = 0 (no memory to carry); set mem_len > 0")
+        self.transformer.memory = SegmentMemory(cfg.n_layer, int(batch_size), cfg.mem_len, cfg.d_model, name="memory")
+
+    def fit(self, *args: Any, shuffle: bool | None = None, **kwargs: Any) -> Any:
+        """Keras's ``fit``; with a carried memory the batches stay in the stream's order (Keras shuffles the batches of
+        a ``PyDataset`` and the rows of arrays by default, which would put each batch after another one's past)."""
+        if self.transformer.memory is not None:
+            if shuffle:
+                raise ValueError(
+                    "fit(shuffle=True) with a carried memory (carry_memory): each batch continues the one before it; "
+                    "shuffling would give it another batch's memory. Leave shuffle unset (or False)"
+                )
+            shuffle = False
+        return super().fit(*args, shuffle=True if shuffle is None else shuffle, **kwargs)
+
+    def reset_memory(self) -> None:
+        """Zero the carried memory (a new stream, or a new epoch)."""
+        if self.transformer.memory is not None:
+            self.transformer.memory.reset()
+
+    def forget_memory(self) -> None:
+        """Stop carrying a memory (calls without ``mems`` start from ``mem_init`` again)."""
+        self.transformer.memory = None
+
+
+@keras.saving.register_keras_serializable(package="txl")
+class TFTransfoXLLMHeadModel(TFTransfoXLModel):
+    """Hugging Face's ``TFTransfoXLLMHeadModel``: the adaptive softmax over the backbone; ``generate()`` (greedy,
+    sampling, beam search) and ``fit()`` over a token stream (:meth:`carry_memory`)."""
+
+    TORCH_TWIN = "TransformerXLLM"
+
+    def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
+        super().__init__(config, mem_init, **kwargs)
+        self.crit = AdaptiveSoftmax(self.config, self.transformer.word_emb, name="crit")
+        self.built = True
+
+    def call(
+        self,
+        input_ids: Any = None,
+        mems: Any = None,
+        head_mask: Any = None,
+        inputs_embeds: Any = None,
+        labels: Any = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        training: bool = False,
+        **kwargs: Any,
+    ) -> TFTransfoXLLMHeadModelOutput:
+        args = _unpack(
+            input_ids,
+            mems=mems,
+            head_mask=head_mask,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        labels = args.pop("labels")
+        out = self.body(**args, training=training)
+        scores = self.crit(out.last_hidden_state)  # [B, T, V]
+        losses = loss = None
+        if labels is not None:
+            labels = ops.convert_to_tensor(labels)
+            if tuple(labels.shape) != tuple(scores.shape[:2]):
+                raise ValueError(f"labels must be [batch, seq_len] = {list(scores.shape[:2])} (usually input_ids), "
+                                 f"got {list(labels.shape)}")  # fmt: skip
+            losses, loss = token_nll(scores[:, :-1], labels[:, 1:])  # position t predicts labels[:, t + 1]
+        return TFTransfoXLLMHeadModelOutput(scores, out.mems, out.hidden_states, out.attentions, losses, loss)
+
+    # fit(): y is the next tokens of x (the (data, target) convention of txl and the paper's code)
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):  # noqa: ANN001, ANN201
+        scores = y_pred.prediction_scores if isinstance(y_pred, tuple) and hasattr(y_pred, "_fields") else y_pred
+        if y is None and getattr(y_pred, "loss", None) is not None:
+            loss = y_pred.loss
+        else:
+            _, loss = token_nll(scores, y, sample_weight)
+        return loss + ops.sum(self.losses) if self.losses else loss
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):  # noqa: ANN001, ANN201
+        scores = y_pred.prediction_scores if hasattr(y_pred, "prediction_scores") else y_pred
+        return super().compute_metrics(x, y, scores, sample_weight)
+
+    def log_probs(self, input_ids: Any, mems: list | None, mem_pad: Any = None) -> tuple[Any, list | None]:
+        """One step of generation: log-probs of the next token after each row [B, V] and the new memories
+        (batch-first; ``mems`` batch-first too, [] or None: none; ``mem_pad``: their first positions that are
+        padding)."""
+        h, new, _, _ = self.transformer(input_ids, mems or None, None, None, training=False, mem_pad=mem_pad)
+        return self.crit(h[:, -1]), new
+
+    def generate(self, input_ids: Any, max_new_tokens: int, **kwargs: Any) -> Any:
+        """``input_ids`` [B, T] followed by up to ``max_new_tokens`` new tokens, as txl's ``generate`` (greedy with
+        ``temperature=0``, sampling, or ``num_beams`` > 1: beam search); see :mod:`txl.keras.generation`. A text (or a
+        list of texts of one length in tokens) is encoded and the continuations decoded with the folder's tokenizer."""
+        from txl.keras.generation import generate
+
+        if isinstance(input_ids, str | list) and (isinstance(input_ids, str) or isinstance(input_ids[0], str)):
+            if self.tokenizer is None:
+                raise ValueError("generate on text needs a tokenizer: load a folder with tokenizer.json, or give ids")
+            texts = [input_ids] if isinstance(input_ids, str) else input_ids
+            ids = [self.tokenizer.encode(t) for t in texts]
+            if len({len(i) for i in ids}) != 1 or not ids[0]:
+                raise ValueError("generate on texts: give texts of one (non-zero) length in tokens, or ids")
+            out = generate(self, np.array(ids), max_new_tokens, **kwargs)
+            new = [self.tokenizer.decode(row[len(ids[0]) :].tolist()) for row in out]
+            return new[0] if isinstance(input_ids, str) else new
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+
+class ResetMemory(keras.callbacks.Callback):
+    """Zero the carried memory at the start of every epoch of ``fit`` (a new pass over the stream: the old memory
+    does not precede it), as txl's trainer does."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.model.reset_memory()
+
+
+def token_nll(scores: Any, targets: Any, sample_weight: Any = None) -> tuple[Any, Any]:
+    """-log p(target) per position ([B, T], 0 where the target is -100 or weighted 0) and their mean over the scored
+    positions, from log-probabilities ``scores`` [B, T, V]."""
+    targets = ops.cast(targets, "int32")
+    scored = ops.cast(targets != -100, "float32")
+    if sample_weight is not None:
+        scored = scored * ops.cast(sample_weight, "float32")
+    picked = ops.take_along_axis(scores, ops.expand_dims(ops.maximum(targets, 0), -1), axis=-1)[..., 0]
+    losses = -picked * scored
+    return losses, ops.sum(losses) / ops.maximum(ops.sum(scored), 1.0)
+
+
+@keras.saving.register_keras_serializable(package="txl")
+class TFTransfoXLForSequenceClassification(TFTransfoXLModel):
+    """Hugging Face's ``TFTransfoXLForSequenceClassification``: a linear ``score`` of the last token that is not
+    padding (the position before the first ``pad_token_id``, else the last); regression with one label."""
+
+    TORCH_TWIN = "TransformerXLForSequenceClassification"
+
+    def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
+        super().__init__(config, mem_init, **kwargs)
+        cfg = self.config
+        self.score = self.add_weight(
+            shape=(cfg.num_labels, cfg.d_model), initializer=keras.initializers.RandomNormal(stddev=cfg.init_std),
+            name="score",
+        )  # fmt: skip
+        self.built = True
+
+    def call(
+        self,
+        input_ids: Any = None,
+        mems: Any = None,
+        head_mask: Any = None,
+        inputs_embeds: Any = None,
+        labels: Any = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        training: bool = False,
+        **kwargs: Any,
+    ) -> TFTransfoXLSequenceClassifierOutputWithPast:
+        args = _unpack(
+            input_ids,
+            mems=mems,
+            head_mask=head_mask,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        labels = args.pop("labels")
+        out = self.body(**args, training=training)
+        h = out.last_hidden_state  # [B, T, D]
+        T = h.shape[1]
+        cfg = self.config
+        ids = args.get("input_ids")
+        if ids is None or cfg.pad_token_id is None:
+            if cfg.pad_token_id is None and ids is not None and h.shape[0] not in (1, None):
+                raise ValueError("batches of more than one text need config.pad_token_id (the pooled token)")
+            last = ops.full((ops.shape(h)[0],), T - 1, dtype="int32")
+        else:
+            is_pad = ops.cast(ops.equal(ops.convert_to_tensor(ids), cfg.pad_token_id), "int32")
+            last = (ops.cast(ops.argmax(is_pad, axis=-1), "int32") - 1) % T  # (no padding: argmax 0, -1 % T)
+        pooled = ops.take_along_axis(h, ops.reshape(last, (-1, 1, 1)), axis=1)[:, 0]  # [B, D]
+        logits = ops.matmul(pooled, ops.transpose(self.score))  # [B, num_labels]
+        loss = None if labels is None else self.classification_loss(logits, labels)
+        return TFTransfoXLSequenceClassifierOutputWithPast(loss, logits, out.mems, out.hidden_states, out.attentions)
+
+    def classification_loss(self, logits: Any, labels: Any) -> Any:
+        """Mean squared error for one label (regression), else the cross-entropy of the class ids."""
+        if self.config.num_labels == 1:
+            return ops.mean(ops.square(logits[:, 0] - ops.cast(ops.reshape(labels, (-1,)), "float32")))
+        labels = ops.cast(ops.reshape(labels, (-1,)), "int32")
+        lp = ops.log_softmax(logits, axis=-1)
+        return -ops.mean(ops.take_along_axis(lp, labels[:, None], axis=-1))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):  # noqa: ANN001, ANN201
+        if y is None and getattr(y_pred, "loss", None) is not None:
+            loss = y_pred.loss
+        else:
+            loss = self.classification_loss(y_pred.logits, y)
+        return loss + ops.sum(self.losses) if self.losses else loss
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):  # noqa: ANN001, ANN201
+        return super().compute_metrics(x, y, y_pred.logits if hasattr(y_pred, "logits") else y_pred, sample_weight)
+
+
+TFAdaptiveEmbedding = AdaptiveEmbedding
+TFAdaptiveSoftmaxMask = AdaptiveSoftmax
+TFTransfoXLMainLayer = TransfoXLBackbone
+__all__ = [
+    "MASKED",
+    "ResetMemory",
+    "TFAdaptiveEmbedding",
+    "TFAdaptiveSoftmaxMask",
+    "TFTransfoXLForSequenceClassification",
+    "TFTransfoXLLMHeadModel",
+    "TFTransfoXLLMHeadModelOutput",
+    "TFTransfoXLMainLayer",
+    "TFTransfoXLModel",
+    "TFTransfoXLModelOutput",
+    "TFTransfoXLSequenceClassifierOutputWithPast",
+]
