@@ -274,7 +274,8 @@ def test_a_saved_language_model_is_read_by_txl_eval(tmp_path):
 def test_a_classifier_loads_a_language_models_folder_with_a_new_head_and_is_exact_to_txl(tmp_path):
     folder = FOLDERS["vendored/same-length-clamp-sharp"]
     cfg = json.loads((folder / "config.json").read_text())
-    km = TFTransfoXLForSequenceClassification.from_pretrained(folder, mem_init="empty")
+    with pytest.warns(UserWarning, match="the classification head .* is newly initialised"):
+        km = TFTransfoXLForSequenceClassification.from_pretrained(folder, mem_init="empty")
     tm = TransformerXLForSequenceClassification(km.config).eval()
     set_weights_torch = {k: torch.from_numpy(v.copy()) for k, v in get_weights(km).items()}
     tm.load_state_dict(set_weights_torch)
@@ -420,6 +421,19 @@ def test_a_folder_of_another_model_type_is_refused_by_name(tmp_path):
         TFTransfoXLLMHeadModel.from_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="no such folder"):
         TFTransfoXLLMHeadModel.from_pretrained(tmp_path / "missing")
+    # a bare TransfoXLModel checkpoint (Hugging Face's keys without "transformer.") has no language-model head
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    bare = tmp_path / "bare"
+    shutil.copytree(FOLDERS["vendored/same-length-clamp-sharp"], bare)
+    tensors = load_file(bare / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if not k.startswith("crit.")},
+              bare / "model.safetensors")  # fmt: skip
+    with pytest.raises(CheckpointError, match="a TransfoXLModel checkpoint .* no language-model head"):
+        TFTransfoXLLMHeadModel.from_pretrained(bare)
+    assert TFTransfoXLModel.from_pretrained(bare).config.n_layer == 3
 
 
 def test_wrong_mems_head_mask_labels_and_inputs_are_refused_by_name():

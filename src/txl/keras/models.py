@@ -380,20 +380,30 @@ class TFTransfoXLModel(_Base):
         mems: Any = None,
         head_mask: Any = None,
         inputs_embeds: Any = None,
+        labels: Any = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         training: bool = False,
         **kwargs: Any,
-    ) -> TFTransfoXLModelOutput:
+    ) -> Any:
+        """Hugging Face's call (``input_ids`` may be a dict of the named arguments): the backbone, then the head."""
         args = _unpack(
             input_ids,
             mems=mems,
             head_mask=head_mask,
             inputs_embeds=inputs_embeds,
+            labels=labels,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        return self.body(**args, training=training)
+        labels = args.pop("labels")
+        return self.head(self.body(**args, training=training), labels, args.get("input_ids"))
+
+    def head(self, out: TFTransfoXLModelOutput, labels: Any, input_ids: Any) -> Any:
+        """The outputs of the model from the backbone's (this one: the backbone's own; it takes no labels)."""
+        if labels is not None:
+            raise ValueError("TFTransfoXLModel takes no labels (the language model or the classifier do)")
+        return out
 
     def carry_memory(self, batch_size: int) -> None:
         """From now on the model carries its memory from call to call (``mems`` not given), for batches of
@@ -437,29 +447,7 @@ class TFTransfoXLLMHeadModel(TFTransfoXLModel):
         self.crit = AdaptiveSoftmax(self.config, self.transformer.word_emb, name="crit")
         self.built = True
 
-    def call(
-        self,
-        input_ids: Any = None,
-        mems: Any = None,
-        head_mask: Any = None,
-        inputs_embeds: Any = None,
-        labels: Any = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        training: bool = False,
-        **kwargs: Any,
-    ) -> TFTransfoXLLMHeadModelOutput:
-        args = _unpack(
-            input_ids,
-            mems=mems,
-            head_mask=head_mask,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
-        labels = args.pop("labels")
-        out = self.body(**args, training=training)
+    def head(self, out: TFTransfoXLModelOutput, labels: Any, input_ids: Any) -> TFTransfoXLLMHeadModelOutput:
         scores = self.crit(out.last_hidden_state)  # [B, T, V]
         losses = loss = None
         if labels is not None:
@@ -522,8 +510,9 @@ def token_nll(scores: Any, targets: Any, sample_weight: Any = None) -> tuple[Any
     positions, from log-probabilities ``scores`` [B, T, V]."""
     targets = ops.cast(targets, "int32")
     scored = ops.cast(targets != -100, "float32")
-    if sample_weight is not None:
-        scored = scored * ops.cast(sample_weight, "float32")
+    if sample_weight is not None:  # (Keras's per-row weights [B], or per position [B, T])
+        weight = ops.cast(sample_weight, "float32")
+        scored = scored * (ops.expand_dims(weight, -1) if len(weight.shape) == 1 else weight)
     picked = ops.take_along_axis(scores, ops.expand_dims(ops.maximum(targets, 0), -1), axis=-1)[..., 0]
     losses = -picked * scored
     return losses, ops.sum(losses) / ops.maximum(ops.sum(scored), 1.0)
@@ -545,33 +534,13 @@ class TFTransfoXLForSequenceClassification(TFTransfoXLModel):
         )  # fmt: skip
         self.built = True
 
-    def call(
-        self,
-        input_ids: Any = None,
-        mems: Any = None,
-        head_mask: Any = None,
-        inputs_embeds: Any = None,
-        labels: Any = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        training: bool = False,
-        **kwargs: Any,
+    def head(
+        self, out: TFTransfoXLModelOutput, labels: Any, input_ids: Any
     ) -> TFTransfoXLSequenceClassifierOutputWithPast:
-        args = _unpack(
-            input_ids,
-            mems=mems,
-            head_mask=head_mask,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-        )
-        labels = args.pop("labels")
-        out = self.body(**args, training=training)
         h = out.last_hidden_state  # [B, T, D]
         T = h.shape[1]
         cfg = self.config
-        ids = args.get("input_ids")
+        ids = input_ids
         if ids is None or cfg.pad_token_id is None:
             if cfg.pad_token_id is None and ids is not None and h.shape[0] not in (1, None):
                 raise ValueError("batches of more than one text need config.pad_token_id (the pooled token)")

@@ -11,6 +11,7 @@ same name (``variables(model)``: txl's state-dict name -> variable; tied names s
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,15 @@ def variables(model: Any) -> dict[str, Any]:
     return out
 
 
-def _torch_class(cls: type) -> type:
-    """txl's PyTorch class of a Keras model class (its ``TORCH_TWIN``)."""
+def txl_class(name: str) -> type:
     import txl
 
-    return getattr(txl, cls.TORCH_TWIN)
+    return getattr(txl, name)
+
+
+def _torch_class(cls: type) -> type:
+    """txl's PyTorch class of a Keras model class (its ``TORCH_TWIN``)."""
+    return txl_class(cls.TORCH_TWIN)
 
 
 def read_torch(cls: type, path: str | Path, trust_pickle: bool = False) -> Any:
@@ -89,10 +94,21 @@ def read_torch(cls: type, path: str | Path, trust_pickle: bool = False) -> Any:
     torch_cls = _torch_class(cls)
     if path.is_dir() and is_hf_layout(path):
         model = convert_hf_checkpoint(path, trust_pickle=trust_pickle)
+        if torch_cls is txl_class("TransformerXLLM") and not isinstance(model, torch_cls):
+            raise CheckpointError(
+                f"{path}: a TransfoXLModel checkpoint (no crit.*): it has no language-model head; load it as "
+                "TFTransfoXLModel, or TFTransfoXLForSequenceClassification to train a new head"
+            )
         if not isinstance(model, torch_cls):  # (an HF LM folder for the base model or the classifier: its body)
             twin = torch_cls(model.config)
             body = getattr(model, "transformer", model)
             (twin.transformer if hasattr(twin, "transformer") else twin).load_state_dict(body.state_dict())
+            if hasattr(twin, "score"):  # (as txl's and Hugging Face's from_pretrained say it)
+                warnings.warn(
+                    f"{path}: a language model's checkpoint: the classification head (score.*) of "
+                    f"{cls.__name__} is newly initialised; train it (fit) before use",
+                    stacklevel=3,
+                )
             model = twin
         return model.eval()
     return torch_cls.from_pretrained(path).eval()
