@@ -101,10 +101,11 @@ test: lint $(if $(SLOW),browser,) setup-hf5 setup-keras
 	$(HF5_BIN)/python -m pytest -q -p no:cacheprovider tests_hf
 	$(MAKE) test-keras
 
-# txl.keras on each backend it is tested on (one pytest per backend: Keras reads KERAS_BACKEND once per process)
+# txl.keras on each Keras backend (one pytest per backend: Keras reads KERAS_BACKEND once per process)
 test-keras: setup-keras
 	KERAS_BACKEND=jax $(KERAS_BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests_keras
 	KERAS_BACKEND=tensorflow $(KERAS_BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests_keras
+	KERAS_BACKEND=torch $(KERAS_BIN)/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests_keras
 
 test-all:
 	$(MAKE) test SLOW=1

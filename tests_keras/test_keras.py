@@ -332,6 +332,15 @@ def test_fit_carries_the_memory_across_batches_as_explicit_mems_do():
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
+@pytest.mark.parametrize("cls", [TFTransfoXLLMHeadModel, TFTransfoXLForSequenceClassification])
+def test_every_variable_has_its_own_path(cls):
+    """Keras keys state by a variable's path in places (the torch backend's optimizer did): the LayerNorms built
+    inside their layer once all had the path layer_norm/gamma and shared Adam's moments there."""
+    model = cls(small_config(n_layer=3, untie_r=True, cutoffs=[10, 20], div_val=2))
+    paths = [v.path for v in model.variables]
+    assert len(paths) == len(set(paths)), sorted(p for p in paths if paths.count(p) > 1)
+
+
 def test_fit_steps_are_txl_trainer_steps():
     """One optimizer step of fit (Adam as txl's, the gradient clipped at 0.25, the same learning rate) from the same
     weights on the same batch moves every weight as txl's PyTorch step does (two steps)."""

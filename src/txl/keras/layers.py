@@ -142,7 +142,8 @@ class RelPartialLearnableMultiHeadAttn(keras.layers.Layer):
         self.o_net = self.add_weight(shape=(D, H * Dh), initializer=init, name="o_net")
         self.r_net = self.add_weight(shape=(H * Dh, D), initializer=init, name="r_net")  # W_kR
         self.layer_norm = keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon, name="layer_norm")
-        self.layer_norm.build((None, D))
+        with keras.name_scope(self.name):  # (its variables' paths under this layer's: unique in the model)
+            self.layer_norm.build((None, D))
         self.drop = keras.layers.Dropout(cfg.dropout)
         self.dropatt = keras.layers.Dropout(cfg.dropatt)
         self.scale = 1.0 / math.sqrt(Dh)
@@ -206,7 +207,8 @@ class PositionwiseFF(keras.layers.Layer):
         self.w2 = self.add_weight(shape=(cfg.d_model, cfg.d_inner), initializer=init, name="layer_2_weight")
         self.b2 = self.add_weight(shape=(cfg.d_model,), initializer="zeros", name="layer_2_bias")
         self.layer_norm = keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon, name="layer_norm")
-        self.layer_norm.build((None, cfg.d_model))
+        with keras.name_scope(self.name):
+            self.layer_norm.build((None, cfg.d_model))
         self.drop = keras.layers.Dropout(cfg.dropout)
 
     def call(self, h: Any, training: bool = False) -> Any:
