@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txl.infer import static_decode
+from txl.infer.beams import BeamBook, padded
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
 from txl.model.config import Reading
@@ -347,17 +348,7 @@ def beam_steps(
             beam_scores = torch.zeros(B, K, device=dev)
             beam_scores[:, 1:] = -1e9  # (the K copies of a prompt: only the first one's continuations at first)
             beam_scores = beam_scores.view(-1)  # [B * K]
-            finished: list[list[tuple[float, Tensor]]] = [[] for _ in range(B)]
-            done = [False] * B
-
-            def keep(b: int, tokens: Tensor, total: float, new_len: int) -> None:
-                """A finished hypothesis of prompt b, among the best K of them."""
-                score = total / new_len**length_penalty
-                hyps = finished[b]
-                if len(hyps) < K or score > min(s for s, _ in hyps):
-                    hyps.append((score, tokens))
-                    if len(hyps) > K:
-                        hyps.remove(min(hyps, key=lambda x: x[0]))
+            book = BeamBook(B, K, eos, fill, length_penalty, early_stopping)
 
             for step in range(max_new_tokens):
                 _, log_probs = model.crit(h, return_log_probs=True)  # [B * K, V]
@@ -368,45 +359,17 @@ def beam_steps(
                     scores = penalties.apply(scores, seq, T, pad)
                 V = scores.shape[-1]
                 total = (scores + beam_scores[:, None]).view(B, K * V)
-                live = torch.tensor([not d for d in done], device=dev)  # (a finished prompt's rows run on, unused)
+                live = torch.tensor([not d for d in book.done], device=dev)  # (a finished prompt's rows run on, unused)
                 check_left(total[live], step + 1)  # (every beam of a prompt banned: the same rule as sampling)
                 top_scores, top = total.topk(max(2, 1 + len(eos)) * K, dim=1)  # [B, 2K or more], best first
                 new_len = seq.shape[1] + 1 - T
-                rows, tokens, next_scores = [], [], []
-                for b in range(B):
-                    if done[b]:  # (its rows run on, unused)
-                        rows += [b * K] * K
-                        tokens += [fill] * K
-                        next_scores += [0.0] * K
-                        continue
-                    chosen = 0
-                    for rank, (flat, value) in enumerate(zip(top[b].tolist(), top_scores[b].tolist(), strict=True)):
-                        if value == float("-inf"):  # (banned, or the continuation of a beam that ran out)
-                            break
-                        row, token = b * K + flat // V, flat % V
-                        if token in eos:
-                            if rank < K:
-                                keep(b, seq[row].clone(), value, new_len)
-                            continue
-                        rows.append(row)
-                        tokens.append(token)
-                        next_scores.append(value)
-                        chosen += 1
-                        if chosen == K:
-                            break
-                    first = len(rows) - chosen  # (fewer allowed continuations than beams: the others run out)
-                    for _ in range(K - chosen):
-                        rows.append(rows[first] if chosen else b * K)
-                        tokens.append(tokens[first] if chosen else fill)
-                        next_scores.append(float("-inf"))
-                    if len(finished[b]) == K:
-                        worst = min(s for s, _ in finished[b])
-                        best = float(top_scores[b, 0]) / new_len**length_penalty
-                        done[b] = early_stopping or worst >= best
+                rows, tokens, next_scores = book.step(
+                    top.tolist(), top_scores.tolist(), V, new_len, lambda r, seq=seq: seq[r].clone()
+                )
                 index = torch.tensor(rows, device=dev)
                 seq = torch.cat([seq[index], torch.tensor(tokens, device=dev)[:, None]], dim=1)
                 beam_scores = torch.tensor(next_scores, device=dev)
-                if all(done) or step == max_new_tokens - 1:
+                if all(book.done) or step == max_new_tokens - 1:
                     break
                 cache.select(rows)
                 with fp32_route(False):  # (products of a few rows: 3x slower routed)
@@ -415,19 +378,9 @@ def beam_steps(
                 yield
     finally:
         model.train(was_training)
-    new_len = seq.shape[1] - T
-    for b in range(B):
-        if not done[b]:
-            for k in range(K):
-                keep(b, seq[b * K + k], float(beam_scores[b * K + k]), new_len)
-    best = [hyp for b in range(B) for _, hyp in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
-    width = min(max(len(hyp) for hyp in best) + 1, T + max_new_tokens)
-    out = torch.full((len(best), width), fill, dtype=torch.long, device=dev)
-    for i, hyp in enumerate(best):
-        out[i, : len(hyp)] = hyp
-        if len(hyp) < width and eos:
-            out[i, len(hyp)] = eos[0]
-    return out
+    best = book.best(lambda r: seq[r], beam_scores.tolist(), seq.shape[1] - T, num_return_sequences)
+    rows = padded([hyp.tolist() for hyp in best], fill, eos, T + max_new_tokens)
+    return torch.tensor(rows, dtype=torch.long, device=dev)
 
 
 def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:

@@ -12,6 +12,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from txl.infer.beams import BeamBook, padded
+
 
 class Memory:
     """The memory between generation steps, kept at ``mem_len`` positions (zeros in front while it is shorter, which
@@ -185,17 +187,7 @@ def beam_search(
     beam_scores = np.zeros((B, K))
     beam_scores[:, 1:] = -1e9
     beam_scores = beam_scores.reshape(-1)
-    finished: list[list[tuple[float, np.ndarray]]] = [[] for _ in range(B)]
-    done = [False] * B
-
-    def keep(b: int, tokens: np.ndarray, total: float, new_len: int) -> None:
-        score = total / new_len**length_penalty
-        hyps = finished[b]
-        if len(hyps) < K or score > min(s for s, _ in hyps):
-            hyps.append((score, tokens))
-            if len(hyps) > K:
-                hyps.remove(min(hyps, key=lambda x: x[0]))
-
+    book = BeamBook(B, K, eos, fill, length_penalty, early_stopping)
     for step in range(max_new_tokens):
         scores = lp - np.logaddexp.reduce(lp, axis=-1, keepdims=True)  # (renormalised, as txl and Hugging Face do)
         V = scores.shape[-1]
@@ -204,54 +196,15 @@ def beam_search(
         top = np.argsort(-total, axis=1, kind="stable")[:, :n_top]
         top_scores = np.take_along_axis(total, top, axis=1)
         new_len = seq.shape[1] + 1 - T
-        pick, tokens, next_scores = [], [], []
-        for b in range(B):
-            if done[b]:
-                pick += [b * K] * K
-                tokens += [fill] * K
-                next_scores += [0.0] * K
-                continue
-            chosen = 0
-            for rank, (flat, value) in enumerate(zip(top[b].tolist(), top_scores[b].tolist(), strict=True)):
-                if value == float("-inf"):
-                    break
-                row, token = b * K + flat // V, flat % V
-                if token in eos:
-                    if rank < K:
-                        keep(b, seq[row].copy(), value, new_len)
-                    continue
-                pick.append(row)
-                tokens.append(token)
-                next_scores.append(value)
-                chosen += 1
-                if chosen == K:
-                    break
-            first = len(pick) - chosen
-            for _ in range(K - chosen):
-                pick.append(pick[first] if chosen else b * K)
-                tokens.append(tokens[first] if chosen else fill)
-                next_scores.append(float("-inf"))
-            if len(finished[b]) == K:
-                worst = min(s for s, _ in finished[b])
-                best = float(top_scores[b, 0]) / new_len**length_penalty
-                done[b] = early_stopping or worst >= best
+        pick, tokens, next_scores = book.step(
+            top.tolist(), top_scores.tolist(), V, new_len, lambda r, seq=seq: seq[r].copy()
+        )
         index = np.array(pick)
         seq = np.concatenate([seq[index], np.array(tokens)[:, None]], axis=1)
         beam_scores = np.array(next_scores)
-        if all(done) or step == max_new_tokens - 1:
+        if all(book.done) or step == max_new_tokens - 1:
             break
         state = state.take(index)
         lp, state = _log_probs(model, seq[:, -1:], state)
-    new_len = seq.shape[1] - T
-    for b in range(B):
-        if not done[b]:
-            for k in range(K):
-                keep(b, seq[b * K + k], float(beam_scores[b * K + k]), new_len)
-    best = [hyp for b in range(B) for _, hyp in sorted(finished[b], key=lambda x: -x[0])[:num_return_sequences]]
-    width = min(max(len(h) for h in best) + 1, T + max_new_tokens)
-    out = np.full((len(best), width), fill, dtype="int64")
-    for i, hyp in enumerate(best):
-        out[i, : len(hyp)] = hyp
-        if len(hyp) < width and eos:
-            out[i, len(hyp)] = eos[0]
-    return out
+    best = book.best(lambda r: seq[r], beam_scores.tolist(), seq.shape[1] - T, num_return_sequences)
+    return np.array(padded([hyp.tolist() for hyp in best], fill, eos, T + max_new_tokens), dtype="int64")

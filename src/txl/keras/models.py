@@ -23,7 +23,6 @@ import numpy as np
 from keras import ops
 
 from txl.keras.layers import (
-    MASKED,
     AdaptiveEmbedding,
     AdaptiveSoftmax,
     PositionwiseFF,
@@ -460,7 +459,7 @@ class TFTransfoXLLMHeadModel(TFTransfoXLModel):
 
     # fit(): y is the next tokens of x (the (data, target) convention of txl and the paper's code)
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):  # noqa: ANN001, ANN201
-        scores = y_pred.prediction_scores if isinstance(y_pred, tuple) and hasattr(y_pred, "_fields") else y_pred
+        scores = getattr(y_pred, "prediction_scores", y_pred)
         if y is None and getattr(y_pred, "loss", None) is not None:
             loss = y_pred.loss
         else:
@@ -468,8 +467,7 @@ class TFTransfoXLLMHeadModel(TFTransfoXLModel):
         return loss + ops.sum(self.losses) if self.losses else loss
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):  # noqa: ANN001, ANN201
-        scores = y_pred.prediction_scores if hasattr(y_pred, "prediction_scores") else y_pred
-        return super().compute_metrics(x, y, scores, sample_weight)
+        return super().compute_metrics(x, y, getattr(y_pred, "prediction_scores", y_pred), sample_weight)
 
     def log_probs(self, input_ids: Any, mems: list | None, mem_pad: Any = None) -> tuple[Any, list | None]:
         """One step of generation: log-probs of the next token after each row [B, V] and the new memories
@@ -569,22 +567,9 @@ class TFTransfoXLForSequenceClassification(TFTransfoXLModel):
         return loss + ops.sum(self.losses) if self.losses else loss
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):  # noqa: ANN001, ANN201
-        return super().compute_metrics(x, y, y_pred.logits if hasattr(y_pred, "logits") else y_pred, sample_weight)
+        return super().compute_metrics(x, y, getattr(y_pred, "logits", y_pred), sample_weight)
 
 
 TFAdaptiveEmbedding = AdaptiveEmbedding
 TFAdaptiveSoftmaxMask = AdaptiveSoftmax
 TFTransfoXLMainLayer = TransfoXLBackbone
-__all__ = [
-    "MASKED",
-    "ResetMemory",
-    "TFAdaptiveEmbedding",
-    "TFAdaptiveSoftmaxMask",
-    "TFTransfoXLForSequenceClassification",
-    "TFTransfoXLLMHeadModel",
-    "TFTransfoXLLMHeadModelOutput",
-    "TFTransfoXLMainLayer",
-    "TFTransfoXLModel",
-    "TFTransfoXLModelOutput",
-    "TFTransfoXLSequenceClassifierOutputWithPast",
-]
