@@ -15,7 +15,8 @@ def data_get(
     mirror: str | None = None,
     cache: Path | None = None,
 ) -> None:
-    """Download a dataset (shakespeare, sympy, wt103, wt2, enwik8, text8, ptb, lm1b), check it and lay it out in OUT.
+    """Download a dataset (shakespeare, sympy, wt103, wt2, enwik8, text8, ptb, lm1b; music: chorales, quartets, rendered
+    from music21's corpus to MIDI), check it and lay it out in OUT.
 
     Args:
         name: Dataset name.

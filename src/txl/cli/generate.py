@@ -14,7 +14,7 @@ def generate(
     model: Path | None = None,
     prompt: str | None = None,
     prompt_ids: list[int] | None = None,
-    max_new_tokens: int = 100,
+    max_new_tokens: int | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -34,6 +34,11 @@ def generate(
     length_penalty: float = 1.0,
     device: str = "auto",
     unknown: Literal["error", "replace"] | None = None,
+    midi: Path | None = None,
+    prompt_midi: Path | None = None,
+    bars: int | None = None,
+    grammar: bool = True,
+    piano_roll: Path | None = None,
 ) -> None:
     """Continue a prompt with a model, keeping the memory as cached keys and values; the text appears as it is made.
 
@@ -41,7 +46,8 @@ def generate(
         model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
         prompt: Prompt text (encoded with the model's tokenizer.json).
         prompt_ids: Prompt token ids instead, e.g. 1,2,3 (prints ids as JSON when there is no tokenizer).
-        max_new_tokens: Number of tokens to generate (>= 0).
+        max_new_tokens: Number of tokens to generate (>= 0; default 100; a music model with --bars: at most 512 per
+            bar).
         temperature: Sampling temperature (>= 0; 0 = greedy).
         top_k: Keep only the k most likely tokens (0 = all).
         top_p: Nucleus sampling threshold in (0, 1] (1 = off); the most likely token is always kept.
@@ -69,6 +75,13 @@ def generate(
             replay (txl.infer.static_decode); a seed samples differently there than on the CPU (another generator).
         unknown: Characters outside the vocabulary in the prompt or a stop: error (one line naming the
             first) or replace (the tokenizer's replacement symbol); default: the tokenizer's.
+        midi: Music models: write the piece (the prompt's notes, then the new ones) to this MIDI file.
+        prompt_midi: Music models: continue this MIDI file (its notes as the tokenizer reads them: all tracks
+            merged, on its grid); without it (and --prompt_ids) a piece starts from nothing.
+        bars: Music models: stop after this many new bars (else after --max_new_tokens events).
+        grammar: Music models: keep the piece valid REMI (event order, time forward in the bar, notes inside their
+            bars), masking what the grammar rules out; false: sample freely and count the invalid events.
+        piano_roll: Music models: also draw the piece as a piano roll with its bar lines (a PNG).
     """
     import torch
 
@@ -82,11 +95,22 @@ def generate(
     from txl.kernels.runtime import configure_allocator
     from txl.util.distributed import resolve_device
 
-    if model is None or (prompt is None) == (prompt_ids is None):
+    music = midi is not None or prompt_midi is not None or bars is not None or piano_roll is not None
+    if model is None:
         raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
+    if sum(x is not None for x in (prompt, prompt_ids, prompt_midi)) > 1:
+        raise ValueError("give one of --prompt TEXT, --prompt_ids '[id, ...]' or --prompt_midi FILE.mid")
+    if not music and prompt is None and prompt_ids is None and not _is_music_model(model):
+        raise ValueError("txl generate needs --model DIR and one of --prompt TEXT or --prompt_ids '[id, ...]'")
+    if max_new_tokens is None:
+        max_new_tokens = 512 * bars if bars is not None else 100
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if num_beams < 1:
         raise ValueError(f"--num_beams = {num_beams}: must be >= 1 (1: no beam search)")
+    if bars is not None and bars < 1:
+        raise ValueError(f"--bars = {bars}: must be >= 1")
+    if music:  # (the files are checked before the model is read: one line, nothing written)
+        _check_music_files(midi, prompt_midi, piano_roll)
     if prompt_ids is not None and not prompt_ids:
         raise ValueError("--prompt_ids is empty: give at least one token id, e.g. '[1, 2, 3]'")
     if not MIN_SEED <= seed <= MAX_SEED:
@@ -105,6 +129,15 @@ def generate(
     mem_len = reading.mem_len
     if tok is not None and unknown is not None:  # (probes.md d16: the error advised an option generate lacked)
         tok = tok.with_unknown(unknown)
+    if music or _is_music_tokenizer(tok):
+        if prompt is not None and tok is not None:
+            tok.encode(prompt)  # (a music model: one line saying it reads MIDI)
+        if num_beams > 1:
+            raise ValueError("--num_beams: music is sampled (or greedy) event by event under its grammar; use 1")
+        return _generate_music(
+            loaded, prompt_ids, prompt_midi, midi, bars, grammar, piano_roll, max_new_tokens, temperature, top_k,
+            top_p, torch.Generator(device=dev).manual_seed(seed), json, zero_memory, dev,
+        )  # fmt: skip
     if prompt is not None:
         if tok is None:
             raise ValueError(f"{folder}: no tokenizer.json to encode --prompt; use --prompt_ids")
@@ -175,3 +208,96 @@ def generate(
         out.flush()
     out.write(decoder.flush() + "\n")
     print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)  # (after the text: errors stay one line)
+
+
+def _is_music_tokenizer(tok) -> bool:
+    return getattr(tok, "kind", None) == "remi"
+
+
+def _is_music_model(model: Path) -> bool:
+    """Whether the folder's tokenizer.json is a music model's (MidiTok's), read without loading the model."""
+    from txl.data.music import is_miditok_json
+    from txl.util.folders import resolve_model_dir
+
+    try:
+        path = resolve_model_dir(Path(model)) / "tokenizer.json"
+        return path.is_file() and is_miditok_json(_json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return False
+
+
+def _check_music_files(midi: Path | None, prompt_midi: Path | None, piano_roll: Path | None) -> None:
+    from txl.data.music import read_midi
+
+    if midi is not None:
+        midi = Path(midi)
+        if midi.is_dir():
+            raise ValueError(f"--midi {midi}: a folder; give the MIDI file to write, e.g. {midi}/piece.mid")
+        if not midi.parent.is_dir():
+            raise ValueError(f"--midi {midi}: no folder {midi.parent} to write it in")
+    if piano_roll is not None:
+        from txl.util.plot import image_path
+
+        image_path(piano_roll, "--piano_roll", "piano_roll.png")
+    if prompt_midi is not None:
+        read_midi(Path(prompt_midi), f"--prompt_midi {prompt_midi}")
+
+
+def _generate_music(
+    loaded, prompt_ids, prompt_midi, midi, bars, grammar, piano_roll, max_new_tokens, temperature, top_k, top_p,
+    generator, as_json, zero_memory, dev,
+) -> None:  # fmt: skip
+    """``txl generate`` of a music model: a piece as MIDI (and a piano roll), its events on stdout."""
+    import torch
+
+    from txl.data.music import read_midi
+    from txl.infer.music import compose, roll, write_midi
+    from txl.util.plot import image_path, plot_piano_roll
+
+    lm, folder, tok = loaded.model, loaded.folder, loaded.tokenizer
+    if not _is_music_tokenizer(tok):
+        what = f"a {tok.kind}-level text model" if tok is not None else "a model without tokenizer.json"
+        raise ValueError(
+            f"{folder}: {what}; --midi, --prompt_midi, --bars and --piano_roll need a music model (one trained on "
+            "MIDI files: data.dataset chorales, quartets or midi, with MidiTok's tokenizer.json)"
+        )
+    prompt_score = None
+    if prompt_midi is not None:
+        prompt_score = read_midi(Path(prompt_midi), f"--prompt_midi {prompt_midi}")
+        ids = [tok.bos_id, *tok.encode_score(prompt_score, f"--prompt_midi {prompt_midi}")]
+    elif prompt_ids is not None:
+        ids = list(prompt_ids)
+        if any(not 0 <= i < tok.vocab_size for i in ids):
+            raise ValueError(f"--prompt_ids must be token ids in [0, {tok.vocab_size})")
+    else:
+        ids = [tok.bos_id]
+    mem_len = loaded.settings.mem_len
+    zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
+    piece = compose(
+        lm, tok, ids, bars=bars, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        grammar=grammar, generator=generator, reading=loaded.reading, mems=zeros,
+    )  # fmt: skip
+    summary = piece.summary()
+    if midi is not None:
+        score = write_midi(tok, piece.ids, Path(midi), prompt_score)
+        summary["midi"] = str(midi)
+        summary["notes"] = int(score.note_num())
+        if piano_roll is not None:
+            data = roll(score)
+            prompt_end = None
+            if piece.prompt_len > 1:
+                prompt_end = roll(tok.decode_score(piece.ids[: piece.prompt_len]))["end"]
+            out = plot_piano_roll(
+                data["notes"], data["bars"], image_path(piano_roll, "--piano_roll", "piano_roll.png"),
+                f"{folder.name}: {summary['bars']} new bars, {summary['new_events']} events", prompt_end,
+            )  # fmt: skip
+            summary["piano_roll"] = str(out)
+    elif piano_roll is not None:
+        data = roll(tok.decode_score(piece.ids))
+        out = plot_piano_roll(data["notes"], data["bars"], image_path(piano_roll, "--piano_roll", "piano_roll.png"))
+        summary["piano_roll"] = str(out)
+    if as_json:
+        print(_json.dumps({"prompt_ids": ids, "new_ids": piece.new_ids, **summary}))
+    else:
+        print(tok.decode(piece.new_ids))
+    print(f"txl: {_json.dumps(summary)}", file=sys.stderr)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +26,8 @@ import numpy as np
 
 from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
+from txl.data.music import MusicConfig, MusicTokenizer, music_layout, read_midi
+from txl.data.music_sources import MUSIC_DATASETS
 from txl.data.rawtext import Moses, RawText, Text8
 from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_splits
 from txl.data.sources import DATASETS, cache_home
@@ -45,8 +47,9 @@ class DataConfig:
     path: str = "data/shakespeare"
     """Dataset folder (or, for enwik8/text8, the raw file)."""
     dataset: str = "shakespeare"
-    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, sympy (Python source, long-range), or custom (a folder of
-    .txt files, or one text file)."""
+    """wt103, wt2, ptb, enwik8, text8, lm1b, shakespeare, sympy (Python source, long-range), custom (a folder of
+    .txt files, or one text file); music, read as REMI events: chorales, quartets (music21's corpus, rendered by
+    txl data get) or midi (a folder of MIDI files)."""
     files: str = "*.txt"
     """custom folders: which files are documents, a glob pattern relative to the folder (or to its train/ valid/
     test/ subfolders), e.g. '**/*.md' for Markdown files at any depth, '*' for every file; hidden ones are left
@@ -76,10 +79,20 @@ class DataConfig:
     """One Billion Word: the held-out shard used for validation (0 is the test shard; the reference used 0)."""
     encoding_errors: Literal["strict", "replace"] = "strict"
     """strict: a non-UTF-8 byte is an error naming file, line and offset; replace: read it as U+FFFD."""
+    music: MusicConfig = field(default_factory=MusicConfig)
+    """Music datasets (chorales, quartets, midi): the REMI tokenizer's options."""
     cache_dir: str | None = None
     """Where the encoded ids go (default: $TXL_CACHE_DIR or ~/.cache/txl, under corpora/)."""
     on_stale: Literal["rebuild", "error"] = "rebuild"
     """What to do with a cache whose sources, tokenizer or settings changed, or that is corrupt."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.music, dict):  # (a copy through asdict, or a YAML mapping)
+            known = {f.name for f in fields(MusicConfig)}
+            unknown = sorted(set(self.music) - known)
+            if unknown:
+                raise DataError(f"data.music.{unknown[0]}: no such option (known: {', '.join(sorted(known))})")
+            self.music = MusicConfig(**self.music)
 
     def validate(self) -> None:
         """Raise ``DataError`` naming the first bad number as ``data.{field}`` (before any file is read or written)."""
@@ -122,7 +135,10 @@ RECIPES = {
     "shakespeare": _Recipe("char"),
     "sympy": _Recipe("char"),
     "custom": _Recipe("word", "eos", vocab_from="train", specials=("<eos>", "<unk>")),
+    **{name: _Recipe("remi", vocab_from="train") for name in (*MUSIC_DATASETS, "midi")},  # type: ignore[arg-type]
 }
+MUSIC = (*MUSIC_DATASETS, "midi")
+"""The datasets read as music: MIDI files, REMI events (txl.data.music)."""
 
 
 @dataclass
@@ -162,6 +178,8 @@ class Corpus:
 def _settings(cfg: DataConfig) -> dict:
     if cfg.dataset not in RECIPES:
         raise DataError(f"unknown dataset {cfg.dataset!r}; expected one of {', '.join(RECIPES)}")
+    if cfg.dataset in MUSIC:
+        return _music_settings(cfg)
     recipe = RECIPES["custom" if cfg.dataset == "custom" else cfg.dataset]
     kind = cfg.tokenizer or recipe.kind
     if cfg.tokenizer_file:  # a given tokenizer decides how the text is read
@@ -197,6 +215,21 @@ def _settings(cfg: DataConfig) -> dict:
     if cfg.files != DOCUMENTS:  # (likewise)
         settings["files"] = cfg.files
     if cfg.tokenizer_file:
+        settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
+    return settings
+
+
+def _music_settings(cfg: DataConfig) -> dict:
+    if cfg.tokenizer not in (None, "remi"):
+        raise DataError(f"data.tokenizer = {cfg.tokenizer!r}: the music dataset {cfg.dataset} is read as REMI events")
+    if cfg.raw_text is not None or cfg.paper_compatible:
+        raise DataError(f"data.raw_text and data.paper_compatible are for text; {cfg.dataset} is music (MIDI files)")
+    cfg.music.validate()
+    settings = {"dataset": cfg.dataset, "kind": "remi", "music": asdict(cfg.music), "tokenizer_file": None}
+    if cfg.tokenizer_file:
+        tok = Tokenizer.load(Path(cfg.tokenizer_file))
+        if not isinstance(tok, MusicTokenizer):
+            raise DataError(f"data.tokenizer_file {cfg.tokenizer_file}: a text tokenizer; {cfg.dataset} is music")
         settings["tokenizer_file"] = hashlib.sha256(Path(cfg.tokenizer_file).read_bytes()).hexdigest()
     return settings
 
@@ -360,7 +393,10 @@ def _locate(cfg: DataConfig | None, overrides: dict) -> tuple[DataConfig, dict, 
     path = check_data_path(cfg.path)
     if not path.exists() and cfg.dataset in DATASETS:
         raise DataError(f"{path}: no such file or folder. Get it with: txl data get {cfg.dataset} --out {path}")
-    layout = find_splits(cfg.dataset, path, valid_shard=cfg.valid_shard, files=cfg.files)
+    if cfg.dataset in MUSIC:
+        layout = music_layout(path, cfg.music)
+    else:
+        layout = find_splits(cfg.dataset, path, valid_shard=cfg.valid_shard, files=cfg.files)
     folder = Path(cfg.cache_dir) if cfg.cache_dir else _default_cache(cfg, settings)
     return cfg, settings, layout, folder
 
@@ -425,6 +461,8 @@ def _prepare(
         with contextlib.suppress(OSError):
             stale.unlink()
     log(f"preparing {cfg.label} from {layout.description} into {folder} ({reason})")  # (its lock made the folder)
+    if cfg.dataset in MUSIC:
+        return _prepare_music(cfg, settings, layout, folder, log)
     tok = _build_tokenizer(cfg, settings, layout)
     text_bytes = sum(r.stop() - r.start for ranges in layout.splits.values() for r in ranges)
     per_token = 1 if tok.kind in ("char", "byte") else BYTES_PER_WORD  # (a char per byte at most; words longer)
@@ -446,6 +484,13 @@ def _prepare(
             ) from None
         if sum(e["n_tokens"] for e in arrays[split]) == 0:
             raise DataError(f"{layout.splits[split][0].describe()}: the {split} split has no tokens")
+    return _finish(cfg, settings, layout, folder, tok, arrays, log)
+
+
+def _finish(
+    cfg: DataConfig, settings: dict, layout: Layout, folder: Path, tok, arrays: dict, log: Callable[[str], None]
+) -> Corpus:
+    meta_path = folder / META
     tok.save(folder / "tokenizer.json")
     meta = {
         "format": FORMAT,
@@ -460,6 +505,46 @@ def _prepare(
     sizes = ", ".join(f"{s} {sum(e['n_tokens'] for e in arrays[s]):,}" for s in SPLITS)
     log(f"{cfg.label}: vocabulary {tok.vocab_size:,} ({tok.kind}), tokens: {sizes}")
     return _load(folder, meta, tok)
+
+
+def _music_tokenizer(cfg: DataConfig, layout: Layout, log: Callable[[str], None]) -> MusicTokenizer:
+    """The tokenizer of a music corpus, after every file was checked (one line naming the first bad one: not MIDI,
+    no notes, a time signature the tokenizer does not write), before anything is written."""
+    tok = Tokenizer.load(Path(cfg.tokenizer_file)) if cfg.tokenizer_file else MusicTokenizer.from_config(cfg.music)
+    n = sum(len(rs) for rs in layout.splits.values())
+    log(f"checking {n:,} MIDI files ({layout.description})")
+    for r in (r for rs in layout.splits.values() for r in rs):
+        tok.check_score(read_midi(r.path), str(r.path))
+    return tok
+
+
+def _prepare_music(cfg: DataConfig, settings: dict, layout: Layout, folder: Path, log: Callable[[str], None]) -> Corpus:
+    """A music corpus: each MIDI file is one piece, ``BOS`` + its REMI ids + ``EOS``, in the split's file order."""
+    tok = _music_tokenizer(cfg, layout, log)
+    if cfg.music.bpe_vocab_size and not tok.remi.is_trained:
+        scores = []
+        for r in layout.splits["train"]:
+            score = read_midi(r.path)
+            tok.check_score(score, str(r.path))
+            scores.append(_merged(score))
+        log(f"learning BPE merges on {len(scores)} pieces (vocabulary {cfg.music.bpe_vocab_size:,})")
+        tok.learn_bpe(scores, cfg.music.bpe_vocab_size)
+    arrays = {}
+    for split in SPLITS:
+
+        def pieces(split=split):
+            for r in layout.splits[split]:
+                yield [tok.bos_id, *tok.encode_midi(r.path), tok.eos_id]
+
+        n, digest = _write_array(folder / f"{split}.bin", pieces(), tok.dtype)
+        arrays[split] = [{"file": f"{split}.bin", "dtype": tok.dtype.name, "n_tokens": n, "file_sha256": digest}]
+    return _finish(cfg, settings, layout, folder, tok, arrays, log)
+
+
+def _merged(score):
+    from txl.data.music import merge_tracks
+
+    return merge_tracks(score)
 
 
 def _why_stale(folder: Path, meta_path: Path, settings: dict, layout: Layout, verify: bool) -> str | None:

@@ -139,7 +139,9 @@ SYMPY_SHA256 = {
 }
 SYMPY_FILES = {"train": 1079, "valid": 40, "test": 47}
 """How many documents each split holds (of 1,166 files; 24.2 / 0.88 / 0.91 MB)."""
-DATASETS = ("shakespeare", "sympy", *REMOTES)
+MUSIC_DATASETS = ("chorales", "quartets")
+"""Symbolic music rendered from music21's corpus (txl.data.music_sources)."""
+DATASETS = ("shakespeare", "sympy", *REMOTES, *MUSIC_DATASETS)
 
 
 def cache_home() -> Path:
@@ -464,6 +466,10 @@ def get_dataset(
         sympy_from_archive(src, out, expected=SYMPY_SHA256)
         log(f"wrote {out}/{{train,valid,test}}.txt: whole sympy 1.14.0 source files (sha256 verified)")
         return out
+    if name in MUSIC_DATASETS:
+        from txl.data.music_sources import get_music
+
+        return get_music(name, out, log=log)
     if name not in REMOTES:
         raise DataError(f"unknown dataset {name!r}; txl data get knows: {', '.join(DATASETS)}")
     ledger = Ledger(out)  # (every path this get may write is checked before anything is downloaded or written)

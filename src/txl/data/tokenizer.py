@@ -39,6 +39,7 @@ from typing import Literal
 import numpy as np
 
 from txl.data.errors import DataError
+from txl.data.music import MusicTokenizer, is_miditok_json
 from txl.data.rawtext import JOINERS, Moses, RawText, Text8, raw_text_from_json, raw_text_to_json
 from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset
 from txl.util.fileio import write_bytes
@@ -626,7 +627,7 @@ class Tokenizer:
         return self
 
     @classmethod
-    def load(cls, path: Path) -> Tokenizer:
+    def load(cls, path: Path) -> Tokenizer | MusicTokenizer:
         """Read a ``tokenizer.json`` written by :meth:`save` (``path`` may be a folder)."""
         path = Path(path)
         if path.is_dir():
@@ -635,6 +636,8 @@ class Tokenizer:
             obj = read_json(path)
         except FileNotFoundError:
             raise DataError(f"{path}: no such tokenizer file") from None
+        if is_miditok_json(obj):  # a music model's: MidiTok's REMI tokenizer (txl.data.music)
+            return MusicTokenizer.load(path)
         return cls.from_json_obj(obj, str(path))
 
     @classmethod

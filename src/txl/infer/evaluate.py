@@ -56,8 +56,8 @@ class EvalResult:
 
 
 def metric_name(tokenizer_kind: str) -> str:
-    """``bpc`` for character- and byte-level data, ``ppl`` for words (as the paper reports them)."""
-    return "ppl" if tokenizer_kind == "word" else "bpc"
+    """``bpc`` for character- and byte-level data, ``ppl`` for words and REMI events (as the paper reports them)."""
+    return "ppl" if tokenizer_kind in ("word", "remi") else "bpc"
 
 
 def metric_value(loss: float, name: str) -> float:

@@ -141,8 +141,8 @@ def check_left(scores: Tensor, n: int) -> None:
     for new token ``n``."""
     if not bool((scores > float("-inf")).any(-1).all()):
         raise NoTokenLeftError(
-            f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) rule out every "
-            "one; ask for fewer tokens or relax them"
+            f"no token is left for new token {n}: the penalties (no_repeat_ngram_size, logit_bias) or the grammar rule "
+            "out every one; ask for fewer tokens or relax them"
         )
 
 
@@ -179,6 +179,7 @@ def stream(
     observe: Callable[[Tensor, Tensor], None] | None = None,
     penalties: Penalties | None = None,
     reading: Reading | None = None,
+    allowed: Callable[[], Tensor] | None = None,
 ) -> Iterator[Tensor]:
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
@@ -191,7 +192,9 @@ def stream(
     temperature and filtering) and chosen tokens, before they are yielded. ``penalties`` (:class:`Penalties`) change
     the scores by what each row holds so far (its prompt, padding included, and its new tokens). ``reading``
     (:class:`~txl.model.config.Reading`): how the model reads, its same_length and clamp_len (and mem_len, which the
-    argument overrides); None: the model's config.
+    argument overrides); None: the model's config. ``allowed()`` [B, V] (bool), called before each choice: only the
+    tokens it allows can be chosen (a grammar, e.g. REMI's in :mod:`txl.infer.music`, which follows the chosen
+    tokens through ``observe``).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -248,7 +251,9 @@ def stream(
                 if not bool(torch.isfinite(log_probs).all()):
                     raise NonFiniteError(f"the model gave non-finite log-probabilities for new token {i + 1}")
                 scores = log_probs if history is None else penalties.apply(log_probs, history, T, padding)
-                if history is not None:
+                if allowed is not None:
+                    scores = scores.masked_fill(~allowed(), float("-inf"))
+                if history is not None or allowed is not None:
                     check_left(scores, i + 1)
                 nxt = choose(scores, temperature, top_k, top_p, generator)  # [B]
                 if len(stops):

@@ -123,3 +123,39 @@ def plot_memory_sweep(points: list[tuple[int, float]], metric: str, out: str | P
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
     return save_figure(fig, Path(out))
+
+
+def plot_piano_roll(
+    notes: list[tuple[float, float, int]],
+    bars: list[float],
+    out: str | Path,
+    title: str = "",
+    prompt_end: float | None = None,
+) -> Path:
+    """A piano roll: each note (onset, duration in quarter notes, MIDI pitch) a bar of its length at its pitch,
+    the bar lines dotted, and where the prompt ends (``prompt_end``) a solid line (``out``: an :func:`image_path`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end = max((o + d for o, d, _ in notes), default=4.0)
+    fig, ax = plt.subplots(figsize=(min(4 + end / 6, 40), 4.5))
+    if notes:
+        ax.barh(
+            [p for _, _, p in notes], [max(d, 0.05) for _, d, _ in notes], left=[o for o, _, _ in notes],
+            height=0.8, color="tab:blue", edgecolor="black", linewidth=0.3,
+        )  # fmt: skip
+        lo, hi = min(p for *_, p in notes), max(p for *_, p in notes)
+        ax.set_ylim(lo - 2, hi + 2)
+    for x in bars:
+        ax.axvline(x, color="0.6", linewidth=0.6, linestyle=":")
+    if prompt_end is not None:
+        ax.axvline(prompt_end, color="tab:red", linewidth=1.2, label="end of the prompt")
+        ax.legend(loc="upper right", fontsize=7)
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time (quarter notes); dotted: bar lines")
+    ax.set_ylabel("MIDI pitch")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, Path(out))

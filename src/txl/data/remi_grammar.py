@@ -1,0 +1,124 @@
+"""REMI's grammar: which event may come next, so a sampler can keep every piece valid and count what it prevented.
+
+A valid REMI piece (MidiTok's REMI with time signatures, one stream) reads, bar after bar:
+
+    Bar TimeSig_n/d [Position_p Pitch_x Velocity_v Duration_d [Pitch Velocity Duration]...]...
+
+The rules, MidiTok's succession graph (``tokenizer.tokens_types_graph``) made strict:
+
+* the type order: what MidiTok's graph allows after the previous event, without PAD / MASK / BOS / drum pitches
+  (BOS only first, or after an EOS, then a Bar; EOS only where ``allow_end`` and a note or bar is complete);
+* time goes forward inside a bar: a Position is after the previous one of its bar, and inside the bar (below
+  numerator x positions per beat of the bar's time signature: the notes stay inside their bars);
+* a note needs a Position in its bar, and the pitches at one position rise (the order MidiTok writes them in: no
+  pitch struck twice there, MidiTok's duplicate rule, and one spelling per chord, so a sampled piece reads back as
+  the same events).
+
+:class:`Grammar` tracks that state along a sequence of ids (a BPE id is its events in order), gives the mask of
+allowed next ids for a state (cached per state), and counts errors as MidiTok's ``tokens_errors`` does (at most one
+per event), so the rate of invalid events of an unconstrained sampler is measured with the same rule it is kept by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from txl.data.music import MusicTokenizer
+
+_NEVER = {"PAD", "MASK", "PitchDrum"}
+
+
+@dataclass(frozen=True)
+class State:
+    """Where a REMI sequence is: the previous event's type, the bar's position (-1: none yet), the bar's length in
+    positions, and the highest pitch struck at the current position (-1: none yet)."""
+
+    prev: str = ""
+    pos: int = -1
+    bar_len: int = 0
+    pitch: int = -1
+    ended: bool = False
+
+
+class Grammar:
+    """REMI's rules for one tokenizer's vocabulary (see the module docstring)."""
+
+    def __init__(self, tok: MusicTokenizer, allow_end: bool = False):
+        self.tok, self.allow_end = tok, allow_end
+        remi = tok.remi
+        graph = remi.tokens_types_graph
+        self.next_types = {t: {n.split("_")[0] for n in nxt} - _NEVER - {"BOS"} for t, nxt in graph.items()}
+        self.next_types[""] = {"BOS", "Bar"}  # (a piece's start)
+        self.next_types["BOS"] = {"Bar"}
+        self.next_types["TimeSig"] = self.next_types.get("TimeSig", set()) - {"Pitch"}  # (a note needs a Position)
+        # positions per beat, MidiTok's beat being the time signature's denominator's note (an eighth in 12/8)
+        self.per_beat = int(remi.config.max_num_pos_per_beat)
+        self.default_bar = 4 * self.per_beat  # (4/4 until a TimeSig says otherwise)
+        self.events = [
+            [(e.split("_")[0], e.split("_", 1)[1]) for e in tok.base_tokens(i)] for i in range(tok.vocab_size)
+        ]
+        self._masks: dict[State, np.ndarray] = {}
+
+    # -- one event
+    def step(self, s: State, kind: str, value: str) -> tuple[State, bool]:
+        """The state after an event, and whether the event was valid there (an invalid one still moves the
+        state, as MidiTok's count goes on)."""
+        ok = kind in self.next_types.get(s.prev, set()) and not s.ended
+        if kind == "EOS":
+            return replace(s, prev="EOS", ended=True), ok and self.allow_end
+        if kind == "BOS":  # (a piece's first event: at the start, or after the previous piece's EOS)
+            return State(prev="BOS"), s == State() or s.ended
+        if kind == "Bar":
+            return State(prev="Bar", pos=-1, bar_len=s.bar_len or self.default_bar), ok
+        if kind == "TimeSig":
+            num = int(value.split("/")[0])
+            return replace(s, prev="TimeSig", bar_len=num * self.per_beat), ok
+        if kind == "Position":
+            p = int(value)
+            bar_len = s.bar_len or self.default_bar
+            ok = ok and s.pos < p < bar_len
+            return replace(s, prev="Position", pos=p, pitch=-1), ok
+        if kind == "Pitch":
+            p = int(value)
+            ok = ok and s.pos >= 0 and p > s.pitch
+            return replace(s, prev="Pitch", pitch=max(p, s.pitch)), ok
+        return replace(s, prev=kind), ok and kind not in _NEVER
+
+    def advance(self, s: State, token_id: int) -> tuple[State, int]:
+        """The state after one id, and its number of invalid events."""
+        errors = 0
+        for kind, value in self.events[int(token_id)]:
+            s, ok = self.step(s, kind, value)
+            errors += not ok
+        return s, errors
+
+    def start(self, ids: Iterable[int] = ()) -> State:
+        """The state after ``ids`` (from the start of a piece: its BOS, or none)."""
+        s = State()
+        for i in ids:
+            s, _ = self.advance(s, i)
+        return s
+
+    # -- all ids at once
+    def mask(self, s: State) -> np.ndarray:
+        """Which ids may come next [V] (bool), cached per state."""
+        m = self._masks.get(s)
+        if m is None:
+            m = np.array([self.advance(s, i)[1] == 0 for i in range(self.tok.vocab_size)], dtype=bool)
+            if len(self._masks) > 100_000:
+                self._masks.clear()
+            self._masks[s] = m
+        return m
+
+    def errors(self, ids: Iterable[int], s: State | None = None) -> tuple[int, int]:
+        """(invalid events, events) of ``ids`` read from state ``s`` (default: a piece's start)."""
+        s = s or State()
+        bad = n = 0
+        for i in ids:
+            s, e = self.advance(s, int(i))
+            bad += e
+            n += len(self.events[int(i)])
+        return bad, n
