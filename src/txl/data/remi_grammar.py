@@ -122,3 +122,70 @@ class Grammar:
             bad += e
             n += len(self.events[int(i)])
         return bad, n
+
+
+class Sounding:
+    """The notes still sounding along a REMI sequence, so that a sampler never strikes a pitch that is still held:
+    MIDI cannot hold one pitch twice (a reader ends the first note where the second starts), so such a note would
+    change the one before it, a prompt's included, when the piece is written. Real pieces have a few (two voices
+    meeting on one pitch: 0.7% of the chorales' notes), so this is a rule of generation, not of REMI's validity.
+
+    Time is counted in positions from the piece's start (a Bar adds its bar's length); a Duration ``b.p.r`` is
+    ``(b + p / r)`` beats of ``per_beat`` positions."""
+
+    def __init__(self, grammar: Grammar):
+        self.g = grammar
+        self.ends: dict[int, int] = {}  # pitch -> the position where its latest note ends
+        self.bar_start, self.bar_len, self.now, self.pitch = 0, grammar.default_bar, 0, None
+        self.started = False
+        tok = grammar.tok
+        self._pitch_ids: dict[int, list[int]] = {}
+        for i, events in enumerate(grammar.events):
+            first = next((int(v) for k, v in events if k == "Pitch"), None)
+            if first is not None:
+                self._pitch_ids.setdefault(first, []).append(i)
+        self.multi = tok.remi.is_trained  # (BPE ids: several events, checked one by one)
+
+    def _duration(self, value: str) -> int:
+        b, p, r = (int(x) for x in value.split("."))
+        return round((b + p / r) * self.g.per_beat)
+
+    def _event(self, kind: str, value: str) -> bool:
+        """Follow one event; whether it strikes a pitch still sounding."""
+        bad = False
+        if kind == "Bar":
+            if self.started:
+                self.bar_start += self.bar_len
+            self.started, self.now = True, self.bar_start
+        elif kind == "TimeSig":
+            self.bar_len = int(value.split("/")[0]) * self.g.per_beat
+        elif kind == "Position":
+            self.now = self.bar_start + int(value)
+        elif kind == "Pitch":
+            self.pitch = int(value)
+            bad = self.ends.get(self.pitch, -1) > self.now
+        elif kind == "Duration" and self.pitch is not None:
+            self.ends[self.pitch] = max(self.ends.get(self.pitch, -1), self.now + self._duration(value))
+            self.pitch = None
+        return bad
+
+    def push(self, token_id: int) -> None:
+        for kind, value in self.g.events[int(token_id)]:
+            self._event(kind, value)
+
+    def blocked(self) -> np.ndarray:
+        """The ids [V] (bool) that would strike a pitch still sounding now."""
+        out = np.zeros(self.g.tok.vocab_size, dtype=bool)
+        held = [p for p, end in self.ends.items() if end > self.now]
+        if not self.multi:
+            for p in held:
+                out[self._pitch_ids.get(p, [])] = True
+            return out
+        saved = (dict(self.ends), self.bar_start, self.bar_len, self.now, self.pitch, self.started)
+        for i, events in enumerate(self.g.events):
+            if any(k == "Pitch" for k, _ in events):
+                out[i] = any([self._event(k, v) for k, v in events])
+                self.ends, self.bar_start, self.bar_len, self.now, self.pitch, self.started = (
+                    dict(saved[0]), *saved[1:],
+                )  # fmt: skip
+        return out

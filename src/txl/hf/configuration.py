@@ -4,7 +4,7 @@ model's), as a transformers-5 ``PreTrainedConfig``; :func:`txl_config` turns it 
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Literal
+from typing import Any, Literal
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
@@ -94,6 +94,28 @@ class TransfoXLConfig(PreTrainedConfig):
     def to_txl(self) -> TransformerXLConfig:
         """txl's configuration of the same model."""
         return txl_config(self)
+
+    @classmethod
+    def from_txl(cls, config: TransformerXLConfig, **kwargs: Any) -> TransfoXLConfig:
+        """The configuration of a model trained with txl (``txl train``): the same fields under Hugging Face's names,
+        the memory starting empty as txl's does (``mem_init="empty"``); ``kwargs`` set other fields. A model
+        Hugging Face's TransfoXL cannot describe (txl's own variants: attn_type 1-3, GTrXL gates, identity_map,
+        tf_same_length) is one error naming what differs."""
+        d = config.to_dict()
+        fields = {k: d[k] for k in (
+            "cutoffs", "d_model", "d_embed", "n_head", "d_head", "d_inner", "div_val", "pre_lnorm", "n_layer",
+            "mem_len", "clamp_len", "same_length", "tie_projs", "attn_type", "dropout", "dropatt", "untie_r", "init",
+            "init_range", "proj_init_std", "init_std", "layer_norm_epsilon", "pad_token_id", "num_labels",
+        )}  # fmt: skip
+        out = cls(vocab_size=d["n_token"], tie_word_embeddings=d["tie_weight"], mem_init="empty", **fields | kwargs)
+        back = out.to_txl().to_dict()
+        differ = sorted(k for k in d if k not in kwargs and back.get(k) != d[k])
+        if differ:
+            raise ValueError(
+                f"this txl model has settings Hugging Face's TransfoXL cannot describe ({', '.join(differ)}: "
+                f"{', '.join(f'{k}={d[k]!r}' for k in differ)}); use it with txl itself"
+            )
+        return out
 
 
 def txl_config(config: TransfoXLConfig) -> TransformerXLConfig:

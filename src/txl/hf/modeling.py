@@ -144,6 +144,8 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         with ``torch.load(weights_only=True)``) is read by txl's converter, which checks every key, shape and tie."""
         folder = Path(str(pretrained_model_name_or_path))
         trust_pickle = bool(kwargs.pop("trust_pickle", False))
+        if folder.is_dir() and _txl_folder(folder) is not None:  # (a model trained with txl: its own format)
+            return cls.from_txl(_txl_folder(folder), **kwargs)
         if not (folder.is_dir() and is_hf_layout(folder)):
             if folder.is_dir():  # (its weights' dtypes and shape against the config, from the headers, first)
                 given = kwargs.get("config")
@@ -202,6 +204,39 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         """Take the modules of ``txl_model`` (loaded from ``source``) in place of this model's (built on the meta
         device)."""
         raise NotImplementedError
+
+    @classmethod
+    def from_txl(cls, model: str | Path | TransformerXLLM, **kwargs: Any):
+        """This class over a model trained with txl: a txl model folder, a run folder (its best checkpoint) or a
+        step-N checkpoint, read by txl's loader (every tensor checked), or a ``TransformerXLLM``; the configuration
+        from :meth:`TransfoXLConfig.from_txl` (``kwargs``: its fields, ``dtype``, ``device_map``). The folder's
+        tokenizer stays txl's: a text model's through ``TransfoXLTokenizer``, a music model's is MidiTok's own
+        ``tokenizer.json`` (``miditok.REMI.from_pretrained(folder)``)."""
+        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+        device = _device_of(kwargs.pop("device_map", None))
+        if isinstance(model, TransformerXLLM):
+            lm, source = model, "the txl model"
+        else:
+            folder = _txl_folder(Path(model))
+            if folder is None:
+                raise OSError(f"{model}: no txl model here (config.json in txl's format, a run or a step-N folder)")
+            try:
+                lm, source = TransformerXLLM.from_pretrained(folder), str(folder / "model.safetensors")
+            except CheckpointError as e:
+                raise OSError(library_words(str(e))) from None
+            kwargs = _special_ids(folder) | kwargs
+        config = TransfoXLConfig.from_txl(lm.config, **({"eos_token_id": None} | kwargs))
+        with torch.device("meta"):
+            hf = cls(config)
+        hf._adopt(lm, source)
+        for module in hf.modules():
+            if isinstance(module, TransfoXLPreTrainedModel):
+                module._declare_ties()
+        if dtype is not None and dtype != "auto":
+            hf = hf.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        if device is not None:
+            hf = hf.to(device)
+        return hf.eval()
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, layer: int = -1, **kwargs: Any) -> nn.Module:
         """Hugging Face 4.x's TransfoXL resize: the adaptive embedding's cluster ``layer`` (the last by default) gets
@@ -290,6 +325,33 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
 _LOCAL_NO_OPS = ("low_cpu_mem_usage", "local_files_only", "cache_dir", "force_download", "proxies", "token",
                  "revision", "code_revision", "trust_remote_code", "use_safetensors", "adapter_kwargs")  # fmt: skip
 """``from_pretrained`` arguments that change nothing when a local 4.x-layout folder is read whole into memory."""
+
+
+def _special_ids(folder: Path) -> dict[str, int | None]:
+    """The generation ids of a txl folder's tokenizer: a music model's BOS / EOS / PAD (MidiTok's), a text model's
+    end of line (``<eos>``) where it has one; none without a tokenizer."""
+    from txl.data import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    tok = Tokenizer.load(path)
+    if getattr(tok, "kind", None) == "remi":
+        return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    eos = tok.eos_token
+    return {"eos_token_id": tok.token_to_id(eos)} if eos else {}
+
+
+def _txl_folder(folder: Path) -> Path | None:
+    """The model folder of a txl folder (its own, a run's best checkpoint or a step-N), or None: not txl's format."""
+    from txl.model.pretrained import FORMAT, model_folder
+    from txl.util.folders import read_json
+
+    try:
+        found = model_folder(folder)
+        return found if read_json(found / "config.json").get("format") == FORMAT else None
+    except Exception:  # (not a txl folder: transformers' own loading says what is wrong)
+        return None
 
 
 def _check_headers(folder: Path, config: TransfoXLConfig | None, dtypes: bool = False) -> None:

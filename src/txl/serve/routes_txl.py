@@ -1,5 +1,5 @@
-"""txl's own API: ``GET /health``, ``GET /v1/model``, ``POST /v1/generate`` (JSON, or server-sent events) and
-``POST /v1/score``."""
+"""txl's own API: ``GET /health``, ``GET /v1/model``, ``POST /v1/generate`` (JSON, or server-sent events),
+``POST /v1/score`` and, for a music model, ``POST /v1/music``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from txl.serve.engine import EngineStopped
 from txl.serve.http import ApiError, error_body, sse_error
-from txl.serve.schemas import STREAMED, GenerateRequest, ScoreRequest
+from txl.serve.schemas import STREAMED, GenerateRequest, MusicRequest, ScoreRequest
 from txl.serve.state import Server
 from txl.serve.streams import (
     ClientLeft,
@@ -88,6 +88,26 @@ def router(server: Server) -> APIRouter:
                 {"text": p, "id": i, "logprob": -float(x)} for p, i, x in scored
             ]
         return out
+
+    @api.post("/v1/music")
+    async def music(req: MusicRequest, request: Request) -> dict[str, Any]:
+        """A music model's piece (REMI events, kept valid by their grammar): a MIDI file continued, or a new piece,
+        as MIDI (base64) and as notes in seconds, one event per engine step beside the running generations. A
+        client that leaves cancels it (its row freed)."""
+        job = server.music(req)
+        left = threading.Event()
+        future = submitted(lambda: server.engine.call_steps(job["steps"], cancelled=left))
+        try:
+            piece = await unless_disconnected(request, asyncio.wrap_future(future), left.set)
+        except ClientLeft:
+            raise
+        except EngineStopped as e:
+            raise ApiError(503, str(e), code="service_unavailable") from None
+        except ValueError as e:
+            raise ApiError(400, f"music failed: {e}") from None
+        except Exception as e:
+            raise ApiError(500, f"music failed: {type(e).__name__}: {e}") from None
+        return server.music_result(job, piece)
 
     @api.post("/v1/generate", responses=STREAMED)
     async def generate(req: GenerateRequest, request: Request):

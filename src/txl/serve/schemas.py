@@ -268,3 +268,24 @@ def document_limits(components: dict[str, Any], lim: ServeLimits) -> None:
     bound("CompletionRequest", "stop", maxItems=lim.max_stops, maxLength=lim.max_stop_chars)
     bound("ScoreRequest", "tgt_len", maximum=lim.max_tgt_len)
     bound("ScoreRequest", "mem_len", maximum=lim.max_mem_len)
+
+
+class MusicRequest(_Request):
+    """A piece from a music model (REMI events): continue a MIDI file, or start from nothing."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    midi: str | None = Field(
+        None, min_length=1, description="A MIDI file to continue, base64 (its notes as the tokenizer reads them: "
+        "all tracks merged, on its grid; at most the server's max_prompt_tokens events)."
+    )  # fmt: skip
+    prompt_ids: list[TokenId] | None = Field(None, min_length=1, description="Token ids to continue, instead of midi.")
+    bars: int | None = Field(8, ge=1, description="Stop after this many new bars (null: after max_new_tokens).")
+    max_new_tokens: int = Field(1024, ge=1, description="Most new events (at most the server's max_new_tokens).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely events (0: all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold (1: off).")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Random seed: the same seed gives the same piece.")
+    grammar: bool = Field(
+        True, description="Keep the piece valid REMI (false: sample freely, and count the invalid events)."
+    )

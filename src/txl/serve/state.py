@@ -16,7 +16,7 @@ from txl.data.tokenizer import UnknownPolicy
 from txl.infer.generation import Penalties
 from txl.serve.engine import Engine, Generation
 from txl.serve.http import ApiError, invalid
-from txl.serve.schemas import MAX_SEED, CompletionRequest, GenerateRequest, ScoreRequest, ServeLimits
+from txl.serve.schemas import MAX_SEED, CompletionRequest, GenerateRequest, MusicRequest, ScoreRequest, ServeLimits
 
 
 class Server:
@@ -308,6 +308,81 @@ class Server:
             )  # fmt: skip
 
         return {"ids": ids, "settings": s, "steps": steps}
+
+    @property
+    def is_music(self) -> bool:
+        """Whether the model reads REMI events (a MidiTok tokenizer.json): /v1/music serves it."""
+        return getattr(self.tokenizer, "kind", None) == "remi"
+
+    def music(self, req: MusicRequest) -> dict[str, Any]:
+        """The job of a /v1/music request, everything checked first: a music model, the MIDI (base64, a MIDI file
+        with notes, time signatures the tokenizer writes), the limits."""
+        import base64
+        import binascii
+
+        import torch
+
+        from txl.data.errors import DataError
+        from txl.data.music import read_midi
+        from txl.infer.music import compose_steps
+
+        if not self.is_music:
+            raise ApiError(400, "this server's model reads text, not music: /v1/music needs a music (REMI) model")
+        tok, lim = self.tokenizer, self.limits
+        if req.midi is not None and req.prompt_ids is not None:
+            raise invalid("midi", "give midi or prompt_ids, not both")
+        score = None
+        if req.midi is not None:
+            try:
+                data = base64.b64decode(req.midi, validate=True)
+            except (binascii.Error, ValueError):
+                raise invalid("midi", "not base64 (a MIDI file's bytes, base64-encoded)") from None
+            try:
+                score = read_midi(data, "the MIDI file")
+                ids = [tok.bos_id, *tok.encode_score(score, "the MIDI file")]
+            except DataError as e:
+                raise invalid("midi", str(e)) from None
+        elif req.prompt_ids is not None:
+            ids = self.check_ids(req.prompt_ids, "prompt_ids")
+        else:
+            ids = [tok.bos_id]
+        if len(ids) > lim.max_prompt_tokens:
+            raise invalid("midi", f"{len(ids)} events, more than the limit of {lim.max_prompt_tokens}")
+        if req.max_new_tokens > lim.max_new_tokens:
+            raise invalid("max_new_tokens", f"{req.max_new_tokens} is more than the limit {lim.max_new_tokens}")
+        seed = req.seed if req.seed is not None else int(time.time_ns() % MAX_SEED)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+
+        def steps():
+            return compose_steps(
+                self.model, tok, ids, bars=req.bars, max_new_tokens=req.max_new_tokens, temperature=req.temperature,
+                top_k=req.top_k, top_p=req.top_p, grammar=req.grammar, generator=generator,
+                reading=self.reading.reading(),
+            )  # fmt: skip
+
+        return {"ids": ids, "score": score, "steps": steps, "seed": seed}
+
+    def music_result(self, job: dict[str, Any], piece) -> dict[str, Any]:
+        """The response of a /v1/music request: the piece's MIDI (base64), its notes in seconds (for a player), its
+        new ids and what the grammar saw."""
+        import base64
+
+        import symusic
+
+        from txl.infer.music import notes_in_seconds
+
+        score = self.tokenizer.decode_score(piece.ids)
+        prompt = job["score"]
+        if prompt is not None and len(prompt.tempos):
+            score.tempos = [symusic.Tempo(0, float(prompt.tempos[0].qpm))]
+        return {
+            "midi": base64.b64encode(bytes(score.dumps_midi())).decode(),
+            "notes": notes_in_seconds(score),
+            "prompt_notes": notes_in_seconds(self.tokenizer.decode_score(job["ids"])) if len(job["ids"]) > 1 else [],
+            "new_ids": piece.new_ids,
+            "seed": job["seed"],
+            **piece.summary(),
+        }
 
     def info(self) -> dict[str, Any]:
         from txl.util.metrics import read_metrics
