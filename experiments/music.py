@@ -211,7 +211,6 @@ def generated_measures(run: Path, budget: dict, data: Path) -> dict:
     first ``bars`` bars of as many test pieces."""
     import torch
 
-    from txl.data.music import read_midi
     from txl.infer.load import load
     from txl.infer.music import compose, measures
 
