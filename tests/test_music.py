@@ -374,3 +374,59 @@ def test_serve_refuses_music_from_a_text_model(tmp_path):
     run = run_inprocess(tmp_path, train__max_steps=2, train__eval_interval=0)
     with TestClient(create_app(run, ServeLimits())) as client:
         assert "reads text, not music" in error_of(client.post("/v1/music", json={"bars": 1}))
+
+
+@pytest.mark.slow
+def test_the_page_composes_and_plays_music_in_a_real_browser(tmp_path, music_model):
+    """Headless Chromium: a music model's page shows Compose (not the text panels), continues an uploaded MIDI file,
+    draws it, and Play schedules every note with Web Audio; no console errors."""
+    import os
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    pytest.importorskip("fastapi")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from serve_helpers import start_server
+
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_bin):
+        if os.environ.get("TXL_REQUIRE_BROWSER"):
+            raise AssertionError("chromium and chromedriver are missing: run `make browser`")
+        pytest.skip("no chromium/chromedriver (make browser installs them)")
+    prompt = write(piece(random.Random(9), bars=2, voices=2), tmp_path / "mine.mid")
+    proc, url = start_server(music_model, "--max_new_tokens", "2000")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,900",
+                "--autoplay-policy=no-user-gesture-required"):  # fmt: skip
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_bin))
+    try:
+        browser.get(url + "/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda b: b.find_element(By.ID, "music").is_displayed(), "the Compose panel")
+        assert not browser.find_element(By.ID, "generate").is_displayed()  # (a music model: no text panels)
+        browser.find_element(By.ID, "midi-file").send_keys(str(prompt))
+        browser.execute_script("document.getElementById('bars').value = '2';")
+        browser.find_element(By.ID, "compose").click()
+        wait.until(lambda b: "new bars" in b.find_element(By.ID, "music-stats").text, "the piece")
+        assert "2 new bars" in browser.find_element(By.ID, "music-stats").text
+        composed = browser.execute_script("return window.txlMusic.composed")
+        assert composed > read_midi(prompt).note_num()
+        browser.find_element(By.ID, "play").click()
+        wait.until(lambda b: b.execute_script("return window.txlMusic.scheduled") == composed, "every note played")
+        drawn = browser.execute_script(
+            "const c = document.getElementById('roll'); const d = c.getContext('2d').getImageData(0, 0, c.width, "
+            "c.height).data; let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n;"
+        )
+        assert drawn > 500  # (the piano roll has its notes)
+        assert browser.find_element(By.ID, "download").get_attribute("href").startswith("blob:")
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
