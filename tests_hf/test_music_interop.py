@@ -43,7 +43,8 @@ def test_a_music_run_loads_in_transformers_with_its_miditok_tokenizer(tmp_path):
     folder = resolve_model_dir(tmp_path / "run")
     model = TransfoXLLMHeadModel.from_pretrained(tmp_path / "run")  # (the run folder: its best checkpoint)
     assert model.config.mem_init == "empty" and model.config.vocab_size == 335
-    tokenizer = miditok.REMI.from_pretrained(folder)  # MidiTok's own file
+    assert model.name_or_path == str(folder)  # (the checkpoint's folder: its tokenizer.json)
+    tokenizer = miditok.REMI.from_pretrained(model.name_or_path)  # MidiTok's own file
     ids = tokenizer.encode(symusic.Score(str(tmp_path / "songs" / "test" / "s0.mid")))[0].ids
     x = torch.tensor([[tokenizer["BOS_None"], *ids[:40]]])
     txl_model = TransformerXLLM.from_pretrained(folder).eval()

@@ -229,6 +229,8 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         with torch.device("meta"):
             hf = cls(config)
         hf._adopt(lm, source)
+        if not isinstance(model, TransformerXLLM):  # (where its tokenizer.json is: model.name_or_path)
+            hf.config.name_or_path = hf.name_or_path = str(folder)
         for module in hf.modules():
             if isinstance(module, TransfoXLPreTrainedModel):
                 module._declare_ties()
