@@ -430,3 +430,29 @@ def test_the_page_composes_and_plays_music_in_a_real_browser(tmp_path, music_mod
         browser.quit()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_the_music_experiment_quick_mode_writes_its_tables(tmp_path):
+    """experiments/music.py end to end on small folders of pieces (as chorales/ and quartets/)."""
+    import re
+    import subprocess
+    import sys
+
+    from train_helpers import ROOT
+
+    rng = random.Random(3)
+    for corpus, n, bars in (("chorales", 30, 4), ("quartets", 12, 12)):
+        for i in range(n):
+            split = "test" if i % 6 == 0 else "valid" if i % 6 == 1 else "train"
+            write(piece(rng, bars=bars, ts=[(4, 4), (3, 4)][i % 2]), tmp_path / "data" / corpus / split / f"{i}.mid")
+    out = tmp_path / "music.md"
+    cmd = [sys.executable, str(ROOT / "experiments" / "music.py"), "--budget", "quick"]
+    cmd += ["--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs"), "--write", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    text = out.read_text()
+    for row in ("xl", "xl-norec", "vanilla", "lstm"):
+        assert re.search(rf"^\| {row} \(\d seeds?\) \| [\d,]+ \| \d+\.\d{{4}}", text, re.M), row
+    assert re.search(r"^\| xl \| \d+\.\d{4} \| \d+\.\d{4} \| \d+\.\d{4} \|$", text, re.M)  # the sweep
+    assert re.search(r"^\| generated \| ", text, re.M) and re.search(r"^\| real \(test\) \| ", text, re.M)
+    assert "Reading: on the chorales the test NLL orders" in text
