@@ -141,6 +141,13 @@ def test_round_trip_of_every_chorale(tmp_path, tok):
     main(["data", "get", "chorales", "--out", str(tmp_path / "chorales")])
     files = sorted((tmp_path / "chorales").rglob("*.mid"))
     assert len(files) == 410
+    import music21
+
+    from txl.data.music_sources import MUSIC21_VERSION, MUSIC_SHA256, listing_sha256
+
+    if music21.__version__ == MUSIC21_VERSION:  # (the pinned version renders the recorded bytes)
+        written = json.loads((tmp_path / "chorales" / ".txl-data.json").read_text())["files"]
+        assert listing_sha256({k: v["sha256"] for k, v in written.items()}) == MUSIC_SHA256["chorales"]
     for f in files:
         assert_round_trip(tok, read_midi(f), str(f))
     grammar = Grammar(tok, allow_end=True)
