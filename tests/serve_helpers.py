@@ -50,3 +50,25 @@ def start_server(run, *extra: str, **popen):
         assert proc.poll() is None, "txl serve exited"
     proc.kill()
     raise AssertionError("txl serve did not answer /health")
+
+
+def headless_chromium(*extra_args: str):
+    """Debian's headless Chromium (`make browser`) at phone width, its console logged; skips the test where it is
+    missing, unless TXL_REQUIRE_BROWSER asks for it (CI)."""
+    import os
+    import shutil
+
+    import pytest
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_bin):
+        if os.environ.get("TXL_REQUIRE_BROWSER"):
+            raise AssertionError("chromium and chromedriver are missing: run `make browser`")
+        pytest.skip("no chromium/chromedriver (make browser installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,900", *extra_args):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_bin))

@@ -387,30 +387,15 @@ def test_serve_refuses_music_from_a_text_model(tmp_path):
 def test_the_page_composes_and_plays_music_in_a_real_browser(tmp_path, music_model):
     """Headless Chromium: a music model's page shows Compose (not the text panels), continues an uploaded MIDI file,
     draws it, and Play schedules every note with Web Audio; no console errors."""
-    import os
-    import shutil
-
-    webdriver = pytest.importorskip("selenium.webdriver")
     pytest.importorskip("fastapi")
+    from serve_helpers import headless_chromium, start_server
+
+    browser = headless_chromium("--autoplay-policy=no-user-gesture-required")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from serve_helpers import start_server
-
-    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_bin):
-        if os.environ.get("TXL_REQUIRE_BROWSER"):
-            raise AssertionError("chromium and chromedriver are missing: run `make browser`")
-        pytest.skip("no chromium/chromedriver (make browser installs them)")
     prompt = write(piece(random.Random(9), bars=2, voices=2), tmp_path / "mine.mid")
     proc, url = start_server(music_model, "--max_new_tokens", "2000")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,900",
-                "--autoplay-policy=no-user-gesture-required"):  # fmt: skip
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_bin))
     try:
         browser.get(url + "/")
         wait = WebDriverWait(browser, 60)

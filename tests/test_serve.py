@@ -585,22 +585,13 @@ def test_web_page_in_a_real_browser(run, tmp_path):
     import os
     import shutil
 
-    webdriver = pytest.importorskip("selenium.webdriver")
+    from serve_helpers import headless_chromium
+
+    browser = headless_chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_bin):
-        if os.environ.get("TXL_REQUIRE_BROWSER"):
-            raise AssertionError("chromium and chromedriver are missing: run `make browser`")
-        pytest.skip("no chromium/chromedriver (make browser installs them)")
     proc, url = start_server(run)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=390,900"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_bin))
     try:
         browser.get(url + "/")
         wait = WebDriverWait(browser, 60)

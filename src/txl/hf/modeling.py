@@ -190,10 +190,16 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
             raise OSError(library_words(str(e))) from None
         with torch.device("meta"):
             model = cls(config, *model_args)
-        model._adopt(txl_model, source)
-        for module in model.modules():
+        return model._adopted(txl_model, source, dtype, device)
+
+    def _adopted(self, txl_model: TransformerXL | TransformerXLLM, source: str, dtype: Any, device: Any):
+        """This model (built on the meta device) with the modules of ``txl_model``, its ties declared, in ``dtype``
+        on ``device`` (None: as they are), in eval mode."""
+        self._adopt(txl_model, source)
+        for module in self.modules():
             if isinstance(module, TransfoXLPreTrainedModel):
                 module._declare_ties()
+        model = self
         if dtype is not None and dtype != "auto":
             model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
         if device is not None:
@@ -228,17 +234,9 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
         config = TransfoXLConfig.from_txl(lm.config, **({"eos_token_id": None} | kwargs))
         with torch.device("meta"):
             hf = cls(config)
-        hf._adopt(lm, source)
         if not isinstance(model, TransformerXLLM):  # (where its tokenizer.json is: model.name_or_path)
             hf.config.name_or_path = hf.name_or_path = str(folder)
-        for module in hf.modules():
-            if isinstance(module, TransfoXLPreTrainedModel):
-                module._declare_ties()
-        if dtype is not None and dtype != "auto":
-            hf = hf.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-        if device is not None:
-            hf = hf.to(device)
-        return hf.eval()
+        return hf._adopted(lm, source, dtype, device)
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, layer: int = -1, **kwargs: Any) -> nn.Module:
         """Hugging Face 4.x's TransfoXL resize: the adaptive embedding's cluster ``layer`` (the last by default) gets

@@ -32,6 +32,22 @@ from txl.serve.streams import (
 def router(server: Server) -> APIRouter:
     api = APIRouter()
 
+    async def stepped(steps, request: Request, what: str):
+        """The value of the engine job ``steps`` (one step per engine loop, beside the running generations); a
+        client that leaves cancels it (its row freed); failures are the API's errors (``what`` failed: ...)."""
+        left = threading.Event()  # (set when the client leaves: the engine stops the job at its next step)
+        future = submitted(lambda: server.engine.call_steps(steps, cancelled=left))
+        try:
+            return await unless_disconnected(request, asyncio.wrap_future(future), left.set)
+        except ClientLeft:
+            raise
+        except EngineStopped as e:
+            raise ApiError(503, str(e), code="service_unavailable") from None
+        except ValueError as e:
+            raise ApiError(400, f"{what} failed: {e}") from None
+        except Exception as e:
+            raise ApiError(500, f"{what} failed: {type(e).__name__}: {e}") from None
+
     @api.get("/health", responses={503: {"model": dict[str, Any], "description": "failed or shutting down"}})
     async def health():
         """ok (200) while requests are served; 503 once the engine failed (the process then exits non-zero) or the
@@ -58,18 +74,7 @@ def router(server: Server) -> APIRouter:
         from txl.infer.evaluate import metric_value
 
         job = server.score(req)
-        left = threading.Event()  # (set when the client leaves: the engine stops the job at its next step)
-        future = submitted(lambda: server.engine.call_steps(job["steps"], cancelled=left))
-        try:
-            res = await unless_disconnected(request, asyncio.wrap_future(future), left.set)
-        except ClientLeft:
-            raise
-        except EngineStopped as e:
-            raise ApiError(503, str(e), code="service_unavailable") from None
-        except ValueError as e:
-            raise ApiError(400, f"scoring failed: {e}") from None
-        except Exception as e:
-            raise ApiError(500, f"scoring failed: {type(e).__name__}: {e}") from None
+        res = await stepped(job["steps"], request, "scoring")
         finite = math.isfinite(res.loss) and (res.losses is None or bool(np.isfinite(res.losses).all()))
         if not finite:
             raise ApiError(500, "scoring failed: the model gave non-finite losses")
@@ -95,19 +100,7 @@ def router(server: Server) -> APIRouter:
         as MIDI (base64) and as notes in seconds, one event per engine step beside the running generations. A
         client that leaves cancels it (its row freed)."""
         job = server.music(req)
-        left = threading.Event()
-        future = submitted(lambda: server.engine.call_steps(job["steps"], cancelled=left))
-        try:
-            piece = await unless_disconnected(request, asyncio.wrap_future(future), left.set)
-        except ClientLeft:
-            raise
-        except EngineStopped as e:
-            raise ApiError(503, str(e), code="service_unavailable") from None
-        except ValueError as e:
-            raise ApiError(400, f"music failed: {e}") from None
-        except Exception as e:
-            raise ApiError(500, f"music failed: {type(e).__name__}: {e}") from None
-        return server.music_result(job, piece)
+        return server.music_result(job, await stepped(job["steps"], request, "music"))
 
     @api.post("/v1/generate", responses=STREAMED)
     async def generate(req: GenerateRequest, request: Request):
