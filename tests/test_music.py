@@ -281,6 +281,13 @@ def test_train_and_generate_on_a_folder_of_midi(tmp_path, midi_folder, capsys):
     main(["eval", "--model", str(run), "--json", "true"])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["tokens"] > 0
+    # a MIDI folder (its test split) or one file read as the training corpus reads them: the same numbers
+    main(["eval", "--model", str(run), "--json", "true", "--data", str(midi_folder)])
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["loss"] == pytest.approx(record["loss"], abs=1e-6) and again["tokens"] == record["tokens"]
+    one = sorted((midi_folder / "test").glob("*.mid"))[0]
+    main(["eval", "--model", str(run), "--json", "true", "--data", str(one), "--batch_size", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == len(tok.encode_midi(one)) + 1
 
 
 def test_bpe_is_learned_on_the_train_split_and_read_back(tmp_path, midi_folder):

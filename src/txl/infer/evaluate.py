@@ -310,6 +310,20 @@ class EvalText:
     description: str
 
 
+def _midi_text(tokenizer, data: Path, split: str, run: RunConfig | None) -> EvalText:
+    """A music model's --data: a MIDI file, or the ``split`` of a folder of them (``train/ valid/ test/``, else split
+    by the run's rule), each piece BOS + its events + EOS, as its training corpus holds them."""
+    from txl.data.music import MusicConfig, music_layout
+
+    if data.is_file():
+        files, what = [data], str(data)
+    else:
+        layout = music_layout(data, run.data.music if run is not None else MusicConfig())
+        files, what = [r.path for r in layout.splits[split]], f"{split} split of {layout.description}"
+    ids = [i for f in files for i in (tokenizer.bos_id, *tokenizer.encode_midi(f), tokenizer.eos_id)]
+    return EvalText(np.asarray(ids, dtype=np.int64), tokenizer, what)
+
+
 def eval_text(
     model_dir: Path,
     run: RunConfig | None,
@@ -340,6 +354,8 @@ def eval_text(
     tokenizer = Tokenizer.load(tok_file).for_model(TransformerXLLM.load_config(model_dir).n_token, tok_file)
     if data is not None:
         check_data_path(data, "data")
+    if data is not None and getattr(tokenizer, "kind", None) == "remi":  # a music model: MIDI files
+        return _midi_text(tokenizer, Path(data), split, run)
     if data is not None and Path(data).is_file():
         chunks = list(tokenizer.encode_file(FileRange(Path(data)), encoding_errors, raw=raw_text))
         ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
