@@ -107,16 +107,12 @@ def train_row(name: str, recipe: str, budget: dict, seed: int, run: Path, data: 
 
 
 def train_seconds(run: Path) -> float:
-    """The training's own time, from its logged throughput (each interval's tokens over its tokens/s): evaluation
-    and start-up left out, as the LSTM's is measured."""
+    """The training's own time: its tokens over the median of its logged throughputs (evaluation and start-up left
+    out, as the LSTM's is measured; the median, so that an interval slowed by another process does not count)."""
     from txl.util.metrics import read_metrics
 
     rows = [r for r in read_metrics(run) if r.get("split") == "train" and r.get("tokens_per_s")]
-    seconds, before = 0.0, 0
-    for r in rows:
-        seconds += (r["tokens"] - before) / r["tokens_per_s"]
-        before = r["tokens"]
-    return seconds
+    return rows[-1]["tokens"] / float(np.median([r["tokens_per_s"] for r in rows])) if rows else float("nan")
 
 
 def eval_row(name: str, run: Path, tgt_len: int, budget: dict, mem_len: int | None = None) -> dict:
@@ -295,8 +291,8 @@ def write_page(results: dict, args, path: Path) -> None:
     lines += [f"Each row: {r['steps']} steps of {r['batch']} x {r['tgt_len']} events (the same tokens in the same "
               f"order); xl and xl-norec with seeds {', '.join(map(str, r['seeds']))}, vanilla and the LSTM with "
               "the first, and with all three where it lies within 3 standard deviations of xl's seeds; mean ± "
-              "standard deviation over the seeds. Training seconds: the training steps alone (from the logged "
-              "throughput).", ""]  # fmt: skip
+              "standard deviation over the seeds. Training seconds: the training steps alone (the tokens over the "
+              "median logged throughput).", ""]  # fmt: skip
     lines += ["| row | parameters | test NLL (nats/event) | ppl | training seconds (mean) |", "|---|---|---|---|---|"]
     for name, seeds in r["nll"].items():
         losses = [s["loss"] for s in seeds]
