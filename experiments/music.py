@@ -285,7 +285,7 @@ def mean_sd(xs: list[float]) -> str:
 def write_page(results: dict, args, path: Path) -> None:
     r = results
     lines = [HEADING, "", f"Command: `python experiments/music.py --budget {args.budget}"
-             f"{' --device ' + args.device if args.device else ''} --write {path.name}`; machine: {r['machine']}; "
+             f"{' --device ' + args.device if args.device else ''} --write {path}`; machine: {r['machine']}; "
              f"{r['minutes']:.0f} minutes.", ""]  # fmt: skip
     lines += ["### 1. NLL per event on the chorales' test split, at equal training compute", ""]
     lines += [f"Each row: {r['steps']} steps of {r['batch']} x {r['tgt_len']} events (the same tokens in the same "

@@ -7,7 +7,7 @@ writer, so the same music21 version gives the same bytes:
 * ``chorales``: J. S. Bach's four-part chorales (the ``bwv*.mxl`` / ``bwv*.xml`` files, 410 scores, ~1 minute of
   music each): short pieces, the corpus of the quick recipe;
 * ``quartets``: the string quartets of Beethoven, Mozart and Haydn (46 movements or whole quartets, the longest
-  ~19,000 REMI tokens): long pieces whose themes return hundreds of bars later, for the memory experiments.
+  176,546 REMI events): long pieces whose themes return hundreds of bars later, for the memory experiments.
 
 Each score goes to ``out/{train,valid,test}/NAME.mid`` by a hash of its corpus path (:func:`music_split`, the
 sympy corpus's rule); ``out/.txl-data.json`` lists every file written with its sha256, and the sha256 of that list
@@ -35,7 +35,7 @@ MUSIC_PERCENT = 10
 QUARTET_COMPOSERS = ("beethoven", "haydn", "mozart")
 MUSIC_SHA256 = {
     "chorales": "e1a1f72cfd7823d6d4efd4d4d38bd42d2bb19e123883558d35012f1d0f9f7ca8",
-    "quartets": "",
+    "quartets": "7c2e4d1a67c053760a97c015945266c3c95ceeca61a64e9f58edcf8fa8c83d82",
 }
 """sha256 of the sorted ``{path: sha256}`` list of every MIDI file written, with music21 :data:`MUSIC21_VERSION`."""
 MUSIC_FILES = {"chorales": 410, "quartets": 46}
