@@ -26,13 +26,15 @@ from pathlib import Path
 
 from txl.data.download import _say
 from txl.data.errors import DataError
-from txl.data.sources import MUSIC_DATASETS, Ledger
+from txl.data.ledger import Ledger
 
 MUSIC21_VERSION = "10.5.1"
 """The music21 version whose corpus the recorded checksums are of (the ``music`` extra pins it)."""
 MUSIC_PERCENT = 10
 """The share of scores held out for test, and again for valid, chosen by a hash of each score's path."""
 QUARTET_COMPOSERS = ("beethoven", "haydn", "mozart")
+MUSIC_DATASETS = ("chorales", "quartets")
+"""Symbolic music rendered from music21's corpus."""
 MUSIC_SHA256 = {
     "chorales": "e1a1f72cfd7823d6d4efd4d4d38bd42d2bb19e123883558d35012f1d0f9f7ca8",
     "quartets": "7c2e4d1a67c053760a97c015945266c3c95ceeca61a64e9f58edcf8fa8c83d82",

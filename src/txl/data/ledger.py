@@ -1,0 +1,104 @@
+"""What ``txl data get`` wrote in an ``--out`` folder: the one rule of every writer there (the text corpora's and the
+music corpora's), a file that exists is replaced only when txl wrote it and nobody changed it since."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from txl.data.download import sha256_file
+from txl.data.errors import DataError
+from txl.util.fileio import write_bytes
+
+MANIFEST = ".txl-data.json"
+"""The file in an ``--out`` folder that lists what ``txl data get`` wrote there (path, size, sha256)."""
+_WRITER = "txl data get"
+
+
+class Ledger:
+    """The files ``txl data get`` wrote in ``out``, recorded in ``out/MANIFEST``.
+
+    The one rule of every writer in ``txl data``: a file that exists is replaced only when this ledger lists it with
+    its current size and sha256 (txl wrote it, and nobody changed it since). :meth:`check` is called on every path a
+    command may write before it writes any; :meth:`write` records each file as soon as it is in place.
+    """
+
+    def __init__(self, out: Path):
+        self.out, self.path = Path(out), Path(out) / MANIFEST
+        self.files: dict[str, dict] = {}
+        if self.path.exists() or self.path.is_symlink():
+            try:
+                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                ok = isinstance(doc, dict) and doc.get("written_by") == _WRITER and isinstance(doc.get("files"), dict)
+            except (OSError, UnicodeDecodeError, ValueError):
+                ok = False
+            if not ok:
+                raise DataError(
+                    f"{self.path}: the file exists and is not txl's list of the files it wrote; nothing written. "
+                    "Give --out a new folder, or move the file away"
+                )
+            self.files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+
+    def ours(self, rel: str) -> bool:
+        """Whether ``out/rel`` is a file txl wrote and nobody changed since: its size, then its modification time as
+        recorded (rsync's quick check: lm1b's 4 GB of shards are not hashed again), else its sha256."""
+        rec, path = self.files.get(rel), self.out / rel
+        if rec is None or path.is_symlink() or not path.is_file():
+            return False
+        stat = path.stat()
+        if stat.st_size != rec.get("size"):
+            return False
+        return stat.st_mtime_ns == rec.get("mtime_ns") or sha256_file(path) == rec.get("sha256")
+
+    def _refuse(self, rel: str) -> DataError:
+        path = self.out / rel
+        if not path.is_file() or path.is_symlink():
+            what = "exists and is not a file"
+        elif rel in self.files:
+            what = "changed since txl wrote it"
+        else:
+            what = "the file exists and txl did not write it"
+        return DataError(f"{path}: {what}; nothing written. Give --out a new folder, or move the file away")
+
+    def check(self, rels: Iterable[str] = (), folders: Iterable[str] = (), same: dict[str, bytes] | None = None):
+        """Refuse (DataError naming the file) when a path in ``rels``, or any file under one of ``folders``, exists
+        and is not :meth:`ours`; a file whose bytes equal ``same[rel]`` is allowed (a re-run finds the same bytes)."""
+        same = same or {}
+        for rel in rels:
+            path = self.out / rel
+            if not (path.exists() or path.is_symlink()) or self.ours(rel):
+                continue
+            if rel in same and path.is_file() and not path.is_symlink() and path.stat().st_size == len(same[rel]):
+                if path.read_bytes() == same[rel]:
+                    continue
+            raise self._refuse(rel)
+        for folder in folders:
+            top = self.out / folder
+            if top.is_symlink() or top.exists() and not top.is_dir():
+                raise DataError(
+                    f"{top}: exists and is not a folder; nothing written. Give --out a new folder, or move it away"
+                )
+            for path in sorted(top.rglob("*")) if top.is_dir() else []:
+                rel = path.relative_to(self.out).as_posix()
+                if not (path.is_dir() and not path.is_symlink()) and not self.ours(rel):
+                    raise self._refuse(rel)
+
+    def write(self, rel: str, chunks: Iterable[bytes]) -> Path:
+        """Write ``out/rel`` atomically from ``chunks`` and record its size and sha256."""
+        h, size = hashlib.sha256(), 0
+
+        def counted() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in chunks:
+                h.update(chunk)
+                size += len(chunk)
+                yield chunk
+
+        dest = self.out / rel
+        write_bytes(dest, counted())
+        self.files[rel] = {"size": size, "sha256": h.hexdigest(), "mtime_ns": dest.stat().st_mtime_ns}
+        doc = {"written_by": _WRITER, "files": dict(sorted(self.files.items()))}
+        write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
+        return dest
