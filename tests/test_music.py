@@ -99,7 +99,7 @@ def grid_notes(score, tok: MusicTokenizer) -> dict[tuple[int, float], float]:
 
     MidiTok's beat is the time signature's denominator's note, with ``max_num_pos_per_beat`` positions; onsets go to
     the nearest position, durations to the nearest duration the tokenizer writes (in beats), capped at its longest.
-    A note struck twice at one onset (two voices in unison) is one note there, the longer one."""
+    A pitch struck twice at one onset (two voices in unison) is one note there: MidiTok keeps the shorter."""
     cfg = tok.remi.config
     per_beat = cfg.max_num_pos_per_beat
     durations = sorted({b + p / r for b, p, r in tok.remi.durations})  # (beats, positions, resolution)
@@ -112,7 +112,7 @@ def grid_notes(score, tok: MusicTokenizer) -> dict[tuple[int, float], float]:
         onset_beats = math.floor(note.time / tpq / quarter_per_beat * per_beat + 0.5) / per_beat  # (halves up)
         dur_beats = min(durations, key=lambda d: abs(d - note.duration / tpq / quarter_per_beat))
         key = (note.pitch, onset_beats * quarter_per_beat)
-        out[key] = max(out.get(key, 0.0), dur_beats * quarter_per_beat)
+        out[key] = min(out.get(key, math.inf), dur_beats * quarter_per_beat)
     return out
 
 
