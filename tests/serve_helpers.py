@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -50,6 +51,24 @@ def start_server(run, *extra: str, **popen):
         assert proc.poll() is None, "txl serve exited"
     proc.kill()
     raise AssertionError("txl serve did not answer /health")
+
+
+@contextlib.contextmanager
+def page_in_chromium(run, *server_args: str, browser_args: tuple[str, ...] = ()):
+    """`txl serve` of ``run`` (:func:`start_server`) and a :func:`headless_chromium` to read its page: yields
+    (browser, base URL); both end with the block."""
+    browser = headless_chromium(*browser_args)
+    try:
+        proc, url = start_server(run, *server_args)
+    except BaseException:
+        browser.quit()
+        raise
+    try:
+        yield browser, url
+    finally:
+        browser.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def headless_chromium(*extra_args: str):

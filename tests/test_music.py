@@ -193,13 +193,19 @@ def test_what_the_grammar_allows_midi_tok_allows(tok, data):
 
 
 def test_random_sequences_are_counted_as_midi_tok_counts_at_least(tok):
+    """Random events (almost never valid): our count is never below MidiTok's, event for event."""
     rng = random.Random(1)
     grammar = Grammar(tok)
+    theirs_seen = 0
     for _ in range(200):
         ids = [rng.randrange(4, tok.vocab_size) for _ in range(rng.randint(2, 60))]
         ours, _ = grammar.errors([tok.bos_id, tok.remi["Bar_None"], *ids])
+        theirs = midi_tok_errors(tok, [tok.remi["Bar_None"], *ids])
+        theirs_seen += theirs > 0
+        assert ours >= theirs
         if ours == 0:
-            assert midi_tok_errors(tok, [tok.remi["Bar_None"], *ids]) == 0
+            assert theirs == 0
+    assert theirs_seen > 100  # (the comparison was made on sequences MidiTok finds wrong)
 
 
 @pytest.fixture(scope="module")
@@ -395,15 +401,15 @@ def test_the_page_composes_and_plays_music_in_a_real_browser(tmp_path, music_mod
     """Headless Chromium: a music model's page shows Compose (not the text panels), continues an uploaded MIDI file,
     draws it, and Play schedules every note with Web Audio; no console errors."""
     pytest.importorskip("fastapi")
-    from serve_helpers import headless_chromium, start_server
-
-    browser = headless_chromium("--autoplay-policy=no-user-gesture-required")
+    pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    from serve_helpers import page_in_chromium
+
     prompt = write(piece(random.Random(9), bars=2, voices=2), tmp_path / "mine.mid")
-    proc, url = start_server(music_model, "--max_new_tokens", "2000")
-    try:
+    autoplay = ("--autoplay-policy=no-user-gesture-required",)
+    with page_in_chromium(music_model, "--max_new_tokens", "2000", browser_args=autoplay) as (browser, url):
         browser.get(url + "/")
         wait = WebDriverWait(browser, 60)
         wait.until(lambda b: b.find_element(By.ID, "music").is_displayed(), "the Compose panel")
@@ -425,10 +431,6 @@ def test_the_page_composes_and_plays_music_in_a_real_browser(tmp_path, music_mod
         assert browser.find_element(By.ID, "download").get_attribute("href").startswith("blob:")
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
-    finally:
-        browser.quit()
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.slow

@@ -585,14 +585,13 @@ def test_web_page_in_a_real_browser(run, tmp_path):
     import os
     import shutil
 
-    from serve_helpers import headless_chromium
-
-    browser = headless_chromium()
+    pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    proc, url = start_server(run)
-    try:
+    from serve_helpers import page_in_chromium
+
+    with page_in_chromium(run) as (browser, url):
         browser.get(url + "/")
         wait = WebDriverWait(browser, 60)
         wait.until(lambda b: "parameters" in b.find_element(By.ID, "model").text, "the model line")
@@ -623,10 +622,6 @@ def test_web_page_in_a_real_browser(run, tmp_path):
         browser.save_screenshot(str(shot))
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
-    finally:
-        browser.quit()
-        proc.terminate()
-        proc.wait(timeout=30)
     from PIL import Image
 
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)

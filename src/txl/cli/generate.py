@@ -109,8 +109,9 @@ def generate(
         raise ValueError(f"--num_beams = {num_beams}: must be >= 1 (1: no beam search)")
     if bars is not None and bars < 1:
         raise ValueError(f"--bars = {bars}: must be >= 1")
+    prompt_score = None
     if music:  # (the files are checked before the model is read: one line, nothing written)
-        _check_music_files(midi, prompt_midi, piano_roll)
+        prompt_score = _check_music_files(midi, prompt_midi, piano_roll)
     if prompt_ids is not None and not prompt_ids:
         raise ValueError("--prompt_ids is empty: give at least one token id, e.g. '[1, 2, 3]'")
     if not MIN_SEED <= seed <= MAX_SEED:
@@ -135,8 +136,8 @@ def generate(
         if num_beams > 1:
             raise ValueError("--num_beams: music is sampled (or greedy) event by event under its grammar; use 1")
         return _generate_music(
-            loaded, prompt_ids, prompt_midi, midi, bars, grammar, piano_roll, max_new_tokens, temperature, top_k,
-            top_p, torch.Generator(device=dev).manual_seed(seed), json, zero_memory, dev,
+            loaded, prompt_ids, prompt_midi, prompt_score, midi, bars, grammar, piano_roll, max_new_tokens,
+            temperature, top_k, top_p, torch.Generator(device=dev).manual_seed(seed), json, zero_memory, dev,
         )  # fmt: skip
     if prompt is not None:
         if tok is None:
@@ -226,7 +227,8 @@ def _is_music_model(model: Path) -> bool:
         return False
 
 
-def _check_music_files(midi: Path | None, prompt_midi: Path | None, piano_roll: Path | None) -> None:
+def _check_music_files(midi: Path | None, prompt_midi: Path | None, piano_roll: Path | None):
+    """The output paths checked, and the prompt's ``symusic.Score`` read (None without --prompt_midi)."""
     from txl.data.music import read_midi
 
     if midi is not None:
@@ -239,19 +241,18 @@ def _check_music_files(midi: Path | None, prompt_midi: Path | None, piano_roll: 
         from txl.util.plot import image_path
 
         image_path(piano_roll, "--piano_roll", "piano_roll.png")
-    if prompt_midi is not None:
-        read_midi(Path(prompt_midi), f"--prompt_midi {prompt_midi}")
+    return read_midi(Path(prompt_midi), f"--prompt_midi {prompt_midi}") if prompt_midi is not None else None
 
 
 def _generate_music(
-    loaded, prompt_ids, prompt_midi, midi, bars, grammar, piano_roll, max_new_tokens, temperature, top_k, top_p,
-    generator, as_json, zero_memory, dev,
+    loaded, prompt_ids, prompt_midi, prompt_score, midi, bars, grammar, piano_roll, max_new_tokens, temperature,
+    top_k, top_p, generator, as_json, zero_memory, dev,
 ) -> None:  # fmt: skip
     """``txl generate`` of a music model: a piece as MIDI (and a piano roll), its events on stdout."""
     import torch
 
-    from txl.data.music import read_midi
-    from txl.infer.music import compose, roll, write_midi
+    from txl.infer.music import compose, piece_score, roll
+    from txl.util.fileio import write_bytes
     from txl.util.plot import image_path, plot_piano_roll
 
     lm, folder, tok = loaded.model, loaded.folder, loaded.tokenizer
@@ -261,9 +262,7 @@ def _generate_music(
             f"{folder}: {what}; --midi, --prompt_midi, --bars and --piano_roll need a music model (one trained on "
             "MIDI files: data.dataset chorales, quartets or midi, with MidiTok's tokenizer.json)"
         )
-    prompt_score = None
     if prompt_midi is not None:
-        prompt_score = read_midi(Path(prompt_midi), f"--prompt_midi {prompt_midi}")
         ids = [tok.bos_id, *tok.encode_score(prompt_score, f"--prompt_midi {prompt_midi}")]
     elif prompt_ids is not None:
         ids = list(prompt_ids)
@@ -278,23 +277,18 @@ def _generate_music(
         grammar=grammar, generator=generator, reading=loaded.reading, mems=zeros,
     )  # fmt: skip
     summary = piece.summary()
+    score = piece_score(tok, piece.ids, prompt_score)
     if midi is not None:
-        score = write_midi(tok, piece.ids, Path(midi), prompt_score)
+        write_bytes(Path(midi), bytes(score.dumps_midi()))
         summary["midi"] = str(midi)
         summary["notes"] = int(score.note_num())
-        if piano_roll is not None:
-            data = roll(score)
-            prompt_end = None
-            if piece.prompt_len > 1:
-                prompt_end = roll(tok.decode_score(piece.ids[: piece.prompt_len]))["end"]
-            out = plot_piano_roll(
-                data["notes"], data["bars"], image_path(piano_roll, "--piano_roll", "piano_roll.png"),
-                f"{folder.name}: {summary['bars']} new bars, {summary['new_events']} events", prompt_end,
-            )  # fmt: skip
-            summary["piano_roll"] = str(out)
-    elif piano_roll is not None:
-        data = roll(tok.decode_score(piece.ids))
-        out = plot_piano_roll(data["notes"], data["bars"], image_path(piano_roll, "--piano_roll", "piano_roll.png"))
+    if piano_roll is not None:
+        data = roll(score)
+        prompt_end = roll(tok.decode_score(piece.ids[: piece.prompt_len]))["end"] if piece.prompt_len > 1 else None
+        out = plot_piano_roll(
+            data["notes"], data["bars"], image_path(piano_roll, "--piano_roll", "piano_roll.png"),
+            f"{folder.name}: {summary['bars']} new bars, {summary['new_events']} events", prompt_end,
+        )  # fmt: skip
         summary["piano_roll"] = str(out)
     if as_json:
         print(_json.dumps({"prompt_ids": ids, "new_ids": piece.new_ids, **summary}))

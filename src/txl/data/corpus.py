@@ -26,7 +26,7 @@ import numpy as np
 
 from txl.data.download import _say, sha256_file
 from txl.data.errors import DataError
-from txl.data.music import MusicConfig, MusicTokenizer, music_layout, read_midi
+from txl.data.music import MusicConfig, MusicTokenizer, merge_tracks, music_layout, read_midi
 from txl.data.music_sources import MUSIC_DATASETS
 from txl.data.rawtext import Moses, RawText, Text8
 from txl.data.readers import DOCUMENTS, SPLITS, Layout, check_data_path, find_splits
@@ -522,11 +522,7 @@ def _prepare_music(cfg: DataConfig, settings: dict, layout: Layout, folder: Path
     """A music corpus: each MIDI file is one piece, ``BOS`` + its REMI ids + ``EOS``, in the split's file order."""
     tok = _music_tokenizer(cfg, layout, log)
     if cfg.music.bpe_vocab_size and not tok.remi.is_trained:
-        scores = []
-        for r in layout.splits["train"]:
-            score = read_midi(r.path)
-            tok.check_score(score, str(r.path))
-            scores.append(_merged(score))
+        scores = [merge_tracks(read_midi(r.path)) for r in layout.splits["train"]]  # (checked above)
         log(f"learning BPE merges on {len(scores)} pieces (vocabulary {cfg.music.bpe_vocab_size:,})")
         tok.learn_bpe(scores, cfg.music.bpe_vocab_size)
     arrays = {}
@@ -539,12 +535,6 @@ def _prepare_music(cfg: DataConfig, settings: dict, layout: Layout, folder: Path
         n, digest = _write_array(folder / f"{split}.bin", pieces(), tok.dtype)
         arrays[split] = [{"file": f"{split}.bin", "dtype": tok.dtype.name, "n_tokens": n, "file_sha256": digest}]
     return _finish(cfg, settings, layout, folder, tok, arrays, log)
-
-
-def _merged(score):
-    from txl.data.music import merge_tracks
-
-    return merge_tracks(score)
 
 
 def _why_stale(folder: Path, meta_path: Path, settings: dict, layout: Layout, verify: bool) -> str | None:

@@ -13,15 +13,15 @@ encoded with it: a music model reads MIDI (``txl generate --prompt_midi``) or id
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from txl.data.errors import DataError
+from txl.data.text import smallest_uint
 
 MIDI_SUFFIXES = (".mid", ".midi")
 BOS, EOS = "BOS_None", "EOS_None"
@@ -162,8 +162,8 @@ class MusicTokenizer:
     unk_id = None
     unk_token = None
 
-    def __init__(self, remi, source: str = "tokenizer.json"):
-        self.remi, self.source = remi, source
+    def __init__(self, remi):
+        self.remi = remi
         self.vocab_size = len(remi)
         self.bos_id, self.eos_id, self.pad_id = remi[BOS], remi[EOS], remi["PAD_None"]
         ts = remi.config.time_signature_range
@@ -188,7 +188,7 @@ class MusicTokenizer:
             use_rests=False,
             remove_duplicated_notes=True,
         )
-        return cls(miditok.REMI(config), "data.music")
+        return cls(miditok.REMI(config))
 
     def learn_bpe(self, scores: Iterable, vocab_size: int) -> None:
         """Learn BPE merges (MidiTok's ``train``, Hugging Face tokenizers' BPE) on the REMI events of ``scores``."""
@@ -220,12 +220,7 @@ class MusicTokenizer:
             remi = miditok.REMI(params=path)
         except Exception as e:  # (MidiTok raises KeyError/TypeError on a changed file)
             raise DataError(f"{path}: MidiTok could not read this tokenizer ({type(e).__name__}: {e})") from None
-        return cls(remi, str(path))
-
-    def to_json(self) -> str:
-        d = self.remi.to_dict()
-        d["miditok_version"] = _miditok()[0].__version__
-        return json.dumps(d, indent=1, sort_keys=True)
+        return cls(remi)
 
     def save(self, path: str | Path) -> Path:
         """Write MidiTok's ``tokenizer.json`` (``path`` may be a folder), atomically."""
@@ -242,12 +237,9 @@ class MusicTokenizer:
         write_bytes(path, data)
         return path
 
-    def sha256(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
-
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+        return smallest_uint(self.vocab_size)
 
     def for_model(self, n_token: int, where: str | Path) -> MusicTokenizer:
         """This tokenizer, checked to fit a model of ``n_token`` ids."""
@@ -323,21 +315,8 @@ class MusicTokenizer:
         """The event names of ``ids``, space-separated (what a terminal shows of a music model's output)."""
         return " ".join(self.symbol(int(i)) for i in ids)
 
-    def batch_decode(self, rows) -> list[str]:
-        return [self.decode(r) for r in rows]
-
     def stream_decoder(self) -> _EventStream:
         return _EventStream(self)
-
-    def describe(self) -> dict:
-        cfg = self.remi.config
-        return {
-            "kind": "remi",
-            "vocab_size": self.vocab_size,
-            "bpe": bool(self.remi.is_trained),
-            "beat_res": {f"{a}-{b}": r for (a, b), r in cfg.beat_res.items()},
-            "time_signatures": sorted(f"{n}/{d}" for n, d in self.time_signatures),
-        }
 
 
 class _EventStream:
@@ -351,10 +330,6 @@ class _EventStream:
 
     def flush(self) -> str:
         return ""
-
-
-def config_dict(cfg: MusicConfig) -> dict:
-    return asdict(cfg)
 
 
 # ------------------------------------------------------------------------------------------------ a folder of MIDI

@@ -27,6 +27,7 @@ from pathlib import Path
 from txl.data.download import _say
 from txl.data.errors import DataError
 from txl.data.ledger import Ledger
+from txl.data.readers import hash_split
 
 MUSIC21_VERSION = "10.5.1"
 """The music21 version whose corpus the recorded checksums are of (the ``music`` extra pins it)."""
@@ -44,12 +45,9 @@ MUSIC_FILES = {"chorales": 410, "quartets": 46}
 
 
 def music_split(path: str, percent: int = MUSIC_PERCENT) -> str:
-    """The split of a score: the first 4 bytes of its path's sha256, big-endian, modulo 100: below ``percent`` test,
-    below twice that valid, else train (the sympy corpus's rule)."""
-    bucket = int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
-    if bucket < percent:
-        return "test"
-    return "valid" if bucket < 2 * percent else "train"
+    """The split of a score: :func:`~txl.data.readers.hash_split` of its path, ``percent`` test and as many valid
+    (the sympy corpus's rule)."""
+    return hash_split(path, percent, percent)
 
 
 def _music21():

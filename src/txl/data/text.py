@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from txl.data.errors import DataError
 
 BLOCK_BYTES = 1 << 22  # 4 MiB per read: bounds memory whatever the line lengths
@@ -116,3 +118,11 @@ def _decode(fr: FileRange, data: bytes, start: int, errors: str) -> str:
             "Fix the file, or read bad bytes as U+FFFD with data.encoding_errors: replace "
             "(--data.encoding_errors replace; txl eval: --encoding_errors replace)."
         ) from None
+
+
+def smallest_uint(n: int) -> np.dtype:
+    """The smallest unsigned integer dtype that holds ids ``0..n-1``."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if n - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)

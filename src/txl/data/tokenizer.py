@@ -41,7 +41,7 @@ import numpy as np
 from txl.data.errors import DataError
 from txl.data.music import MusicTokenizer, is_miditok_json
 from txl.data.rawtext import JOINERS, Moses, RawText, Text8, raw_text_from_json, raw_text_to_json
-from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset
+from txl.data.text import BLOCK_BYTES, FileRange, iter_bytes, iter_text, line_of_offset, smallest_uint
 from txl.util.fileio import write_bytes
 from txl.util.folders import read_json, resolve_model_dir
 
@@ -75,14 +75,6 @@ def _not_in_vocab(symbol: str) -> None:
 
 def _describe(kind: str, unit: int) -> str:
     return f"byte 0x{unit:02x}" if kind == "byte" else f"character {chr(unit)!r} (U+{unit:04X})"
-
-
-def smallest_uint(n: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds ids ``0..n-1``."""
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if n - 1 <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.uint64)
 
 
 class Encoding(dict):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from txl.data.music import MusicTokenizer
-from txl.data.remi_grammar import Grammar, Sounding, State
+from txl.data.remi_grammar import Grammar, Sounding
 from txl.infer.generation import stream
 from txl.model.config import Reading
 from txl.model.modeling import TransformerXLLM
@@ -129,21 +129,14 @@ def compose_steps(
     return out
 
 
-def piece_state(tok: MusicTokenizer, ids: list[int]) -> State:
-    """The grammar's state after ``ids`` (for tests and tools)."""
-    return Grammar(tok).start(ids)
-
-
-def write_midi(tok: MusicTokenizer, ids: list[int], path, prompt_score=None) -> object:
-    """Write the piece of ``ids`` as a MIDI file (the prompt's first tempo kept); return the ``symusic.Score``."""
-    from txl.util.fileio import write_bytes
-
+def piece_score(tok: MusicTokenizer, ids: list[int], prompt_score=None):
+    """The ``symusic.Score`` of the piece ``ids``, at the first tempo of ``prompt_score`` where it has one (REMI here
+    keeps no tempo: the piece plays as fast as the MIDI file it continues)."""
     score = tok.decode_score(ids)
     if prompt_score is not None and len(prompt_score.tempos):
         import symusic
 
         score.tempos = [symusic.Tempo(0, float(prompt_score.tempos[0].qpm))]
-    write_bytes(path, bytes(score.dumps_midi()))
     return score
 
 
@@ -201,9 +194,8 @@ def bars_of(score) -> list[tuple[float, float, list[tuple[float, int]]]]:
     return out
 
 
-def pitch_class_entropy(score, window: int = 1) -> float:
-    """H over windows of ``window`` bars (bits; nan for a piece without notes)."""
-    bars = bars_of(score)
+def pitch_class_entropy(bars: list, window: int = 1) -> float:
+    """H over windows of ``window`` bars (:func:`bars_of`'s; bits; nan for a piece without notes)."""
     values = []
     for i in range(0, len(bars), window):
         pcs = [p % 12 for b in bars[i : i + window] for _, p in b[2]]
@@ -214,10 +206,11 @@ def pitch_class_entropy(score, window: int = 1) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def grooving_similarity(score, per_quarter: int = 8) -> float:
-    """GS over every pair of bars with notes (onsets on a grid of ``per_quarter`` positions per quarter note)."""
+def grooving_similarity(bars: list, per_quarter: int = 8) -> float:
+    """GS over every pair of bars (:func:`bars_of`'s) with notes (onsets on a grid of ``per_quarter`` positions per
+    quarter note)."""
     vectors = []
-    for start, length, notes in bars_of(score):
+    for start, length, notes in bars:
         q = max(1, round(length * per_quarter))
         if notes:
             v = np.zeros(q, dtype=bool)
@@ -233,12 +226,13 @@ def grooving_similarity(score, per_quarter: int = 8) -> float:
     return float(np.mean(sims)) if sims else float("nan")
 
 
-def beat_statistics(score) -> dict[str, float]:
-    """The share of onsets on a beat (a quarter note, or the denominator's note), and of bars with a downbeat note."""
+def beat_statistics(score, bars: list) -> dict[str, float]:
+    """The share of onsets on a beat (a quarter note, or the denominator's note), and of bars with a downbeat note
+    (``bars``: :func:`bars_of` ``score``)."""
     sigs = sorted((ts.time / score.ticks_per_quarter, 4 / ts.denominator) for ts in score.time_signatures)
     sigs = sigs or [(0.0, 1.0)]
     on_beat = total = downbeats = bars_with_notes = 0
-    for start, _, notes in bars_of(score):
+    for start, _, notes in bars:
         beat = [b for t, b in sigs if t <= start + 1e-9][-1] if sigs[0][0] <= start + 1e-9 else sigs[0][1]
         if notes:
             bars_with_notes += 1
@@ -255,10 +249,11 @@ def beat_statistics(score) -> dict[str, float]:
 
 def measures(score) -> dict[str, float]:
     """H1, H4, GS and the beat statistics of one piece."""
+    bars = bars_of(score)
     return {
-        "H1": pitch_class_entropy(score, 1),
-        "H4": pitch_class_entropy(score, 4),
-        "GS": grooving_similarity(score),
-        **beat_statistics(score),
-        "notes_per_bar": score.note_num() / max(1, len(bars_of(score))),
+        "H1": pitch_class_entropy(bars, 1),
+        "H4": pitch_class_entropy(bars, 4),
+        "GS": grooving_similarity(bars),
+        **beat_statistics(score, bars),
+        "notes_per_bar": score.note_num() / max(1, len(bars)),
     }

@@ -367,14 +367,9 @@ class Server:
         new ids and what the grammar saw."""
         import base64
 
-        import symusic
+        from txl.infer.music import notes_in_seconds, piece_score
 
-        from txl.infer.music import notes_in_seconds
-
-        score = self.tokenizer.decode_score(piece.ids)
-        prompt = job["score"]
-        if prompt is not None and len(prompt.tempos):
-            score.tempos = [symusic.Tempo(0, float(prompt.tempos[0].qpm))]
+        score = piece_score(self.tokenizer, piece.ids, job["score"])
         return {
             "midi": base64.b64encode(bytes(score.dumps_midi())).decode(),
             "notes": notes_in_seconds(score),
