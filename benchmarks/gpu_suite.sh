@@ -10,7 +10,11 @@
 # Steps (each under its own time limit; one that fails is reported and the next one runs: a GPU session usually has
 # one run, which must not be lost to one failing kernel):
 #   tests       The fused Triton attention's tests on the GPU's compiled kernels (on the CPU they run under the
-#               interpreter), in parallel processes (pytest-xdist) where present: its kernels compile once each.
+#               interpreter), in parallel processes (pytest-xdist) where present: its kernels compile once each; and
+#               txl.rl's acting graph against the K/V cache's step (tests/test_rl_acting.py).
+#   profile     Where the WT103 base bf16 training step's time goes (gpu_profile.py: top kernels, time per kind of
+#               kernel, the device's idle gaps, host syncs, launches per step), for the default policy and with the
+#               fused attention in training: profile_wt103_base_bf16.json and .md. Read it before changing the step.
 #   base        Training and evaluation tok/s, MFU and peak memory of the WT103 base model at NVIDIA's configuration
 #               (bf16, fp32; txl's default path, with the fused attention, and HF's), with profiles of the bf16 steps
 #               (packed into profiles.tar); evaluation with the graphs of segments, their losses compared.
@@ -20,7 +24,12 @@
 #               then without dropout against the eager fp32 reference. About 7.5 minutes on an H200.
 #   track-text  The first track run on a real text (GPU_SUITE_TEXT; not in the default list: name it), about 3
 #               minutes (184 s on an H200): where issue 50's 1% was shown (0.05%; the Zipf ids' steep fall 5%).
+#   track-logits (not in the default list) The Zipf track's question: bf16 with fp32 logits (txl-fp32-logits:bf16)
+#               beside bf16 (txl:bf16), both against the compiled fp32 path: does bf16 leave the plateau earlier
+#               than fp32 because of its logits (a bias) or by chance (noise)? About 4 minutes.
 #   others      The other paper models in bf16.
+#   rl          txl.rl on the GPU (rl_speed.py --device cuda): acting for N = 256 / 1,024 / 4,096 environments as one
+#               replayed graph and kernel by kernel, a PPO iteration, beside cuDNN's GRU: rl_gpu.json.
 #   generation  Generation as a CUDA graph against HF's generate().
 #   tiles       The fused attention alone at the WT103 base shapes, forward and backward, for six tile settings,
 #               beside the attention written out and compiled by Inductor (not in the default list: name it).
@@ -34,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="$(mkdir -p "${1:-benchmarks/results}" && cd "${1:-benchmarks/results}" && pwd)"
-STEPS="${GPU_SUITE_STEPS:-tests base track others generation}"
+STEPS="${GPU_SUITE_STEPS:-tests profile base track others generation rl}"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
@@ -44,9 +53,11 @@ PY="${PYTHON:-python3}"
 if [ "${GPU_SUITE_SMOKE:-0}" = 1 ]; then
   BASE=(--device cpu --configs tiny --steps 2 --warmup 1 --eval_warmup 1) OTHERS=("${BASE[@]}") TRACK=21
   GEN=(--repeats 1 --new_tokens 8) TILES=(--device cpu --smoke)
+  PROFILE=(--device cpu --configs tiny --steps 1 --warmup 1) RL=(--gpu_rows --envs 8 --mems 8 --repeats 2)
 else
   BASE=(--configs wt103-base-nvidia) OTHERS=(--configs wt103-large enwik8-base enwik8-large) TRACK=300
   GEN=(--repeats 3) TILES=()
+  PROFILE=() RL=(--device cuda)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" || true
@@ -67,7 +78,10 @@ for step in $STEPS; do
       parallel=()
       "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 6 -v)
       TRITON_INTERPRET=0 TXL_TEST_DEVICE=cuda run_step tests 150 log_fused_tests.txt \
-        "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_fused_attention.py ;;
+        "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_fused_attention.py tests/test_rl_acting.py ;;
+    profile)
+      (cd benchmarks && run_step profile 240 log_profile.txt "$PY" gpu_profile.py "${PROFILE[@]}" \
+        --json "$OUT/profile_wt103_base_bf16.json") ;;
     base)
       (cd benchmarks && run_step base 220 log_base.txt "$PY" gpu_paper.py "${BASE[@]}" \
         --precisions bf16 fp32 --impls txl txl-unfused txl-fused hf --profile "$OUT/profiles" --json "$OUT/gpu.json")
@@ -95,13 +109,19 @@ for step in $STEPS; do
       (cd benchmarks && run_step track-text 200 log_track_text.txt "$PY" gpu_paper.py "${BASE[@]}" --budget 0 \
         --track "$TRACK" --track_deterministic --track_text "$text" --track_reference txl:fp32 \
         --track_variants txl:bf16 txl-reference:fp32 --json "$OUT/track_text.json") ;;
+    track-logits)  # (not in the default list) bf16 with fp32 logits beside bf16, on the Zipf ids
+      (cd benchmarks && run_step track-logits 300 log_track_logits.txt "$PY" gpu_paper.py "${BASE[@]}" --budget 0 \
+        --track "$TRACK" --track_deterministic --track_reference txl:fp32 \
+        --track_variants txl:bf16 txl-fp32-logits:bf16 --json "$OUT/track_logits.json") ;;
     others)
       (cd benchmarks && run_step others 150 log_others.txt "$PY" gpu_paper.py "${OTHERS[@]}" \
         --precisions bf16 --impls txl txl-unfused hf --json "$OUT/gpu.json" --append) ;;
     generation)
       (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py "${GEN[@]}") ;;
+    rl)
+      (cd benchmarks && run_step rl 300 log_rl.txt "$PY" rl_speed.py "${RL[@]}" --json "$OUT/rl_gpu.json") ;;
     tiles)
       (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py "${TILES[@]}") ;;
-    *) echo "[gpu_suite] unknown step $step (tests base track track-text others generation tiles)" ;;
+    *) echo "[gpu_suite] unknown step $step (tests profile base track track-text track-logits others generation rl tiles)" ;;
   esac
 done

@@ -194,12 +194,13 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     says so after reading its options."""
     text = tmp_path / "words.txt"
     text.write_text(" ".join(f"w{i % 97} w{i % 13}" for i in range(3000)))
+    steps = "tests profile base track track-text track-logits others generation rl tiles"
     env = {**os.environ, "GPU_SUITE_SMOKE": "1", "PYTHON": sys.executable, "GPU_SUITE_TEXT": str(text),
-           "GPU_SUITE_STEPS": "tests base track track-text others generation tiles"}  # fmt: skip
+           "GPU_SUITE_STEPS": steps}  # fmt: skip
     run = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    for step in ("base", "track", "track-no-dropout", "track-text", "others", "tiles"):
+    for step in ("profile", "base", "track", "track-no-dropout", "track-text", "track-logits", "others", "rl", "tiles"):
         assert f"[gpu_suite] {step}: exit 0 after" in run.stdout, run.stdout[-3000:]
     assert "needs a CUDA device" in (tmp_path / "log_generation.txt").read_text()
     base = (tmp_path / "log_base.txt").read_text()
@@ -210,5 +211,13 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     assert track["deterministic"]["on"] and track["repeats"] == {"txl:bf16": 0.0}
     no_dropout = json.loads((tmp_path / "track0_track.json").read_text())
     assert set(no_dropout["gaps"]) == {"txl-reference:fp32", "txl:bf16"} and no_dropout["largest_gap"] < 0.01
+    logits = json.loads((tmp_path / "track_logits_track.json").read_text())
+    assert set(logits["gaps"]) == {"txl:fp32", "txl:bf16", "txl-fp32-logits:bf16"}
+    profiled = json.loads((tmp_path / "profile_wt103_base_bf16.json").read_text())
+    assert {"tiny train-bf16 txl", "tiny train-bf16 txl-fused"} <= set(profiled["summaries"]) and profiled["commit"]
+    assert all(s["top_kernels"] and s["kinds_ms_per_step"] for s in profiled["summaries"].values())
+    rl = json.loads((tmp_path / "rl_gpu.json").read_text())
+    assert [r["memory"] for r in rl] == ["GTrXL (graph)", "GTrXL (kernel by kernel)", "GRU (128)"]
+    assert all(r["device"] and r["torch"] and r["commit"] for r in rl)
     on_text = json.loads((tmp_path / "track_text_track.json").read_text())
     assert on_text["data"] == str(text) and set(on_text["gaps"]) == {"txl:fp32", "txl:bf16", "txl-reference:fp32"}

@@ -64,6 +64,7 @@ class Args:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     threads: int = 1
+    device: str = "cpu"  # (cuda: the model, the rollout and the update on the GPU; the environments on the CPU)
     out: str = ""
 
 
@@ -184,7 +185,7 @@ class GRUMemory(nn.Module):
         self.d_out = args.gru_hidden
 
     def initial(self, n: int) -> list[Tensor]:
-        return [torch.zeros(1, n, self.d_out)]
+        return [torch.zeros(1, n, self.d_out, device=self.inp.weight.device)]
 
     @torch.no_grad()
     def step(self, x: Tensor, reset: Tensor, memory: list[Tensor]) -> Tensor:
@@ -291,12 +292,13 @@ def train(args: Args) -> dict:
     )
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
     space = envs.single_observation_space
-    agent = Agent(args, one_hot_space(space), int(envs.single_action_space.n))
+    dev = torch.device(args.device)
+    agent = Agent(args, one_hot_space(space), int(envs.single_action_space.n)).to(dev)
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     N, R, W = args.num_envs, args.rollout, args.window
     obs_np, _ = envs.reset(seed=args.seed)
-    obs = encode(obs_np, space)
-    reset = torch.ones(N, dtype=torch.bool)
+    obs = encode(obs_np, space).to(dev)
+    reset = torch.ones(N, dtype=torch.bool, device=dev)
     memory = agent.memory.initial(N)
     iterations = max(1, args.steps // (N * R))
     curve, recent, t0, env_steps = [], [], time.perf_counter(), 0
@@ -328,11 +330,11 @@ def train(args: Args) -> dict:
             acts.append(action)
             logps.append(dist.log_prob(action))
             vals.append(value)
-            obs_np, reward, term, trunc, info = envs.step(action.numpy())
+            obs_np, reward, term, trunc, info = envs.step(action.cpu().numpy())
             done = np.logical_or(term, trunc)
-            rews.append(torch.as_tensor(reward, dtype=torch.float32))
-            dones.append(torch.as_tensor(done))
-            obs, reset = encode(obs_np, space), torch.as_tensor(done)
+            rews.append(torch.as_tensor(reward, dtype=torch.float32, device=dev))
+            dones.append(torch.as_tensor(done, device=dev))
+            obs, reset = encode(obs_np, space).to(dev), torch.as_tensor(done, device=dev)
             if "episode" in info:
                 recent.extend(info["episode"]["r"][info["_episode"]].tolist())
         with torch.no_grad():
@@ -344,8 +346,8 @@ def train(args: Args) -> dict:
         x, rs_t = torch.stack(xs, 1), torch.stack(rs, 1)  # [N, R, d], [N, R]
         act_t, logp_t, val_t = torch.stack(acts, 1), torch.stack(logps, 1), torch.stack(vals, 1)
         rew_t, done_t = torch.stack(rews, 1), torch.stack(dones, 1).float()
-        adv = torch.zeros(N, R)
-        last = torch.zeros(N)
+        adv = torch.zeros(N, R, device=dev)
+        last = torch.zeros(N, device=dev)
         for t in reversed(range(R)):  # GAE (a done at t ends the episode: no bootstrap across it)
             nv = next_value if t == R - 1 else val_t[:, t + 1]
             delta = rew_t[:, t] + args.gamma * nv * (1 - done_t[:, t]) - val_t[:, t]
@@ -360,9 +362,9 @@ def train(args: Args) -> dict:
 
         wx, wr, wa, wl, wadv, wret = map(windows, (x, rs_t, act_t, logp_t, adv, ret))
         wstart = agent.memory.stack([starts[j] for j in range(nw)])  # [nw * N, ...] window-major
-        order = torch.arange(N * nw).reshape(nw, N).t().reshape(-1)  # env-major window index -> window-major
+        order = torch.arange(N * nw, device=dev).reshape(nw, N).t().reshape(-1)  # env-major window -> window-major
         for _ in range(args.epochs):
-            perm = torch.randperm(N * nw)
+            perm = torch.randperm(N * nw).to(dev)
             for mb in perm.chunk(args.minibatches):
                 start = agent.memory.index(wstart, order[mb])
                 feats = agent.memory.window(wx[mb], wr[mb], start)

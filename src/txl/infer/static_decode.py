@@ -36,7 +36,7 @@ from torch import Tensor
 
 from txl.kernels.admission import admits
 from txl.kernels.backends import backends
-from txl.model.cache import DecodeLayer
+from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading
 from txl.model.modeling import KVCache, RelPartialLearnableMultiHeadAttn, TransformerXLLM, sinusoid_embedding
 
@@ -142,11 +142,8 @@ class StaticDecoder:
         self._replay = graph
 
     def _attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
-        """softmax((a)+(c) + (b)+(d)) v over the ring's slots, the softmax in fp32 for half-precision caches:
-        [B, H, 1, Dh]."""
-        ac = torch.matmul(q_u, k.transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
-        prob = (ac + bd).softmax(dim=-1, dtype=self.exact).to(v.dtype)  # [B, H, 1, C]
-        return torch.matmul(prob, v)
+        """softmax((a)+(c) + (b)+(d)) v over the ring's slots (fp32 softmax for half-precision caches)."""
+        return ring_attend(q_u, k, v, bd, self.exact)
 
     @torch.no_grad()
     def step(self) -> Tensor:
@@ -171,12 +168,7 @@ class StaticDecoder:
                 return self.k[i], self.v[i]  # [B, H, C, Dh], in slot order
 
             def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
-                u, v = self.biases[i]
-                q_u = (q + u[:, None]) * lay.attn.scale  # (q + u) / sqrt(Dh), [B, H, 1, Dh]
-                q_v = (q + v[:, None]) * lay.attn.scale  # (q + v) / sqrt(Dh)
-                bd = torch.matmul(q_v, self.r_k[i])  # (b)+(d) by distance, [B, H, 1, C]
-                H = q.shape[1]
-                return q_u, bd.gather(-1, by_distance.expand(B, H, 1, C)) + bias  # (b)+(d) by slot, masked
+                return ring_scores(q, *self.biases[i], lay.attn.scale, self.r_k[i], by_distance, bias)  # by slot
 
             h = lay.step(h, ring, positional, attend=self._attend)  # [B, 1, D]
         self.pos.add_(1)

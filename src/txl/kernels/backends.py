@@ -88,6 +88,10 @@ class Backends:
     graph_decode: bool = True
     """``txl.infer.generation.stream`` replays its one-token step as a CUDA graph on a CUDA device (attn_type 0). False:
     the K/V cache's step, launched kernel by kernel."""
+    graph_act: tuple[str, ...] = ("cuda",)
+    """Devices on which ``txl.rl``'s acting memory is a ring of fixed shape whose step of every environment replays
+    as one CUDA graph (``txl.rl.acting.RingMemory``; stock layers only). Elsewhere the K/V cache's step (on the CPU
+    one native call). ``MemoryTransformer.initial_memory(graph=...)`` chooses for one memory."""
     graph_segments: tuple[str, ...] = ("cuda",)
     """Devices on which a cached segment of several positions (evaluation, scoring) runs its layers as a replayed
     CUDA graph once the window's length repeats (``txl.kernels.graphs``: one graph per offset of the window in the

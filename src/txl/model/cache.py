@@ -94,6 +94,27 @@ class DecodeLayer(NamedTuple):
         return self.layer.ff(attn.output(h, vec.transpose(1, 2).reshape(B, 1, H * Dh)))  # [B, 1, D]
 
 
+def ring_scores(
+    q: Tensor, u: Tensor, v: Tensor, scale: float, r_k: Tensor, by_distance: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The newest query's terms over a ring of C slots (txl.infer.static_decode, txl.rl.acting): (q + u)/sqrt(Dh)
+    [B, H, 1, Dh], and the (b)+(d) scores by slot [B, H, 1, C]: (q + v)/sqrt(Dh) W_kR R_d for the distances
+    d = 0..C-1 (``r_k`` [H, Dh, C]), read in slot order by ``by_distance`` [C] (a single query needs no shift), plus
+    ``bias`` [B, 1, 1, C] (-inf where a slot is masked)."""
+    q_u = (q + u[:, None]) * scale
+    bd = torch.matmul((q + v[:, None]) * scale, r_k)  # (b)+(d) by distance, [B, H, 1, C]
+    B, H, _, C = bd.shape
+    return q_u, bd.gather(-1, by_distance.expand(B, H, 1, C)) + bias
+
+
+def ring_attend(q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor, exact: torch.dtype) -> Tensor:
+    """softmax((a)+(c) + (b)+(d)) v over a ring's slots, the softmax in ``exact`` (fp32 for half precision):
+    [B, H, 1, Dh]."""
+    ac = torch.matmul(q_u, k.transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
+    prob = (ac + bd).softmax(dim=-1, dtype=exact).to(v.dtype)  # [B, H, 1, C]
+    return torch.matmul(prob, v)
+
+
 class KVCache:
     """The memory of every layer as its projected keys and values, for inference (evaluation and generation).
 
@@ -195,13 +216,14 @@ class KVCache:
         attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged. Their
         keys and values are zeroed: a masked position then adds exactly 0 to the attention, where a non-finite value
         would add 0 x NaN = NaN (one NaN observation would poison the episodes after it)."""
-        self.padding[:, self.start : self.end] |= rows[:, None]
-        if not bool(rows.any()):
+        gone = rows.nonzero().flatten()  # (the rows that start over: zeroing only theirs costs what they hold)
+        if not len(gone):
             return
+        self.padding[gone, self.start : self.end] = True
         if self.length:
-            gone = rows.to(self.k.device)[None, :, None, None, None]  # [1, B, 1, 1, 1]
+            gone = gone.to(self.k.device)
             for t in (self.k, self.v):
-                t[:, :, :, self.start : self.end].masked_fill_(gone, 0)
+                t[:, gone, :, self.start : self.end] = 0
         self.padded = True
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

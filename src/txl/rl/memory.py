@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.admission import admits
+from txl.kernels.backends import backends
 from txl.kernels.runtime import functorch_wrapped
 from txl.model.cache import KVCache
 from txl.model.config import TransformerXLConfig
@@ -43,34 +44,9 @@ from txl.model.pretrained import (
     write_config,
 )
 from txl.model.transformer import TransformerXL
+from txl.rl.acting import RingMemory
+from txl.rl.state import MemoryState
 from txl.util.fileio import save_safetensors
-
-
-@dataclass
-class MemoryState:
-    """The memory of N environments at one moment: what a training window starts from."""
-
-    hidden: Tensor
-    """[N, L, M, D]: each layer's input at the last M steps, oldest first."""
-    invalid: Tensor
-    """[N, M] bool: True where a step is never attended (before the episode's start, or before the first step)."""
-
-    def to(self, *args, **kwargs) -> MemoryState:
-        """The state with ``hidden`` moved or cast (``Tensor.to``'s arguments; the flags keep their dtype)."""
-        hidden = self.hidden.to(*args, **kwargs)
-        return MemoryState(hidden, self.invalid.to(hidden.device))
-
-    def index(self, rows: Tensor) -> MemoryState:
-        """The state of these environments (``rows``: indices or a bool mask over N)."""
-        return MemoryState(self.hidden[rows], self.invalid[rows])
-
-    @staticmethod
-    def stack(states: list[MemoryState]) -> MemoryState:
-        """The states of several windows as one batch (their environments one after another)."""
-        return MemoryState(torch.cat([s.hidden for s in states]), torch.cat([s.invalid for s in states]))
-
-    def nbytes(self) -> int:
-        return self.hidden.numel() * self.hidden.element_size() + self.invalid.numel()
 
 
 def _bytes_free(device: torch.device) -> int | None:
@@ -115,8 +91,10 @@ class AgentMemory:
         as the cache is about to slide its keys (to the front of the buffer, once every mem_len + 1 steps)."""
         c = self.cache
         if c.length:
-            c.forget(reset)  # (masked and zeroed: nothing of a past episode, a NaN included, reaches the new one)
-            self.hidden[:, :, c.start : c.end].masked_fill_(reset.to(self.hidden.device)[None, :, None, None], 0)
+            gone = reset.nonzero().flatten()  # (only the rows that start over are written: none in most steps)
+            if len(gone):
+                c.forget(reset)  # (masked and zeroed: nothing of a past episode, a NaN included, reaches the new one)
+                self.hidden[:, gone.to(self.hidden.device), c.start : c.end] = 0
         if c.end + 1 > c.capacity:  # (KVCache.begin slides its window to the front now: the same here)
             n = c.length
             self.hidden[:, :, :n] = self.hidden[:, :, c.start : c.end].clone()
@@ -124,6 +102,12 @@ class AgentMemory:
     def _record(self, inputs: list[Tensor]) -> None:
         """After a step: each layer's input at it ([N, 1, D] each) at the position the cache wrote."""
         self.hidden[:, :, self.cache.end - 1] = torch.stack(inputs)[:, :, 0]  # [L, N, D]
+
+    def recompute(self, model: MemoryTransformer) -> None:
+        """The weights changed (an update, a loaded state): the cached keys and values from the kept layer inputs,
+        and W_kR R (the cache forgets its tables)."""
+        layers = model.core.layers
+        self.cache.weights_changed(lambda i, at: layers[i].attn.memory_keys_values(self.hidden[i, :, at]))
 
     def clone(self) -> AgentMemory:
         """An independent copy (e.g. to take a step for a bootstrap value without moving this memory on)."""
@@ -199,10 +183,15 @@ class MemoryTransformer(nn.Module):
         return model
 
     def initial_memory(
-        self, n_envs: int, mem_len: int | None = None, device=None, dtype: torch.dtype | None = None
-    ) -> AgentMemory:
+        self, n_envs: int, mem_len: int | None = None, device=None, dtype: torch.dtype | None = None, *,
+        graph: bool | None = None,
+    ) -> AgentMemory | RingMemory:  # fmt: skip
         """An empty memory for ``n_envs`` environments (``mem_len``: the config's by default); device and dtype
-        of the model's weights by default. Raises ValueError if it does not fit the device's free memory."""
+        of the model's weights by default. Raises ValueError if it does not fit the device's free memory.
+
+        ``graph``: a :class:`~txl.rl.acting.RingMemory`, whose step is replayed on CUDA as one graph (True), or an
+        :class:`AgentMemory` (False). None (default): the ring where the device is in ``Backends.graph_act`` (CUDA)
+        and the layers are stock; both compute the same features."""
         mem_len = self.config.mem_len if mem_len is None else mem_len
         if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
             raise ValueError(f"n_envs must be a positive integer, got {n_envs!r}")
@@ -214,7 +203,20 @@ class MemoryTransformer(nn.Module):
                 f"initial_memory: dtype {dtype} differs from the model's weights ({w.dtype}): the memory is attended "
                 f"with them; leave dtype out, or cast the model first (model.to({dtype}))"
             )
-        return AgentMemory(self.config, n_envs, mem_len, device or w.device, dtype or w.dtype)
+        device, dtype = torch.device(device or w.device), dtype or w.dtype
+        if graph is None:
+            graph = device.type in backends().graph_act and admits("graph_act", self.core.layers, deep=True,
+                                                                   name="layers")  # fmt: skip
+        if not graph:
+            return AgentMemory(self.config, n_envs, mem_len, device, dtype)
+        need = RingMemory.bytes_per_env(self.config, mem_len, torch.empty((), dtype=dtype).element_size()) * n_envs
+        free = _bytes_free(device)
+        if free is not None and need > free:
+            raise ValueError(
+                f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
+                f"{device} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
+            )
+        return RingMemory(self, n_envs, mem_len, device, dtype, graph=True)
 
     def _inputs(self, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
         if not isinstance(x, Tensor) or tuple(x.shape) != shape:
@@ -230,11 +232,19 @@ class MemoryTransformer(nn.Module):
         return reset.to(torch.bool)
 
     @torch.no_grad()
-    def step(self, x: Tensor, reset: Tensor, memory: AgentMemory) -> Tensor:
+    def step(self, x: Tensor, reset: Tensor, memory: AgentMemory | RingMemory) -> Tensor:
         """Act: one step of every environment, ``x`` [N, d_input] (observations), ``reset`` [N] (True: this step
         starts the environment's episode, its memory is masked). Updates ``memory`` in place; returns the features
         [N, d_model]. No gradient, no dropout (acting; in eval mode no mode switch per step: faster)."""
         N = memory.n_envs
+        if isinstance(memory, RingMemory):
+            if memory.owner is not self._token:
+                raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
+            x = self._inputs(x, (N, self.d_input), "step: x")
+            reset = self._resets(reset, (N,), "step: reset")
+            self._refresh(memory)
+            with _evaluating(self):
+                return memory.act(self, x, reset)
         if memory.cache.config != self.config:
             raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
         x = self._inputs(x, (N, self.d_input), "step: x")
@@ -254,8 +264,11 @@ class MemoryTransformer(nn.Module):
         state), compute them again from the kept layer inputs, and W_kR R too: acting then computes what the window
         replays. Those weights are the attention's input norm, QKV and position projections (whatever modules hold
         them: an adapter's too); optimizers and loading write in place, which bumps the tensors' version counters."""
-        parts = tuple(
-            m for layer in self.core.layers for m in (layer.attn.layer_norm, layer.attn.qkv_net, layer.attn.r_net)
+        parts = tuple(  # (read from the modules' own dicts: this runs at every step)
+            a[name]
+            for layer in self.core.layers._modules.values()
+            for a in (layer._modules["attn"]._modules,)
+            for name in ("layer_norm", "qkv_net", "r_net")
         )
         if self._watched is None or self._watched[0] != tuple(map(id, parts)):
             self._watched = (tuple(map(id, parts)), [p for m in parts for p in m.parameters()])
@@ -265,8 +278,7 @@ class MemoryTransformer(nn.Module):
         key = (self._token, tuple(map(id, params)), tuple(p._version for p in params))
         if memory.weights == key:
             return
-        layers = self.core.layers
-        memory.cache.weights_changed(lambda i, at: layers[i].attn.memory_keys_values(memory.hidden[i, :, at]))
+        memory.recompute(self)
         memory.weights = key
 
     def window(

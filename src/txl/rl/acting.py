@@ -1,0 +1,220 @@
+"""Acting with every shape and address fixed: the step of N environments replayed on CUDA as one graph.
+
+``MemoryTransformer.step`` over an :class:`~txl.rl.memory.AgentMemory` (a ``KVCache``) decides on the host where the
+window is (it grows to ``mem_len``, slides along its buffer once every ``mem_len + 1`` steps) and launches some 25
+small kernels per layer from Python: on a GPU, with thousands of environments, the step is bound by those launches.
+:class:`RingMemory` keeps the memory in a ring instead, as generation's static step does (txl.infer.static_decode):
+
+* ``C = mem_len + 1`` slots per layer (the memory and the newest step); step p of the run lives in slot ``p % C``,
+  written in place at a slot computed on the device; every environment steps together, so one ``slot_pos`` [C]
+  says which step each slot holds (-1: none yet);
+* ``valid`` [N, C]: the slot holds a step of the environment's current episode. A reset clears the environment's
+  row (its whole memory is masked, never attended again) and zeroes its keys, values and layer inputs (a NaN of the
+  earlier episode must not reach the new one as 0 x NaN);
+* the positional term (b)+(d) of the newest query is computed by distance, ``(q + v) W_kR R_d`` for d = 0..C-1, and
+  read in slot order by one ``gather``; masked slots get -inf before the softmax;
+* the layer inputs are kept per slot too (``hidden``): ``state()`` reads the last ``mem_len`` of them in time order,
+  a training window's start, and an update's new weights recompute every slot's keys and values from them.
+
+The arithmetic is the one-token step of the layers (``DecodeLayer.step``: the layers' own output, gate and
+feed-forward modules called), over the same keys with the same positional terms; only the order in which the keys
+are summed differs (slot order): what ``AgentMemory``'s step computes up to fp32 rounding (tests/test_rl_acting.py).
+Everything a step reads and writes is a device tensor (the observations and resets are copied into fixed buffers),
+so on CUDA it is captured once (after a warm-up that is undone) and replayed per step. On the CPU the same step runs
+eagerly: a stand-in the tests hold to the reference (there the KVCache's step in C is faster).
+
+It applies only to stock layers (``txl.kernels.admission``, the path ``graph_act``): where a hook, an adapter or a
+changed class is on the layers, each step is the reference (``MemoryTransformer.window`` of one step, which calls
+the modules), said once in the log.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from txl.kernels.admission import admits
+from txl.model.attention import RelPartialLearnableMultiHeadAttn
+from txl.model.cache import DecodeLayer, ring_attend, ring_scores
+from txl.model.config import Reading, TransformerXLConfig
+from txl.model.positions import sinusoid_embedding
+from txl.rl.state import MemoryState
+
+
+class RingMemory:
+    """The memory of N parallel environments for acting as a ring of fixed shape (see the module's docstring); its
+    ``model`` arguments are the ``MemoryTransformer`` that made it (``embed``, ``core``, ``d_input``, ``config``). Made
+    by ``MemoryTransformer.initial_memory(n, graph=True)`` (the default on CUDA); ``MemoryTransformer.step`` takes it
+    as it takes an ``AgentMemory``, and ``state()`` / ``clone()`` are the same."""
+
+    def __init__(self, model: nn.Module, n_envs: int, mem_len: int, device, dtype: torch.dtype, graph: bool):
+        cfg: TransformerXLConfig = model.config
+        L, H, Dh, D = cfg.n_layer, cfg.n_head, cfg.d_head, cfg.d_model
+        dev = torch.device(device)
+        self.config, self.n_envs, self.mem_len, self.d_input = cfg, n_envs, mem_len, model.d_input
+        C = self.slots = mem_len + 1
+        self.k = torch.zeros(L, n_envs, H, C, Dh, device=dev, dtype=dtype)  # [L, N, H, C, Dh]
+        self.v = torch.zeros_like(self.k)
+        self.hidden = torch.zeros(L, n_envs, C, D, device=dev, dtype=dtype)  # each layer's input, [L, N, C, D]
+        self.slot_pos = torch.full((C,), -1, dtype=torch.long, device=dev)  # [C], the step each slot holds
+        self.valid = torch.zeros(n_envs, C, dtype=torch.bool, device=dev)  # [N, C]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the step about to be taken
+        self.x = torch.zeros(n_envs, model.d_input, device=dev, dtype=dtype)  # the step's inputs (fixed buffers)
+        self.reset = torch.zeros(n_envs, dtype=torch.bool, device=dev)
+        read = Reading().resolved(cfg)
+        self.window = mem_len + int(cfg.tf_same_length) if read.same_length else C  # (keys a query sees)
+        self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # the softmax's dtype
+        r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], distance ascending
+        self.r = r
+        self.r_k = torch.zeros(L, H, Dh, C, device=dev, dtype=dtype)  # W_kR R_d of each layer, by distance
+        self.weights: tuple | None = None  # (the weights' versions the keys, values and r_k were computed with)
+        self.owner = model._token
+        self.graph = graph and dev.type == "cuda"
+        self._replay: torch.cuda.CUDAGraph | None = None
+        self._captured: list[int] | None = None  # (the addresses of the weights the graph reads)
+        self._out: Tensor | None = None
+
+    @staticmethod
+    def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
+        """Bytes one environment's ring takes: keys, values and layer inputs of mem_len + 1 slots, and a flag each."""
+        per_slot = config.n_layer * (2 * config.n_head * config.d_head + config.d_model) * element_size + 1
+        return (mem_len + 1) * per_slot
+
+    # -- what MemoryTransformer calls ------------------------------------------------------------------------------
+
+    def recompute(self, model: nn.Module) -> None:
+        """The weights changed (an update, a loaded state, the first step): every slot's keys and values from the
+        kept layer inputs, and W_kR R, written in place (the graph reads these buffers)."""
+        with torch.no_grad():
+            for i, layer in enumerate(model.core.layers):
+                kv = layer.attn.memory_keys_values(self.hidden[i])  # [2, N, H, C, Dh]
+                self.k[i].copy_(kv[0])
+                self.v[i].copy_(kv[1])
+                H, Dh = layer.attn.n_head, layer.attn.d_head
+                self.r_k[i].copy_(torch.mm(layer.attn.r_net.weight, self.r.t()).view(H, Dh, self.slots))
+
+    def act(self, model: nn.Module, x: Tensor, reset: Tensor) -> Tensor:
+        """One step of every environment (``x`` [N, d_input], ``reset`` [N] bool, checked by the caller, the model in
+        eval mode and its cached terms fresh): the features [N, D]. A replay of the captured graph where it applies."""
+        self.x.copy_(x)
+        self.reset.copy_(reset)
+        if not admits("graph_act", model.core.layers, deep=True, name="layers"):
+            return self._reference(model)
+        if not self.graph:
+            return self.step(model)
+        params = [p.data_ptr() for p in model.parameters()]
+        if self._replay is None or self._captured != params:  # (first step, or the weights moved: .to(), .data =)
+            try:
+                self._capture(model)
+            except RuntimeError:  # another thread's CUDA work broke the capture (it ran nothing): go on without one
+                self.graph = False
+                return self.step(model)
+            self._captured = params
+        self._replay.replay()
+        return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
+
+    def state(self, dtype: torch.dtype | None = None) -> MemoryState:
+        """A copy of the memory now: each layer's input at the last ``mem_len`` steps, oldest first, and which of them
+        are never attended (before the episode's start, or before the first step): ``AgentMemory.state()``'s."""
+        M, C = self.mem_len, self.slots
+        p = self.pos - M + torch.arange(M, device=self.pos.device)  # [M], the steps remembered
+        idx = p.remainder(C)
+        held = (p >= 0) & (self.slot_pos[idx] == p) & self.valid[:, idx]  # [N, M]
+        hidden = self.hidden[:, :, idx].transpose(0, 1).masked_fill(~held[:, None, :, None], 0)  # [N, L, M, D]
+        return MemoryState(hidden.to(dtype or hidden.dtype), ~held)
+
+    def clone(self) -> RingMemory:
+        """An independent copy (e.g. a step for a bootstrap value without moving this memory on); it steps eagerly
+        (a graph captured for one step would cost more than it saves)."""
+        copy = object.__new__(RingMemory)
+        copy.__dict__.update(self.__dict__)
+        for name in ("k", "v", "hidden", "slot_pos", "valid", "pos", "x", "reset", "r_k"):
+            setattr(copy, name, getattr(self, name).clone())
+        copy.graph, copy._replay, copy._captured, copy._out = False, None, None, None
+        return copy
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.hidden, self.valid))
+
+    # -- the step --------------------------------------------------------------------------------------------------
+
+    def _advance(self) -> Tensor:
+        """The bookkeeping of a step: the newest slot ([1], on the device) takes step ``pos``; the environments that
+        reset forget their memory (masked, and zeroed)."""
+        slot = self.pos % self.slots  # [1]
+        self.slot_pos.index_copy_(0, slot, self.pos)
+        gone = self.reset[:, None]  # [N, 1]
+        self.valid.masked_fill_(gone, False)
+        self.valid.index_fill_(1, slot, True)
+        self.k.masked_fill_(gone[None, :, :, None, None], 0)  # (a masked key adds exactly 0, not 0 x NaN)
+        self.v.masked_fill_(gone[None, :, :, None, None], 0)
+        self.hidden.masked_fill_(gone[None, :, :, None], 0)
+        return slot
+
+    def _attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
+        """softmax((a)+(c) + (b)+(d)) v over the ring's slots (fp32 softmax for half precision): [N, H, 1, Dh]."""
+        return ring_attend(q_u, k, v, bd, self.exact)
+
+    @torch.no_grad()
+    def step(self, model: nn.Module) -> Tensor:
+        """The step on the buffers ``x`` and ``reset``: every layer over the ring, ``pos`` advanced; the features
+        [N, D]. Only device tensors change (nothing is read back to the host): what the graph records."""
+        core = model.core
+        N, C = self.n_envs, self.slots
+        slot = self._advance()
+        dist = self.pos - self.slot_pos  # [C], 0 for the newest step
+        seen = self.valid & (self.slot_pos >= 0) & (dist < self.window)  # [N, C]
+        bias = torch.zeros(N, 1, 1, C, dtype=self.exact, device=self.k.device)
+        bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [N, 1, 1, C]
+        by_distance = dist.clamp(0, C - 1)  # [C]
+        biases = RelPartialLearnableMultiHeadAttn.biases(core)
+        h = core.drop(model.embed(self.x))[:, None]  # [N, 1, D]
+        for i, layer in enumerate(core.layers):
+            lay = DecodeLayer.of(layer)
+            self.hidden[i].index_copy_(1, slot, h)  # (the layer's input, for state() and an update's recompute)
+
+            def ring(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:  # the newest step's slot
+                self.k[i].index_copy_(2, slot, k)
+                self.v[i].index_copy_(2, slot, v)
+                return self.k[i], self.v[i]  # [N, H, C, Dh], in slot order
+
+            def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
+                return ring_scores(q, *biases[i], lay.attn.scale, self.r_k[i], by_distance, bias)  # by slot, masked
+
+            h = lay.step(h, ring, positional, attend=self._attend)  # [N, 1, D]
+        self.pos.add_(1)
+        return core.drop(h)[:, 0]  # [N, D]
+
+    def _capture(self, model: nn.Module) -> None:
+        """Record :meth:`step` as a CUDA graph. A warm-up step first runs on a side stream (libraries allocate their
+        workspaces there) and is undone: it wrote the slot the first replay writes again, from the same inputs, and
+        the bookkeeping is restored (its zeroing of the environments that reset is what the replay does again)."""
+        saved = [t.clone() for t in (self.pos, self.slot_pos, self.valid)]
+        side = torch.cuda.Stream(device=self.k.device)
+        side.wait_stream(torch.cuda.current_stream(self.k.device))
+        with torch.cuda.stream(side):
+            self.step(model)
+            for t, s in zip((self.pos, self.slot_pos, self.valid), saved, strict=True):
+                t.copy_(s)
+        torch.cuda.current_stream(self.k.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._out = self.step(model)
+        self._replay = graph
+
+    def _reference(self, model: nn.Module) -> Tensor:
+        """The step by the model's own modules (layers not stock: a hook, an adapter): ``window`` of one step from
+        ``state()``, which computes what ``step`` computes; then the ring takes the new layer inputs, and the newest
+        slot's keys and values by the attention's own ``memory_keys_values``."""
+        with torch.no_grad():
+            start = self.state()
+            feats, end = model.window(self.x[:, None], self.reset[:, None], start, every_step=True)
+            new = end.hidden[:, 0, :, -1].transpose(0, 1)  # [L, N, D], each layer's input at this step
+            slot = self._advance()
+            self.hidden.index_copy_(2, slot, new[:, :, None])
+            for i, layer in enumerate(model.core.layers):
+                kv = layer.attn.memory_keys_values(new[i][:, None])  # [2, N, H, 1, Dh]
+                self.k[i].index_copy_(2, slot, kv[0])
+                self.v[i].index_copy_(2, slot, kv[1])
+            self.pos.add_(1)
+        return feats[:, 0]

@@ -1,0 +1,137 @@
+"""Acting as one graph (txl.rl.acting.RingMemory): the ring's step, run eagerly on the CPU (the stand-in for its CUDA
+graph), computes what the K/V cache's step computes (AgentMemory) with resets anywhere, across the ring's wrap and
+after updates; its state() starts a training window as AgentMemory's does; a model whose layers are not stock takes
+the reference (said once); on CUDA the replayed graph equals the eager step (where a GPU runs the suite)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from txl.kernels.backends import use_backends
+from txl.rl import AgentMemory, MemoryTransformer, RingMemory, gtrxl_config
+
+GATES = ["gru", "residual", "input", "output", "highway", "sigmoid_tanh"]
+
+
+def run_both(model: MemoryTransformer, x: torch.Tensor, resets: torch.Tensor, update_at: int | None = None):
+    """Step a ring and a K/V cache memory through ``x`` [N, S, d]; return both features [N, S, D], both memories."""
+    N, S = x.shape[:2]
+    ring, cache = model.initial_memory(N, graph=True), model.initial_memory(N, graph=False)
+    assert isinstance(ring, RingMemory) and isinstance(cache, AgentMemory)
+    a, b = [], []
+    for t in range(S):
+        if t == update_at:  # an optimizer's step: the weights change in place
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        a.append(model.step(x[:, t], resets[:, t], ring))
+        b.append(model.step(x[:, t], resets[:, t], cache))
+    return torch.stack(a, 1), torch.stack(b, 1), ring, cache
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_ring_step_equals_the_cache_step_with_resets_and_updates(gate):
+    """Every gate: the ring's features equal the cache's within 1e-5 over 3.5 turns of the ring, resets at random
+    places (one environment never resets, one resets at every step for a while), an update half-way."""
+    torch.manual_seed(3)
+    cfg = gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=6, gate=gate, gate_bias=0.5, init_std=0.2)
+    model = MemoryTransformer(cfg, 5).eval()
+    N, S = 6, 25
+    x = torch.randn(N, S, 5)
+    resets = torch.rand(N, S) < 0.15
+    resets[:, 0] = True
+    resets[1, 1:] = False
+    resets[2, 3:9] = True
+    ring_f, cache_f, ring, cache = run_both(model, x, resets, update_at=14)
+    torch.testing.assert_close(ring_f, cache_f, rtol=1e-5, atol=1e-5)
+    assert cache_f.std() > 0.1
+    a, b = ring.state(), cache.state()
+    assert torch.equal(a.invalid, b.invalid)
+    torch.testing.assert_close(a.hidden, b.hidden * ~b.invalid[:, None, :, None], rtol=1e-5, atol=1e-5)
+
+
+def test_ring_state_starts_a_window_that_replays_the_steps():
+    """The ring's state() at a window's start, then ``window`` over the next steps: the features acting gave."""
+    torch.manual_seed(4)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4), 3).eval()
+    N, pre, T = 4, 9, 7
+    x, resets = torch.randn(N, pre + T, 3), torch.rand(N, pre + T) < 0.2
+    resets[:, 0] = True
+    ring = model.initial_memory(N, graph=True)
+    feats = []
+    for t in range(pre + T):
+        if t == pre:
+            start = ring.state()
+        feats.append(model.step(x[:, t], resets[:, t], ring))
+    replay, _ = model.window(x[:, pre:], resets[:, pre:], start)
+    torch.testing.assert_close(replay, torch.stack(feats[pre:], 1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_nan_of_an_earlier_episode_does_not_reach_the_next():
+    """A non-finite observation, then a reset: the ring forgets it (zeroed, masked); the features stay finite and
+    equal the cache's."""
+    torch.manual_seed(5)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=5), 3).eval()
+    N, S = 3, 12
+    x, resets = torch.randn(N, S, 3), torch.zeros(N, S, dtype=torch.bool)
+    resets[:, 0] = True
+    x[1, 4] = float("nan")
+    resets[1, 6] = True
+    ring_f, cache_f, _, _ = run_both(model, x, resets)
+    assert torch.isfinite(ring_f[1, 6:]).all()
+    torch.testing.assert_close(ring_f[:, 6:], cache_f[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_hook_on_the_layers_takes_the_reference_and_says_so(caplog):
+    """A forward hook on a gate: the ring's step is the modules' own (the hook runs at every step), the features the
+    hook changes are what the cache memory's reference path computes too; the log says the graph path was declined."""
+    torch.manual_seed(6)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4), 3).eval()
+    calls = []
+
+    def hook(module, inputs, output):
+        calls.append(1)
+        return output * 1.5
+
+    model.core.layers[1].attn.gate.register_forward_hook(hook)
+    x, resets = torch.randn(3, 8, 3), torch.zeros(3, 8, dtype=torch.bool)
+    resets[:, 0] = True
+    with caplog.at_level(logging.WARNING, logger="txl"):
+        ring_f, cache_f, _, _ = run_both(model, x, resets)
+    torch.testing.assert_close(ring_f, cache_f, rtol=1e-5, atol=1e-5)
+    assert calls
+    assert "graph_act" in caplog.text
+
+
+def test_the_default_memory_follows_the_policy():
+    """On the CPU the default is the K/V cache (its native step is faster there); with graph_act on for the CPU it is
+    the ring; clone() is independent; a ring of another model is refused in one line."""
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=1, n_head=2, mem_len=3), 2).eval()
+    assert isinstance(model.initial_memory(2), AgentMemory)
+    with use_backends(graph_act=("cpu",)):
+        ring = model.initial_memory(2)
+    assert isinstance(ring, RingMemory)
+    x, r = torch.randn(2, 2), torch.ones(2, dtype=torch.bool)
+    model.step(x, r, ring)
+    copy = ring.clone()
+    model.step(x, ~r, copy)
+    assert int(ring.pos) == 1 and int(copy.pos) == 2
+    other = MemoryTransformer(model.config, 2).eval()
+    with pytest.raises(ValueError, match="made by another model"):
+        other.step(x, r, ring)
+    with pytest.raises(ValueError, match=r"step: x must be \[2, 2\]"):
+        model.step(torch.randn(3, 2), r, ring)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the replayed graph")
+def test_the_replayed_graph_equals_the_eager_step_on_cuda():
+    """On CUDA: the graph's replays equal the cache memory's steps (and survive an update in place)."""
+    torch.manual_seed(7)
+    model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=8), 4).cuda().eval()
+    x, resets = torch.randn(16, 30, 4, device="cuda"), torch.rand(16, 30, device="cuda") < 0.1
+    ring_f, cache_f, ring, _ = run_both(model, x, resets, update_at=17)
+    assert ring._replay is not None
+    torch.testing.assert_close(ring_f, cache_f, rtol=1e-4, atol=1e-4)
