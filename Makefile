@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup setup-hf5 setup-keras setup-oldest test-keras demo music test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+.PHONY: gpu-wheels setup setup-hf5 setup-keras setup-oldest test-keras demo music test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
 	bench-vanilla-full bench-serve experiments clean
 
 # pyproject.toml declares the ranges txl supports; the environments are installed from constraints/*.txt, which pin
@@ -91,6 +91,16 @@ lint: setup
 	$(BIN)/ruff check src tests tests_hf tests_keras benchmarks experiments examples
 	$(BIN)/ruff format --check src tests tests_hf tests_keras benchmarks experiments examples
 	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml: [tool.importlinter])
+
+# The wheels a lent GPU machine lacks (its image holds torch and triton, not HF's TransfoXL 4.46.3 nor gymnasium and
+# popgym): downloaded here into .whl/ (ignored by git) for its Python 3.12; a device call carries them (carry:
+# [".whl"]) and benchmarks/gpu_suite.sh installs them first (HF's rows; the `rl` step's PPO iteration).
+GPU_WHEELS := transformers==4.46.3 tokenizers==0.20.3 huggingface_hub==0.26.5 gymnasium==1.4.0 popgym==1.0.7 \
+	farama-notifications==0.0.6
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
 browser:

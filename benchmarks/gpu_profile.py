@@ -102,7 +102,7 @@ def summarise(prof, steps: int, device: torch.device, top: int = 25) -> dict:
         "idle_per_step_ms": per_step(span - busy) / 1e3,
         "gaps_over_10us_per_step": per_step(sum(1 for g, _, _ in gaps if g > 10)),
         "largest_gaps": [{"us": round(g, 1), "after": a[:120], "before": b[:120]} for g, a, b in gaps[:12]],
-        "kinds_ms_per_step": {k: round(per_step(v) / 1e3, 3) for k, v in kinds.most_common()},
+        "kinds_ms_per_step": {k: round(per_step(v) / 1e3, 4) for k, v in kinds.most_common()},
         "top_kernels": [
             {
                 "name": n[:160],

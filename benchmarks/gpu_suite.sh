@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_suite.sh [OUT]        # OUT: where logs and JSON go (default benchmarks/results)
 #   GPU_SUITE_STEPS="tests base track" bash benchmarks/gpu_suite.sh OUT   # some steps only, in this order
 #
-# HF's TransfoXL rows need transformers 4.46.3 (with tokenizers 0.20.3 and huggingface_hub 0.26.5) importable: on a
-# machine without network, carry their wheels in .whl/ (they are installed to /tmp/site first when present).
+# HF's TransfoXL rows need transformers 4.46.3 (with tokenizers 0.20.3 and huggingface_hub 0.26.5) importable, the rl
+# step gymnasium and popgym: on a machine without network, carry their wheels in .whl/ (`make gpu-wheels` downloads
+# them; they are installed to /tmp/site first when present).
 # Steps (each under its own time limit; one that fails is reported and the next one runs: a GPU session usually has
 # one run, which must not be lost to one failing kernel):
 #   tests       The fused Triton attention's tests on the GPU's compiled kernels (on the CPU they run under the
@@ -119,6 +120,9 @@ for step in $STEPS; do
     generation)
       (cd benchmarks && run_step generation 60 log_generation.txt "$PY" gpu_generation.py "${GEN[@]}") ;;
     rl)
+      if ! "$PY" -c "import gymnasium, popgym" 2>/dev/null; then
+        echo "[gpu_suite] rl: needs gymnasium and popgym: \`make gpu-wheels\` here, then carry .whl"; continue
+      fi
       (cd benchmarks && run_step rl 300 log_rl.txt "$PY" rl_speed.py "${RL[@]}" --json "$OUT/rl_gpu.json") ;;
     tiles)
       (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py "${TILES[@]}") ;;

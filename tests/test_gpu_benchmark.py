@@ -221,3 +221,43 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     assert all(r["device"] and r["torch"] and r["commit"] for r in rl)
     on_text = json.loads((tmp_path / "track_text_track.json").read_text())
     assert on_text["data"] == str(text) and set(on_text["gaps"]) == {"txl:fp32", "txl:bf16", "txl-reference:fp32"}
+
+
+def test_the_profile_summary_reads_a_gpu_trace():
+    """benchmarks/gpu_profile.py's summary of a GPU profile (made-up kernel events, as Kineto gives them: device
+    events beside the host's runtime calls): kernels merged across streams into busy periods, the idle gaps between
+    them with the kernels on each side, the time per kind of kernel, host syncs and launches per step."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def event(name, start, end, device=DeviceType.CUDA, cpu_us=0.0):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(
+            start=start, end=end, elapsed_us=lambda: end - start), cpu_time_total=cpu_us, self_cpu_time_total=cpu_us,
+            cpu_parent=None)  # fmt: skip
+
+    events = [  # two steps of 50 us of kernels each, one kernel on a second stream overlapping, a 100 us gap
+        event("sm90_xmma_gemm_bf16bf16_tn", 0, 30), event("triton_poi_fused_add_mul_0", 30, 40),
+        event("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>", 35, 50),
+        event("sm90_xmma_gemm_bf16bf16_tn", 150, 180), event("multi_tensor_apply_kernel<FusedAdam>", 180, 200),
+        event("cudaLaunchKernel", 0, 5, DeviceType.CPU, 5.0), event("cudaLaunchKernel", 6, 9, DeviceType.CPU, 3.0),
+        event("cudaStreamSynchronize", 200, 210, DeviceType.CPU, 10.0),
+    ]  # fmt: skip
+    s = gpu_profile.summarise(SimpleNamespace(events=lambda: events), 2, __import__("torch").device("cuda"))
+    assert s["device_time_per_step_ms"] == pytest.approx((30 + 10 + 15 + 30 + 20) / 2 / 1e3)
+    assert s["wall_span_per_step_ms"] == pytest.approx(200 / 2 / 1e3)
+    assert s["idle_per_step_ms"] == pytest.approx(100 / 2 / 1e3) and s["busy_fraction"] == pytest.approx(0.5)
+    assert s["largest_gaps"] == [{"us": 100.0, "after": events[2].name, "before": "sm90_xmma_gemm_bf16bf16_tn"}]
+    assert s["kinds_ms_per_step"] == pytest.approx({"matrix products": 0.03, "compiled pointwise (Triton)": 0.005,
+                                                    "elementwise": 0.0075, "optimizer": 0.01})  # fmt: skip
+    assert s["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16bf16_tn", "kind": "matrix products",
+                                   "calls_per_step": 1.0, "ms_per_step": 0.03, "share": 60 / 105}  # fmt: skip
+    assert s["host"] == {"cudaLaunchKernel": {"calls_per_step": 1.0, "ms_per_step": 0.004},
+                         "cudaStreamSynchronize": {"calls_per_step": 0.5, "ms_per_step": 0.005}}  # fmt: skip
+    assert "| matrix products | 0.030 |" in gpu_profile.markdown("x", s)

@@ -124,6 +124,9 @@ def test_the_default_memory_follows_the_policy():
         other.step(x, r, ring)
     with pytest.raises(ValueError, match=r"step: x must be \[2, 2\]"):
         model.step(torch.randn(3, 2), r, ring)
+    model.double()
+    with pytest.raises(ValueError, match="holds torch.float32 on cpu and the model's weights are torch.float64"):
+        model.step(x, r, ring)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the replayed graph")
@@ -135,3 +138,14 @@ def test_the_replayed_graph_equals_the_eager_step_on_cuda():
     ring_f, cache_f, ring, _ = run_both(model, x, resets, update_at=17)
     assert ring._replay is not None
     torch.testing.assert_close(ring_f, cache_f, rtol=1e-4, atol=1e-4)
+
+
+def test_the_ring_in_bf16_follows_the_cache_in_bf16():
+    """A bf16 model (as on a GPU): the ring's features (softmax in fp32) equal the cache's within bf16's rounding."""
+    torch.manual_seed(8)
+    model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=5), 3).eval().to(torch.bfloat16)
+    x, resets = torch.randn(4, 14, 3), torch.rand(4, 14) < 0.2
+    resets[:, 0] = True
+    ring_f, cache_f, ring, _ = run_both(model, x, resets)
+    assert ring_f.dtype == torch.bfloat16 and ring.state().hidden.dtype == torch.bfloat16
+    torch.testing.assert_close(ring_f.float(), cache_f.float(), rtol=0.05, atol=0.05)

@@ -100,7 +100,8 @@ class RingMemory:
         self.reset.copy_(reset)
         if not admits("graph_act", model.core.layers, deep=True, name="layers"):
             return self._reference(model)
-        if not self.graph:
+        if not self.graph or torch.is_autocast_enabled(self.k.device.type):
+            # (under autocast a weight's cast can be cached from before the capture: a replay would read it stale)
             return self.step(model)
         params = [p.data_ptr() for p in model.parameters()]
         if self._replay is None or self._captured != params:  # (first step, or the weights moved: .to(), .data =)

@@ -240,6 +240,12 @@ class MemoryTransformer(nn.Module):
         if isinstance(memory, RingMemory):
             if memory.owner is not self._token:
                 raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
+            w = self.embed.weight
+            if (memory.k.dtype, memory.k.device) != (w.dtype, w.device):
+                raise ValueError(
+                    f"step: this memory holds {memory.k.dtype} on {memory.k.device} and the model's weights are "
+                    f"{w.dtype} on {w.device}: make a new one with initial_memory after moving or casting the model"
+                )
             x = self._inputs(x, (N, self.d_input), "step: x")
             reset = self._resets(reset, (N,), "step: reset")
             self._refresh(memory)
