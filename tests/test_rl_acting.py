@@ -149,3 +149,10 @@ def test_the_ring_in_bf16_follows_the_cache_in_bf16():
     ring_f, cache_f, ring, _ = run_both(model, x, resets)
     assert ring_f.dtype == torch.bfloat16 and ring.state().hidden.dtype == torch.bfloat16
     torch.testing.assert_close(ring_f.float(), cache_f.float(), rtol=0.05, atol=0.05)
+
+
+def test_a_ring_that_does_not_fit_is_one_line_before_anything_is_allocated():
+    model = MemoryTransformer(gtrxl_config(d_model=64, n_layer=2, n_head=4, mem_len=4096), 4)
+    with pytest.raises(ValueError, match=r"the memory of 100000 environments x mem_len 4096 needs [\d.]+ GiB"):
+        model.initial_memory(100_000, graph=True)
+    assert RingMemory.bytes_per_env(model.config, 64) == 65 * (2 * (2 * 64 + 64) * 4 + 1)

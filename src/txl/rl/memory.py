@@ -59,6 +59,20 @@ def _bytes_free(device: torch.device) -> int | None:
     return None
 
 
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_fits(need: int, device, n_envs: int, mem_len: int) -> None:
+    """One line, before anything is allocated, where ``need`` bytes do not fit the device's free memory."""
+    free = _bytes_free(torch.device(device))
+    if free is not None and need > free:
+        raise ValueError(
+            f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
+            f"{torch.device(device)} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
+        )
+
+
 class AgentMemory:
     """The memory of N parallel environments for acting: each layer's keys and values (a ``KVCache``, updated in
     place) and each layer's inputs (what a training window starts from, ``state()``), over the last ``mem_len``
@@ -67,13 +81,7 @@ class AgentMemory:
     def __init__(self, config: TransformerXLConfig, n_envs: int, mem_len: int, device, dtype: torch.dtype):
         L, D = config.n_layer, config.d_model
         self.n_envs, self.mem_len = n_envs, mem_len
-        need = self.bytes_per_env(config, mem_len, torch.empty((), dtype=dtype).element_size()) * n_envs
-        free = _bytes_free(torch.device(device))
-        if free is not None and need > free:
-            raise ValueError(
-                f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
-                f"{torch.device(device)} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
-            )
+        _check_fits(self.bytes_per_env(config, mem_len, _element_size(dtype)) * n_envs, device, n_envs, mem_len)
         self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
         self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
         self.weights: tuple | None = None  # (the weights' versions the cached keys and values were computed with)
@@ -209,13 +217,8 @@ class MemoryTransformer(nn.Module):
                                                                    name="layers")  # fmt: skip
         if not graph:
             return AgentMemory(self.config, n_envs, mem_len, device, dtype)
-        need = RingMemory.bytes_per_env(self.config, mem_len, torch.empty((), dtype=dtype).element_size()) * n_envs
-        free = _bytes_free(device)
-        if free is not None and need > free:
-            raise ValueError(
-                f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
-                f"{device} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
-            )
+        _check_fits(RingMemory.bytes_per_env(self.config, mem_len, _element_size(dtype)) * n_envs, device, n_envs,
+                    mem_len)  # fmt: skip
         return RingMemory(self, n_envs, mem_len, device, dtype, graph=True)
 
     def _inputs(self, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
