@@ -47,7 +47,7 @@ import torch
 from _report import MatmulFlops, code_version, replace_section
 from txl import TransformerXLLM
 from txl.interop.convert import hf_config_to_txl, hf_state_dict_to_txl
-from txl.kernels.backends import Backends, use_backends
+from txl.kernels.backends import Backends, backends, use_backends
 from txl.model.modeling import Dropout, KVCache, transposed_weights
 from txl.model.pretrained import load_weights
 
@@ -103,6 +103,9 @@ POLICIES = {
     "txl-fused-eager": dataclasses.replace(
         Backends(), compiled_layers=(), half_precision_logits=(), graph_segments=(), fused_attention_training=("cuda",)
     ),
+    # issue 68's lever, off by default until measured: the compiled layers replayed as CUDA graphs (Inductor's
+    # "reduce-overhead"), each step's start marked for them (Trainer.forward)
+    "txl-layer-graphs": dataclasses.replace(Backends(), compiled_layers_graphs=("cuda",)),
 }
 
 
@@ -142,7 +145,7 @@ def may_fail(impl: str, error: Exception) -> bool:
     """Whether a row's failure is logged and the run goes on: HF's runtime errors (its adaptive input under
     autocast), and any failure of the fused Triton attention (not yet proven on every card: one failing kernel must
     not cost the rest of a GPU session's one run)."""
-    return impl.startswith("txl-fused") or (impl == "hf" and isinstance(error, RuntimeError))
+    return impl.startswith(("txl-fused", "txl-layer-graphs")) or (impl == "hf" and isinstance(error, RuntimeError))
 
 
 def first_line(error: Exception) -> str:
@@ -199,6 +202,8 @@ class Trainer:
             self.mems = None
 
     def forward(self):
+        if self.device.type in backends().compiled_layers_graphs:  # (the graphs' outputs of the last step are dead)
+            torch.compiler.cudagraph_mark_step_begin()
         x = self.stream[:, self.pos : self.pos + self.tgt]
         y = self.stream[:, self.pos + 1 : self.pos + self.tgt + 1]
         self.pos = (self.pos + self.tgt) % (self.stream.shape[1] - self.tgt - 1)

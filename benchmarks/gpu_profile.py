@@ -8,7 +8,8 @@ launches per step. What a change to the step is decided from (issue 68: the bf16
 
 The step is gpu_paper.py's (``Trainer``: forward, backward, a fused Adam step, the memory carried, one host read of
 the loss), at NVIDIA's WT103 base configuration by default, in bf16, for each policy of ``--impls`` (txl: the default
-fast paths; txl-fused: the fused Triton attention in training too; txl-eager: no compiled layers). On the CPU (smoke
+fast paths; txl-fused: the fused Triton attention in training too; txl-layer-graphs: the compiled layers replayed as
+CUDA graphs; txl-eager: no compiled layers). On the CPU (smoke
 runs) the operators stand in for the kernels. Each summary names the device, torch and the code (commit and tree).
 """
 
@@ -156,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--configs", nargs="+", default=["wt103-base-nvidia"], choices=list(CONFIGS))
-    ap.add_argument("--impls", nargs="+", default=["txl", "txl-fused"], choices=list(POLICIES))
+    ap.add_argument("--impls", nargs="+", default=["txl", "txl-fused", "txl-layer-graphs"], choices=list(POLICIES))
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--warmup", type=int, default=8, help="steps before the profiled ones (the compiler's graphs)")
     ap.add_argument("--steps", type=int, default=4, help="steps profiled")

@@ -14,10 +14,12 @@
 #               interpreter), in parallel processes (pytest-xdist) where present: its kernels compile once each; and
 #               txl.rl's acting graph against the K/V cache's step (tests/test_rl_acting.py).
 #   profile     Where the WT103 base bf16 training step's time goes (gpu_profile.py: top kernels, time per kind of
-#               kernel, the device's idle gaps, host syncs, launches per step), for the default policy and with the
-#               fused attention in training: profile_wt103_base_bf16.json and .md. Read it before changing the step.
+#               kernel, the device's idle gaps, host syncs, launches per step), for the default policy, with the
+#               fused attention in training, and with the compiled layers replayed as CUDA graphs (issue 68's first
+#               lever, off by default): profile_wt103_base_bf16.json and .md. Read it before changing the step.
 #   base        Training and evaluation tok/s, MFU and peak memory of the WT103 base model at NVIDIA's configuration
-#               (bf16, fp32; txl's default path, with the fused attention, and HF's), with profiles of the bf16 steps
+#               (bf16, fp32; txl's default path, with the fused attention, with the layers' CUDA graphs (txl-layer-
+#               graphs), and HF's), with profiles of the bf16 steps
 #               (packed into profiles.tar); evaluation with the graphs of segments, their losses compared.
 #   track       The loss of 300 bf16 steps (WT103 base, Zipf ids; 20-step moving averages within 1%) against fp32
 #               with the same dropout masks (the compiled fp32 path), beside the eager reference's own gap (other
@@ -81,11 +83,12 @@ for step in $STEPS; do
       TRITON_INTERPRET=0 TXL_TEST_DEVICE=cuda run_step tests 150 log_fused_tests.txt \
         "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/test_fused_attention.py tests/test_rl_acting.py ;;
     profile)
-      (cd benchmarks && run_step profile 240 log_profile.txt "$PY" gpu_profile.py "${PROFILE[@]}" \
+      (cd benchmarks && run_step profile 300 log_profile.txt "$PY" gpu_profile.py "${PROFILE[@]}" \
         --json "$OUT/profile_wt103_base_bf16.json") ;;
     base)
-      (cd benchmarks && run_step base 220 log_base.txt "$PY" gpu_paper.py "${BASE[@]}" \
-        --precisions bf16 fp32 --impls txl txl-unfused txl-fused hf --profile "$OUT/profiles" --json "$OUT/gpu.json")
+      (cd benchmarks && run_step base 300 log_base.txt "$PY" gpu_paper.py "${BASE[@]}" \
+        --precisions bf16 fp32 --impls txl txl-unfused txl-fused txl-layer-graphs hf --profile "$OUT/profiles" \
+        --json "$OUT/gpu.json")
       [ -d "$OUT/profiles" ] && tar -C "$OUT" -cf "$OUT/profiles.tar" profiles && rm -r "$OUT/profiles" ;;
     track)  # Two runs of 300 steps, with deterministic kernels (--track_deterministic: on an H200 two processes of
             # the same code drifted 0.96% apart, Inductor's reductions tuned by timing; the repeated variant

@@ -26,7 +26,10 @@ def two_segments(model, x):
 
 
 @pytest.mark.slow  # (64 s on 2 AVX2 cores: Inductor compiles every layer shape; CI runs it)
-def test_the_compiled_layers_trace_whole_and_compute_the_reference():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_compiled_layers_trace_whole_and_compute_the_reference(graphs):
+    """Also in Inductor's "reduce-overhead" mode (``compiled_layers_graphs``: CUDA graphs on a GPU; on the CPU the
+    same compiled code without them): the graphed call is the one taken, and it computes the reference."""
     torch.manual_seed(0)
     model = TransformerXLLM(debug_config(**CONFIG)).train()
     x = torch.randint(0, 50, (2, 11))
@@ -37,17 +40,17 @@ def test_the_compiled_layers_trace_whole_and_compute_the_reference():
     calls = []
     real = compiled._compiled
 
-    def spy():
-        calls.append(1)
-        return real()
+    def spy(graphed: bool = False):
+        calls.append(graphed)
+        return real(graphed)
 
     compiled._compiled = spy
     try:
-        with use_backends(compiled_layers=("cpu",)):
+        with use_backends(compiled_layers=("cpu",), compiled_layers_graphs=("cpu",) if graphs else ()):
             loss, grads = two_segments(model, x)
     finally:
         compiled._compiled = real
-    assert len(calls) == 2 * CONFIG["n_layer"]  # (every layer of both segments took the compiled path)
+    assert calls == [graphs] * 2 * CONFIG["n_layer"]  # (every layer of both segments took the compiled path)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert loss == pytest.approx(loss_ref, rel=1e-6)
     for name in grads_ref:

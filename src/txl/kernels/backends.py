@@ -102,6 +102,12 @@ class Backends:
     ``torch.compile`` graph per layer shape (``txl.kernels.compiled``): the reference code, traced, its pointwise
     passes fused by Inductor (the shift as an index, the mask, softmax and dropout in one kernel). The same values
     up to rounding (tests/test_compiled.py); its first steps wait for the compiler (about a minute on a GPU)."""
+    compiled_layers_graphs: tuple[str, ...] = ()
+    """Devices on which the compiled layers are also replayed as CUDA graphs (Inductor's ``mode="reduce-overhead"``:
+    each layer's forward and backward one launch, their inputs copied into the graphs' buffers). Off by default: not
+    yet measured on a GPU (issue 68: the bf16 training step looked bound by something other than its products; the
+    profile of ``benchmarks/gpu_profile.py`` and gpu_paper.py's ``txl-layer-graphs`` row decide). A training loop
+    that turns it on marks each step's start (``torch.compiler.cudagraph_mark_step_begin()``)."""
     fused_attention: tuple[str, ...] = ("cuda",)
     """Devices on which attn_type 0's attention in inference (no gradients: evaluation, scoring, prompts) is one fused
     Triton kernel (``txl.kernels.fused_attention``: the content and position terms, the shift as an index, the mask,

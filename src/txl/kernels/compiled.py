@@ -31,13 +31,21 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
 
+def _call_graphed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:  # (another code object: its own graphs)
+    return module(*args, **kwargs)
+
+
 @functools.cache
-def _compiled():
-    """The compiled layer call. (Inductor's C++ wrapper, which would launch the kernels with less host time, fails
-    to compile the layers' backward on CUDA in torch 2.11: "CudaKernelParamCache not populated", seen on an H100.)"""
+def _compiled(graphs: bool = False):
+    """The compiled layer call; ``graphs``: its kernels replayed as CUDA graphs (Inductor's "reduce-overhead" mode,
+    ``Backends.compiled_layers_graphs``). (Inductor's C++ wrapper, which would launch the kernels with less host
+    time, fails to compile the layers' backward on CUDA in torch 2.11: "CudaKernelParamCache not populated", seen on
+    an H100.)"""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+    if graphs:
+        return torch.compile(_call_graphed, dynamic=False, mode="reduce-overhead")
     return torch.compile(_call, dynamic=False)
 
 
@@ -69,8 +77,9 @@ def layer_call(module: nn.Module, h: Tensor, *args: Any, **kwargs: Any) -> Any:
     else the module's own call."""
     if not compiled_applies(h, module, kwargs.get("need_weights", False), kwargs.get("cache")):
         return module(h, *args, **kwargs)
-    previous = traced_policy(_traced(backends()))
+    policy = backends()
+    previous = traced_policy(_traced(policy))
     try:
-        return _compiled()(module, h, *args, **kwargs)
+        return _compiled(h.device.type in policy.compiled_layers_graphs)(module, h, *args, **kwargs)
     finally:
         traced_policy(previous)

@@ -478,6 +478,8 @@ class Trainer(TrainingLoop):
         lr = lr_at(self.step + 1, tc)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
+        if w.device.type in backends().compiled_layers_graphs:  # (the layers' CUDA graphs: last step's outputs dead)
+            torch.compiler.cudagraph_mark_step_begin()
         n = tc.batch_chunk
         mem = mem_len_at(self.step, tc, self.cfg.model.mem_len)
         target = batch.target
