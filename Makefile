@@ -94,13 +94,16 @@ lint: setup
 
 # The wheels a lent GPU machine lacks (its image holds torch and triton, not HF's TransfoXL 4.46.3 nor gymnasium and
 # popgym): downloaded here into .whl/ (ignored by git) for its Python 3.12; a device call carries them (carry:
-# [".whl"]) and benchmarks/gpu_suite.sh installs them first (HF's rows; the `rl` step's PPO iteration).
+# [".whl", ".whl2"]) and benchmarks/gpu_suite.sh installs them first (HF's rows; the `rl` step's PPO iteration).
+# txl's own pure-Python dependencies that the image lacks go to .whl2/ (benchmarks/gpu_e2e.sh, the `e2e` step).
 GPU_WHEELS := transformers==4.46.3 tokenizers==0.20.3 huggingface_hub==0.26.5 gymnasium==1.4.0 popgym==1.0.7 \
 	farama-notifications==0.0.6
+GPU_WHEELS2 := jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0 sacremoses==0.1.1
+GPU_PIP := python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 gpu-wheels:
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl $(GPU_WHEELS)
+	$(GPU_PIP) -d .whl $(GPU_WHEELS)
+	$(GPU_PIP) -d .whl2 $(GPU_WHEELS2)
 
 # Headless Chromium and its driver (Debian packages) for the web page's browser test; needs apt-get (root).
 browser:

@@ -34,13 +34,15 @@
 #   rl          txl.rl on the GPU (rl_speed.py --device cuda): acting for N = 256 / 1,024 / 4,096 environments as one
 #               replayed graph and kernel by kernel, a PPO iteration, beside cuDNN's GRU: rl_gpu.json.
 #   generation  Generation as a CUDA graph against HF's generate().
+#   e2e         (not in the default list) The user's path, `txl train` with the WT103 base recipe then `txl eval`
+#               (gpu_e2e.sh, ~2 minutes on an H200; its pure-Python dependencies from .whl2/, `make gpu-wheels`).
 #   tiles       The fused attention alone at the WT103 base shapes, forward and backward, for six tile settings,
 #               beside the attention written out and compiled by Inductor (not in the default list: name it).
 # Measured on an H200 (2026-11-27): tests 93 s, base 190 s (one row fewer then), track 236 s for its first three
 # variants (the compiled fp32 path 115 s with its compile, each bf16 run 55-67 s; the eager reference ~45 s) + 133 s
 # without dropout, track-text 184 s; all steps take more than one device call (10 minutes): a GPU session names the
 # steps it has time for (e.g. GPU_SUITE_STEPS="tests base" in one call, "track-text others generation" in another).
-# (The user's path, txl train and txl eval with the WT103 base recipe, is benchmarks/gpu_e2e.sh: ~2 more minutes.)
+# (The user's path, txl train and txl eval with the WT103 base recipe: the e2e step, benchmarks/gpu_e2e.sh.)
 # GPU_SUITE_SMOKE=1: the same commands on the CPU at the smallest configuration and a few steps (no tests step), so
 # that the test suite checks every command line here before a GPU session spends its one run on it.
 set -uo pipefail
@@ -127,8 +129,10 @@ for step in $STEPS; do
         echo "[gpu_suite] rl: needs gymnasium and popgym: \`make gpu-wheels\` here, then carry .whl"; continue
       fi
       (cd benchmarks && run_step rl 300 log_rl.txt "$PY" rl_speed.py "${RL[@]}" --json "$OUT/rl_gpu.json") ;;
+    e2e)  # (not in the default list) The user's path: txl train with the WT103 base recipe, then txl eval (gpu_e2e.sh)
+      E2E_SMALL="${GPU_SUITE_SMOKE:-0}" run_step e2e 330 log_e2e.txt bash benchmarks/gpu_e2e.sh ;;
     tiles)
       (cd benchmarks && run_step tiles 180 log_tiles.txt "$PY" gpu_fused_attention.py "${TILES[@]}") ;;
-    *) echo "[gpu_suite] unknown step $step (tests profile base track track-text track-logits others generation rl tiles)" ;;
+    *) echo "[gpu_suite] unknown step $step (tests profile base track track-text track-logits others generation rl e2e tiles)" ;;
   esac
 done

@@ -194,13 +194,14 @@ def test_every_command_of_the_gpu_suite_runs_in_its_smoke_mode(tmp_path):
     says so after reading its options."""
     text = tmp_path / "words.txt"
     text.write_text(" ".join(f"w{i % 97} w{i % 13}" for i in range(3000)))
-    steps = "tests profile base track track-text track-logits others generation rl tiles"
+    steps = "tests profile base track track-text track-logits others generation rl e2e tiles"
     env = {**os.environ, "GPU_SUITE_SMOKE": "1", "PYTHON": sys.executable, "GPU_SUITE_TEXT": str(text),
            "GPU_SUITE_STEPS": steps}  # fmt: skip
     run = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    for step in ("profile", "base", "track", "track-no-dropout", "track-text", "track-logits", "others", "rl", "tiles"):
+    for step in ("profile", "base", "track", "track-no-dropout", "track-text", "track-logits", "others", "rl", "e2e",
+                 "tiles"):  # fmt: skip
         assert f"[gpu_suite] {step}: exit 0 after" in run.stdout, run.stdout[-3000:]
     assert "needs a CUDA device" in (tmp_path / "log_generation.txt").read_text()
     base = (tmp_path / "log_base.txt").read_text()
