@@ -109,7 +109,9 @@ def test_streams_nobody_reads_hold_bounded_memory(served):
     time.sleep(5)
     late = rss_mib(proc.pid) - before
     assert late < NEVER_READ_MIB, f"{CLIENTS} unread streams grew the server by {late:.0f} MiB"
-    assert late - early < 6, f"the server kept growing: {early:.0f} -> {late:.0f} MiB in 5 s"
+    # (before the fix it grew by ~25 MiB in these 5 s; on 2 busy cores the last streams still fill their buffers
+    # here: 6-7 MiB was seen while the rest of the suite ran beside it, 2026-11-29)
+    assert late - early < 12, f"the server kept growing: {early:.0f} -> {late:.0f} MiB in 5 s"
     for s in clients:
         s.close()
     assert idle(url, 10) < 3
