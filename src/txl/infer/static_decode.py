@@ -36,6 +36,7 @@ from torch import Tensor
 
 from txl.kernels.admission import admits
 from txl.kernels.backends import backends
+from txl.kernels.graphs import capture_undone
 from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading
 from txl.model.modeling import KVCache, RelPartialLearnableMultiHeadAttn, TransformerXLLM, sinusoid_embedding
@@ -119,27 +120,10 @@ class StaticDecoder:
         return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
 
     def _capture(self) -> None:
-        """Record :meth:`step` as a CUDA graph. A warm-up step first runs on a side stream (as CUDA graphs ask:
-        libraries allocate their workspaces there) and is undone: it wrote only the slot that the first replay
-        writes again, and the slot bookkeeping is restored."""
-        state = [t.clone() for t in (self.pos, self.slot_pos, self.slot_pad)]
-
-        def restore() -> None:
-            for t, saved in zip((self.pos, self.slot_pos, self.slot_pad), state, strict=True):
-                t.copy_(saved)
-
-        side = torch.cuda.Stream(device=self.ids.device)
-        side.wait_stream(torch.cuda.current_stream(self.ids.device))
-        with torch.cuda.stream(side):
-            self.step()
-            restore()
-        torch.cuda.current_stream(self.ids.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # (thread_local: this capture does not turn other threads' unsafe calls into errors; their work can still be
-        # refused or invalidate the capture, see the module's note: __call__ then goes on without it)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self.step()
-        self._replay = graph
+        """Record :meth:`step` as a CUDA graph (:func:`txl.kernels.graphs.capture_undone`): its warm-up wrote only the
+        slot that the first replay writes again, and the slot bookkeeping is restored. Another thread's CUDA work can
+        break the capture (see the module's note): __call__ then goes on without it."""
+        self._replay, self._out = capture_undone(self.step, (self.pos, self.slot_pos, self.slot_pad), self.ids.device)
 
     def _attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
         """softmax((a)+(c) + (b)+(d)) v over the ring's slots (fp32 softmax for half-precision caches)."""

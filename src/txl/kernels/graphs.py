@@ -33,7 +33,7 @@ steps on the reference."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,30 @@ def module_state(module: nn.Module) -> tuple:
     tensors = tuple((t.data_ptr(), t.dtype) for t in (*module.parameters(), *module.buffers()))
     hooked = global_hooks() or any(own_hooks(m) for m in module.modules())  # (txl.kernels.admission's one check)
     return tensors, hooked
+
+
+def capture_undone(
+    step: Callable[[], Tensor], kept: Sequence[Tensor], device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """``step()`` recorded as a CUDA graph, for a step that moves its own bookkeeping on (txl.infer.static_decode's
+    ring, txl.rl.acting's): a warm-up run first, on a side stream (as CUDA graphs ask: libraries allocate their
+    workspaces there), after which the tensors ``kept`` get their values back (the warm-up's other writes are the
+    ones the first replay makes again), then the capture. (thread_local: other threads' unsafe calls are not made
+    errors; their work can still break the capture, a RuntimeError for the caller, which ran nothing.) Returns the
+    graph and its output buffer (each replay overwrites it)."""
+    saved = [t.clone() for t in kept]
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        step()
+        for t, value in zip(kept, saved, strict=True):
+            t.copy_(value)
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
 
 
 def _autocast(dev: torch.device) -> torch.dtype | None:

@@ -211,20 +211,21 @@ class KVCache:
         window = self.padding[:, self.start : self.end + T]
         return window if self.padded and bool(window.any()) else None
 
-    def forget(self, rows: Tensor) -> None:
+    def forget(self, rows: Tensor) -> Tensor:
         """Mark the whole memory of the rows where ``rows`` [B] (bool) is True as padding, in place: none of it is
         attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged. Their
         keys and values are zeroed: a masked position then adds exactly 0 to the attention, where a non-finite value
-        would add 0 x NaN = NaN (one NaN observation would poison the episodes after it)."""
-        gone = rows.nonzero().flatten()  # (the rows that start over: zeroing only theirs costs what they hold)
+        would add 0 x NaN = NaN (one NaN observation would poison the episodes after it). Returns the indices of those
+        rows, on the cache's device."""
+        gone = rows.nonzero().flatten().to(self.k.device)  # (zeroing only these rows costs what they hold)
         if not len(gone):
-            return
+            return gone
         self.padding[gone, self.start : self.end] = True
         if self.length:
-            gone = gone.to(self.k.device)
             for t in (self.k, self.v):
                 t[:, gone, :, self.start : self.end] = 0
         self.padded = True
+        return gone
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""

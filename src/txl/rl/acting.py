@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from txl.kernels.admission import admits
+from txl.kernels.graphs import capture_undone, module_state
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading, TransformerXLConfig
@@ -51,7 +52,7 @@ class RingMemory:
         cfg: TransformerXLConfig = model.config
         L, H, Dh, D = cfg.n_layer, cfg.n_head, cfg.d_head, cfg.d_model
         dev = torch.device(device)
-        self.config, self.n_envs, self.mem_len, self.d_input = cfg, n_envs, mem_len, model.d_input
+        self.n_envs, self.mem_len = n_envs, mem_len
         C = self.slots = mem_len + 1
         self.k = torch.zeros(L, n_envs, H, C, Dh, device=dev, dtype=dtype)  # [L, N, H, C, Dh]
         self.v = torch.zeros_like(self.k)
@@ -64,14 +65,13 @@ class RingMemory:
         read = Reading().resolved(cfg)
         self.window = mem_len + int(cfg.tf_same_length) if read.same_length else C  # (keys a query sees)
         self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # the softmax's dtype
-        r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], distance ascending
-        self.r = r
+        self.r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
         self.r_k = torch.zeros(L, H, Dh, C, device=dev, dtype=dtype)  # W_kR R_d of each layer, by distance
         self.weights: tuple | None = None  # (the weights' versions the keys, values and r_k were computed with)
         self.owner = model._token
         self.graph = graph and dev.type == "cuda"
         self._replay: torch.cuda.CUDAGraph | None = None
-        self._captured: list[int] | None = None  # (the addresses of the weights the graph reads)
+        self._captured: tuple | None = None  # (module_state of the model the graph reads)
         self._out: Tensor | None = None
 
     @staticmethod
@@ -103,14 +103,14 @@ class RingMemory:
         if not self.graph or torch.is_autocast_enabled(self.k.device.type):
             # (under autocast a weight's cast can be cached from before the capture: a replay would read it stale)
             return self.step(model)
-        params = [p.data_ptr() for p in model.parameters()]
-        if self._replay is None or self._captured != params:  # (first step, or the weights moved: .to(), .data =)
+        state = module_state(model)  # (the weights' addresses: a model moved by .to() or .data = is captured again)
+        if self._replay is None or self._captured != state:
             try:
                 self._capture(model)
             except RuntimeError:  # another thread's CUDA work broke the capture (it ran nothing): go on without one
                 self.graph = False
                 return self.step(model)
-            self._captured = params
+            self._captured = state
         self._replay.replay()
         return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
 
@@ -187,21 +187,11 @@ class RingMemory:
         return core.drop(h)[:, 0]  # [N, D]
 
     def _capture(self, model: nn.Module) -> None:
-        """Record :meth:`step` as a CUDA graph. A warm-up step first runs on a side stream (libraries allocate their
-        workspaces there) and is undone: it wrote the slot the first replay writes again, from the same inputs, and
-        the bookkeeping is restored (its zeroing of the environments that reset is what the replay does again)."""
-        saved = [t.clone() for t in (self.pos, self.slot_pos, self.valid)]
-        side = torch.cuda.Stream(device=self.k.device)
-        side.wait_stream(torch.cuda.current_stream(self.k.device))
-        with torch.cuda.stream(side):
-            self.step(model)
-            for t, s in zip((self.pos, self.slot_pos, self.valid), saved, strict=True):
-                t.copy_(s)
-        torch.cuda.current_stream(self.k.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self.step(model)
-        self._replay = graph
+        """Record :meth:`step` as a CUDA graph (:func:`txl.kernels.graphs.capture_undone`): its warm-up wrote the slot
+        the first replay writes again, from the same inputs, and the bookkeeping is restored (its zeroing of the
+        environments that reset is what the replay does again)."""
+        kept = (self.pos, self.slot_pos, self.valid)
+        self._replay, self._out = capture_undone(lambda: self.step(model), kept, self.k.device)
 
     def _reference(self, model: nn.Module) -> Tensor:
         """The step by the model's own modules (layers not stock: a hook, an adapter): ``window`` of one step from

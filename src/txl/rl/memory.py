@@ -99,10 +99,9 @@ class AgentMemory:
         as the cache is about to slide its keys (to the front of the buffer, once every mem_len + 1 steps)."""
         c = self.cache
         if c.length:
-            gone = reset.nonzero().flatten()  # (only the rows that start over are written: none in most steps)
-            if len(gone):
-                c.forget(reset)  # (masked and zeroed: nothing of a past episode, a NaN included, reaches the new one)
-                self.hidden[:, gone.to(self.hidden.device), c.start : c.end] = 0
+            gone = c.forget(reset)  # (masked, zeroed: nothing of a past episode, a NaN included, reaches the new one)
+            if len(gone):  # (only the rows that start over are written: none in most steps)
+                self.hidden[:, gone, c.start : c.end] = 0
         if c.end + 1 > c.capacity:  # (KVCache.begin slides its window to the front now: the same here)
             n = c.length
             self.hidden[:, :, :n] = self.hidden[:, :, c.start : c.end].clone()
@@ -239,25 +238,22 @@ class MemoryTransformer(nn.Module):
         """Act: one step of every environment, ``x`` [N, d_input] (observations), ``reset`` [N] (True: this step
         starts the environment's episode, its memory is masked). Updates ``memory`` in place; returns the features
         [N, d_model]. No gradient, no dropout (acting; in eval mode no mode switch per step: faster)."""
-        N = memory.n_envs
-        if isinstance(memory, RingMemory):
-            if memory.owner is not self._token:
-                raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
-            w = self.embed.weight
-            if (memory.k.dtype, memory.k.device) != (w.dtype, w.device):
-                raise ValueError(
-                    f"step: this memory holds {memory.k.dtype} on {memory.k.device} and the model's weights are "
-                    f"{w.dtype} on {w.device}: make a new one with initial_memory after moving or casting the model"
-                )
-            x = self._inputs(x, (N, self.d_input), "step: x")
-            reset = self._resets(reset, (N,), "step: reset")
+        N, ring = memory.n_envs, isinstance(memory, RingMemory)
+        if (memory.owner is not self._token) if ring else (memory.cache.config != self.config):
+            raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
+        w = self.embed.weight
+        if ring and (memory.k.dtype, memory.k.device) != (w.dtype, w.device):
+            raise ValueError(
+                f"step: this memory holds {memory.k.dtype} on {memory.k.device} and the model's weights are "
+                f"{w.dtype} on {w.device}: make a new one with initial_memory after moving or casting the model"
+            )
+        x = self._inputs(x, (N, self.d_input), "step: x")
+        reset = self._resets(reset, (N,), "step: reset")
+        if ring:
             self._refresh(memory)
             with _evaluating(self):
                 return memory.act(self, x, reset)
-        if memory.cache.config != self.config:
-            raise ValueError("step: this memory was made by another model (initial_memory of this one makes one)")
-        x = self._inputs(x, (N, self.d_input), "step: x")
-        reset = self._resets(reset, (N,), "step: reset").to(memory.cache.padding.device)
+        reset = reset.to(memory.cache.padding.device)
         memory._begin(reset)
         self._refresh(memory)
         with _evaluating(self):
@@ -268,7 +264,7 @@ class MemoryTransformer(nn.Module):
         memory._record(out.hidden_states[:-1])
         return out.last_hidden_state[:, 0]  # [N, D]
 
-    def _refresh(self, memory: AgentMemory) -> None:
+    def _refresh(self, memory: AgentMemory | RingMemory) -> None:
         """If the weights the cache depends on changed since its keys and values were computed (an update, a loaded
         state), compute them again from the kept layer inputs, and W_kR R too: acting then computes what the window
         replays. Those weights are the attention's input norm, QKV and position projections (whatever modules hold
