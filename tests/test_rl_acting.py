@@ -135,9 +135,16 @@ def test_the_replayed_graph_equals_the_eager_step_on_cuda():
     torch.manual_seed(7)
     model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=8), 4).cuda().eval()
     x, resets = torch.randn(16, 30, 4, device="cuda"), torch.rand(16, 30, device="cuda") < 0.1
-    ring_f, cache_f, ring, _ = run_both(model, x, resets, update_at=17)
+    ring_f, cache_f, ring, cache = run_both(model, x, resets, update_at=17)
     assert ring._replay is not None
     torch.testing.assert_close(ring_f, cache_f, rtol=1e-4, atol=1e-4)
+    # a hook put on the input layer after the capture runs at every step (the step is no longer the replay)
+    calls = []
+    model.embed.register_forward_hook(lambda m, i, o: calls.append(1) or o * 2)
+    no = torch.zeros(16, dtype=torch.bool, device="cuda")
+    a, b = model.step(x[:, 0], no, ring), model.step(x[:, 0], no, cache)
+    assert len(calls) == 2
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_the_ring_in_bf16_follows_the_cache_in_bf16():
@@ -156,3 +163,17 @@ def test_a_ring_that_does_not_fit_is_one_line_before_anything_is_allocated():
     with pytest.raises(ValueError, match=r"the memory of 100000 environments x mem_len 4096 needs [\d.]+ GiB"):
         model.initial_memory(100_000, graph=True)
     assert RingMemory.bytes_per_env(model.config, 64) == 65 * (2 * (2 * 64 + 64) * 4 + 1)
+
+
+def test_a_hook_on_the_input_layer_keeps_the_step_off_the_graph():
+    """The step calls the input layer itself: with a hook on it the graph is not replayed (here: a ring told to use
+    graphs on the CPU takes the eager step, and no capture is tried); the hook runs at every step."""
+    torch.manual_seed(9)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=1, n_head=2, mem_len=3), 2).eval()
+    ring = model.initial_memory(2, graph=True)
+    ring.graph = True  # (as on CUDA: a capture here would fail on the CPU)
+    calls = []
+    model.embed.register_forward_hook(lambda m, i, o: calls.append(1))
+    for _ in range(3):
+        model.step(torch.randn(2, 2), torch.zeros(2, dtype=torch.bool), ring)
+    assert len(calls) == 3 and ring._replay is None

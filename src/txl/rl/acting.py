@@ -100,7 +100,8 @@ class RingMemory:
         self.reset.copy_(reset)
         if not admits("graph_act", model.core.layers, deep=True, name="layers"):
             return self._reference(model)
-        if not self.graph or torch.is_autocast_enabled(self.k.device.type):
+        # (the input layer is called by the step: a replay would not call a hook or an adapter put on it since)
+        if not self.graph or torch.is_autocast_enabled(self.k.device.type) or not admits("graph_act", model.embed):
             # (under autocast a weight's cast can be cached from before the capture: a replay would read it stale)
             return self.step(model)
         state = module_state(model)  # (the weights' addresses: a model moved by .to() or .data = is captured again)
