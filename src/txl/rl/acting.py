@@ -25,7 +25,7 @@ eagerly: a stand-in the tests hold to the reference (there the KVCache's step in
 
 It applies only to stock layers (``txl.kernels.admission``, the path ``graph_act``): where a hook, an adapter or a
 changed class is on the layers, each step is the reference (``MemoryTransformer.window`` of one step, which calls
-the modules), said once in the log.
+the modules), said once in the log; where one is on the input layer, the step runs without the graph.
 """
 
 from __future__ import annotations
