@@ -53,6 +53,27 @@ def close_scaled(got, want, what=""):
     close(got, want, 1e-5 * max(1.0, float(np.abs(want).max())), 0.0, what)
 
 
+def close_log_probs(got, want, scale=None, what=""):
+    """Log-probabilities (and the NLLs made of them) within 1e-5 + 2e-6 x the scale of their row (max |log p| over the
+    vocabulary, or ``scale``): a log-prob is a logit minus its row's logsumexp, so its rounding is set by the row's
+    largest terms, not by its own value. Measured on the 12 folders: txl's PyTorch model is within 1.2e-6 x that scale
+    of HF everywhere, and 2.5e-5 off where the element itself is -4 (word-adaptive-sharp, rows down to -27); XLA on
+    another CPU was 1.7e-5 off on such an element."""
+    got, want = np_(got), np.asarray(want)
+    if scale is None:
+        scale = np.abs(want).max(axis=-1, keepdims=True)
+    bound = 1e-5 + 2e-6 * np.asarray(scale)
+    err = np.abs(got - want)
+    bad = ~(err <= bound)  # (NaN is bad)
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(np.where(bad, err - bound, -np.inf))), want.shape)
+        at = np.broadcast_to(bound, want.shape)[i]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {want.size} elements beyond 1e-5 + 2e-6 x their row's scale; "
+            f"at {tuple(int(j) for j in i)} got {got[i]!r}, want {want[i]!r}, bound {at:.3g}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 1. Hugging Face 4.46.3's outputs: log-probs, hidden states, mems over 3 segments, losses
 # ---------------------------------------------------------------------------------------------------------
@@ -69,8 +90,8 @@ RUNS = [
 @pytest.mark.parametrize("name, mem_init, outputs", RUNS)
 def test_hugging_face_outputs_on_every_reference_folder(name, mem_init, outputs):
     """The HF 4.x folder loads as it is (its layout, its names) and gives HF's outputs to 1e-5: hidden states and
-    memories absolutely; log-probabilities (down to -30) and losses within 1e-5 + 1e-6 x |value| (fp32 has 7 digits:
-    a log-prob of -19 is 1.9e-6 per last bit; txl's own PyTorch parity test allows 1e-4 on the -sharp folders)."""
+    memories absolutely; log-probabilities (rows down to -30) and losses within 1e-5 + 2e-6 x their row's scale
+    (close_log_probs; txl's own PyTorch parity test allows 1e-4 flat on the -sharp folders)."""
     folder = FOLDERS[name]
     lm = TFTransfoXLLMHeadModel.from_pretrained(folder, mem_init=mem_init)
     inputs, ref = load_file(folder / "inputs.safetensors"), load_file(folder / f"{outputs}.safetensors")
@@ -78,14 +99,16 @@ def test_hugging_face_outputs_on_every_reference_folder(name, mem_init, outputs)
     mems = None
     for s in range(3):
         o = lm(inputs[f"seg{s}.input_ids"], mems=mems, labels=inputs[f"seg{s}.labels"], output_hidden_states=True)
+        scale = float(np.abs(ref[f"seg{s}.losses_ordered"]).max())  # a row reaches at least its target's NLL
         if f"seg{s}.log_probs" in ref:  # (the vendored copies keep some outputs only)
-            close(o.prediction_scores, ref[f"seg{s}.log_probs"], 1e-5, 1e-6, f"{name} seg{s} log_probs")
+            close_log_probs(o.prediction_scores, ref[f"seg{s}.log_probs"], what=f"{name} seg{s} log_probs")
+            scale = max(scale, float(np.abs(ref[f"seg{s}.log_probs"]).max()))
         for i in range(n_layer + 1):
             close(o.hidden_states[i], ref[f"seg{s}.hidden_states.{i}"], what=f"seg{s} hidden_states.{i}")
         for i, m in enumerate(o.mems):
             close(m, ref[f"seg{s}.mems.{i}"], what=f"seg{s} mems.{i}")
-        close(o.losses, ref[f"seg{s}.losses_ordered"], 1e-5, 1e-6, f"seg{s} losses")
-        close(o.loss, ref[f"seg{s}.loss"], 1e-5, 1e-6, f"seg{s} loss")
+        close_log_probs(o.losses, ref[f"seg{s}.losses_ordered"], scale, f"{name} seg{s} losses")
+        close_log_probs(o.loss, ref[f"seg{s}.loss"], scale, f"{name} seg{s} loss")
         mems = o.mems
     base = TFTransfoXLModel.from_pretrained(folder, mem_init=mem_init)
     o = base(inputs["seg0.input_ids"])
