@@ -106,6 +106,28 @@ def test_a_hook_on_the_layers_takes_the_reference_and_says_so(caplog):
     assert "graph_act" in caplog.text
 
 
+def test_a_swapped_position_projection_is_called_as_a_module():
+    """A user's module in place of W_kR (no ``weight`` of its own, and a bias): the ring asks it for W_kR R like the
+    model does (the step takes the reference, as for any changed layer) and follows the cache memory."""
+    torch.manual_seed(8)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4), 3).eval()
+
+    class Projection(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner, self.shift = inner, torch.nn.Parameter(0.1 * torch.randn(inner.out_features))
+
+        def forward(self, r: torch.Tensor) -> torch.Tensor:
+            return self.inner(r) + self.shift
+
+    for layer in model.core.layers:
+        layer.attn.r_net = Projection(layer.attn.r_net)
+    x, resets = torch.randn(3, 8, 3), torch.rand(3, 8) < 0.2
+    resets[:, 0] = True
+    ring_f, cache_f, _, _ = run_both(model, x, resets, update_at=4)
+    torch.testing.assert_close(ring_f, cache_f, rtol=1e-5, atol=1e-5)
+
+
 def test_the_default_memory_follows_the_policy():
     """On the CPU the default is the K/V cache (its native step is faster there); with graph_act on for the CPU it is
     the ring; clone() is independent; a ring of another model is refused in one line."""

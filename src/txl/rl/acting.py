@@ -39,7 +39,7 @@ from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading, TransformerXLConfig
 from txl.model.positions import sinusoid_embedding
-from txl.rl.state import MemoryState
+from txl.rl.state import MemoryState, check_fits, element_size
 
 
 class RingMemory:
@@ -52,6 +52,7 @@ class RingMemory:
         cfg: TransformerXLConfig = model.config
         L, H, Dh, D = cfg.n_layer, cfg.n_head, cfg.d_head, cfg.d_model
         dev = torch.device(device)
+        check_fits(self.bytes_per_env(cfg, mem_len, element_size(dtype)) * n_envs, dev, n_envs, mem_len)
         self.n_envs, self.mem_len = n_envs, mem_len
         C = self.slots = mem_len + 1
         self.k = torch.zeros(L, n_envs, H, C, Dh, device=dev, dtype=dtype)  # [L, N, H, C, Dh]
@@ -84,14 +85,14 @@ class RingMemory:
 
     def recompute(self, model: nn.Module) -> None:
         """The weights changed (an update, a loaded state, the first step): every slot's keys and values from the
-        kept layer inputs, and W_kR R, written in place (the graph reads these buffers)."""
+        kept layer inputs, and W_kR R, by the attention's own modules, written in place (the graph reads these
+        buffers)."""
         with torch.no_grad():
             for i, layer in enumerate(model.core.layers):
                 kv = layer.attn.memory_keys_values(self.hidden[i])  # [2, N, H, C, Dh]
                 self.k[i].copy_(kv[0])
                 self.v[i].copy_(kv[1])
-                H, Dh = layer.attn.n_head, layer.attn.d_head
-                self.r_k[i].copy_(torch.mm(layer.attn.r_net.weight, self.r.t()).view(H, Dh, self.slots))
+                self.r_k[i].copy_(layer.attn.r_net(self.r).t().reshape(self.r_k[i].shape))  # [C, H*Dh] -> [H, Dh, C]
 
     def act(self, model: nn.Module, x: Tensor, reset: Tensor) -> Tensor:
         """One step of every environment (``x`` [N, d_input], ``reset`` [N] bool, checked by the caller, the model in

@@ -45,32 +45,8 @@ from txl.model.pretrained import (
 )
 from txl.model.transformer import TransformerXL
 from txl.rl.acting import RingMemory
-from txl.rl.state import MemoryState
+from txl.rl.state import MemoryState, check_fits, element_size
 from txl.util.fileio import save_safetensors
-
-
-def _bytes_free(device: torch.device) -> int | None:
-    """Memory the process can still take on ``device`` (None: unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return None
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _check_fits(need: int, device, n_envs: int, mem_len: int) -> None:
-    """One line, before anything is allocated, where ``need`` bytes do not fit the device's free memory."""
-    free = _bytes_free(torch.device(device))
-    if free is not None and need > free:
-        raise ValueError(
-            f"the memory of {n_envs} environments x mem_len {mem_len} needs {need / 2**30:.2f} GiB and "
-            f"{torch.device(device)} has {free / 2**30:.2f} GiB free: use fewer environments or a shorter mem_len"
-        )
 
 
 class AgentMemory:
@@ -81,7 +57,7 @@ class AgentMemory:
     def __init__(self, config: TransformerXLConfig, n_envs: int, mem_len: int, device, dtype: torch.dtype):
         L, D = config.n_layer, config.d_model
         self.n_envs, self.mem_len = n_envs, mem_len
-        _check_fits(self.bytes_per_env(config, mem_len, _element_size(dtype)) * n_envs, device, n_envs, mem_len)
+        check_fits(self.bytes_per_env(config, mem_len, element_size(dtype)) * n_envs, device, n_envs, mem_len)
         self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
         self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
         self.weights: tuple | None = None  # (the weights' versions the cached keys and values were computed with)
@@ -216,8 +192,6 @@ class MemoryTransformer(nn.Module):
                                                                    name="layers")  # fmt: skip
         if not graph:
             return AgentMemory(self.config, n_envs, mem_len, device, dtype)
-        _check_fits(RingMemory.bytes_per_env(self.config, mem_len, _element_size(dtype)) * n_envs, device, n_envs,
-                    mem_len)  # fmt: skip
         return RingMemory(self, n_envs, mem_len, device, dtype, graph=True)
 
     def _inputs(self, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
