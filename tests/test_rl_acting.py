@@ -130,7 +130,7 @@ def test_a_swapped_position_projection_is_called_as_a_module():
 
 def test_the_default_memory_follows_the_policy():
     """On the CPU the default is the K/V cache (its native step is faster there); with graph_act on for the CPU it is
-    the ring; clone() is independent; a ring of another model is refused in one line."""
+    the ring; clone() is independent; a ring of a model of another configuration is refused in one line."""
     model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=1, n_head=2, mem_len=3), 2).eval()
     assert isinstance(model.initial_memory(2), AgentMemory)
     with use_backends(graph_act=("cpu",)):
@@ -141,8 +141,8 @@ def test_the_default_memory_follows_the_policy():
     copy = ring.clone()
     model.step(x, ~r, copy)
     assert int(ring.pos) == 1 and int(copy.pos) == 2
-    other = MemoryTransformer(model.config, 2).eval()
-    with pytest.raises(ValueError, match="made by another model"):
+    other = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=3), 2).eval()
+    with pytest.raises(ValueError, match="made by a model of another configuration"):
         other.step(x, r, ring)
     with pytest.raises(ValueError, match=r"step: x must be \[2, 2\]"):
         model.step(torch.randn(3, 2), r, ring)
@@ -199,3 +199,67 @@ def test_a_hook_on_the_input_layer_keeps_the_step_off_the_graph():
     for _ in range(3):
         model.step(torch.randn(2, 2), torch.zeros(2, dtype=torch.bool), ring)
     assert len(calls) == 3 and ring._replay is None
+
+
+def _data_copy(model, target):
+    for p, q in zip(model.parameters(), target.parameters(), strict=True):
+        p.data.copy_(q.data)  # (the target-network idiom: no version counter moves)
+
+
+def _data_sgd(model, target):
+    for p in model.parameters():
+        p.data.add_(-0.05 * torch.randn_like(p))  # (manual SGD through .data)
+
+
+def _data_assign(model, target):
+    for p, q in zip(model.parameters(), target.parameters(), strict=True):
+        p.data = q.detach().clone()  # (a new storage behind the same Parameter)
+
+
+def _one_element(model, target):
+    model.core.layers[0].attn.qkv_net.weight.data[3, 5] += 0.5  # (one weight, through .data)
+
+
+@pytest.mark.parametrize("write", [_data_copy, _data_sgd, _data_assign, _one_element])
+@pytest.mark.parametrize("kind", ["cache", "ring"])
+@pytest.mark.parametrize("gate", ["gru", "residual"])
+def test_weights_written_through_data_are_seen_by_the_next_step(write, kind, gate):
+    """Round 6, rn1: writes through ``.data`` bump no version counter; the acting memory still recomputes its keys,
+    so the next step equals ``window()`` over ``memory.state()`` (the model's own forward)."""
+    torch.manual_seed(0)
+    model = MemoryTransformer(gtrxl_config(d_model=32, n_layer=2, n_head=4, mem_len=8, gate=gate), 5).eval()
+    target = MemoryTransformer(model.config, 5).eval()
+    with use_backends(graph_act=("cpu",) if kind == "ring" else ()):
+        memory = model.initial_memory(3)
+    assert isinstance(memory, RingMemory if kind == "ring" else AgentMemory)
+    x, reset = torch.randn(3, 7, 5), torch.zeros(3, 7, dtype=torch.bool)
+    reset[:, 0] = True
+    for t in range(6):
+        model.step(x[:, t], reset[:, t], memory)
+    state = memory.state()
+    write(model, target)
+    acted = model.step(x[:, 6], reset[:, 6], memory)
+    with torch.no_grad():
+        replayed, _ = model.window(x[:, 6:], reset[:, 6:], state)
+    torch.testing.assert_close(acted, replayed[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_target_network_steps_the_memory_of_the_model_it_copies():
+    """A deepcopy of the model (a target network) steps the ring made by the original, as it steps its cache: it
+    computes the keys again with its own weights (round 6, rn7-ring)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = MemoryTransformer(gtrxl_config(d_model=16, n_layer=1, n_head=2, mem_len=4), 3).eval()
+    with use_backends(graph_act=("cpu",)):
+        ring = model.initial_memory(2)
+    x, r = torch.randn(2, 3), torch.ones(2, dtype=torch.bool)
+    model.step(x, r, ring)
+    target = copy.deepcopy(model)
+    for p in target.parameters():
+        p.data.mul_(0.9)
+    state = ring.state()
+    acted = target.step(x, ~r, ring)
+    with torch.no_grad():
+        replayed, _ = target.window(x[:, None], (~r)[:, None], state)
+    torch.testing.assert_close(acted, replayed[:, 0], rtol=1e-5, atol=1e-5)

@@ -190,7 +190,7 @@ def test_bad_input_gets_one_clear_error():
     with pytest.raises(ValueError, match=r"step: reset must be \[4\]"):
         model.step(torch.zeros(4, 3), torch.zeros(3, dtype=torch.bool), mem)
     other = MemoryTransformer(gtrxl_config(d_model=16, n_layer=2, n_head=2, mem_len=4), 3)
-    with pytest.raises(ValueError, match="this memory was made by another model"):
+    with pytest.raises(ValueError, match="this memory was made by a model of another configuration"):
         other.step(torch.zeros(4, 3), torch.zeros(4, dtype=torch.bool), mem)
     state = mem.state()
     with pytest.raises(ValueError, match=r"window: resets must be \[4, 2\]"):

@@ -3,8 +3,11 @@ music corpora's), a file that exists is replaced only when txl wrote it and nobo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -62,9 +65,29 @@ class Ledger:
             what = "the file exists and txl did not write it"
         return DataError(f"{path}: {what}; nothing written. Give --out a new folder, or move the file away")
 
+    def writable(self) -> None:
+        """Refuse (DataError naming the folder) an ``--out`` that cannot be written: its nearest existing folder is
+        tried with a file made and removed at once, before anything is downloaded."""
+        folder = self.out
+        while not (folder.exists() or folder.is_symlink()) and folder != folder.parent:
+            folder = folder.parent
+        probe = folder / f".txl-write-test-{uuid.uuid4().hex[:12]}"
+        try:
+            if not folder.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder")
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            raise DataError(
+                f"--out {self.out}: cannot write in {folder} ({e.strerror or e}); nothing downloaded. Give --out a "
+                "folder you can write"
+            ) from None
+
     def check(self, rels: Iterable[str] = (), folders: Iterable[str] = (), same: dict[str, bytes] | None = None):
         """Refuse (DataError naming the file) when a path in ``rels``, or any file under one of ``folders``, exists
-        and is not :meth:`ours`; a file whose bytes equal ``same[rel]`` is allowed (a re-run finds the same bytes)."""
+        and is not :meth:`ours`, or when ``out`` cannot be written; a file whose bytes equal ``same[rel]`` is allowed
+        (a re-run finds the same bytes)."""
+        self.writable()
         same = same or {}
         for rel in rels:
             path = self.out / rel
@@ -97,7 +120,24 @@ class Ledger:
                 yield chunk
 
         dest = self.out / rel
-        write_bytes(dest, counted())
+
+        def may_replace() -> bool:  # (asked again when the bytes are in: a file made during a download is the user's)
+            if not (dest.exists() or dest.is_symlink()) or self.ours(rel):
+                return True
+            return (
+                dest.is_file()
+                and not dest.is_symlink()
+                and dest.stat().st_size == size
+                and (sha256_file(dest) == h.hexdigest())
+            )
+
+        try:
+            write_bytes(dest, counted(), may_replace)
+        except FileExistsError:
+            raise DataError(
+                f"{dest}: a file appeared there while txl was writing it, and txl did not write it; it is left as it "
+                "is (the downloads stay in the cache). Move it away, or give --out a new folder, and run again"
+            ) from None
         self.files[rel] = {"size": size, "sha256": h.hexdigest(), "mtime_ns": dest.stat().st_mtime_ns}
         doc = {"written_by": _WRITER, "files": dict(sorted(self.files.items()))}
         write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())

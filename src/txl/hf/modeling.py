@@ -19,11 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from txl.hf.configuration import TransfoXLConfig
+from txl.hf.generation import MemoryGeneration
 from txl.hf.tokenization import library_words
 from txl.interop.convert import is_hf_layout, load_hf_weights
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
@@ -521,7 +522,7 @@ def _check_mems(mems: list[Tensor], batch: int, cfg: TransfoXLConfig) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
+class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, MemoryGeneration):
     """Hugging Face's ``TransfoXLLMHeadModel``: the base model and txl's adaptive softmax (``crit``), tied as txl
     ties them (``tie_word_embeddings``, ``tie_projs``)."""
 
@@ -617,33 +618,6 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, GenerationMixin):
         cluster = torch.bucketize(targets, ends, right=True)  # [N]: 0 (head), 1, 2, ...
         cluster = torch.where(targets == -100, len(self.crit.ends), cluster)
         return nll[torch.argsort(cluster, stable=True)]
-
-    # Generation: transformers' GenerationMixin, with the memory as the cache (as transformers 4.x's TransfoXL).
-    def prepare_inputs_for_generation(
-        self, input_ids: Tensor, past_key_values: list[Tensor] | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
-        """The first step reads the whole prompt; every later step the newest token on top of the memory.
-
-        ``attention_mask`` (0 = padding, as a tokenizer pads a batch on the left) is honoured: the prompt's pads are
-        never attended, nor later as part of the memory (the memory's positions the mask does not cover, the zero
-        memory of ``mem_init="zeros"``, count as tokens). ``output_attentions`` / ``output_hidden_states`` are
-        passed on, so ``return_dict_in_generate=True`` returns them per step."""
-        inputs: dict[str, Any] = {k: kwargs[k] for k in ("output_attentions", "output_hidden_states") if k in kwargs}
-        mask = kwargs.get("attention_mask")
-        padded = mask is not None and not bool(mask.all())
-        if not past_key_values:
-            return {**inputs, "input_ids": input_ids, **({"attention_mask": mask} if padded else {})}
-        inputs.update(input_ids=input_ids[:, -1:], mems=past_key_values)
-        if padded:  # [batch, M + 1]: the memory (the last M positions before this one) and the new token
-            M = past_key_values[0].shape[0]
-            before = torch.cat([mask.new_ones(mask.shape[0], M), mask[:, :-1]], 1)[:, -M:] if M else mask[:, :0]
-            inputs["attention_mask"] = torch.cat([before, mask[:, -1:]], 1)
-        return inputs
-
-    @staticmethod
-    def _reorder_cache(mems: list[Tensor], beam_idx: Tensor) -> list[Tensor]:
-        """Beam search: each beam's memory follows the beam it continues (memories are [mem_len, batch, d_model])."""
-        return [m.index_select(1, beam_idx.to(m.device)) for m in mems]
 
 
 # ---------------------------------------------------------------------------------------------------------

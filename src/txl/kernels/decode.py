@@ -44,7 +44,9 @@ def native_loop(
     if backends().native_decode:
         fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None)  # noqa: E731
         first = plan[0]
-        kind = (first.pre_lnorm, first.identity_map, type(first.gate1), type(first.gate2), h.dtype, len(plan))
+        # (every value the kernel reads from the modules, per layer: a new combination is checked again)
+        gates = tuple((type(lay.gate1), type(lay.gate2)) for lay in plan)
+        kind = (native.layer_values(plan), gates, h.dtype)
         if verified("native_decode", kind, fast, lambda: loop(None)):
             shapes = (h.shape, cache.k.shape[:3], (cache.length + 1, h.shape[-1], first.w1.shape[0]))
             if measured.faster("native_decode", shapes, h.dtype, fast, lambda: loop(None)):

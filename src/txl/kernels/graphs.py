@@ -75,12 +75,19 @@ class SegmentGraphs:
         self.failed = False
 
 
+_SCALARS = (bool, int, float, str)
+
+
 def module_state(module: nn.Module) -> tuple:
     """What a graph of ``module``'s kernels depends on besides the inputs: its parameters' and buffers' addresses and
-    dtypes, and whether any forward hook (the module's, its submodules', or a global one) is registered."""
+    dtypes, every plain value its modules hold (an attention's ``scale``, ``pre_lnorm``, a norm's ``eps``: a graph
+    bakes them in), and whether any forward hook (the module's, its submodules', or a global one) is registered."""
     tensors = tuple((t.data_ptr(), t.dtype) for t in (*module.parameters(), *module.buffers()))
+    values = tuple(
+        (k, v) for m in module.modules() for k, v in m.__dict__.items() if type(v) in _SCALARS and k != "training"
+    )
     hooked = global_hooks() or any(own_hooks(m) for m in module.modules())  # (txl.kernels.admission's one check)
-    return tensors, hooked
+    return tensors, values, hooked
 
 
 def capture_undone(
@@ -137,10 +144,10 @@ def segment_layers(
     autocast = _autocast(dev)
     if autocast is None and h.dtype not in (torch.float16, torch.bfloat16):
         return layers(h)  # (fp32 steps are bound by their arithmetic here: see the module's note)
-    state, hooked = module_state(module)
+    state, values, hooked = module_state(module)
     if hooked:
         return layers(h)
-    key = (key, tuple(h.shape), h.dtype, autocast, state)
+    key = (key, tuple(h.shape), h.dtype, autocast, state, values)
     graphs = holder.segment_graphs
     if graphs is None or graphs.key != key:
         holder.segment_graphs = SegmentGraphs(key)  # (a new key's first step: the reference, no capture)

@@ -82,7 +82,7 @@ class DecodeLayer(NamedTuple):
         B = h.shape[0]
         attn = self.attn
         H, Dh = attn.n_head, attn.d_head
-        x = attn.layer_norm(h) if self.pre_lnorm else h
+        x = attn.layer_norm(h) if attn.pre_lnorm else h  # (the attention's own flag, read now)
         q, k, v = product(x, self.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
         k, v = keys_values(k, v)  # [B, H, K, Dh]
         q_w, bd = positional(q, k.shape[2])  # [B, H, 1, Dh], [B, H, 1, K]

@@ -17,6 +17,7 @@ they would not write, or replace, anything inside a locked folder another comman
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import json
@@ -26,7 +27,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,33 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _install(tmp: Path, dest: Path, may_replace: Callable[[], bool] | None) -> None:
+    """``tmp`` becomes ``dest``. With ``may_replace``, a ``dest`` that exists at that moment is replaced only where
+    ``may_replace()`` says so (else FileExistsError, ``tmp`` kept for the caller to remove): where ``dest`` does not
+    exist, a hard link installs it, which fails rather than replace a file made meanwhile (a filesystem without hard
+    links: the check, then the rename)."""
+    if may_replace is None:
+        os.replace(tmp, dest)
+        return
+    try:
+        os.link(tmp, dest)
+        os.unlink(tmp)
+        return
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS, errno.EACCES):
+            raise
+    if not may_replace():
+        raise FileExistsError(errno.EEXIST, "exists, and may not be replaced", str(dest))
+    os.replace(tmp, dest)
+
+
 @contextmanager
-def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary path beside ``dest`` to write to; on success it becomes ``dest`` durably."""
+def atomic_path(dest: str | os.PathLike, may_replace: Callable[[], bool] | None = None) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``dest`` to write to; on success it becomes ``dest`` durably. With
+    ``may_replace``, a file at ``dest`` when the writer is done is replaced only where ``may_replace()`` is true, and
+    a file made there while the writer ran is never replaced (FileExistsError naming ``dest``)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
@@ -61,7 +86,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         os.chmod(tmp, mode)
         _fsync_file(tmp)
-        os.replace(tmp, dest)
+        _install(tmp, dest, may_replace)
         fsync_dir(dest.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -73,9 +98,12 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_bytes(dest: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:
-    """Write ``data`` (bytes, or an iterable of chunks streamed in bounded memory) to ``dest`` atomically."""
-    with atomic_path(dest) as tmp, open(tmp, "wb") as f:
+def write_bytes(
+    dest: str | os.PathLike, data: bytes | Iterable[bytes], may_replace: Callable[[], bool] | None = None
+) -> None:
+    """Write ``data`` (bytes, or an iterable of chunks streamed in bounded memory) to ``dest`` atomically (for
+    ``may_replace``, see :func:`atomic_path`)."""
+    with atomic_path(dest, may_replace) as tmp, open(tmp, "wb") as f:
         for chunk in [data] if isinstance(data, bytes | bytearray) else data:
             f.write(chunk)
 

@@ -66,7 +66,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_void_p)
         for name in ("qkv", "o", "ln1_w", "ln1_b", "w1", "b1", "w2", "b2", "ln2_w", "ln2_b", "u", "v")
-    ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("identity_map", ctypes.c_int)]
+    ] + [("eps1", ctypes.c_float), ("eps2", ctypes.c_float), ("scale", ctypes.c_float), ("pre_lnorm", ctypes.c_int)]
+    _fields_ += [("identity_map", ctypes.c_int)]
     _fields_ += [("gate1", _Gate), ("gate2", _Gate)]
 
 
@@ -136,7 +137,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.txl_decode_step
     fn.restype = ctypes.c_int
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # noqa: N806
-    fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, I, ctypes.c_float, P, P, I]
+    fn.argtypes = [P, I, P, L, L, P, P, L, L, L, P, L, I, I, I, I, I, P, P, I]
     lib.txl_attention.argtypes = [P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, L, P, L, L, P, L, L, L, P, L, L]
     lib.txl_attention.argtypes += [P, P, P, P, I, I, I, I, I, I]
     lib.txl_attention.restype = ctypes.c_int
@@ -260,28 +261,55 @@ def _usable(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def layer_values(plan: list) -> tuple:
+    """Every value the kernel reads from the layers' modules rather than from a tensor, per layer and read now: the
+    attention's scale, pre_lnorm (the attention's and the feed-forward's), identity_map and the two norms' eps, and
+    the shapes of the weights. A plan's structs are remade when any of them changes, and the native step is checked
+    against the Python loop again for each new combination (it is part of the kind)."""
+    return tuple(
+        (
+            lay.attn.scale,
+            lay.attn.pre_lnorm,
+            lay.layer.ff.pre_lnorm,
+            lay.attn.identity_map,
+            lay.layer.ff.identity_map,
+            lay.attn.layer_norm.eps,
+            lay.layer.ff.layer_norm.eps,
+            lay.attn.n_head,
+            lay.attn.d_head,
+            *(tuple(t.shape) for t in (lay.qkv, lay.o, lay.w1, lay.w2)),
+        )  # fmt: skip
+        for lay in plan
+    )
+
+
 class _Plan:
     """The ctypes view of a model's decoding plan (``txl.model.cache.DecodeLayer`` per layer, and u, v): the layer
-    structs, and the addresses they were made from. Each step compares the tensors' addresses with these (a few
-    microseconds) and remakes the structs when a storage moved (``.to()``, ``.data =``), so the kernel never reads
-    freed memory; changes in place are read as they are."""
+    structs, and the addresses and values they were made from. Each step compares the tensors' addresses and the
+    layers' values (:func:`layer_values`) with these (a few microseconds) and remakes the structs when a storage moved
+    (``.to()``, ``.data =``) or a value changed (a layer's ``attn.scale``), so the kernel never reads freed memory or
+    a stale value; changes in place are read as they are."""
 
-    def __init__(self, plan: list, biases: tuple[Tensor, Tensor]) -> None:
+    def __init__(self, plan: list, biases: tuple[Tensor, Tensor], values: tuple) -> None:
         per_layer = [_tensors(lay) for lay in plan]
         gates = [tuple(g or () for g in lay.gru) for lay in plan]  # (GRU gates' weights; a None: another kind)
         self.tensors = [t for ts in per_layer for t in ts if t is not None] + list(biases)
         self.tensors += [t for gs in gates for g in gs for t in g]
         self.ptrs = list(map(_DATA_PTR, self.tensors))
+        self.values = values
+        # one shape for every layer (the kernel takes n_head, d_head, d_inner once), one pre_lnorm per layer
         self.usable = all(map(_usable, self.tensors)) and all(g is not None for lay in plan for g in lay.gru)
+        self.usable &= all(v[1] == v[2] and v[3] == v[4] and v[7:] == values[0][7:] for v in values)
         u, v = biases
         step = u[0].numel() * u.element_size() if u.dim() == 3 else 0  # (untie_r: one [H, Dh] per layer)
         self.layers = (_Layer * len(plan))()
-        for i, (lay, ts, gs) in enumerate(zip(plan, per_layer, gates, strict=True)):
+        for i, (ts, gs, vals) in enumerate(zip(per_layer, gates, values, strict=True)):
             ptrs = [None if t is None else t.data_ptr() for t in ts]
             joins = [_Gate(*(t.data_ptr() for t in g)) if g else _Gate() for g in gs]
+            scale, pre_lnorm, _, identity_map, _, eps1, eps2 = vals[:7]
             self.layers[i] = _Layer(
-                *ptrs, u.data_ptr() + i * step, v.data_ptr() + i * step, lay.norm1[3], lay.norm2[3],
-                int(lay.identity_map), *joins,
+                *ptrs, u.data_ptr() + i * step, v.data_ptr() + i * step, eps1, eps2, scale, int(pre_lnorm),
+                int(identity_map), *joins,
             )  # fmt: skip
         self.r = (ctypes.c_void_p * len(plan))()
 
@@ -306,9 +334,9 @@ def decode_step(
     k, v, r0 = cache.k, cache.v, pos[0].r_k
     if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)) or functorch_wrapped(h):
         return None  # (a functorch wrapper, under vmap or grad, has no storage for the kernel to read)
-    native = state.get("native")
-    if native is None or native.ptrs != list(map(_DATA_PTR, native.tensors)):
-        native = state["native"] = _Plan(plan, biases)
+    native, values = state.get("native"), layer_values(plan)
+    if native is None or native.ptrs != list(map(_DATA_PTR, native.tensors)) or native.values != values:
+        native = state["native"] = _Plan(plan, biases, values)
     if not native.usable or r0.dtype != torch.float32 or r0.stride(-1) != 1:
         return None
     native.r[:] = [p.r_k.data_ptr() for p in pos]  # (every layer's table has r0's layout: one cache made them)
@@ -324,7 +352,7 @@ def decode_step(
     failed = lib.txl_decode_step(
         native.layers, len(plan), native.r, r0.stride(0), r0.stride(1), k.data_ptr(), v.data_ptr(), k.shape[3],
         cache.start, cache.end, mask_ptr, mask_sb, B, D, attn.n_head, attn.d_head, first.w1.shape[0],
-        int(first.pre_lnorm), attn.scale, out.data_ptr(), None if inputs is None else inputs.data_ptr(),
+        out.data_ptr(), None if inputs is None else inputs.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     if failed:

@@ -43,6 +43,8 @@ typedef struct {
     const float *ln2_w, *ln2_b; /* [D] (the feed-forward's layer norm) */
     const float *u, *v;      /* r_w_bias, r_r_bias of this layer, [H, Dh] */
     float eps1, eps2;
+    float scale;             /* the attention's scale (its own attn.scale, read per layer: a user may change one) */
+    int pre_lnorm;           /* this layer's pre_lnorm (the attention's and the feed-forward's, the same) */
     int identity_map;        /* GTrXL's reordering (pre-LN only): a ReLU on each sub-module's output */
     txl_gate gate1, gate2;   /* the attention's and the feed-forward's GRU gates (w NULL: the residual sum) */
 } txl_layer;
@@ -256,7 +258,7 @@ static const float *layer_input(const float *h, float *x, int B, int D, int pre_
  * Returns 0, or 1 when scratch memory could not be allocated (nothing was written then). */
 int txl_decode_step(const txl_layer *layers, int n_layer, const float *const *r, long rs_h, long rs_d, float *kc,
                     float *vc, long cap, long start, long pos, const uint8_t *mask, long mask_sb, int B, int D, int H,
-                    int Dh, int Di, int pre_lnorm, float scale, float *h, float *hids, int n_threads) {
+                    int Dh, int Di, float *h, float *hids, int n_threads) {
     const int K = (int)(pos - start + 1), HD = H * Dh;
     const int nt = n_threads > 0 ? n_threads : 1;
     const long per_thread = K + 2L * Dh;
@@ -279,6 +281,8 @@ int txl_decode_step(const txl_layer *layers, int n_layer, const float *const *r,
         int lo, hi;
         for (int l = 0; l < n_layer; l++) {
             const txl_layer *L = &layers[l];
+            const int pre_lnorm = L->pre_lnorm;
+            const float scale = L->scale;
             float *kl = kc + l * layer_stride, *vl = vc + l * layer_stride;
             if (hids) { /* (h is whole: the last phase ended with a barrier) */
                 share(B, &lo, &hi);
