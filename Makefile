@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: gpu-wheels setup setup-hf5 setup-keras setup-oldest test-keras demo music test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
+.PHONY: gpu-wheels setup setup-hf5 setup-keras setup-oldest test-keras test-latest demo music test test-all test-fast test-oldest lint format browser bench bench-data bench-train bench-levers bench-vanilla \
 	bench-vanilla-full bench-serve experiments clean
 
 # pyproject.toml declares the ranges txl supports; the environments are installed from constraints/*.txt, which pin
@@ -88,8 +88,8 @@ music: setup
 	  --piano_roll runs/chorales/sample.png --temperature 0.9 --top_k 20 --seed 1 --json true
 
 lint: setup
-	$(BIN)/ruff check src tests tests_hf tests_keras benchmarks experiments examples
-	$(BIN)/ruff format --check src tests tests_hf tests_keras benchmarks experiments examples
+	$(BIN)/ruff check src tests tests_hf tests_keras benchmarks experiments examples tools
+	$(BIN)/ruff format --check src tests tests_hf tests_keras benchmarks experiments examples tools
 	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml: [tool.importlinter])
 
 # The wheels a lent GPU machine lacks (its image holds torch and triton, not HF's TransfoXL 4.46.3 nor gymnasium and
@@ -131,9 +131,15 @@ test-keras: setup-keras
 test-all:
 	$(MAKE) test SLOW=1
 
+# The newest release of every integration inside pyproject.toml's ranges (transformers, peft, accelerate, keras, jax,
+# tensorflow, miditok, torchrl, gymnasium...), no lock file: a leg whose newest versions are the lock file's says so
+# (make test tested them); a newer one gets its own environment (.venv-latest-LEG) and its suite runs there. CI runs it.
+test-latest: setup
+	$(PYTHON) tools/test_latest.py
+
 format: setup
-	$(BIN)/ruff format src tests tests_hf tests_keras benchmarks experiments examples
-	$(BIN)/ruff check --fix src tests tests_hf tests_keras benchmarks experiments examples
+	$(BIN)/ruff format src tests tests_hf tests_keras benchmarks experiments examples tools
+	$(BIN)/ruff check --fix src tests tests_hf tests_keras benchmarks experiments examples tools
 
 bench: setup
 	$(BIN)/python benchmarks/model_speed.py --write docs/benchmarks.md
@@ -170,4 +176,4 @@ bench-data: setup
 	$(BIN)/python benchmarks/data_prep.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) $(HF5_VENV) $(KERAS_VENV) $(OLD_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(HF5_VENV) $(KERAS_VENV) $(OLD_VENV) .venv-latest-* runs .pytest_cache .ruff_cache

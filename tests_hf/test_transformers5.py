@@ -72,6 +72,38 @@ def test_the_twelve_reference_folders_have_transformers_4_outputs():
                 mems = out.mems
 
 
+def test_greedy_and_beam_search_equal_transformers_4_on_the_twelve_reference_folders():
+    """Round 6 (A): transformers 5.24 renamed generation's cache and stopped carrying ``mems``; txl.hf keeps its
+    memory under its own contract, so under the lock file's release and the newest (make test-latest) greedy and beam
+    search give 4.46.3's tokens on every reference folder."""
+    assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (transformers 4.46.3); run `make setup`"
+    run = subprocess.run(
+        [str(MAIN_PYTHON), str(ROOT / "tests_hf" / "hf4_generation.py"), str(ORACLE)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(ref) == FOLDERS
+    wrong = []
+    for name in FOLDERS:
+        model = AutoModelForCausalLM.from_pretrained(ORACLE / name)
+        for prompt, greedy, beam in zip(ref[name]["prompts"], ref[name]["greedy"], ref[name]["beam"], strict=True):
+            x = torch.tensor([prompt])
+            if model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist() != greedy:
+                wrong.append(f"{name} greedy {prompt}")
+            if model.generate(x, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)[0].tolist() != beam:
+                wrong.append(f"{name} beam {prompt}")
+    assert not wrong, f"transformers {transformers.__version__}: {wrong}"
+
+
+def test_generation_refuses_a_memory_it_would_ignore():
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / FOLDERS[0])
+    x = torch.tensor([[1, 2, 3]])
+    mems = model(x).mems
+    with pytest.raises(ValueError, match="generate: pass no mems"):
+        model.generate(x, mems=mems, max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("name", ["word-adaptive-sharp", "same-length-clamp-sharp"])
 def test_the_original_empty_memory_and_positional_losses_on_request(name):
     folder = ORACLE / name

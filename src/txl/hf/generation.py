@@ -37,9 +37,9 @@ def check_generation_contract() -> None:
         )
 
 
-class MemoryGeneration(GenerationMixin):
+class MemoryGenerationMixin(GenerationMixin):
     """``GenerationMixin`` for a model whose forward takes and returns ``mems`` (n_layer tensors [mem_len, batch,
-    d_model])."""
+    d_model]). (Its name ends in "GenerationMixin": transformers' ``can_generate`` looks for that in the bases.)"""
 
     def _update_model_kwargs_for_generation(
         self, outputs: ModelOutput, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any

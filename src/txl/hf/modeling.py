@@ -24,7 +24,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from txl.hf.configuration import TransfoXLConfig
-from txl.hf.generation import MemoryGeneration
+from txl.hf.generation import MemoryGenerationMixin
 from txl.hf.tokenization import library_words
 from txl.interop.convert import is_hf_layout, load_hf_weights
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
@@ -522,7 +522,7 @@ def _check_mems(mems: list[Tensor], batch: int, cfg: TransfoXLConfig) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, MemoryGeneration):
+class TransfoXLLMHeadModel(TransfoXLPreTrainedModel, MemoryGenerationMixin):
     """Hugging Face's ``TransfoXLLMHeadModel``: the base model and txl's adaptive softmax (``crit``), tied as txl
     ties them (``tie_word_embeddings``, ``tie_projs``)."""
 

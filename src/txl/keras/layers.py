@@ -25,6 +25,20 @@ def _normal(std: float) -> keras.initializers.Initializer:
     return keras.initializers.RandomNormal(stddev=std)
 
 
+def weight_init(cfg: TransformerXLConfig) -> keras.initializers.Initializer:
+    """A weight's initialisation, as txl's (the original ``weights_init``): U(-init_range, init_range) with
+    ``init="uniform"``, else N(0, init_std)."""
+    if cfg.init == "uniform":
+        return keras.initializers.RandomUniform(-cfg.init_range, cfg.init_range)
+    return _normal(cfg.init_std)
+
+
+def _layer_norm(cfg: TransformerXLConfig) -> keras.layers.LayerNormalization:
+    """A LayerNorm initialised as txl's: gamma ~ N(1, init_std), beta 0."""
+    gamma = keras.initializers.RandomNormal(mean=1.0, stddev=cfg.init_std)
+    return keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon, gamma_initializer=gamma, name="layer_norm")
+
+
 def linear(x: Any, kernel: Any, bias: Any = None) -> Any:
     """``x @ kernel.T + bias`` with PyTorch's ``[out, in]`` kernel."""
     y = ops.matmul(x, ops.transpose(kernel))
@@ -57,7 +71,7 @@ class AdaptiveEmbedding(keras.layers.Layer):
         sizes = [cfg.n_token] if cfg.div_val == 1 else [r - l for l, r in zip(self.ends, self.ends[1:], strict=False)]
         dims = cluster_dims(cfg)
         self.emb_layers = [
-            self.add_weight(shape=(n, d), initializer=_normal(cfg.init_std), name=f"emb_layers_{i}")
+            self.add_weight(shape=(n, d), initializer=weight_init(cfg), name=f"emb_layers_{i}")
             for i, (n, d) in enumerate(zip(sizes, dims, strict=True))
         ]
         n_proj = len(dims) if has_projections(cfg) else 0
@@ -137,11 +151,11 @@ class RelPartialLearnableMultiHeadAttn(keras.layers.Layer):
         super().__init__(**kwargs)
         cfg = self.config = config
         H, Dh, D = cfg.n_head, cfg.d_head, cfg.d_model
-        init = _normal(cfg.init_std)
+        init = weight_init(cfg)
         self.qkv_net = self.add_weight(shape=(3 * H * Dh, D), initializer=init, name="qkv_net")  # [W_q; W_kE; W_v]
         self.o_net = self.add_weight(shape=(D, H * Dh), initializer=init, name="o_net")
         self.r_net = self.add_weight(shape=(H * Dh, D), initializer=init, name="r_net")  # W_kR
-        self.layer_norm = keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon, name="layer_norm")
+        self.layer_norm = _layer_norm(cfg)
         with keras.name_scope(self.name):  # (its variables' paths under this layer's: unique in the model)
             self.layer_norm.build((None, D))
         self.drop = keras.layers.Dropout(cfg.dropout)
@@ -201,12 +215,12 @@ class PositionwiseFF(keras.layers.Layer):
     def __init__(self, config: TransformerXLConfig, **kwargs: Any):
         super().__init__(**kwargs)
         cfg = self.config = config
-        init = _normal(cfg.init_std)
+        init = weight_init(cfg)
         self.w1 = self.add_weight(shape=(cfg.d_inner, cfg.d_model), initializer=init, name="layer_1_weight")
         self.b1 = self.add_weight(shape=(cfg.d_inner,), initializer="zeros", name="layer_1_bias")
         self.w2 = self.add_weight(shape=(cfg.d_model, cfg.d_inner), initializer=init, name="layer_2_weight")
         self.b2 = self.add_weight(shape=(cfg.d_model,), initializer="zeros", name="layer_2_bias")
-        self.layer_norm = keras.layers.LayerNormalization(epsilon=cfg.layer_norm_epsilon, name="layer_norm")
+        self.layer_norm = _layer_norm(cfg)
         with keras.name_scope(self.name):
             self.layer_norm.build((None, cfg.d_model))
         self.drop = keras.layers.Dropout(cfg.dropout)
@@ -248,13 +262,13 @@ class AdaptiveSoftmax(keras.layers.Layer):
         self._embedding = (lambda: embedding) if embedding is not None else None
         if cfg.n_clusters > 0:
             self.cluster_weight = self.add_weight(
-                shape=(cfg.n_clusters, cfg.d_embed), initializer=_normal(cfg.init_std), name="cluster_weight"
+                shape=(cfg.n_clusters, cfg.d_embed), initializer=weight_init(cfg), name="cluster_weight"
             )
             self.cluster_bias = self.add_weight(shape=(cfg.n_clusters,), initializer="zeros", name="cluster_bias")
         sizes = [cfg.n_token] if cfg.div_val == 1 else [r - l for l, r in zip(self.ends, self.ends[1:], strict=False)]
         self.tied_weight = cfg.tie_weight and embedding is not None
         self.out_weights = [
-            self.add_weight(shape=(n, d), initializer=_normal(cfg.init_std), name=f"out_layers_{i}_weight")
+            self.add_weight(shape=(n, d), initializer=weight_init(cfg), name=f"out_layers_{i}_weight")
             for i, (n, d) in enumerate(zip(sizes, dims, strict=True))
             if not self.tied_weight
         ]

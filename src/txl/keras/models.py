@@ -16,12 +16,15 @@ Keras's stateful RNNs have: a fixed batch size, ``reset_memory()`` to start over
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 from keras import ops
 
+from txl.keras.distribution import check_layout
 from txl.keras.layers import (
     AdaptiveEmbedding,
     AdaptiveSoftmax,
@@ -29,6 +32,7 @@ from txl.keras.layers import (
     RelPartialLearnableMultiHeadAttn,
     causal_mask,
     sinusoid_embedding,
+    weight_init,
 )
 from txl.model.config import TransformerXLConfig
 
@@ -119,7 +123,9 @@ class TFTransfoXLSequenceClassifierOutputWithPast(NamedTuple):
 @keras.saving.register_keras_serializable(package="txl")
 class SegmentMemory(keras.layers.Layer):
     """The memory a stateful model carries between calls: ``n_layer`` x ``[batch, mem_len, d_model]`` in one
-    non-trainable variable. It is state, not a weight: it is neither saved nor loaded."""
+    non-trainable variable. A ``.keras`` file saved while it is carried keeps it (``keras.saving.load_model`` gives a
+    model that carries the same memory: a resumed ``fit`` continues the stream); txl's folders
+    (``save_pretrained``) hold weights only."""
 
     def __init__(self, n_layer: int, batch_size: int, mem_len: int, d_model: int, **kwargs: Any):
         super().__init__(**kwargs)
@@ -134,12 +140,6 @@ class SegmentMemory(keras.layers.Layer):
 
     def reset(self) -> None:
         self.state.assign(ops.zeros(self.shape_))
-
-    def save_own_variables(self, store: Any) -> None:  # (state, not a weight)
-        pass
-
-    def load_own_variables(self, store: Any) -> None:
-        pass
 
     def get_config(self) -> dict[str, Any]:
         n_layer, batch_size, mem_len, d_model = self.shape_
@@ -162,6 +162,7 @@ class _Base(keras.Model):
         check_backend()
         self.config = config if isinstance(config, TransformerXLConfig) else TransformerXLConfig.from_dict(config)
         check_config(self.config)
+        check_layout(self.config)
         if mem_init not in ("zeros", "empty"):
             raise ValueError(
                 f"mem_init = {mem_init!r}: 'zeros' (Hugging Face's, the TF code's) or 'empty' (the original PyTorch "
@@ -171,11 +172,18 @@ class _Base(keras.Model):
         self.tokenizer = None  # (txl's, when the weights came from a folder with a tokenizer.json: generate on text)
 
     def get_config(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "mem_init": self.mem_init, "name": self.name}
+        memory = self._backbone().memory
+        carried = None if memory is None else memory.shape_[1]  # (the batch size of a carried memory)
+        return {"config": self.config.to_dict(), "mem_init": self.mem_init, "name": self.name, "carried": carried}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> _Base:
-        return cls(**config)
+        config = dict(config)
+        carried = config.pop("carried", None)
+        model = cls(**config)
+        if carried is not None:  # (its state is then loaded with the weights: the memory saved)
+            model.carry_memory(carried)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> _Base:
@@ -210,7 +218,7 @@ class TransfoXLBackbone(keras.layers.Layer):
         cfg = self.config = config
         self.word_emb = AdaptiveEmbedding(cfg, name="word_emb")
         bias_shape = (cfg.n_layer, cfg.n_head, cfg.d_head) if cfg.untie_r else (cfg.n_head, cfg.d_head)
-        init = keras.initializers.RandomNormal(stddev=cfg.init_std)
+        init = weight_init(cfg)
         self.r_w_bias = self.add_weight(shape=bias_shape, initializer=init, name="r_w_bias")  # u
         self.r_r_bias = self.add_weight(shape=bias_shape, initializer=init, name="r_r_bias")  # v
         self.attn = [RelPartialLearnableMultiHeadAttn(cfg, name=f"layers_{i}_attn") for i in range(cfg.n_layer)]
@@ -313,6 +321,8 @@ class TFTransfoXLModel(_Base):
     """Hugging Face's ``TFTransfoXLModel``: the hidden states of the last layer, and the new memories."""
 
     TORCH_TWIN = "TransformerXL"
+    PRIMARY = "last_hidden_state"  # (what predict() returns: the head's main output)
+    _predicting = False
     """txl's PyTorch class with the same weights (txl.keras.weights reads and writes its folders)."""
 
     def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
@@ -396,7 +406,8 @@ class TFTransfoXLModel(_Base):
             output_hidden_states=output_hidden_states,
         )
         labels = args.pop("labels")
-        return self.head(self.body(**args, training=training), labels, args.get("input_ids"))
+        out = self.head(self.body(**args, training=training), labels, args.get("input_ids"))
+        return getattr(out, self.PRIMARY) if self._predicting else out
 
     def head(self, out: TFTransfoXLModelOutput, labels: Any, input_ids: Any) -> Any:
         """The outputs of the model from the backbone's (this one: the backbone's own; it takes no labels)."""
@@ -424,6 +435,45 @@ class TFTransfoXLModel(_Base):
             shuffle = False
         return super().fit(*args, shuffle=True if shuffle is None else shuffle, **kwargs)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras's ``evaluate``; with a carried memory it reads its data as a stream of its own: from a zero memory,
+        and the memory carried before it is back afterwards (``fit``'s validation calls it: validation never reads
+        the training stream's memory)."""
+        with self._own_stream():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Keras's ``predict``: the head's main output for every row, as one array (the language model's
+        ``prediction_scores`` [N, T, V], log-probabilities; the base model's ``last_hidden_state``; the classifier's
+        ``logits``); with a carried memory, ``x`` is read as a stream of its own, as :meth:`evaluate` reads."""
+        with self._own_stream(), self._primary():
+            return super().predict(x, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        with self._primary():
+            return super().predict_on_batch(x)
+
+    @contextmanager
+    def _primary(self) -> Iterator[None]:
+        self._predicting = True
+        try:
+            yield
+        finally:
+            self._predicting = False
+
+    @contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        memory = self._backbone().memory
+        if memory is None:
+            yield
+            return
+        kept = np.array(ops.convert_to_numpy(memory.state), copy=True)
+        memory.reset()
+        try:
+            yield
+        finally:
+            memory.state.assign(kept)
+
     def reset_memory(self) -> None:
         """Zero the carried memory (a new stream, or a new epoch)."""
         if self.transformer.memory is not None:
@@ -440,6 +490,7 @@ class TFTransfoXLLMHeadModel(TFTransfoXLModel):
     sampling, beam search) and ``fit()`` over a token stream (:meth:`carry_memory`)."""
 
     TORCH_TWIN = "TransformerXLLM"
+    PRIMARY = "prediction_scores"
 
     def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
         super().__init__(config, mem_init, **kwargs)
@@ -522,12 +573,13 @@ class TFTransfoXLForSequenceClassification(TFTransfoXLModel):
     padding (the position before the first ``pad_token_id``, else the last); regression with one label."""
 
     TORCH_TWIN = "TransformerXLForSequenceClassification"
+    PRIMARY = "logits"
 
     def __init__(self, config: TransformerXLConfig | dict, mem_init: str = "zeros", **kwargs: Any):
         super().__init__(config, mem_init, **kwargs)
         cfg = self.config
         self.score = self.add_weight(
-            shape=(cfg.num_labels, cfg.d_model), initializer=keras.initializers.RandomNormal(stddev=cfg.init_std),
+            shape=(cfg.num_labels, cfg.d_model), initializer=weight_init(cfg),
             name="score",
         )  # fmt: skip
         self.built = True
