@@ -107,3 +107,18 @@ def test_txl_version_lists_the_choices(fresh, capsys):
     main(["--version"])
     out = capsys.readouterr().out
     assert out.startswith("txl ") and "native kernels" in out and "native_nll [8x128]" in out
+
+
+@pytest.mark.parametrize("entry", [{"use": True}, {"use": True, "ratio": "fast"}, {"use": True, "ratio": None}])
+def test_an_entry_of_another_schema_is_left_out_not_a_traceback(fresh, capsys, entry):
+    """Round 6, mc3/mc4: an entry with no numeric ratio (another txl's schema) crashed `txl --version`; it is left
+    out (measured again when used), and the command lists the rest."""
+    from txl.cli.app import main
+
+    _, folder = fresh
+    key = "native_attention [1x1x2x16;1x2x32x16] float32 threads 1"
+    good = {"use": False, "ratio": 0.5}
+    measured._file().write_text(json.dumps({measured.machine_key(): {key: entry, "native_nll [1] float32": good}}))
+    main(["--version"])
+    out = capsys.readouterr().out
+    assert "native_nll [1] float32: 0.50x -> off" in out and key not in out

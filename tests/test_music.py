@@ -381,6 +381,16 @@ def test_serve_continues_a_midi_prompt_and_returns_midi(tmp_path, tok, music_mod
         assert "not a MIDI file" in error_of(client.post("/v1/music", json=bad))
         assert "not base64" in error_of(client.post("/v1/music", json={"midi": "@@@"}))
         assert "limit" in error_of(client.post("/v1/music", json={"max_new_tokens": 5000}))
+        # round 6, vm15/vm16: text to a music model is a 400 naming what to send, not a 500 with a traceback
+        for path, text in (("/v1/generate", {"prompt": "ROMEO", "max_new_tokens": 5}),
+                           ("/v1/completions", {"prompt": "ROMEO", "max_tokens": 5})):  # fmt: skip
+            res = client.post(path, json=text)
+            assert res.status_code == 400 and "reads music (REMI events), not text" in error_of(res), res.text
+        # round 6: a time signature the tokenizer does not write: what an API client can do, not "prepare the data"
+        odd = write(piece(random.Random(7), bars=2, ts=(7, 8), voices=1), tmp_path / "odd.mid")
+        res = client.post("/v1/music", json={"midi": base64.b64encode(odd.read_bytes()).decode()})
+        assert res.status_code == 400 and "time signature 7/8" in error_of(res), res.text
+        assert "send a piece in one of those" in error_of(res) and "prepare the data" not in error_of(res)
         assert client.get("/health").json()["status"] == "ok"
 
 

@@ -693,3 +693,31 @@ def test_a_non_finite_observation_inside_a_window_never_reaches_the_next_episode
     torch.testing.assert_close(later, clean[0, 5:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(feats[1], clean[1], rtol=1e-5, atol=1e-5)
     assert end.hidden.shape[0] == N and (end.hidden.shape[1] == T) == every_step
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n_layer", 1_000_000, "n_layer = 1,000,000, but {w} holds 3 layers"),
+        ("d_inner", 1_000_000_000, "d_inner = 1,000,000,000, but {w} holds 64"),
+        ("n_token", 10_000_000_000, "n_token = 10,000,000,000, but {w} holds "),
+    ],
+)
+def test_txl_convert_hf_checks_the_config_against_the_weights_before_building(field, value, message, tmp_path, capsys):
+    """Round 6, hl12 / ke3: `txl convert hf` (and txl.keras's from_pretrained, which reads through it) built the model
+    from config.json before checking it against the weights: n_layer 1e6 grew to 7 GB, d_inner 1e9 failed as an
+    out-of-memory. Now one line naming the field, at once."""
+    import time
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    src = Path(__file__).parent / "fixtures" / "hf" / "same-length-clamp-sharp"
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    start = time.monotonic()
+    err = fails(["convert", "hf", str(folder), str(tmp_path / "out")], capsys)
+    want = message.format(w=folder / "model.safetensors")
+    assert f"{folder / 'config.json'}: {want}" in err and "the config does not describe these weights" in err, err
+    assert time.monotonic() - start < 30 and not (tmp_path / "out").exists()

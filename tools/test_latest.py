@@ -28,7 +28,7 @@ LEGS = {
            [["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests_hf"]]),
     "keras": ("keras-test", "keras.txt", ["keras", "jax", "jaxlib", "tensorflow-cpu"],
               [["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", "tests_keras"]]),
-    "main": ("dev,rl,music", "main.txt",
+    "main": ("dev,rl,music,serve", "main.txt",
              ["torchrl", "tensordict", "gymnasium", "popgym", "minigrid", "miditok", "symusic", "music21"],
              [["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", "-m", "not slow",
                "tests/test_rl_memory.py", "tests/test_rl_acting.py", "tests/test_rl_torchrl.py",

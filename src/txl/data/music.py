@@ -253,21 +253,23 @@ class MusicTokenizer:
         return self
 
     # -- MIDI <-> ids
-    def check_score(self, score, where: str) -> None:
-        """One ``DataError`` line where the tokenizer cannot write ``score`` faithfully."""
+    def check_score(self, score, where: str, fix: str = "") -> None:
+        """One ``DataError`` line where the tokenizer cannot write ``score`` faithfully (``fix``: what to do about a
+        time signature it does not write; default: the recipe's field, for whoever prepares the data)."""
         bad = sorted({(t.numerator, t.denominator) for t in score.time_signatures} - self.time_signatures)
         if bad:
             have = ", ".join(f"{n}/{d}" for n, d in sorted(self.time_signatures, key=lambda x: (x[1], x[0])))
             raise DataError(
                 f"{where}: time signature {', '.join(f'{n}/{d}' for n, d in bad)} is not one the tokenizer writes "
-                f"({have}); add it to data.music.time_signatures and prepare the data again"
+                f"({have}); {fix or 'add it to data.music.time_signatures and prepare the data again'}"
             )
         if not any(not t.is_drum and len(t.notes) for t in score.tracks):
             raise DataError(f"{where}: the MIDI file has only drum notes (a REMI model here reads pitched notes)")
 
-    def encode_score(self, score, where: str = "the MIDI file") -> list[int]:
-        """The ids of ``score`` (all non-drum tracks merged, quantized to the grid), without BOS/EOS."""
-        self.check_score(score, where)
+    def encode_score(self, score, where: str = "the MIDI file", fix: str = "") -> list[int]:
+        """The ids of ``score`` (all non-drum tracks merged, quantized to the grid), without BOS/EOS (``fix``: see
+        :meth:`check_score`)."""
+        self.check_score(score, where, fix)
         seqs = self.remi.encode(merge_tracks(score))
         ids = list(seqs[0].ids) if seqs else []
         if not ids:

@@ -29,7 +29,15 @@ import torch
 
 from txl.interop.hf_vocab import TEXT_VOCAB, convert_hf_tokenizer
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLLM
-from txl.model.pretrained import CheckpointError, hub_hint, load_weights, read_json, read_safetensors, tied_aliases
+from txl.model.pretrained import (
+    CheckpointError,
+    check_config_fits_weights,
+    hub_hint,
+    load_weights,
+    read_json,
+    read_safetensors,
+    tied_aliases,
+)
 
 # HF config field -> txl config field (fields not listed are ignored: the hub's files carry many).
 _CONFIG_MAP = {
@@ -283,11 +291,16 @@ def load_hf_weights(
     with the weights of the Hugging Face TransfoXL folder ``src`` (renamed, tied copies checked equal, every key
     checked), in eval mode; and the file they came from."""
     hf, source = read_hf_weights(Path(src), trust_pickle)
+    # the fields that size the model against the weights, before anything is built (round 6, hl12: n_layer 1e6 grew
+    # to 7 GB; d_inner 1e9 failed as an allocation)
+    config_path = str(Path(src) / "config.json") if Path(src).is_dir() else f"{src}'s config"
+    check_config_fits_weights(config, {k: list(v.shape) for k, v in hf.items()}, config_path, source)
     is_lm = any(k.startswith("transformer.") or k.startswith("crit.") for k in hf)
     prefix = "transformer." if is_lm else ""
     tensors = hf_state_dict_to_txl(hf, config, prefix, source)
     if not is_lm:  # bare base model: drop our "transformer." prefix again
         tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    check_config_fits_weights(config, {k: list(v.shape) for k, v in tensors.items()}, config_path, source)
     model = (TransformerXLLM if is_lm else TransformerXL)(config, init=False)
     _check_hf_ties(model, tensors, source)
     load_weights(model, tensors, source)

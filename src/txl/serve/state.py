@@ -140,6 +140,11 @@ class Server:
             raise invalid(field, f"give either {field} or {ids_field}")
         if ids is not None:
             return self.check_ids(ids, ids_field)
+        if self.is_music:  # (round 6, vm15: a text request to a music model's server was a 500 with a traceback)
+            raise invalid(
+                field, f"this server's model reads music (REMI events), not text: send {ids_field}, or a MIDI file "
+                "to /v1/music"
+            )  # fmt: skip
         tokenizer = self._tokenizer(unknown)
         if tokenizer is None:
             raise invalid(field, f"the model has no tokenizer.json; send {ids_field}")
@@ -339,7 +344,8 @@ class Server:
                 raise invalid("midi", "not base64 (a MIDI file's bytes, base64-encoded)") from None
             try:
                 score = read_midi(data, "the MIDI file")
-                ids = [tok.bos_id, *tok.encode_score(score, "the MIDI file")]
+                fix = "send a piece in one of those (this model was trained on them)"
+                ids = [tok.bos_id, *tok.encode_score(score, "the MIDI file", fix)]
             except DataError as e:
                 raise invalid("midi", str(e)) from None
         elif req.prompt_ids is not None:
