@@ -14,7 +14,7 @@ PIP := python -m pip install --quiet --disable-pip-version-check
 $(STAMP): pyproject.toml constraints/main.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/$(PIP) -c constraints/main.txt torch
-	$(BIN)/$(PIP) -c constraints/main.txt -e '.[dev,bench,serve,lmeval,onnx,rl,triton,music]'
+	$(BIN)/$(PIP) -c constraints/main.txt -e '.[dev,bench,serve,lmeval,onnx,rl,triton,music,quant]'
 	touch $(STAMP)
 
 # The environment of the txl.hf suite (tests_hf): transformers 5, which cannot share one with the 4.46.3 above.

@@ -28,11 +28,11 @@ LEGS = {
            [["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests_hf"]]),
     "keras": ("keras-test", "keras.txt", ["keras", "jax", "jaxlib", "tensorflow-cpu"],
               [["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", "tests_keras"]]),
-    "main": ("dev,rl,music,serve", "main.txt",
-             ["torchrl", "tensordict", "gymnasium", "popgym", "minigrid", "miditok", "symusic", "music21"],
+    "main": ("dev,rl,music,serve,quant", "main.txt",
+             ["torchrl", "tensordict", "gymnasium", "popgym", "minigrid", "miditok", "symusic", "music21", "torchao"],
              [["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", "-m", "not slow",
                "tests/test_rl_memory.py", "tests/test_rl_acting.py", "tests/test_rl_torchrl.py",
-               "tests/test_rl_example.py", "tests/test_music.py"]]),
+               "tests/test_rl_example.py", "tests/test_music.py", "tests/test_quantized.py"]]),
 }  # fmt: skip
 KERAS_BACKENDS = ("jax", "tensorflow", "torch")
 

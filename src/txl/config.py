@@ -27,6 +27,9 @@ from txl.model.modeling import Reading, TransformerXLConfig
 from txl.util.folders import read_json
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
+Quantization = Literal["none", "int8", "int8-weight-only"]
+"""Inference with the Linear layers in int8 on the CPU (txl.infer.quantize): none, int8 (PyTorch's dynamic
+quantization), int8-weight-only (torchao's)."""
 Split = Literal["train", "valid", "test"]
 SECTIONS = ("model", "data", "train", "eval", "run_dir")
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1

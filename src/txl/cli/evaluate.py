@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from txl.cli.common import _check_eval_memory, _set_threads
-from txl.config import Precision, Split
+from txl.config import Precision, Quantization, Split
 
 
 def eval(
@@ -33,6 +33,7 @@ def eval(
     plot: Path | None = None,
     json: bool = False,
     zero_memory: bool = False,
+    quantize: Quantization = "none",
 ) -> None:
     """Score a text with a model: mean loss and ppl (words) or bpc (characters/bytes), with the settings used.
 
@@ -72,10 +73,13 @@ def eval(
         zero_memory: Start every column from mem_len zero vectors, as Hugging Face's TransfoXL (and the TF code)
             evaluated: a converted HF model then gives HF's numbers (default: an empty memory, as the original
             PyTorch code).
+        quantize: Score with the model's Linear layers in int8 (CPU): int8 (PyTorch's dynamic quantization) or
+            int8-weight-only (torchao's, needs the extra 'quant'); none: as saved.
     """
     import math
 
     from txl.infer.evaluate import NonFiniteError, eval_settings, eval_text, evaluate, metric_name, metric_value
+    from txl.infer.quantize import quantize as quantize_model
     from txl.kernels.backends import backends
     from txl.kernels.runtime import configure_allocator, effective_precision
     from txl.model.modeling import TransformerXLLM
@@ -99,7 +103,9 @@ def eval(
         print(f"txl: runtime: {backends().inference_paths(dev.type, precision)}", file=sys.stderr)
     folder = resolve_model_dir(model)
     run = read_run_config(folder)
-    lm = TransformerXLLM.from_pretrained(folder)
+    if quantize != "none" and precision != "fp32":
+        raise ValueError(f"--quantize {quantize} scores with int8 Linear layers in fp32 around them: no --precision")
+    lm = quantize_model(TransformerXLLM.from_pretrained(folder).eval(), quantize, dev)
     sweep = mem_len if isinstance(mem_len, list) else None
     if sweep is not None and (not sweep or sliding_window is not None):
         raise ValueError("--mem_len as a list needs at least one length, and no --sliding_window")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from txl.cli.common import DEFAULT_GENERATE_THREADS, _check_generate_memory, _reading_dict, _set_threads
+from txl.config import Quantization
 
 
 def generate(
@@ -33,6 +34,7 @@ def generate(
     num_beams: int = 1,
     length_penalty: float = 1.0,
     device: str = "auto",
+    quantize: Quantization = "none",
     unknown: Literal["error", "replace"] | None = None,
     midi: Path | None = None,
     prompt_midi: Path | None = None,
@@ -73,6 +75,8 @@ def generate(
         length_penalty: Beam search: a finished text's score is its log-probability over its length to this power.
         device: cpu, cuda, cuda:N or auto (the GPU if there is one). On a GPU each new token is one CUDA graph
             replay (txl.infer.static_decode); a seed samples differently there than on the CPU (another generator).
+        quantize: Generate with the model's Linear layers in int8 (CPU): int8 (PyTorch's dynamic quantization) or
+            int8-weight-only (torchao's, needs the extra 'quant'); none: as saved.
         unknown: Characters outside the vocabulary in the prompt or a stop: error (one line naming the
             first) or replace (the tokenizer's replacement symbol); default: the tokenizer's.
         midi: Music models: write the piece (the prompt's notes, then the new ones) to this MIDI file.
@@ -123,7 +127,7 @@ def generate(
     dev = resolve_device(device, option="--device")
     if dev.type == "cpu":
         configure_allocator()
-    loaded = load(model, dev, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    loaded = load(model, dev, quantize, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
     lm, folder, reading, tok = loaded.model, loaded.folder, loaded.settings, loaded.tokenizer
     if reading.mem_len < 1:
         raise ValueError(f"{folder}: the model reads with no memory; give --mem_len >= 1 (generation carries one)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from txl.cli.common import DEFAULT_GENERATE_THREADS, _set_threads
+from txl.config import Quantization
 
 
 def serve(
@@ -36,6 +37,7 @@ def serve(
     served_model_name: list[str] | None = None,
     threads: int | None = None,
     device: str = "auto",
+    quantize: Quantization = "none",
 ) -> None:
     """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
     /v1/score, GET /v1/model, GET /health; the API's page at /docs. Concurrent generations are batched step by step.
@@ -73,6 +75,8 @@ def serve(
         served_model_name: The names OpenAI's "model" field may give (default: the folder's name and txl).
         threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
         device: cpu, cuda, cuda:N or auto (the GPU if there is one): where the model runs.
+        quantize: Serve the model with its Linear layers in int8 (CPU): int8 (PyTorch's dynamic quantization) or
+            int8-weight-only (torchao's, needs the extra 'quant'); none: as saved.
     """
     try:
         import uvicorn
@@ -112,7 +116,7 @@ def serve(
         stream_timeout=stream_timeout,
     )  # fmt: skip
     connections = ConnectionLimits(header_timeout, body_timeout, keep_alive_timeout)
-    app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name)
+    app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name, quantization=quantize)
     state = app.state.server
     free = None  # (the host's memory, or the GPU's)
     if state.device.type == "cuda":

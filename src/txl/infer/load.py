@@ -10,6 +10,7 @@ from pathlib import Path
 from txl.config import EvalConfig, RunConfig, read_run_config
 from txl.data import Tokenizer
 from txl.infer.evaluate import reading_settings
+from txl.infer.quantize import quantize
 from txl.model.modeling import Reading, TransformerXLLM
 from txl.util.folders import resolve_model_dir
 
@@ -36,12 +37,13 @@ class Loaded:
         return self.settings.reading()
 
 
-def load(model_dir: str | Path, device: str = "cpu", **given) -> Loaded:
+def load(model_dir: str | Path, device: str = "cpu", quantization: str | None = None, **given) -> Loaded:
     """Load the model of ``model_dir`` (a run folder, a ``step-N`` checkpoint or a model folder) onto ``device`` (a
     ``torch.device`` or its name, already checked by the caller), its tokenizer, and its reading settings (``given``:
-    mem_len, clamp_len, same_length, tgt_len..., each None for the run's or model's)."""
+    mem_len, clamp_len, same_length, tgt_len..., each None for the run's or model's); ``quantization``: its Linear
+    layers quantized (:func:`txl.infer.quantize.quantize`: "int8" or "int8-weight-only"; None: as saved)."""
     folder = resolve_model_dir(model_dir)
-    model = TransformerXLLM.from_pretrained(folder).to(device).eval()
+    model = quantize(TransformerXLLM.from_pretrained(folder).to(device).eval(), quantization, device)
     settings = reading_settings(folder, model.config, **given)
     tok_file = folder / "tokenizer.json"
     tokenizer = Tokenizer.load(tok_file).for_model(model.config.n_token, tok_file) if tok_file.exists() else None

@@ -77,6 +77,13 @@ multiple of this many columns: they take no probability (exp(-inf) = 0), and the
 bench-word head of 4,002 columns: 18.7 ms as 4,002, 13.6 ms as 4,008 here). 0: no padding."""
 
 
+def input_dtype(layer: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype a layer takes: its floating-point weight's, else ``default`` (a quantized layer, whose ``weight``
+    is a method returning int8 values, takes floats: torch.ao's dynamic quantization)."""
+    w = getattr(layer, "weight", None)
+    return w.dtype if isinstance(w, Tensor) and w.is_floating_point() else default
+
+
 @stock
 class ProjectedAdaptiveLogSoftmax(nn.Module):
     """log p(token | h). Head = shortlist tokens + one logit per tail cluster (tail i <-> head column
@@ -152,7 +159,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         what :meth:`_logits` computes from the weights, for a layer that is not plain. fp32 [N, n_i (+ clusters,
         padding: head)]."""
         layer = self.out_layers[0 if self.div_val == 1 else i]
-        y = layer(hp.to(layer.weight.dtype)).float()  # [N, n] (the whole vocabulary with div_val 1)
+        y = layer(hp.to(input_dtype(layer, hp.dtype))).float()  # [N, n] (the whole vocabulary with div_val 1)
         if self.div_val == 1:
             y = y[:, self.ends[i] : self.ends[i + 1]]
         if i == 0 and self.n_clusters > 0:

@@ -69,12 +69,17 @@ def create_app(
     *,
     unknown: UnknownPolicy = "error",
     served_names: list[str] | None = None,
+    quantization: str | None = None,
 ) -> FastAPI:
     """The FastAPI app of ``txl serve`` for one model (the engine starts and stops with the app's lifespan);
     ``device``: cpu, cuda, cuda:N or auto (the GPU if there is one); ``unknown``: the default policy for characters
     outside the vocabulary (error or replace); ``served_names``: the model names OpenAI's ``model`` field may give
-    (default: the folder's name and ``txl``)."""
-    server = Server(model_dir, limits or ServeLimits(), api_key, device, unknown=unknown, served_names=served_names)
+    (default: the folder's name and ``txl``); ``quantization``: the model's Linear layers in int8
+    (:func:`txl.infer.quantize.quantize`)."""
+    server = Server(
+        model_dir, limits or ServeLimits(), api_key, device, unknown=unknown, served_names=served_names,
+        quantization=quantization,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

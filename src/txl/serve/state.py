@@ -31,6 +31,7 @@ class Server:
         *,
         unknown: UnknownPolicy = "error",
         served_names: list[str] | None = None,
+        quantization: str | None = None,
     ):
 
         from txl.infer.evaluate import metric_name
@@ -41,7 +42,7 @@ class Server:
             raise ValueError(f"--unknown {unknown}: must be one of {', '.join(get_args(UnknownPolicy))}")
         self.device = resolve_device(device, option="--device")
         self.source = Path(model_dir)
-        loaded = load(model_dir, self.device)
+        loaded = load(model_dir, self.device, quantization)
         self.folder, self.run, self.model, self.tokenizer = loaded.folder, loaded.run, loaded.model, loaded.tokenizer
         self.reading = loaded.settings
         """How the model reads text unless a request says otherwise (the one rule:
