@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 DEFAULT_GENERATE_THREADS = 1  # token-by-token decoding is latency-bound: more threads rarely pay, and collapse
 # on a busy machine (measured: 4,000 tokens in 2.9 s with 1 thread, 56 s with 2 on a 2-core machine under load)
 
@@ -91,3 +95,26 @@ def _utf8_text(raw: bytes | str, where: str) -> str:
 
 def _reading_dict(s) -> dict:
     return {"mem_len": s.mem_len, "clamp_len": s.clamp_len, "same_length": s.same_length}
+
+
+@contextmanager
+def logged_after() -> Iterator[None]:
+    """Hold the lines the ``txl`` logger writes (a fast path's first-use measurement, a decline) while a text is
+    printed token by token, and write them after it: on a terminal they would otherwise cut the text in two
+    (round 6: ``make demo``'s sample)."""
+    logger, held = logging.getLogger("txl"), []
+
+    class _Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    hold, propagate = _Hold(), logger.propagate
+    logger.addHandler(hold)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(hold)
+        logger.propagate = propagate
+        for record in held:
+            logger.handle(record)

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from txl.cli.common import DEFAULT_GENERATE_THREADS, _check_generate_memory, _reading_dict, _set_threads
+from txl.cli.common import (
+    DEFAULT_GENERATE_THREADS,
+    _check_generate_memory,
+    _reading_dict,
+    _set_threads,
+    logged_after,
+)
 from txl.config import Quantization
 
 
@@ -206,12 +212,14 @@ def generate(
         return
     decoder = tok.stream_decoder()
     out = sys.stdout
-    out.write("".join(decoder.push(i) for i in prompt_ids))
-    out.flush()
-    for t in tokens:
-        out.write(decoder.push(int(t)))
+    with logged_after():  # (a fast path's first-use line waits for the end of the text, never splits it)
+        out.write("".join(decoder.push(i) for i in prompt_ids))
         out.flush()
-    out.write(decoder.flush() + "\n")
+        for t in tokens:
+            out.write(decoder.push(int(t)))
+            out.flush()
+        out.write(decoder.flush() + "\n")
+        out.flush()
     print(f"txl: read with {describe_reading(reading)}", file=sys.stderr)  # (after the text: errors stay one line)
 
 
