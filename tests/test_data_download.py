@@ -28,6 +28,7 @@ class _Server:
 
     def __init__(self, files: dict[str, bytes]):
         self.files, self.requests, self.cut_first_after = files, [], None
+        self.during = None  # (called once while a response is sent: what a user does meanwhile)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,7 +58,13 @@ class _Server:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(payload)
+                half = len(payload) // 2
+                self.wfile.write(payload[:half])
+                self.wfile.flush()
+                if outer.during is not None:
+                    outer.during, during = None, outer.during
+                    during()
+                self.wfile.write(payload[half:])
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -413,3 +420,36 @@ def test_an_archive_that_is_not_a_file_is_refused_at_once(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"--archive {bad}: not a regular file" in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_file_the_user_writes_during_the_download_is_never_replaced(tmp_path, server, monkeypatch, capsys):
+    """Round 6, dg11: the --out folder was checked before the download only; a file the user wrote there during
+    it (minutes for wt103) was replaced. Now the file stays, and the command says so in one line."""
+    _serve(
+        monkeypatch, server, "text8", {"text8.zip": _zip({"text8": b" anarchism originated as a term of abuse " * 3})}
+    )
+    out = tmp_path / "race"
+    out.mkdir()
+    server.during = lambda: (out / "text8").write_text("my precious text8 notes")
+    args = ["data", "get", "text8", "--out", str(out), "--cache", str(tmp_path / "c")]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (the download's progress lines, then one error line)
+    assert e.value.code == 2 and last.startswith("txl: error: ") and err.count("txl: error") == 1, err
+    assert f"{out / 'text8'}: a file appeared there while txl was writing it" in last, err
+    assert (out / "text8").read_text() == "my precious text8 notes"
+    (out / "text8").unlink()  # (moved away: the same command then finishes from the cache)
+    main(args)
+    assert (out / "text8").read_bytes() == b" anarchism originated as a term of abuse " * 3
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_download(tmp_path, server, monkeypatch, capsys):
+    """Round 6, dg10: an unwritable --out was reported after the download, naming a temporary file."""
+    _serve(monkeypatch, server, "text8", {"text8.zip": _zip({"text8": b"x" * 100})})
+    with pytest.raises(SystemExit) as e:
+        main(["data", "get", "text8", "--out", "/sys/txl-out", "--cache", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "--out /sys/txl-out: cannot write in /sys" in err and ".tmp" not in err, err
+    assert server.requests == []  # (nothing downloaded)
