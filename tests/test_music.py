@@ -262,8 +262,12 @@ def test_prompt_midi_notes_stay_unchanged(tmp_path, tok, music_model, capsys):
     out = tmp_path / "continued.mid"
     main(["generate", "--model", str(music_model), "--prompt_midi", str(prompt), "--midi", str(out),
           "--bars", "2", "--json", "true"])  # fmt: skip
-    record = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
     assert record["prompt_ids"] == [tok.bos_id, *tok.encode_midi(prompt)]
+    # round 6: how the prompt was read is said (2 voices merged, velocity 90 set to a level), on stderr and in JSON
+    assert record["prompt_changes"][0] == "its 2 tracks merged into one piano track"
+    assert f"txl: note: --prompt_midi {prompt} as the model reads it" in captured.err
     given = quarters(read_midi(prompt))  # (on the grid already: the tokenizer reads it exactly)
     written = quarters(read_midi(out))
     assert given <= written and len(written) > len(given)
@@ -325,6 +329,9 @@ def test_bad_midi_files_are_one_line(tmp_path, tok, music_model, capsys):
     line = fails(capsys, [*base, "--prompt_midi", str(odd_path)])
     assert "time signature 5/8" in line and "data.music.time_signatures" in line
     assert "reads MIDI, not text" in fails(capsys, ["generate", "--model", str(music_model), "--prompt", "hello"])
+    # round 6 (mu-dir, mu-devzero): a folder or a device is not "no such file"
+    assert f"{tmp_path}: a folder; give a MIDI file" in fails(capsys, [*base, "--prompt_midi", str(tmp_path)])
+    assert "/dev/zero: not a regular file" in fails(capsys, [*base, "--prompt_midi", "/dev/zero"])
     assert not (tmp_path / "o.mid").exists()
 
 
@@ -341,13 +348,15 @@ def test_a_bad_file_in_a_midi_folder_is_named(tmp_path, midi_folder, capsys):
     folder = tmp_path / "songs"
     shutil.copytree(midi_folder, folder)
     (folder / "train" / "broken.mid").write_bytes(b"MThd\x00\x00\x00\x06garbage")
+    (folder / "train" / "words.mid").write_text("not music")  # (round 6: every bad file is named, not the first)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["data", "prepare", "--data.dataset", "midi", "--data.path", str(folder),
               "--data.cache_dir", str(tmp_path / "c")])  # fmt: skip
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and [x[:9] for x in lines] == ["preparing", "checking ", "txl: erro"], lines
-    assert "broken.mid: not a readable MIDI file" in lines[-1]
+    assert "broken.mid: not a readable MIDI file" in lines[-1] and "words.mid: not a MIDI file" in lines[-1]
+    assert "2 of " in lines[-1] and "MIDI files cannot be used" in lines[-1]
     assert not (tmp_path / "c").exists()  # (checked before anything was written)
     with pytest.raises(DataError, match="no MIDI files"):
         (tmp_path / "none").mkdir()
@@ -371,6 +380,8 @@ def test_serve_continues_a_midi_prompt_and_returns_midi(tmp_path, tok, music_mod
         assert res.status_code == 200, res.text
         out = res.json()
         assert out["bars"] == 2 and out["invalid_events"] == 0 and out["seed"] == 4
+        changes = out["prompt_changes"]  # (round 6: a continuation says how it read the prompt: 2 voices, velocity 90)
+        assert changes[0] == "its 2 tracks merged into one piano track" and "velocities set to its" in changes[-1]
         score = symusic.Score.from_midi(base64.b64decode(out["midi"]))
         assert quarters(read_midi(prompt)) <= quarters(score)  # (the prompt's notes unchanged)
         assert len(out["notes"]) == score.note_num() and len(out["prompt_notes"]) == read_midi(prompt).note_num()

@@ -289,6 +289,11 @@ def _generate_music(
         grammar=grammar, generator=generator, reading=loaded.reading, mems=zeros,
     )  # fmt: skip
     summary = piece.summary()
+    if prompt_midi is not None:  # (round 6: the prompt as read, said, not silently changed)
+        summary["prompt_changes"] = tok.read_changes(prompt_score, ids[1:])
+        if summary["prompt_changes"]:
+            print(f"txl: note: --prompt_midi {prompt_midi} as the model reads it (and as the MIDI written holds it): "
+                  + "; ".join(summary["prompt_changes"]), file=sys.stderr)  # fmt: skip
     score = piece_score(tok, piece.ids, prompt_score)
     if midi is not None:
         write_bytes(Path(midi), bytes(score.dumps_midi()))

@@ -508,14 +508,31 @@ def _finish(
 
 
 def _music_tokenizer(cfg: DataConfig, layout: Layout, log: Callable[[str], None]) -> MusicTokenizer:
-    """The tokenizer of a music corpus, after every file was checked (one line naming the first bad one: not MIDI,
-    no notes, a time signature the tokenizer does not write), before anything is written."""
+    """The tokenizer of a music corpus, after every file was checked (one line naming every bad one, up to
+    ``SHOWN_BAD``: not MIDI, no notes, a time signature the tokenizer does not write), before anything is
+    written."""
     tok = Tokenizer.load(Path(cfg.tokenizer_file)) if cfg.tokenizer_file else MusicTokenizer.from_config(cfg.music)
     n = sum(len(rs) for rs in layout.splits.values())
     log(f"checking {n:,} MIDI files ({layout.description})")
+    bad = []
     for r in (r for rs in layout.splits.values() for r in rs):
-        tok.check_score(read_midi(r.path), str(r.path))
+        try:
+            tok.check_score(read_midi(r.path), str(r.path))
+        except DataError as e:
+            bad.append(str(e))
+    if len(bad) == 1:
+        raise DataError(bad[0])
+    if bad:  # (round 6: only the first bad file was named, one fix and run at a time)
+        more = f"; and {len(bad) - SHOWN_BAD} more" if len(bad) > SHOWN_BAD else ""
+        raise DataError(
+            f"{len(bad)} of {n:,} MIDI files cannot be used (fix or remove them; nothing written): "
+            + " | ".join(bad[:SHOWN_BAD]) + more
+        )  # fmt: skip
     return tok
+
+
+SHOWN_BAD = 10
+"""How many bad MIDI files one error names (with their reasons); it counts them all."""
 
 
 def _prepare_music(cfg: DataConfig, settings: dict, layout: Layout, folder: Path, log: Callable[[str], None]) -> Corpus:

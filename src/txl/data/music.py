@@ -122,8 +122,9 @@ def read_midi(data: bytes | str | Path, where: str | None = None):
     where = where or str(data if not isinstance(data, bytes) else "the MIDI data")
     if not isinstance(data, bytes):
         path = Path(data)
-        if not path.is_file():
-            raise DataError(f"{where}: no such file")
+        if not path.is_file():  # (round 6: a folder or a device said "no such file")
+            what = "a folder" if path.is_dir() else "not a regular file (a device, a pipe?)" if path.exists() else None
+            raise DataError(f"{where}: {'no such file' if what is None else what}; give a MIDI file")
         data = path.read_bytes()
     if data[:4] != b"MThd":
         what = "empty" if not data else f"starts with {data[:4]!r}"
@@ -309,6 +310,37 @@ class MusicTokenizer:
         seq.ids = [base.vocab[e] for e in events]
         seq.are_ids_encoded = False
         return base.decode([seq])
+
+    def read_changes(self, score, ids: Iterable[int]) -> list[str]:
+        """What reading ``score`` as REMI events (``ids``, its encoding) changed, a phrase each (empty: nothing): the
+        tracks merged into one piano track, drums left out, onsets and durations moved to the grid, velocities to
+        the tokenizer's levels. A continuation holds the prompt as read: the commands and the server say so."""
+        out = []
+        pitched = [t for t in score.tracks if not t.is_drum and len(t.notes)]
+        drums = sum(1 for t in score.tracks if t.is_drum and len(t.notes))
+        if len(pitched) > 1:
+            out.append(f"its {len(pitched)} tracks merged into one piano track")
+        if drums:
+            out.append(f"{drums} drum track{'s' if drums > 1 else ''} left out")
+        tpq, back = score.ticks_per_quarter, self.decode_score(ids)
+        btpq = back.ticks_per_quarter
+
+        def notes(sc, q) -> list[tuple]:
+            return sorted((n.time / q, n.pitch, n.duration / q, n.velocity) for t in sc.tracks if not t.is_drum
+                          for n in t.notes)  # fmt: skip
+
+        before, after = notes(merge_tracks(score), tpq), notes(back, btpq)
+        n = len(before)
+        if len(after) != n:
+            out.append(f"{n - len(after)} of {n} notes dropped (outside the tokenizer's pitch range or grid)")
+        else:
+            moved = sum(abs(a[0] - b[0]) > 1e-9 or abs(a[2] - b[2]) > 1e-9 for a, b in zip(before, after, strict=True))
+            levels = sum(a[3] != b[3] for a, b in zip(before, after, strict=True))
+            if moved:
+                out.append(f"{moved} of {n} notes moved or resized to its grid of 1/{btpq} quarter note")
+            if levels:
+                out.append(f"{levels} of {n} velocities set to its {len(self.remi.velocities)} levels")
+        return out
 
     def symbol(self, token_id: int) -> str:
         return " ".join(self.base_tokens(token_id))

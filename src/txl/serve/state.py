@@ -371,7 +371,8 @@ class Server:
 
     def music_result(self, job: dict[str, Any], piece) -> dict[str, Any]:
         """The response of a /v1/music request: the piece's MIDI (base64), its notes in seconds (for a player), its
-        new ids and what the grammar saw."""
+        new ids, what the grammar saw, and what reading the prompt's MIDI as REMI changed (``prompt_changes``: the
+        piece holds the prompt as read)."""
         import base64
 
         from txl.infer.music import notes_in_seconds, piece_score
@@ -383,6 +384,7 @@ class Server:
             "prompt_notes": notes_in_seconds(self.tokenizer.decode_score(job["ids"])) if len(job["ids"]) > 1 else [],
             "new_ids": piece.new_ids,
             "seed": job["seed"],
+            "prompt_changes": [] if job["score"] is None else self.tokenizer.read_changes(job["score"], job["ids"][1:]),
             **piece.summary(),
         }
 
