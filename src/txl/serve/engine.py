@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -107,6 +107,13 @@ MAX_LOGPROBS = 20
 PARKED_POLL = 0.02
 """Seconds between two looks at the parked generations when nothing else runs."""
 
+FAIR_WAIT = 0.5
+"""Seconds a waiting request waits for a row that a generation whose caller is not taking its tokens holds (one
+parked beyond ``max_parked``): then that generation ends (the oldest parked first, an error saying why), and the row
+is the request's. So a request waits at most about ceil(max_queue / max_batch) x FAIR_WAIT for its row however many
+callers stop reading (4 s at txl serve's defaults), and the memory held stays within max_batch + max_parked rows
+(round 6, sv2/sv20: two slow readers of n=8 streams held every row for as long as they read)."""
+
 
 class QueueFull(RuntimeError):
     """The engine's waiting queue is full: try again later."""
@@ -165,6 +172,11 @@ class Generation:
     """One per new token, written before the token is emitted (with ``logprobs``)."""
     prompt_scores: TokenScores = field(default_factory=TokenScores)
     """One per prompt token after the first, written before the first token is emitted (``prompt_logprobs``)."""
+    queued_at: float = 0.0
+    """When the engine queued it (time.monotonic())."""
+    group: object | None = None
+    """The caller's request it belongs to (an HTTP request's n choices share one): rows are given to the waiting
+    generations whose groups hold the fewest rows first, then in arrival order (None: a group of its own)."""
 
     def __post_init__(self) -> None:
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
@@ -216,6 +228,7 @@ class _Parked:
     request: Generation
     cache: KVCache
     last: int
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -229,6 +242,7 @@ class _Job:
     steps: Generator[None, None, Any] | None = None
     cancelled: threading.Event | None = None
     """Set by the caller (e.g. its client left): a stepped job stops at its next step (EngineStopped)."""
+    queued_at: float = 0.0
 
 
 class Engine:
@@ -248,6 +262,7 @@ class Engine:
         max_parked: int | None = None,
         on_failure: Callable[[str], None] | None = None,
         reading: Reading | None = None,
+        fair_wait: float = FAIR_WAIT,
     ):
         if max_batch < 1 or max_queue < 0 or max_unread < 1 or (max_parked is not None and max_parked < 0):
             raise ValueError("max_batch and max_unread must be >= 1, max_queue and max_parked >= 0")
@@ -257,7 +272,9 @@ class Engine:
         self.max_parked = max_batch if max_parked is None else max_parked
         """Parked generations that take no row: a slow reader's generations wait apart while others use the rows
         (probes s1: one slow reader of an n=8 stream held all 8 rows for as long as it read). Beyond this many, each
-        parked one holds its row again, so that the memory held stays within max_batch + max_parked rows."""
+        parked one holds its row again, so that the memory held stays within max_batch + max_parked rows, until a
+        request has waited ``fair_wait`` seconds for it (:data:`FAIR_WAIT`)."""
+        self.fair_wait = fair_wait
         self.model = model.eval()
         self.reading = reading or Reading()
         """How the model reads (same_length, clamp_len; each request's mem_len over it): the config is not changed."""
@@ -329,6 +346,7 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.max_queue and (self._counts[1] >= self.max_batch or self._waiting):
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.max_queue})")
+            item.queued_at = time.monotonic()
             self._waiting.append(item)
             self._cond.notify_all()
         return item.future if isinstance(item, _Job) else None
@@ -416,9 +434,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stepping() and not self._stopping:
-                    # (generations waiting for their callers: look again soon)
-                    self._cond.wait(PARKED_POLL if self._parked or self._solos else None)
+                while not (self._waiting and self._admissible()) and not self._stepping() and not self._stopping:
+                    # (generations waiting for their callers, or requests for a row: look again soon)
+                    self._cond.wait(PARKED_POLL if self._parked or self._solos or self._waiting else None)
                 if self._stopping and not self._running() and not self._parked and not self._waiting:
                     return
                 admitted = self._admit()
@@ -448,6 +466,9 @@ class Engine:
             for job in list(self._jobs):
                 self._job_step(job)
             self._publish()
+            if not (admitted or self._batches or self._searches or self._jobs or self._solos):
+                with self._cond:  # (nothing could run: parked generations wait for a row or their callers)
+                    self._cond.wait(PARKED_POLL)
 
     def _cost(self, item: Generation | _Job) -> int:
         """The rows of ``max_batch`` that a request takes while it runs."""
@@ -464,28 +485,119 @@ class Engine:
     def _admit(self) -> list[Generation | _Job]:
         """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
         the engine is cut: they end at once). Called with the lock held."""
-        requests, rows = self._counts_now()
-        admitted = []
+        admitted, taken = [], 0
         while self._waiting:
-            cost = 0 if self._cut else self._cost(self._waiting[0])
-            if rows + cost > self.max_batch:
-                break
-            rows += cost
-            admitted.append(self._waiting.popleft())
-        self._counts = (requests + len(admitted), rows)  # (in flight from now on: never neither waiting nor active)
+            item = self._next(admitted)
+            cost = 0 if self._cut else self._cost(item)
+            if self._counts_now()[1] + taken + cost > self.max_batch:
+                if not self._reclaim(item, admitted):
+                    break
+                continue
+            taken += cost
+            self._waiting.remove(item)
+            admitted.append(item)
+        requests, rows = self._counts_now()
+        self._counts = (
+            requests + len(admitted),
+            rows + taken,
+        )  # (in flight from now on: never neither waiting nor active)
         return admitted
+
+    def _next(self, admitted: list) -> Generation | _Job:
+        """The waiting request whose group holds the fewest rows (running, parked, or admitted just now), the first
+        come among them: one caller's n=8 stream does not keep another's single request waiting behind its eight
+        (max-min fairness across callers; FIFO among equals). Lock held."""
+        held = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
+        return min(self._waiting, key=lambda it: held[g] if (g := getattr(it, "group", None)) is not None else 0)
+
+    def _admissible(self) -> bool:
+        """Whether a waiting request can be admitted now (a row free, or one to take back). Lock held."""
+        item = self._next([])
+        if self._cut or self._counts_now()[1] + self._cost(item) <= self.max_batch:
+            return True
+        return self._preemptable(item) is not None or self._heavy(item, []) is not None
+
+    def _reclaim(self, item: Generation | _Job, admitted: list) -> bool:
+        """A row for ``item`` (lock held), once a request has waited ``fair_wait``: the oldest parked generation
+        whose caller does not read ends, if parked ones hold rows; else a running row of a caller holding more rows
+        than ``item``'s caller + 1 (an n > 1 request) is parked (its memory kept; it rejoins when a row is free), or
+        ends when ``max_parked`` are parked (the memory bound). Whether a row was freed."""
+        slow = self._preemptable(item)
+        if slow is not None:
+            self._preempt(slow)
+            return True
+        victim = self._heavy(item, admitted)
+        if victim is None:
+            return False
+        mem_len, i = victim
+        batch = self._batches[mem_len]
+        request = batch.rows[i]
+        if len(self._parked) < self.max_parked:
+            self._parked.append(_Parked(request, batch.cache.take([i]), int(batch.last[i])))
+        else:
+            self._finish(
+                request, "error",
+                "ended: the server is full, and this request's other choices hold rows while other callers wait "
+                "(each caller is served before a caller gets a second row); ask for fewer choices at once", 503,
+            )  # fmt: skip
+        keep = [k for k in range(len(batch.rows)) if k != i]
+        if not keep:
+            del self._batches[mem_len]
+        else:
+            batch.cache.select(keep)
+            batch.rows = [batch.rows[k] for k in keep]
+            batch.last = batch.last[keep]
+        return True
+
+    def _heavy(self, item: Generation | _Job, admitted: list) -> tuple[int, int] | None:
+        """The running row to take back for ``item`` after ``fair_wait``: one of the caller holding the most rows,
+        if it holds more than ``item``'s caller + 1 (max-min fairness), the one that made the most tokens.
+        (batch's mem_len, row index) or None."""
+        if time.monotonic() - item.queued_at < self.fair_wait:
+            return None
+        load = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
+        g = getattr(item, "group", None)
+        mine = load[g] if g is not None else 0
+        rows = [(load[r.group], r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)
+                if r.group is not None and load[r.group] > mine + 1]  # fmt: skip
+        return max(rows)[2:] if rows else None
+
+    def _preemptable(self, item: Generation | _Job) -> _Parked | None:
+        """The generation to end for ``item``, a request that waited ``fair_wait`` for a row: the oldest parked one
+        whose caller is not taking its tokens, of a caller holding more rows than ``item``'s, if parked ones hold
+        rows (more than ``max_parked`` are parked)."""
+        if len(self._parked) <= self.max_parked or time.monotonic() - item.queued_at < self.fair_wait:
+            return None
+        load, g = self._load(), getattr(item, "group", None)
+        mine = load[g] if g is not None else 0
+        stuck = [p for p in self._parked if not self._resumable(p.request)]
+        stuck = [p for p in stuck if (load[p.request.group] if p.request.group is not None else 1) > mine]
+        return min(stuck, key=lambda p: p.since) if stuck else None
+
+    def _preempt(self, parked: _Parked) -> None:
+        self._parked.remove(parked)
+        waited = time.monotonic() - parked.since
+        self._finish(
+            parked.request, "error",
+            f"ended: its client had not read {parked.request.unread} tokens for {waited:.1f} s while other requests "
+            "waited for a row (the server holds a generation for a client that does not read only while no one "
+            "waits); read the stream as it comes, or ask for fewer choices at once", 503,
+        )  # fmt: skip
 
     def _counts_now(self) -> tuple[int, int]:
         """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
-        of all rows, a stepped job one of one row. A parked generation whose caller is taking its tokens again holds
-        a row (it rejoins before anything new is admitted); one still waiting for its caller holds none, up to
-        ``max_parked`` of them."""
+        of all rows, a stepped job one of one row. Parked generations (waiting for their callers, or for a row to
+        rejoin) hold none up to ``max_parked`` of them, one row each beyond: the memory held stays within max_batch
+        + max_parked rows."""
         batched = sum(len(b.rows) for b in self._batches.values())
-        held = sum(1 for p in self._parked if not self._resumable(p.request))
-        parked = len(self._parked) - min(held, self.max_parked)  # (the parked generations that hold a row)
+        parked = max(0, len(self._parked) - self.max_parked)  # (the parked generations that hold a row)
         requests = batched + len(self._parked) + len(self._searches) + len(self._solos) + len(self._jobs)
         rows = batched + parked + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
         return requests, rows + len(self._jobs)
+
+    def _load(self) -> Counter:
+        """Rows each group holds now (running or parked): the engine's fairness across callers."""
+        return Counter(g for r in self._rows_running() if (g := getattr(r, "group", None)) is not None)
 
     def _publish(self) -> None:
         counts = self._counts_now()
@@ -645,16 +757,25 @@ class Engine:
 
     def _unpark(self) -> None:
         """Parked generations whose callers took their tokens join their batches again (the same memory, so the
-        same tokens as if they had never waited), oldest first, while a row is free; cancelled ones end."""
-        for parked in [p for p in self._parked if self._resumable(p.request)]:
+        same tokens as if they had never waited), oldest first: at once where it holds a row already (more than
+        ``max_parked`` are parked), else while a row is free and no waiting request's group holds fewer rows than
+        its own (max-min fairness across callers); cancelled ones end."""
+        for parked in sorted((p for p in self._parked if self._resumable(p.request)), key=lambda p: p.since):
             request = parked.request
             if request.cancelled:
                 self._parked.remove(parked)
                 self._finish(request, self._ended)
                 continue
-            active = sum(len(b.rows) for b in self._batches.values()) + sum(r.num_beams for r, _ in self._searches)
-            if active + len(self._jobs) + len(self._solos) * self.max_batch >= self.max_batch:
-                break  # (no row free now: it waits, ahead of what is admitted, as its row is counted)
+            if len(self._parked) <= self.max_parked:  # (rejoining takes a row)
+                if self._counts_now()[1] >= self.max_batch:
+                    break
+                with self._cond:
+                    first = self._next([]) if self._waiting and not self._cut else None
+                if first is not None:
+                    load, theirs = self._load(), getattr(first, "group", None)
+                    mine = load[request.group] if request.group is not None else 0
+                    if (load[theirs] if theirs is not None else 0) < mine:
+                        continue  # (the row goes to a caller holding fewer)
             self._parked.remove(parked)
             try:
                 self._join(request, parked.cache, parked.last)

@@ -64,10 +64,10 @@ def router(server: Server) -> APIRouter:
         ``logprobs`` (with ``echo``, the prompt's tokens' too: lm-evaluation-harness's loglikelihood),
         ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stream``."""
         wanted = server.completion_requests(req)
-        started = []
+        started, group = [], object()  # (the request's choices: one caller, for the engine's fairness)
         try:
             for gen_req, _ in wanted:
-                started.append(start(server, gen_req, req.logprobs, req.echo and req.logprobs is not None))
+                started.append(start(server, gen_req, req.logprobs, req.echo and req.logprobs is not None, group))
         except ApiError:
             for _, _, gen in started:
                 gen.cancel()

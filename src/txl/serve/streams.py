@@ -45,14 +45,19 @@ def submitted(put: Callable[[], Any]) -> Any:
         raise ApiError(503, str(e), code="service_unavailable") from None
 
 
-def start(server: Server, req: GenerateRequest, logprobs: int | None = None, prompt_logprobs: bool = False) -> Started:
+def start(
+    server: Server, req: GenerateRequest, logprobs: int | None = None, prompt_logprobs: bool = False,
+    group: object | None = None,
+) -> Started:  # fmt: skip
     """Submit a generation (a bad or refused request raises here, before any response starts); return the iterator
     of (token id, text so far, new ids) as they come, ending with (None, text, new ids), the function that sums a
-    generation up, and the generation."""
+    generation up, and the generation. ``group``: the HTTP request it belongs to (its n choices share one: the
+    engine's fairness across callers, ``Generation.group``)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[int | None] = asyncio.Queue()  # (at most Engine.max_unread tokens + the end: see above)
     emit = lambda tok: loop.call_soon_threadsafe(queue.put_nowait, tok)  # noqa: E731
     gen, ids = server.generation(req, emit, logprobs, prompt_logprobs)
+    gen.group = group
     submitted(lambda: server.engine.submit(gen))
     decoder = server.tokenizer.stream_decoder() if server.tokenizer else None
     for i in ids:  # (a word tokenizer's separators depend on what came before)
