@@ -40,6 +40,16 @@ def test_the_same_seed_gives_the_same_curve(tmp_path, memory):
     assert summary["env_steps"] == 512 and summary["args"]["seed"] == 3
 
 
+@pytest.mark.parametrize("env", ["repeat_first", "count_recall", "autoencode", "position_only_cartpole"])
+def test_every_environment_the_docs_list_runs(tmp_path, env):
+    """Round 6: `--env autoencode`, listed in docs/agents.md, stopped at once (a Tuple observation space). Every
+    POPGym task the docs list trains a few steps (repeat_previous and MiniGrid's: the tests above)."""
+    r = run(tmp_path / env, *TINY, "--memory", "gtrxl", "--steps", "256", "--env", env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / env / "summary.json").read_text())
+    assert summary["args"]["env"] == env and summary["env_steps"] == 256
+
+
 def test_bad_arguments_get_one_line(tmp_path):
     bad = run(tmp_path / "x", "--env", "pong")
     assert bad.returncode == 2 and "--env must be one of repeat_first, repeat_previous" in bad.stderr

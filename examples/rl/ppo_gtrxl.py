@@ -122,11 +122,16 @@ def one_hot_space(space: gym.Space) -> int:
         return int(space.nvec.sum())
     if isinstance(space, gym.spaces.Box):
         return int(np.prod(space.shape))
-    raise ValueError(f"observation space {space} is not supported (Discrete, MultiDiscrete or Box)")
+    if isinstance(space, gym.spaces.Tuple):  # (POPGym's Autoencode: (is the cue phase, the card)): parts side by side
+        return sum(one_hot_space(part) for part in space.spaces)
+    raise ValueError(f"observation space {space} is not supported (Discrete, MultiDiscrete, Box or a Tuple of them)")
 
 
 def encode(obs: np.ndarray, space: gym.Space) -> Tensor:
-    """Observations of N environments as vectors [N, d]: one-hot for discrete spaces."""
+    """Observations of N environments as vectors [N, d]: one-hot for discrete spaces (a Tuple's parts each encoded,
+    side by side)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return torch.cat([encode(part, sub) for part, sub in zip(obs, space.spaces, strict=True)], dim=1)
     if isinstance(space, gym.spaces.Discrete):
         return F.one_hot(torch.as_tensor(obs, dtype=torch.long), int(space.n)).float()
     if isinstance(space, gym.spaces.MultiDiscrete):

@@ -134,7 +134,15 @@ def read_tokenizer(path: Path) -> Any:
         folder = model_folder(path)
     except (CheckpointError, OSError, ValueError):
         folder = path
-    return Tokenizer.from_pretrained(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    try:
+        return Tokenizer.from_pretrained(folder)
+    except ValueError as e:  # (a music run's MidiTok tokenizer without MidiTok: the weights load all the same)
+        if "MidiTok" not in str(e):
+            raise
+        warnings.warn(f"{folder}: the model's weights are loaded without its tokenizer ({e})", stacklevel=3)
+        return None
 
 
 def set_weights(model: Any, tensors: dict[str, np.ndarray], source: str = "the weights") -> None:
