@@ -12,6 +12,7 @@ from tests.conftest import debug_config
 from txl import TransformerXLLM
 from txl.kernels import admission, decode, native
 from txl.kernels.backends import Backends, use_backends
+from txl.model.cache import KVCache
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native kernels need a C compiler")
 
@@ -69,3 +70,9 @@ def test_a_value_changed_on_one_layer_after_a_generation_is_seen_by_every_cached
     streamed = stream(m, prompt, 10, temperature=0.0, mem_len=64, observe=lambda lp, tok: got.append(lp))
     assert torch.equal(torch.cat(list(streamed), 1), out[:, 5:])
     torch.testing.assert_close(torch.stack(got, 1), ref[:, 4:-1], atol=1e-4, rtol=0)  # [B, 10, V]
+    # cached evaluation (segments of 4 on a K/V cache: the native attention reads each layer's scale per call)
+    with torch.no_grad():
+        cache, parts = KVCache(m.config, 2, 64, 4), []
+        for s in range(0, out.shape[1], 4):
+            parts.append(m(out[:, s : s + 4], cache=cache, mem_len=64, return_log_probs=True).log_probs)
+    torch.testing.assert_close(torch.cat(parts, 1), ref, atol=1e-4, rtol=0)

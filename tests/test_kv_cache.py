@@ -650,7 +650,9 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
                 else:
                     step = model(ids[:, t : t + 1], cache=cache, return_log_probs=True, output_hidden_states=t % 2 == 1)
                     out[fast], hidden[fast] = step.log_probs[:, -1], step.hidden_states
-                    assert called == [True] * fast  # the fast path ran exactly when it is on
+                    # the fast path ran exactly when it is on (twice at its first use in this process: checked
+                    # against the reference, then run; which test of a worker comes first decides where)
+                    assert called == [True] * fast or (fast and called == [True, True] and t == 0), (t, called)
             torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
             if t >= 0 and t % 2 == 1:
                 assert len(hidden[True]) == len(hidden[False]) == model.config.n_layer + 1

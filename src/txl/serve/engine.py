@@ -13,8 +13,8 @@ A beam search (``num_beams`` > 1, :func:`txl.infer.generation.beam_steps`) is a 
 each decoding step of the others; when it ends it emits its best text token by token, and a cancelled one stops at
 its next step.
 One cap holds for all of it: at most ``max_batch`` rows in flight (a generation is a row, a beam search one per beam,
-a scored text one), whatever their memory lengths; the rest waits, first come first served, in a queue of at most
-``max_queue`` (:class:`QueueFull` beyond).
+a scored text one), whatever their memory lengths; the rest waits in a queue of at most ``max_queue``
+(:class:`QueueFull` beyond), admitted by fairness across callers (:mod:`txl.serve.scheduling`).
 A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
 new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
 (``prompt_logprobs``, from the prompt's own forward pass).
@@ -33,219 +33,40 @@ import sys
 import threading
 import time
 import traceback
-from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from txl.infer.generation import NoTokenLeftError, Penalties, beam_steps, check_left, check_sampling, choose, stream
+from txl.infer.generation import NoTokenLeftError, beam_steps, check_left, choose, stream
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
 from txl.model.modeling import KVCache, Reading, TransformerXLLM, supports_kv_cache, transposed_weights
+from txl.serve.requests import (
+    FAIR_WAIT,
+    MAX_LOGPROBS,
+    PARKED_POLL,
+    EngineStopped,
+    Generation,
+    QueueFull,
+    RequestError,
+    TokenScore,
+    TokenScores,
+    _Batch,
+    _Job,
+    _Parked,
+)
+from txl.serve.scheduling import RowScheduler
 
-TokenScore = tuple[float, list[tuple[int, float]]]
-"""A token's log-probability and the most likely tokens at its place, as (id, log-probability), best first."""
-
-
-class TokenScores:
-    """Scores of a sequence of tokens, read as a list of :data:`TokenScore` (``len``, index, slice, iteration) and
-    stored as flat float32 / int32 arrays: a 4,096-token prompt with 20 alternatives each holds ~0.7 MB, not the
-    ~9 MB of Python tuples. The values are the float32 log-probabilities exactly. Written by the engine's thread and
-    read by the request's while it grows: an entry's alternatives are stored before its own score, whose count is
-    the length, so a reader never sees a part of an entry."""
-
-    def __init__(self) -> None:
-        self._chosen, self._ids, self._values = array("f"), array("i"), array("f")
-        self._k: int | None = None  # alternatives per entry (one request's ``logprobs``: the same for every entry)
-
-    def extend(self, log_probs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> None:
-        """Add the log-probability of each token [N] under ``log_probs`` [N, V], with its ``top_n`` most likely
-        tokens."""
-        log_probs = log_probs.float()
-        k = min(top_n, log_probs.shape[-1])
-        if self._k is None:
-            self._k = k
-        elif k != self._k:
-            raise ValueError(f"{k} alternatives per token where the earlier entries have {self._k}")
-        chosen = log_probs.gather(-1, tokens[:, None].to(log_probs.device))[:, 0]  # [N]
-        if k:
-            values, ids = log_probs.topk(k, dim=-1)  # [N, k]
-            self._ids.extend(ids.flatten().tolist())
-            self._values.extend(values.flatten().tolist())
-        self._chosen.extend(chosen.tolist())  # (last: the entries are complete once counted)
-
-    def __len__(self) -> int:
-        return len(self._chosen)
-
-    def _entry(self, n: int) -> TokenScore:
-        k = self._k or 0
-        ids, values = self._ids[n * k : (n + 1) * k], self._values[n * k : (n + 1) * k]
-        return self._chosen[n], list(zip(ids, values, strict=True))
-
-    def __getitem__(self, index: int | slice) -> TokenScore | list[TokenScore]:
-        if isinstance(index, slice):
-            return [self._entry(n) for n in range(*index.indices(len(self)))]
-        n = index + len(self) if index < 0 else index
-        if not 0 <= n < len(self):
-            raise IndexError(f"token score {index} of {len(self)}")
-        return self._entry(n)
-
-    def __iter__(self) -> Iterator[TokenScore]:
-        return iter(self[: len(self)])
-
-    def __add__(self, other: Sequence[TokenScore]) -> list[TokenScore]:
-        return list(self) + list(other)
+__all__ = [
+    "FAIR_WAIT", "MAX_LOGPROBS", "Engine", "EngineStopped", "Generation", "QueueFull", "RequestError", "TokenScore",
+    "TokenScores",
+]  # fmt: skip
 
 
-MAX_LOGPROBS = 20
-"""The most alternatives a request can ask for per token."""
-
-PARKED_POLL = 0.02
-"""Seconds between two looks at the parked generations when nothing else runs."""
-
-FAIR_WAIT = 0.5
-"""Seconds a waiting request waits for a row that a generation whose caller is not taking its tokens holds (one
-parked beyond ``max_parked``): then that generation ends (the oldest parked first, an error saying why), and the row
-is the request's. So a request waits at most about ceil(max_queue / max_batch) x FAIR_WAIT for its row however many
-callers stop reading (4 s at txl serve's defaults), and the memory held stays within max_batch + max_parked rows
-(round 6, sv2/sv20: two slow readers of n=8 streams held every row for as long as they read)."""
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue is full: try again later."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine is shutting down (or has failed): it takes no more work."""
-
-
-class RequestError(ValueError):
-    """What ends one request (and only it) with an error: ``status`` 400 when the request asked for something that
-    cannot be done (every token ruled out by its penalties), 500 when the model failed it (non-finite scores)."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Generation:
-    """One generation request. ``emit(token_id)`` is called for each new token and ``emit(None)`` once at the end
-    (``finish_reason`` is then set), from the engine's thread; ``cancel()`` may be called from any thread."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    emit: Callable[[int | None], None]
-    mem_len: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
-    """Record each new token's log-probability and its ``logprobs`` most likely alternatives in ``scores``."""
-    prompt_logprobs: bool = False
-    """Record the log-probability of each prompt token after the first in ``prompt_scores``."""
-    penalties: Penalties = field(default_factory=Penalties)
-    """What the prompt and the text so far do to the next token's scores (repetition, presence, logit bias)."""
-    num_beams: int = 1
-    """Beam search with this many beams (greedy, ``temperature`` 0, only); 1: one token at a time."""
-    length_penalty: float = 1.0
-    """Beam search: a finished text's score is its log-probability over its length to this power."""
-    finish_reason: str | None = None
-    """length (max_new_tokens reached), stop (cancelled by the caller, e.g. a stop string), shutdown or error."""
-    error: str | None = None
-    error_status: int = 500
-    """With finish_reason error: 400 if the request asked for what cannot be done, 500 if the server failed it."""
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-    generator: torch.Generator = field(init=False)
-    produced: int = 0
-    read: int = 0
-    """Tokens the caller has taken so far (``took()``, from its own thread): a request with ``Engine.max_unread``
-    tokens not taken waits, its row given to others, until the caller takes half of them."""
-    output_ids: list[int] = field(default_factory=list)
-    """The tokens emitted so far."""
-    scores: TokenScores = field(default_factory=TokenScores)
-    """One per new token, written before the token is emitted (with ``logprobs``)."""
-    prompt_scores: TokenScores = field(default_factory=TokenScores)
-    """One per prompt token after the first, written before the first token is emitted (``prompt_logprobs``)."""
-    queued_at: float = 0.0
-    """When the engine queued it (time.monotonic())."""
-    group: object | None = None
-    """The caller's request it belongs to (an HTTP request's n choices share one): rows are given to the waiting
-    generations whose groups hold the fewest rows first, then in arrival order (None: a group of its own)."""
-
-    def __post_init__(self) -> None:
-        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs = {self.logprobs}: must be in [0, {MAX_LOGPROBS}]")
-        if self.num_beams < 1:
-            raise ValueError(f"num_beams = {self.num_beams}: must be >= 1")
-        if self.num_beams > 1 and self.temperature != 0:
-            raise ValueError("num_beams > 1 searches for the likeliest text: give temperature 0 (no sampling)")
-        if self.num_beams > 1 and (self.logprobs is not None or self.prompt_logprobs):
-            raise ValueError("num_beams > 1 gives no log-probabilities: ask for them without beam search")
-        self.place(torch.device("cpu"))
-
-    def place(self, device: torch.device) -> None:
-        """Sample on ``device`` (the model's): a new generator there, seeded with ``seed`` (random without)."""
-        self.generator = torch.Generator(device=device)
-        if self.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(self.seed)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def took(self, n: int = 1) -> None:
-        """The caller has taken ``n`` more tokens (from whatever thread reads them: the only one that writes this)."""
-        self.read += n
-
-    @property
-    def unread(self) -> int:
-        return self.produced - self.read
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-
-@dataclass
-class _Batch:
-    cache: KVCache
-    rows: list[Generation]
-    last: torch.Tensor  # [B] the last token of every row
-
-
-@dataclass
-class _Parked:
-    """A generation waiting for its caller to take its tokens: its own memory (one row) and its last token."""
-
-    request: Generation
-    cache: KVCache
-    last: int
-    since: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Job:
-    """Work other than a generation, on the engine's thread: ``fn()`` run whole between two decoding steps, or (with
-    ``stepped``) ``fn()`` making a generator that is advanced one step per engine loop and returns the result."""
-
-    fn: Callable[[], Any]
-    future: Future
-    stepped: bool
-    steps: Generator[None, None, Any] | None = None
-    cancelled: threading.Event | None = None
-    """Set by the caller (e.g. its client left): a stepped job stops at its next step (EngineStopped)."""
-    queued_at: float = 0.0
-
-
-class Engine:
+class Engine(RowScheduler):
     """Runs generation requests and jobs on one thread, at most ``max_batch`` rows in flight in all (a generation is
     a row, a beam search one per beam, a stepped job one; a model without a K/V cache generates one request at a
     time) and at most ``max_queue`` requests waiting for room. A failing request ends alone; if the thread itself
@@ -427,10 +248,6 @@ class Engine:
             or any(self._resumable(p.request) for p in self._parked)
         )
 
-    def _held(self, request: Generation) -> bool:
-        """A generation whose caller has not taken ``max_unread`` of its tokens (it waits; a cancelled one ends)."""
-        return request.unread >= self.max_unread and not request.cancelled
-
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -470,21 +287,10 @@ class Engine:
                 with self._cond:  # (nothing could run: parked generations wait for a row or their callers)
                     self._cond.wait(PARKED_POLL)
 
-    def _cost(self, item: Generation | _Job) -> int:
-        """The rows of ``max_batch`` that a request takes while it runs."""
-        if isinstance(item, _Job):
-            return int(item.stepped)
-        if item.num_beams > 1:
-            return item.num_beams
-        return 1 if self.batched else self.max_batch
-
-    def _rows_running(self) -> list[Generation]:
-        rows = [r for b in self._batches.values() for r in b.rows]
-        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos] + [p.request for p in self._parked]
-
     def _admit(self) -> list[Generation | _Job]:
-        """Take waiting requests, first come first served, while their rows fit in ``max_batch`` (all of them once
-        the engine is cut: they end at once). Called with the lock held."""
+        """Take waiting requests, the fairest first (:meth:`_next`), while their rows fit in ``max_batch`` or one can
+        be taken back for them (:meth:`_reclaim`; all of them once the engine is cut: they end at once). Called with
+        the lock held."""
         admitted, taken = [], 0
         while self._waiting:
             item = self._next(admitted)
@@ -502,102 +308,6 @@ class Engine:
             rows + taken,
         )  # (in flight from now on: never neither waiting nor active)
         return admitted
-
-    def _next(self, admitted: list) -> Generation | _Job:
-        """The waiting request whose group holds the fewest rows (running, parked, or admitted just now), the first
-        come among them: one caller's n=8 stream does not keep another's single request waiting behind its eight
-        (max-min fairness across callers; FIFO among equals). Lock held."""
-        held = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
-        return min(self._waiting, key=lambda it: held[g] if (g := getattr(it, "group", None)) is not None else 0)
-
-    def _admissible(self) -> bool:
-        """Whether a waiting request can be admitted now (a row free, or one to take back). Lock held."""
-        item = self._next([])
-        if self._cut or self._counts_now()[1] + self._cost(item) <= self.max_batch:
-            return True
-        return self._preemptable(item) is not None or self._heavy(item, []) is not None
-
-    def _reclaim(self, item: Generation | _Job, admitted: list) -> bool:
-        """A row for ``item`` (lock held), once a request has waited ``fair_wait``: the oldest parked generation
-        whose caller does not read ends, if parked ones hold rows; else a running row of a caller holding more rows
-        than ``item``'s caller + 1 (an n > 1 request) is parked (its memory kept; it rejoins when a row is free), or
-        ends when ``max_parked`` are parked (the memory bound). Whether a row was freed."""
-        slow = self._preemptable(item)
-        if slow is not None:
-            self._preempt(slow)
-            return True
-        victim = self._heavy(item, admitted)
-        if victim is None:
-            return False
-        mem_len, i = victim
-        batch = self._batches[mem_len]
-        request = batch.rows[i]
-        if len(self._parked) < self.max_parked:
-            self._parked.append(_Parked(request, batch.cache.take([i]), int(batch.last[i])))
-        else:
-            self._finish(
-                request, "error",
-                "ended: the server is full, and this request's other choices hold rows while other callers wait "
-                "(each caller is served before a caller gets a second row); ask for fewer choices at once", 503,
-            )  # fmt: skip
-        keep = [k for k in range(len(batch.rows)) if k != i]
-        if not keep:
-            del self._batches[mem_len]
-        else:
-            batch.cache.select(keep)
-            batch.rows = [batch.rows[k] for k in keep]
-            batch.last = batch.last[keep]
-        return True
-
-    def _heavy(self, item: Generation | _Job, admitted: list) -> tuple[int, int] | None:
-        """The running row to take back for ``item`` after ``fair_wait``: one of the caller holding the most rows,
-        if it holds more than ``item``'s caller + 1 (max-min fairness), the one that made the most tokens.
-        (batch's mem_len, row index) or None."""
-        if time.monotonic() - item.queued_at < self.fair_wait:
-            return None
-        load = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
-        g = getattr(item, "group", None)
-        mine = load[g] if g is not None else 0
-        rows = [(load[r.group], r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)
-                if r.group is not None and load[r.group] > mine + 1]  # fmt: skip
-        return max(rows)[2:] if rows else None
-
-    def _preemptable(self, item: Generation | _Job) -> _Parked | None:
-        """The generation to end for ``item``, a request that waited ``fair_wait`` for a row: the oldest parked one
-        whose caller is not taking its tokens, of a caller holding more rows than ``item``'s, if parked ones hold
-        rows (more than ``max_parked`` are parked)."""
-        if len(self._parked) <= self.max_parked or time.monotonic() - item.queued_at < self.fair_wait:
-            return None
-        load, g = self._load(), getattr(item, "group", None)
-        mine = load[g] if g is not None else 0
-        stuck = [p for p in self._parked if not self._resumable(p.request)]
-        stuck = [p for p in stuck if (load[p.request.group] if p.request.group is not None else 1) > mine]
-        return min(stuck, key=lambda p: p.since) if stuck else None
-
-    def _preempt(self, parked: _Parked) -> None:
-        self._parked.remove(parked)
-        waited = time.monotonic() - parked.since
-        self._finish(
-            parked.request, "error",
-            f"ended: its client had not read {parked.request.unread} tokens for {waited:.1f} s while other requests "
-            "waited for a row (the server holds a generation for a client that does not read only while no one "
-            "waits); read the stream as it comes, or ask for fewer choices at once", 503,
-        )  # fmt: skip
-
-    def _counts_now(self) -> tuple[int, int]:
-        """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
-        of all rows, a stepped job one of one row. Parked generations (waiting for their callers, or for a row to
-        rejoin) hold none up to ``max_parked`` of them, one row each beyond: the memory held stays within max_batch
-        + max_parked rows."""
-        batched = sum(len(b.rows) for b in self._batches.values())
-        parked = max(0, len(self._parked) - self.max_parked)  # (the parked generations that hold a row)
-        requests = batched + len(self._parked) + len(self._searches) + len(self._solos) + len(self._jobs)
-        rows = batched + parked + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
-        return requests, rows + len(self._jobs)
-
-    def _load(self) -> Counter:
-        """Rows each group holds now (running or parked): the engine's fairness across callers."""
-        return Counter(g for r in self._rows_running() if (g := getattr(r, "group", None)) is not None)
 
     def _publish(self) -> None:
         counts = self._counts_now()
@@ -750,10 +460,6 @@ class Engine:
             merged = KVCache.merge([batch.cache, cache])
             batch.cache, batch.last = merged, torch.cat([batch.last, last])
             batch.rows.append(request)
-
-    def _resumable(self, request: Generation) -> bool:
-        """Whether a parked generation goes on: its caller took half of what waited (or it was cancelled)."""
-        return request.cancelled or request.unread <= self.max_unread // 2
 
     def _unpark(self) -> None:
         """Parked generations whose callers took their tokens join their batches again (the same memory, so the

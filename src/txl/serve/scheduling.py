@@ -1,0 +1,135 @@
+"""Who gets a row of the serving engine (txl.serve.engine): the counts, the order of admission, the rows taken back.
+
+At most ``max_batch`` rows are in flight; parked generations (waiting for their callers) hold none up to
+``max_parked`` of them, one each beyond. Waiting requests are admitted by max-min fairness across callers (a
+request's ``group``: the caller holding the fewest rows first, first come first served among equals), and once one
+has waited ``fair_wait`` a row is taken back for it from a caller holding more (:meth:`RowScheduler._reclaim`).
+The engine's thread alone calls these (with the lock held where they read the waiting queue)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from txl.serve.requests import Generation, _Job, _Parked
+
+
+class RowScheduler:
+    """The engine's bookkeeping of rows (a mixin of :class:`txl.serve.engine.Engine`, which owns the state it
+    reads: ``_batches``, ``_searches``, ``_solos``, ``_jobs``, ``_parked``, ``_waiting``, the limits)."""
+
+    def _held(self, request: Generation) -> bool:
+        """A generation whose caller has not taken ``max_unread`` of its tokens (it waits; a cancelled one ends)."""
+        return request.unread >= self.max_unread and not request.cancelled
+
+    def _cost(self, item: Generation | _Job) -> int:
+        """The rows of ``max_batch`` that a request takes while it runs."""
+        if isinstance(item, _Job):
+            return int(item.stepped)
+        if item.num_beams > 1:
+            return item.num_beams
+        return 1 if self.batched else self.max_batch
+
+    def _rows_running(self) -> list[Generation]:
+        rows = [r for b in self._batches.values() for r in b.rows]
+        return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos] + [p.request for p in self._parked]
+
+    def _next(self, admitted: list) -> Generation | _Job:
+        """The waiting request whose group holds the fewest rows (running, parked, or admitted just now), the first
+        come among them: one caller's n=8 stream does not keep another's single request waiting behind its eight
+        (max-min fairness across callers; FIFO among equals). Lock held."""
+        held = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
+        return min(self._waiting, key=lambda it: held[g] if (g := getattr(it, "group", None)) is not None else 0)
+
+    def _admissible(self) -> bool:
+        """Whether a waiting request can be admitted now (a row free, or one to take back). Lock held."""
+        item = self._next([])
+        if self._cut or self._counts_now()[1] + self._cost(item) <= self.max_batch:
+            return True
+        return self._preemptable(item) is not None or self._heavy(item, []) is not None
+
+    def _reclaim(self, item: Generation | _Job, admitted: list) -> bool:
+        """A row for ``item`` (lock held), once a request has waited ``fair_wait``: the oldest parked generation
+        whose caller does not read ends, if parked ones hold rows; else a running row of a caller holding more rows
+        than ``item``'s caller + 1 (an n > 1 request) is parked (its memory kept; it rejoins when a row is free), or
+        ends when ``max_parked`` are parked (the memory bound). Whether a row was freed."""
+        slow = self._preemptable(item)
+        if slow is not None:
+            self._preempt(slow)
+            return True
+        victim = self._heavy(item, admitted)
+        if victim is None:
+            return False
+        mem_len, i = victim
+        batch = self._batches[mem_len]
+        request = batch.rows[i]
+        if len(self._parked) < self.max_parked:
+            self._parked.append(_Parked(request, batch.cache.take([i]), int(batch.last[i])))
+        else:
+            self._finish(
+                request, "error",
+                "ended: the server is full, and this request's other choices hold rows while other callers wait "
+                "(each caller is served before a caller gets a second row); ask for fewer choices at once", 503,
+            )  # fmt: skip
+        keep = [k for k in range(len(batch.rows)) if k != i]
+        if not keep:
+            del self._batches[mem_len]
+        else:
+            batch.cache.select(keep)
+            batch.rows = [batch.rows[k] for k in keep]
+            batch.last = batch.last[keep]
+        return True
+
+    def _heavy(self, item: Generation | _Job, admitted: list) -> tuple[int, int] | None:
+        """The running row to take back for ``item`` after ``fair_wait``: one of the caller holding the most rows,
+        if it holds more than ``item``'s caller + 1 (max-min fairness), the one that made the most tokens.
+        (batch's mem_len, row index) or None."""
+        if time.monotonic() - item.queued_at < self.fair_wait:
+            return None
+        load = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
+        g = getattr(item, "group", None)
+        mine = load[g] if g is not None else 0
+        rows = [(load[r.group], r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)
+                if r.group is not None and load[r.group] > mine + 1]  # fmt: skip
+        return max(rows)[2:] if rows else None
+
+    def _preemptable(self, item: Generation | _Job) -> _Parked | None:
+        """The generation to end for ``item``, a request that waited ``fair_wait`` for a row: the oldest parked one
+        whose caller is not taking its tokens, of a caller holding more rows than ``item``'s, if parked ones hold
+        rows (more than ``max_parked`` are parked)."""
+        if len(self._parked) <= self.max_parked or time.monotonic() - item.queued_at < self.fair_wait:
+            return None
+        load, g = self._load(), getattr(item, "group", None)
+        mine = load[g] if g is not None else 0
+        stuck = [p for p in self._parked if not self._resumable(p.request)]
+        stuck = [p for p in stuck if (load[p.request.group] if p.request.group is not None else 1) > mine]
+        return min(stuck, key=lambda p: p.since) if stuck else None
+
+    def _preempt(self, parked: _Parked) -> None:
+        self._parked.remove(parked)
+        waited = time.monotonic() - parked.since
+        self._finish(
+            parked.request, "error",
+            f"ended: its client had not read {parked.request.unread} tokens for {waited:.1f} s while other requests "
+            "waited for a row (the server holds a generation for a client that does not read only while no one "
+            "waits); read the stream as it comes, or ask for fewer choices at once", 503,
+        )  # fmt: skip
+
+    def _counts_now(self) -> tuple[int, int]:
+        """(requests, rows) in flight: a batch's rows one each, a search one request of num_beams rows, a solo one
+        of all rows, a stepped job one of one row. Parked generations (waiting for their callers, or for a row to
+        rejoin) hold none up to ``max_parked`` of them, one row each beyond: the memory held stays within max_batch
+        + max_parked rows."""
+        batched = sum(len(b.rows) for b in self._batches.values())
+        parked = max(0, len(self._parked) - self.max_parked)  # (the parked generations that hold a row)
+        requests = batched + len(self._parked) + len(self._searches) + len(self._solos) + len(self._jobs)
+        rows = batched + parked + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
+        return requests, rows + len(self._jobs)
+
+    def _load(self) -> Counter:
+        """Rows each group holds now (running or parked): the engine's fairness across callers."""
+        return Counter(g for r in self._rows_running() if (g := getattr(r, "group", None)) is not None)
+
+    def _resumable(self, request: Generation) -> bool:
+        """Whether a parked generation goes on: its caller took half of what waited (or it was cancelled)."""
+        return request.cancelled or request.unread <= self.max_unread // 2
