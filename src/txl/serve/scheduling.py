@@ -49,10 +49,12 @@ class RowScheduler:
         return self._preemptable(item) is not None or self._heavy(item, []) is not None
 
     def _reclaim(self, item: Generation | _Job, admitted: list) -> bool:
-        """A row for ``item`` (lock held), once a request has waited ``fair_wait``: the oldest parked generation
-        whose caller does not read ends, if parked ones hold rows; else a running row of a caller holding more rows
-        than ``item``'s caller + 1 (an n > 1 request) is parked (its memory kept; it rejoins when a row is free), or
-        ends when ``max_parked`` are parked (the memory bound). Whether a row was freed."""
+        """A row for ``item`` (lock held), once it has waited ``fair_wait``: the oldest parked generation whose caller
+        does not read ends, if parked ones hold rows (:meth:`_preemptable`); else a running row of the caller
+        holding the most rows, more than ``item``'s caller, is parked (its memory kept: it rejoins when a row is
+        free and no waiting caller holds fewer), or, when ``max_parked`` are parked (the memory bound), ends if that
+        caller holds more than ``item``'s + 1 (an n > 1 request keeps a row; a caller's only row is never ended for
+        another's). Whether a row was freed."""
         slow = self._preemptable(item)
         if slow is not None:
             self._preempt(slow)
@@ -60,17 +62,19 @@ class RowScheduler:
         victim = self._heavy(item, admitted)
         if victim is None:
             return False
-        mem_len, i = victim
+        mem_len, i, margin = victim
         batch = self._batches[mem_len]
         request = batch.rows[i]
         if len(self._parked) < self.max_parked:
             self._parked.append(_Parked(request, batch.cache.take([i]), int(batch.last[i])))
-        else:
+        elif margin > 1:
             self._finish(
                 request, "error",
                 "ended: the server is full, and this request's other choices hold rows while other callers wait "
                 "(each caller is served before a caller gets a second row); ask for fewer choices at once", 503,
             )  # fmt: skip
+        else:
+            return False
         keep = [k for k in range(len(batch.rows)) if k != i]
         if not keep:
             del self._batches[mem_len]
@@ -80,18 +84,25 @@ class RowScheduler:
             batch.last = batch.last[keep]
         return True
 
-    def _heavy(self, item: Generation | _Job, admitted: list) -> tuple[int, int] | None:
-        """The running row to take back for ``item`` after ``fair_wait``: one of the caller holding the most rows,
-        if it holds more than ``item``'s caller + 1 (max-min fairness), the one that made the most tokens.
-        (batch's mem_len, row index) or None."""
+    def _heavy(self, item: Generation | _Job, admitted: list) -> tuple[int, int, int] | None:
+        """The running row to take back for ``item`` after ``fair_wait``: one of the caller holding the most rows
+        (running and parked), if it holds more than ``item``'s caller (max-min fairness), the one that made the most
+        tokens: (its batch's mem_len, its index, how many rows its caller holds beyond ``item``'s), or None."""
         if time.monotonic() - item.queued_at < self.fair_wait:
             return None
         load = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
         g = getattr(item, "group", None)
         mine = load[g] if g is not None else 0
-        rows = [(load[r.group], r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)
-                if r.group is not None and load[r.group] > mine + 1]  # fmt: skip
-        return max(rows)[2:] if rows else None
+
+        def held(r: Generation) -> int:
+            return load[r.group] if r.group is not None else 1
+
+        rows = [(held(r), r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)]
+        rows = [row for row in rows if row[0] > mine]
+        if not rows:
+            return None
+        most, _, m, i = max(rows)
+        return m, i, most - mine
 
     def _preemptable(self, item: Generation | _Job) -> _Parked | None:
         """The generation to end for ``item``, a request that waited ``fair_wait`` for a row: the oldest parked one
