@@ -113,7 +113,9 @@ def main() -> None:
         "Meaning: every quantized layer is declined by the fast paths (one log line each), so a quantized model runs "
         "the model's own code: the native decoding step and the packed-weight products that fp32 generation uses "
         "are not used for it. On a model this small the int8 products do not pay for that; the larger model shows "
-        "what the int8 Linear layers themselves give. With dynamic quantization the activations' scale is computed "
+        "what the int8 Linear layers themselves give. torchao's weight-only int8 dequantizes each weight in its "
+        "product on the CPU: it saves the weights' memory (4x), not time. With dynamic quantization the activations' "
+        "scale is computed "
         "per call, so a token's log-probabilities depend on what shares its product (the batch of a served "
         "request, the segment of a cached evaluation): up to the quantization's error, not exactly.",
     ])  # fmt: skip
