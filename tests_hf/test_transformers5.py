@@ -628,3 +628,14 @@ def test_a_config_that_does_not_describe_its_weights_is_refused_before_the_model
     with pytest.raises(OSError, match=r"n_layer = 1,000,000, but .* holds 2 layers"):
         AutoModelForCausalLM.from_pretrained(folder)
     assert time.monotonic() - start < 30
+
+
+def test_a_transformers_release_that_breaks_the_generation_contract_is_refused(monkeypatch):
+    """What txl.hf's generation relies on in GenerationMixin (a cache kept under "mems" that beam search reorders) is
+    checked before the first step: a release without it is refused in one line, never run silently."""
+    from transformers.generation import utils as generation_utils
+
+    model = AutoModelForCausalLM.from_pretrained(ORACLE / FOLDERS[0])
+    monkeypatch.setattr(generation_utils, "ALL_CACHE_NAMES", ["cache"])
+    with pytest.raises(RuntimeError, match="does not support transformers .*: its GenerationMixin no longer keeps"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
