@@ -7,6 +7,23 @@ import json
 import time
 
 
+def engine_tokens(model, prompt: list[int], max_new_tokens: int, mem_len: int) -> list[int]:
+    """The tokens txl serve's engine (batched one-token steps, 2 rows) generates greedily for ``prompt`` alone."""
+    import threading
+
+    from txl.serve.engine import Engine, Generation
+
+    got, done = [], threading.Event()
+    engine = Engine(model, max_batch=2)
+    try:
+        emit = lambda t: done.set() if t is None else got.append(t)  # noqa: E731
+        engine.submit(Generation(prompt, max_new_tokens, emit, mem_len=mem_len, temperature=0.0))
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    return got
+
+
 def events(client, body: dict) -> list[dict]:
     """The events of a streamed /v1/generate, which ends with data: [DONE] (not among them)."""
     with client.stream("POST", "/v1/generate", json=body | {"stream": True}) as res:

@@ -202,21 +202,12 @@ def test_the_serve_engine_generates_what_the_changed_model_generates(change, mon
     """txl serve's engine (batched one-token steps): as the changed model's own code generates alone."""
     pytest.importorskip("fastapi", reason="the server needs the extra 'serve'")
     pytest.importorskip("uvicorn", reason="the server needs the extra 'serve'")
-    import threading
-
+    from serve_helpers import engine_tokens
     from txl.infer.generation import generate
-    from txl.serve.engine import Engine, Generation
 
     m = _model(change, monkeypatch)
     prompt = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(1)).tolist()
-    got, done = [], threading.Event()
-    engine = Engine(m, max_batch=2)
-    try:
-        engine.submit(Generation(prompt, 8, lambda t: done.set() if t is None else got.append(t), mem_len=64,
-                                 temperature=0.0))  # fmt: skip
-        assert done.wait(60)
-    finally:
-        engine.shutdown()
+    got = engine_tokens(m, prompt, 8, 64)
     with use_backends(**ALL_OFF):
         alone = generate(m, torch.tensor([prompt]), 8, temperature=0.0, mem_len=64)[0, len(prompt) :].tolist()
     assert got == alone

@@ -99,21 +99,12 @@ def test_every_path_computes_what_the_quantized_model_computes(recipe, config, c
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_serve_engine_generates_what_the_quantized_model_generates(recipe):
     pytest.importorskip("fastapi", reason="the server needs the extra 'serve'")
-    import threading
-
+    from serve_helpers import engine_tokens
     from txl.infer.generation import generate
-    from txl.serve.engine import Engine, Generation
 
     q = _quantized(recipe, "plain")
     prompt = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(1)).tolist()
-    got, done = [], threading.Event()
-    engine = Engine(q, max_batch=2)
-    try:
-        engine.submit(Generation(prompt, 8, lambda t: done.set() if t is None else got.append(t), mem_len=16,
-                                 temperature=0.0))  # fmt: skip
-        assert done.wait(60)
-    finally:
-        engine.shutdown()
+    got = engine_tokens(q, prompt, 8, 16)
     alone = generate(q, torch.tensor([prompt]), 8, temperature=0.0, mem_len=16)[0, len(prompt) :].tolist()
     assert got == alone
 

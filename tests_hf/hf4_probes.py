@@ -1,6 +1,6 @@
 """Hugging Face transformers 4.46.3's TransfoXL on the round-5 probes (D1-D3, D7, D8 of
-../shared/research/round5_defects.md), for the transformers-5 suite to compare with: run by the main environment's
-Python, as tests_hf/hf4_reference.py. Prints JSON.
+../shared/research/round5_defects.md) and round 6's greedy and beam search on every folder, for the transformers-5
+suite to compare with: run by the main environment's Python, as tests_hf/hf4_reference.py. Prints JSON.
 
     .venv/bin/python tests_hf/hf4_probes.py ORACLE_DIR
 """
@@ -92,5 +92,19 @@ with torch.no_grad():
                 "out_layers": [list(layer.weight.shape) for layer in model.crit.out_layers],
                 "scores": list(model(inp["seg0.input_ids"][:, :4]).prediction_scores.shape),
             }
+# Round 6 (A): greedy (12 new tokens) and beam search (3 beams, 8) on every folder, from the first 8 tokens of the
+# first two rows of its first segment
+out["generation"] = {}
+for folder in sorted(p.name for p in oracle.iterdir() if p.is_dir()):
+    model, inp = load(folder)
+    prompts = [inp["seg0.input_ids"][row, :8].tolist() for row in range(min(2, inp["seg0.input_ids"].shape[0]))]
+    got = out["generation"][folder] = {"prompts": prompts, "greedy": [], "beam": []}
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p])
+            got["greedy"].append(model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist())
+            got["beam"].append(
+                model.generate(x, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)[0].tolist()
+            )
 print(json.dumps(out))
 os._exit(0)

@@ -72,17 +72,11 @@ def test_the_twelve_reference_folders_have_transformers_4_outputs():
                 mems = out.mems
 
 
-def test_greedy_and_beam_search_equal_transformers_4_on_the_twelve_reference_folders():
+def test_greedy_and_beam_search_equal_transformers_4_on_the_twelve_reference_folders(hf4):
     """Round 6 (A): transformers 5.24 renamed generation's cache and stopped carrying ``mems``; txl.hf keeps its
     memory under its own contract, so under the lock file's release and the newest (make test-latest) greedy and beam
     search give 4.46.3's tokens on every reference folder."""
-    assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (transformers 4.46.3); run `make setup`"
-    run = subprocess.run(
-        [str(MAIN_PYTHON), str(ROOT / "tests_hf" / "hf4_generation.py"), str(ORACLE)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    ref = json.loads(run.stdout.strip().splitlines()[-1])
+    ref = hf4["generation"]
     assert sorted(ref) == FOLDERS
     wrong = []
     for name in FOLDERS:
