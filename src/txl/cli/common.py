@@ -56,14 +56,15 @@ def attention_pass_bytes(config, rows: int, queries: int, keys: int, device=None
 
 
 def _check_generate_memory(
-    config, mem_len: int, rows: int, prompt_len: int, new: int, zero_memory: bool, device=None
-) -> None:
+    config, mem_len: int, rows: int, prompt_len: int, new: int, zero_memory: bool, device=None,
+    same_length: bool | None = None,
+) -> None:  # fmt: skip
     """``txl generate``'s memory estimate, checked against the free memory before anything is allocated: the K/V cache
     of every layer for ``rows`` sequences (what the memory can come to hold, the prompt and the ``new`` tokens or a
     ``zero_memory`` of mem_len positions, at most mem_len, and the prompt, twice over as the cache keeps them), plus
     the larger of the prompt's pass (:func:`attention_pass_bytes`; a long prompt is read in pieces,
     :func:`txl.infer.prompt.read_prompt`: its last piece's) and a step's [rows, vocabulary] log-probabilities (a beam
-    search's)."""
+    search's). ``same_length``: how the model reads (the resolved reading's; None: the config's)."""
     from txl.infer.prompt import last_piece
     from txl.kernels.runtime import check_fits
     from txl.model.cache import KVCache
@@ -71,7 +72,8 @@ def _check_generate_memory(
     positions = KVCache.capacity_for(mem_len, prompt_len, None if zero_memory else prompt_len + new)
     cache = 2 * config.n_layer * rows * positions * config.n_head * config.d_head * 4
     cache *= 2 if rows > 1 else 1  # (a beam search's step reads the beams it reorders out first: up to its window)
-    queries, keys = last_piece(prompt_len, mem_len if zero_memory else 0, mem_len, config.same_length)
+    same_length = config.same_length if same_length is None else same_length
+    queries, keys = last_piece(prompt_len, mem_len if zero_memory else 0, mem_len, same_length)
     prompt_pass = attention_pass_bytes(config, 1, queries, keys, device)
     steps = 4 * rows * config.n_token * 4  # log-probabilities, renormalised, summed with the beams' scores, a copy
     check_fits(

@@ -177,7 +177,9 @@ def generate(
         dev.type == "cpu" and lm.config.attn_type == 0 and backends().native_kernels and native.library() is None
     ):  # (2-3x)
         print(f"txl: note: {native.status()}", file=sys.stderr)
-    _check_generate_memory(lm.config, mem_len, num_beams, len(prompt_ids), max_new_tokens, zero_memory, dev)  # (u31)
+    _check_generate_memory(
+        lm.config, mem_len, num_beams, len(prompt_ids), max_new_tokens, zero_memory, dev, reading.same_length
+    )  # (u31; how this run reads: --same_length false on a model trained with it reads the whole prompt)
     g = torch.Generator(device=dev).manual_seed(seed)
     zeros = [torch.zeros(1, mem_len, lm.config.d_model, device=dev)] * lm.config.n_layer if zero_memory else None
     prompt_tensor = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
