@@ -617,3 +617,77 @@ def test_a_music_runs_weights_load_without_miditok(tmp_path):
     with pytest.warns(UserWarning, match="loaded without its tokenizer"):
         lm = TFTransfoXLLMHeadModel.from_pretrained(str(tmp_path / "music"))
     assert lm.tokenizer is None and lm.config.n_token == 40
+
+
+def test_every_config_field_is_computed_or_refused_by_name():
+    """Issue 75 (8): check_config is an allow-list. Every field of TransformerXLConfig is computed by txl.keras (each
+    varied by a test against txl's PyTorch model or its own), refused by name away from the paper's value, or inert
+    (read only by a refused variant); a field added later is refused away from its default."""
+    import dataclasses
+
+    from txl.keras.models import COMPUTED, INERT, REFUSED, check_config
+
+    names = {f.name for f in dataclasses.fields(TransformerXLConfig)}
+    assert names == COMPUTED | set(REFUSED) | set(INERT), names ^ (COMPUTED | set(REFUSED) | set(INERT))
+    assert not COMPUTED & set(REFUSED) and set(INERT.values()) <= set(REFUSED)
+    # the differential tests that vary each computed field
+    seen: dict[str, set] = {}
+    for seed in range(12):  # (the seeds of test_random_configurations_compute_what_txl_computes)
+        try:
+            cfg = random_config(seed)
+        except ValueError:  # (a draw the config refuses: same_length without a memory)
+            continue
+        for k, v in cfg.to_dict().items():
+            seen.setdefault(k, set()).add(json.dumps(v))
+    against_torch = {k for k, vs in seen.items() if len(vs) > 1}  # (test_random_configurations_compute_...)
+    elsewhere = {
+        "init": "test_a_fresh_model_draws_its_weights_as_the_config_says",
+        "init_range": "test_a_fresh_model_draws_its_weights_as_the_config_says",
+        "init_std": "test_a_fresh_model_draws_its_weights_as_the_config_says",
+        "proj_init_std": "test_a_fresh_model_draws_its_weights_as_the_config_says",
+        "num_labels": "test_the_classifier_pools_and_scores_as_txl",
+        "pad_token_id": "test_the_classifier_pools_and_scores_as_txl",
+        "dropout": "test_dropout_acts_in_training_only",
+        "dropatt": "test_dropout_acts_in_training_only",
+    }
+    assert COMPUTED <= against_torch | set(elsewhere), COMPUTED - against_torch - set(elsewhere)
+    assert all(name in globals() for name in elsewhere.values()), set(elsewhere.values()) - set(globals())
+
+    @dataclasses.dataclass
+    class Later(TransformerXLConfig):
+        new_option: int = 0
+
+    check_config(Later(n_token=20, d_model=16, n_head=2, d_head=8))
+    with pytest.raises(ValueError, match=r"TransformerXLConfig.new_option = 3: .* not one txl.keras reads"):
+        check_config(Later(n_token=20, d_model=16, n_head=2, d_head=8, new_option=3))
+
+
+@pytest.mark.parametrize("field", ["dropout", "dropatt"])
+def test_dropout_acts_in_training_only(field):
+    """dropout and dropatt: in eval mode the model computes what it does without them (as txl's PyTorch model,
+    tested on the random configurations); in training they drop (a different output, of the same scale)."""
+    keras.utils.set_random_seed(0)
+    ids = np.random.default_rng(0).integers(0, 40, (2, 9))
+    plain = TFTransfoXLLMHeadModel(small_config(init_std=0.3, mem_len=0))
+    dropped = TFTransfoXLLMHeadModel(small_config(init_std=0.3, mem_len=0, **{field: 0.5}))
+    dropped.set_weights(plain.get_weights())
+    close(dropped(ids).prediction_scores, np_(plain(ids).prediction_scores), 1e-5, 1e-5, "eval mode")
+    trained = np_(dropped(ids, training=True).prediction_scores)
+    assert np.abs(trained - np_(plain(ids).prediction_scores)).max() > 1e-3
+
+
+def test_the_classifier_pools_and_scores_as_txl():
+    """num_labels and pad_token_id against txl's PyTorch classifier: rows padded on the right pool the position
+    before their first pad, the others their last; 3 labels."""
+    cfg = small_config(num_labels=3, pad_token_id=0, mem_len=0, init_std=0.3)
+    torch.manual_seed(0)
+    tm = TransformerXLForSequenceClassification(cfg).eval()
+    km = TFTransfoXLForSequenceClassification(cfg, mem_init="empty")
+    set_weights(km, {k: v.numpy() for k, v in tm.state_dict().items()})
+    ids = np.random.default_rng(3).integers(1, 40, (3, 8))
+    ids[0, 5:] = 0
+    ids[2, 2:] = 0
+    with torch.no_grad():
+        want = tm(torch.tensor(ids)).logits.numpy()
+    assert want.shape == (3, 3)
+    close(km(ids).logits, want, 1e-5, 1e-5, "logits")

@@ -16,6 +16,7 @@ Keras's stateful RNNs have: a fixed batch size, ``reset_memory()`` to start over
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -51,19 +52,39 @@ def check_backend() -> str:
     return backend
 
 
+COMPUTED = frozenset({
+    "n_token", "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val", "cutoffs", "tie_weight",
+    "tie_projs", "dropout", "dropatt", "pre_lnorm", "untie_r", "same_length", "tf_same_length", "clamp_len",
+    "mem_len", "layer_norm_epsilon", "init", "init_std", "init_range", "proj_init_std", "num_labels", "pad_token_id",
+})  # fmt: skip
+"""The fields of ``TransformerXLConfig`` txl.keras computes as txl's PyTorch model does (tests_keras: the random
+configurations against it, the initialisation's draws, the classifier's pooling, dropout in training only)."""
+REFUSED = {"attn_type": 0, "gate": "residual", "identity_map": False}
+"""The fields of txl's PyTorch-only variants, with the value txl.keras computes (the paper's): any other is refused."""
+INERT = {"gate_bias": "gate", "max_klen": "attn_type"}
+"""Fields read only by a refused variant (the field it belongs to): any value computes the same here."""
+
+
 def check_config(cfg: TransformerXLConfig) -> None:
-    """The paper's model is what txl.keras computes: refuse a configuration of txl's PyTorch-only variants."""
-    unsupported = {
-        "attn_type": (cfg.attn_type, 0),
-        "gate": (cfg.gate, "residual"),
-        "identity_map": (cfg.identity_map, False),
-    }
-    for name, (value, paper) in unsupported.items():
+    """The paper's model is what txl.keras computes: refuse a configuration of txl's PyTorch-only variants, and any
+    field it does not know (a field added to TransformerXLConfig later) set away from its default. An allow-list:
+    every field is in :data:`COMPUTED`, :data:`REFUSED` or :data:`INERT` (tests_keras walks them)."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for name in [*REFUSED, *fields]:  # (the variants first, in REFUSED's order: a GTrXL config is named by its gate)
+        value = getattr(cfg, name)
+        if name in COMPUTED or name in INERT:
+            continue
+        paper = REFUSED[name] if name in REFUSED else _default(fields[name])
         if value != paper:
+            what = "variant runs in txl's PyTorch model only" if name in REFUSED else "field is not one txl.keras reads"
             raise ValueError(
                 f"TransformerXLConfig.{name} = {value!r}: txl.keras computes the paper's model ({name} = {paper!r}); "
-                "this variant runs in txl's PyTorch model only"
+                f"this {what}"
             )
+
+
+def _default(f: dataclasses.Field) -> object:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _getitem(self, key):  # out["mems"] as well as out.mems and out[0] (Hugging Face's ModelOutput)
