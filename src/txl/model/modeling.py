@@ -1,5 +1,5 @@
 """Transformer-XL (Dai et al., 2019, "Attentive Language Models Beyond a Fixed-Length Context"): the model, as one
-import. Read it top to bottom like the paper, one file per concept (each under ~330 lines):
+import. Read it top to bottom like the paper, one file per concept (each under ~500 lines):
 
 1. ``config.py``      ``TransformerXLConfig``: every hyper-parameter, validated (names the bad field).
 2-4. ``positions.py`` ``sinusoid_embedding`` (the relative position table R, Sec. 3.3), ``rel_shift`` (Appendix B's
