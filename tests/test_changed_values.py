@@ -18,16 +18,17 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason="the native ker
 
 ALL_OFF = {f: (False if isinstance(getattr(Backends(), f), bool) else ()) for f in Backends.__dataclass_fields__}
 
-# (which module of layer 1, its attribute, the new value, the config it applies to)
+# (which module of layer 1, its attribute, the new value, the config it applies to, whether the native step still
+# applies: it declines a layer whose attention and feed-forward disagree)
 CHANGES = {
-    "attn.scale": ("attn", "scale", 0.01, {}),
-    "attn.scale=1": ("attn", "scale", 1.0, {}),
-    "attn.pre_lnorm": ("attn", "pre_lnorm", True, {}),
-    "ff.pre_lnorm": ("ff", "pre_lnorm", True, {}),
-    "both.pre_lnorm": (("attn", "ff"), "pre_lnorm", False, dict(pre_lnorm=True)),
-    "attn.layer_norm.eps": ("attn.layer_norm", "eps", 0.5, {}),
-    "ff.layer_norm.eps": ("ff.layer_norm", "eps", 0.5, {}),
-    "attn.identity_map": ("attn", "identity_map", True, dict(pre_lnorm=True)),
+    "attn.scale": ("attn", "scale", 0.01, {}, True),
+    "attn.scale=1": ("attn", "scale", 1.0, {}, True),
+    "attn.pre_lnorm": ("attn", "pre_lnorm", True, {}, False),
+    "ff.pre_lnorm": ("ff", "pre_lnorm", True, {}, False),
+    "both.pre_lnorm": (("attn", "ff"), "pre_lnorm", False, dict(pre_lnorm=True), True),
+    "attn.layer_norm.eps": ("attn.layer_norm", "eps", 0.5, {}, True),
+    "ff.layer_norm.eps": ("ff.layer_norm", "eps", 0.5, {}, True),
+    "attn.identity_map": ("attn", "identity_map", True, dict(pre_lnorm=True), False),
 }
 
 
@@ -51,18 +52,28 @@ def _change(m: TransformerXLLM, where, attr: str, value) -> None:
 def test_a_value_changed_on_one_layer_after_a_generation_is_seen_by_every_cached_path(name, monkeypatch):
     from txl.infer.generation import generate, stream
 
-    where, attr, value, overrides = CHANGES[name]
+    where, attr, value, overrides, native_after = CHANGES[name]
     torch.manual_seed(0)
     m = TransformerXLLM(debug_config(n_token=40, mem_len=64, d_model=32, d_inner=64, n_head=4, **overrides)).eval()
     calls = []
     real = native.decode_step
-    monkeypatch.setattr(decode.native, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*args, **kwargs):  # (the native steps that ran: a decline returns None)
+        out = real(*args, **kwargs)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(decode.native, "decode_step", counted)
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(1))
     generate(m, prompt, 4, temperature=0.0, mem_len=64)  # (the native step checked for this kind of model)
     assert calls, "the native decoding step did not run on the stock model"
 
     _change(m, where, attr, value)
+    calls.clear()
     out = generate(m, prompt, 10, temperature=0.0, mem_len=64)
+    # (where it applies, the native step ran on the changed model: the values it read are tested, not a decline)
+    assert bool(calls) == native_after, (name, len(calls))
     with torch.no_grad(), use_backends(**ALL_OFF):
         ref = m(out, return_log_probs=True).log_probs  # [B, T, V]: the changed model's own forward
     assert torch.equal(out[:, 5:], ref[:, 4:-1].argmax(-1)), name

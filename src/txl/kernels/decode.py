@@ -42,15 +42,14 @@ def native_loop(
     process and measured faster than it here; else ``loop(hids)``. ``hids`` (None: not kept) receives the outputs of
     every layer but the last. (The checks run both on this step: each writes the same keys and values.)"""
     if backends().native_decode:
-        fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None)  # noqa: E731
+        values = native.layer_values(plan)  # (every value the kernel reads from the modules: a new one is checked)
+        fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None, values)  # noqa: E731
         first = plan[0]
-        # (every value the kernel reads from the modules, per layer: a new combination is checked again)
-        gates = tuple((type(lay.gate1), type(lay.gate2)) for lay in plan)
-        kind = (native.layer_values(plan), gates, h.dtype)
+        kind = (values, tuple((type(lay.gate1), type(lay.gate2)) for lay in plan), h.dtype)
         if verified("native_decode", kind, fast, lambda: loop(None)):
             shapes = (h.shape, cache.k.shape[:3], (cache.length + 1, h.shape[-1], first.w1.shape[0]))
             if measured.faster("native_decode", shapes, h.dtype, fast, lambda: loop(None)):
-                out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids)
+                out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids, values)
                 if out is not None:
                     return out
     return loop(hids)

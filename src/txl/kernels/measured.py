@@ -93,8 +93,7 @@ def _load() -> None:
     if isinstance(saved, dict):
         for k, v in saved.items():
             # (an entry of another schema, an older or newer txl's, is left out: measured again when used)
-            ratio = v.get("ratio") if isinstance(v, dict) else None
-            if isinstance(v.get("use") if isinstance(v, dict) else None, bool) and type(ratio) in (int, float):
+            if isinstance(v, dict) and isinstance(v.get("use"), bool) and type(v.get("ratio")) in (int, float):
                 _choices.setdefault(k, v)
 
 

@@ -68,7 +68,7 @@ class RingMemory:
         self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # the softmax's dtype
         self.r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
         self.r_k = torch.zeros(L, H, Dh, C, device=dev, dtype=dtype)  # W_kR R_d of each layer, by distance
-        self.weights: tuple | None = None  # (the weights' versions the keys, values and r_k were computed with)
+        self.weights: tuple | None = None  # (the key of the weights the keys, values and r_k were computed with)
         self.made_for = (cfg, model.d_input)  # (a model of this configuration may step it: a target network)
         self.graph = graph and dev.type == "cuda"
         self._replay: torch.cuda.CUDAGraph | None = None

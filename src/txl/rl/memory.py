@@ -60,7 +60,7 @@ class AgentMemory:
         check_fits(self.bytes_per_env(config, mem_len, element_size(dtype)) * n_envs, device, n_envs, mem_len)
         self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
         self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
-        self.weights: tuple | None = None  # (the weights' versions the cached keys and values were computed with)
+        self.weights: tuple | None = None  # (the key of the weights the cached keys and values were computed with)
 
     @staticmethod
     def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
@@ -258,20 +258,14 @@ class MemoryTransformer(nn.Module):
             params = [p for m in parts for p in m.parameters()]
             self._watched = (tuple(map(id, parts)), params, [p.detach().clone() for p in params], 0)
         ids, params, seen, generation = self._watched
-        # the weights' generation: a new one whenever their contents differ from the copy (whatever wrote them)
-        if not all(map(torch.equal, params, seen)):
-            with torch.no_grad():
-                for p, copy in zip(params, seen, strict=True):
-                    if copy.shape != p.shape or copy.dtype != p.dtype or copy.device != p.device:
-                        copy.data = p.detach().clone()
-                    else:
-                        copy.copy_(p)
+        # the weights' generation: a new one whenever their contents differ from the copy (whatever wrote them: an
+        # optimizer, loading, a write through .data, a new storage)
+        if not all(map(_same, params, seen)):
             generation += 1
-            self._watched = (ids, params, seen, generation)
-        # the key: this model (another model of the same config has other weights: probes rl13), the tensors, their
-        # addresses, version counters (bumped by every in-place write) and contents' generation
-        key = (self._token, tuple(map(id, params)), tuple(p._version for p in params), generation)
-        key += (tuple(p.data_ptr() for p in params),)
+            self._watched = (ids, params, [p.detach().clone() for p in params], generation)
+        # the key: this model (another model of the same config has other weights: probes rl13), the modules, and
+        # their weights' generation
+        key = (self._token, ids, generation)
         if memory.weights == key:
             return
         memory.recompute(self)
@@ -390,6 +384,11 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.train(was)
+
+
+def _same(p: Tensor, copy: Tensor) -> bool:
+    """Whether a weight still holds what ``copy`` holds (on the same device, in the same dtype and shape)."""
+    return p.shape == copy.shape and p.dtype == copy.dtype and p.device == copy.device and torch.equal(p, copy)
 
 
 def gtrxl_config(

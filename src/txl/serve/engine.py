@@ -58,7 +58,7 @@ from txl.serve.requests import (
     _Job,
     _Parked,
 )
-from txl.serve.scheduling import RowScheduler
+from txl.serve.scheduling import RowScheduler, caller
 
 __all__ = [
     "FAIR_WAIT", "MAX_LOGPROBS", "Engine", "EngineStopped", "Generation", "QueueFull", "RequestError", "TokenScore",
@@ -478,9 +478,9 @@ class Engine(RowScheduler):
                 with self._cond:
                     first = self._next([]) if self._waiting and not self._cut else None
                 if first is not None:
-                    load, theirs = self._load(), getattr(first, "group", None)
+                    load = self._load()
                     mine = load[request.group] if request.group is not None else 0
-                    if (load[theirs] if theirs is not None else 0) < mine:
+                    if load[caller(first)] < mine:
                         continue  # (the row goes to a caller holding fewer)
             self._parked.remove(parked)
             try:

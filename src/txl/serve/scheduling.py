@@ -14,6 +14,12 @@ from collections import Counter
 from txl.serve.requests import Generation, _Job, _Parked
 
 
+def caller(item: Generation | _Job) -> object:
+    """Whom a request's rows count for: its ``group`` (an HTTP request's n choices share one), else itself."""
+    group = getattr(item, "group", None)
+    return id(item) if group is None else group
+
+
 class RowScheduler:
     """The engine's bookkeeping of rows (a mixin of :class:`txl.serve.engine.Engine`, which owns the state it
     reads: ``_batches``, ``_searches``, ``_solos``, ``_jobs``, ``_parked``, ``_waiting``, the limits)."""
@@ -38,8 +44,8 @@ class RowScheduler:
         """The waiting request whose group holds the fewest rows (running, parked, or admitted just now), the first
         come among them: one caller's n=8 stream does not keep another's single request waiting behind its eight
         (max-min fairness across callers; FIFO among equals). Lock held."""
-        held = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
-        return min(self._waiting, key=lambda it: held[g] if (g := getattr(it, "group", None)) is not None else 0)
+        held = self._load(admitted)
+        return min(self._waiting, key=lambda it: held[caller(it)])
 
     def _admissible(self) -> bool:
         """Whether a waiting request can be admitted now (a row free, or one to take back). Lock held."""
@@ -90,14 +96,9 @@ class RowScheduler:
         tokens: (its batch's mem_len, its index, how many rows its caller holds beyond ``item``'s), or None."""
         if time.monotonic() - item.queued_at < self.fair_wait:
             return None
-        load = self._load() + Counter(g for r in admitted if (g := getattr(r, "group", None)) is not None)
-        g = getattr(item, "group", None)
-        mine = load[g] if g is not None else 0
-
-        def held(r: Generation) -> int:
-            return load[r.group] if r.group is not None else 1
-
-        rows = [(held(r), r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)]
+        load = self._load(admitted)
+        mine = load[caller(item)]
+        rows = [(load[caller(r)], r.produced, m, i) for m, b in self._batches.items() for i, r in enumerate(b.rows)]
         rows = [row for row in rows if row[0] > mine]
         if not rows:
             return None
@@ -110,10 +111,9 @@ class RowScheduler:
         rows (more than ``max_parked`` are parked)."""
         if len(self._parked) <= self.max_parked or time.monotonic() - item.queued_at < self.fair_wait:
             return None
-        load, g = self._load(), getattr(item, "group", None)
-        mine = load[g] if g is not None else 0
-        stuck = [p for p in self._parked if not self._resumable(p.request)]
-        stuck = [p for p in stuck if (load[p.request.group] if p.request.group is not None else 1) > mine]
+        load = self._load()
+        mine = load[caller(item)]
+        stuck = [p for p in self._parked if not self._resumable(p.request) and load[caller(p.request)] > mine]
         return min(stuck, key=lambda p: p.since) if stuck else None
 
     def _preempt(self, parked: _Parked) -> None:
@@ -137,9 +137,10 @@ class RowScheduler:
         rows = batched + parked + sum(r.num_beams for r, _ in self._searches) + len(self._solos) * self.max_batch
         return requests, rows + len(self._jobs)
 
-    def _load(self) -> Counter:
-        """Rows each group holds now (running or parked): the engine's fairness across callers."""
-        return Counter(g for r in self._rows_running() if (g := getattr(r, "group", None)) is not None)
+    def _load(self, admitted: list = ()) -> Counter:
+        """Rows each caller holds now (running or parked, and ``admitted``: taken from the queue in this pass), by
+        :func:`caller`: the engine's fairness across callers."""
+        return Counter(map(caller, (*self._rows_running(), *admitted)))
 
     def _resumable(self, request: Generation) -> bool:
         """Whether a parked generation goes on: its caller took half of what waited (or it was cancelled)."""

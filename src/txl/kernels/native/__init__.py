@@ -263,24 +263,19 @@ def _usable(t: Tensor) -> bool:
 
 def layer_values(plan: list) -> tuple:
     """Every value the kernel reads from the layers' modules rather than from a tensor, per layer and read now: the
-    attention's scale, pre_lnorm (the attention's and the feed-forward's), identity_map and the two norms' eps, and
-    the shapes of the weights. A plan's structs are remade when any of them changes, and the native step is checked
-    against the Python loop again for each new combination (it is part of the kind)."""
-    return tuple(
-        (
-            lay.attn.scale,
-            lay.attn.pre_lnorm,
-            lay.layer.ff.pre_lnorm,
-            lay.attn.identity_map,
-            lay.layer.ff.identity_map,
-            lay.attn.layer_norm.eps,
-            lay.layer.ff.layer_norm.eps,
-            lay.attn.n_head,
-            lay.attn.d_head,
-            *(tuple(t.shape) for t in (lay.qkv, lay.o, lay.w1, lay.w2)),
-        )  # fmt: skip
-        for lay in plan
-    )
+    attention's scale, pre_lnorm (the attention's and the feed-forward's), identity_map (both), the two norms' eps,
+    n_head and d_head. A plan's structs are remade when any of them changes, and the native step is checked against
+    the Python loop again for each new combination (it is part of the kind). Read at every step (a few
+    microseconds: the submodules from the modules' own dicts); the weights' shapes are checked where the plan is
+    made (a storage that changes shape is a new address)."""
+    out = []
+    for lay in plan:
+        attn, ff = lay.attn, lay.layer._modules["ff"]
+        out.append((
+            attn.scale, attn.pre_lnorm, ff.pre_lnorm, attn.identity_map, ff.identity_map,
+            attn._modules["layer_norm"].eps, ff._modules["layer_norm"].eps, attn.n_head, attn.d_head,
+        ))  # fmt: skip
+    return tuple(out)
 
 
 class _Plan:
@@ -298,8 +293,12 @@ class _Plan:
         self.ptrs = list(map(_DATA_PTR, self.tensors))
         self.values = values
         # one shape for every layer (the kernel takes n_head, d_head, d_inner once), one pre_lnorm per layer
+        shapes = {
+            (*v[7:], *(tuple(t.shape) for t in (lay.qkv, lay.o, lay.w1, lay.w2)))
+            for lay, v in zip(plan, values, strict=True)
+        }
         self.usable = all(map(_usable, self.tensors)) and all(g is not None for lay in plan for g in lay.gru)
-        self.usable &= all(v[1] == v[2] and v[3] == v[4] and v[7:] == values[0][7:] for v in values)
+        self.usable &= all(v[1] == v[2] and v[3] == v[4] for v in values) and len(shapes) == 1
         u, v = biases
         step = u[0].numel() * u.element_size() if u.dim() == 3 else 0  # (untie_r: one [H, Dh] per layer)
         self.layers = (_Layer * len(plan))()
@@ -322,7 +321,7 @@ def _tensors(lay: Any) -> tuple:
 
 def decode_step(
     plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict,
-    hids: list | None = None,
+    hids: list | None = None, values: tuple | None = None,
 ) -> Tensor | None:  # fmt: skip
     """``TransformerXL._decode`` as one native call: every layer for one new position per row ``h`` [B, 1, D],
     with the cache ``cache`` (the new keys/values are written to it). ``plan``: the layers' ``DecodeLayer``;
@@ -334,7 +333,7 @@ def decode_step(
     k, v, r0 = cache.k, cache.v, pos[0].r_k
     if lib is None or r0 is None or not (_usable(h) and _usable(k) and _usable(v)) or functorch_wrapped(h):
         return None  # (a functorch wrapper, under vmap or grad, has no storage for the kernel to read)
-    native, values = state.get("native"), layer_values(plan)
+    native, values = state.get("native"), layer_values(plan) if values is None else values
     if native is None or native.ptrs != list(map(_DATA_PTR, native.tensors)) or native.values != values:
         native = state["native"] = _Plan(plan, biases, values)
     if not native.usable or r0.dtype != torch.float32 or r0.stride(-1) != 1:
