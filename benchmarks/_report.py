@@ -79,3 +79,18 @@ class MatmulFlops(TorchDispatchMode):
 
 if __name__ == "__main__":  # the digest of a checkout: python benchmarks/_report.py [ROOT]
     print(tree_digest(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])))
+
+
+def median_time(fn, repeats: int = 5) -> float:  # noqa: ANN001
+    """Median wall time of ``repeats`` calls of ``fn`` after one warm-up call (a benchmark's table; the package's own
+    choices are timed by txl.kernels.measured.paired)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "rl"))
 from ppo_gtrxl import Agent, Args  # noqa: E402
 
 import txl  # noqa: E402
+from _report import median_time  # noqa: E402
 from txl.kernels import native  # noqa: E402
-from txl.kernels.runtime import median_time  # noqa: E402
 
 assert txl.__file__.startswith(src), f"txl from {txl.__file__}, not {src}"
 torch.set_num_threads(2)

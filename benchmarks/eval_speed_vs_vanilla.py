@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from _report import replace_section
+from _report import median_time, replace_section
 from model_speed import cpu_description
-from txl.kernels.runtime import configure_allocator, median_time
+from txl.kernels.runtime import configure_allocator
 from txl.model.modeling import KVCache, TransformerXLConfig, TransformerXLLM
 
 HEADING = "## Evaluation speed against a vanilla Transformer (Table 9)"  # --quick

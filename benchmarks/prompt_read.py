@@ -27,7 +27,7 @@ import torch
 from _report import TITLE, publish
 from model_speed import build_pair, cpu_description, fmt
 from txl.infer.prompt import PROMPT_CHUNK, read_prompt
-from txl.model.modeling import KVCache
+from txl.model.modeling import KVCache, Reading
 
 HEADING = "## Reading a long prompt: in pieces vs one pass (`benchmarks/prompt_read.py`)"
 MEM = 640
@@ -61,7 +61,7 @@ def readers(T: int) -> tuple[dict, dict]:
         def run():
             cache = KVCache(ours.config, 1, MEM, T, positions=T + 1)  # (as stream() makes it)
             with torch.no_grad():
-                out[chunk] = read_prompt(ours, prompt, cache, MEM, chunk=chunk)[0, -1]
+                out[chunk] = read_prompt(ours, prompt, cache, Reading(MEM), chunk=chunk)[0, -1]
 
         return run
 

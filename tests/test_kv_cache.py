@@ -22,6 +22,7 @@ from txl.infer.prompt import read_prompt
 from txl.kernels.backends import set_backends
 from txl.kernels.linear import weight_copies
 from txl.model import modeling
+from txl.model.config import Reading
 from txl.model.modeling import KVCache
 
 VARIANTS = {
@@ -236,7 +237,7 @@ def test_a_long_prompt_read_in_pieces_equals_one_pass(variant, memory):
                 model.transformer.fill_cache(one, mems, mem_len)
                 model.transformer.fill_cache(pieces, mems, mem_len)
             whole = model.transformer(batch, cache=one, mem_len=mem_len, padding=padding).last_hidden_state
-            got = read_prompt(model, batch, pieces, mem_len, padding, chunk=chunk)
+            got = read_prompt(model, batch, pieces, Reading(mem_len), padding, chunk=chunk)
             torch.testing.assert_close(got[real], whole[real], atol=1e-5, rtol=1e-5, msg=f"chunk {chunk}")
             assert pieces.length == one.length == mem_len
             for a, b in ((pieces.k, one.k), (pieces.v, one.v)):
@@ -247,7 +248,7 @@ def test_a_long_prompt_read_in_pieces_equals_one_pass(variant, memory):
                 h2 = model.transformer(x, cache=pieces, mem_len=mem_len).last_hidden_state
                 torch.testing.assert_close(h2, h1, atol=1e-5, rtol=1e-5, msg=f"chunk {chunk}, step {t + 1}")
     with pytest.raises(ValueError, match="at least one position"):
-        read_prompt(model, batch, KVCache(cfg, 2, mem_len, T), mem_len, chunk=0)
+        read_prompt(model, batch, KVCache(cfg, 2, mem_len, T), Reading(mem_len), chunk=0)
 
 
 def test_generation_after_a_prompt_longer_than_one_pass_equals_the_uncached_loop():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from txl.kernels import runtime
+from txl.kernels import runtime, timing
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_an_earlier_choice_is_kept_without_measuring_where_the_route_is_exact(mo
     def no_timing(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(runtime, "median_time", no_timing)
+    monkeypatch.setattr(runtime, "paired", no_timing)
     exact_here = runtime.choose_fp32_matmul(measure=False).exact
     on = runtime.choose_fp32_matmul(earlier=True)
     assert on.enabled == exact_here and on.earlier is True
@@ -90,26 +90,32 @@ def test_an_earlier_choice_is_kept_without_measuring_where_the_route_is_exact(mo
     assert not refused.enabled and "not exact here" in refused.describe()
 
 
-def test_the_speed_check_is_the_median_of_paired_rounds_after_a_warm_up(monkeypatch):
-    """Each round times both paths (which goes first alternates); the first round, slow while both warm up, is
-    dropped, and a stalled round does not move the median."""
-    n = len(runtime.ROUTE_SHAPES)
-    calls = []
+def test_the_speed_check_is_the_packages_one_paired_timer(monkeypatch):
+    """The route's speed check is txl.kernels.timing.paired (the one timer: a warm-up call of each, then rounds
+    that alternate which goes first): the route's products against the default path's, the median of their ratios."""
 
-    def fake_median_time(fn, repeats=5):  # one call per shape; a round is 2 * n calls
-        i = len(calls) // (2 * n)
+    t = [0.0]
+    seen = []
+
+    def clock() -> float:
+        return t[0]
+
+    real_matmul = torch.Tensor.__matmul__
+
+    def timed(a, b):  # (the route: 1 unit per product; the default path: 1.3)
         routed = torch.backends.mkldnn.matmul.fp32_precision == "bf16"
-        calls.append(routed)
-        if routed:
-            return (20.0 if i == 3 else 1.0) / n  # round 3 stalls on the route
-        return (5.0 if i == 0 else 1.0 + 0.1 * i) / n  # round 0 warms up; then ratios 1.1, 1.2, ..., 1.8
+        seen.append(routed)
+        t[0] += 1.0 if routed else 1.3
+        return real_matmul(a, b)
 
-    monkeypatch.setattr(runtime, "median_time", fake_median_time)
+    monkeypatch.setattr(timing, "timer", clock)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed)
     speedup = runtime._route_speedup()
-    assert len(calls) == 2 * n * (runtime.ROUTE_ROUNDS + 1)
-    firsts = [calls[r * 2 * n] for r in range(runtime.ROUTE_ROUNDS + 1)]
-    assert firsts == [r % 2 == 0 for r in range(runtime.ROUTE_ROUNDS + 1)]  # the route first, then alternating
-    assert speedup == pytest.approx(1.45)  # median of 1.1, 1.2, 1.3/20, 1.4, ..., 1.8 (the warm-up's 5.0 dropped)
+    n = 3 * len(runtime.ROUTE_SHAPES)  # (products per call)
+    assert len(seen) == 2 * n * (runtime.ROUTE_ROUNDS + 1)
+    firsts = [seen[r * 2 * n] for r in range(1, runtime.ROUTE_ROUNDS + 1)]
+    assert firsts == [r % 2 == 0 for r in range(runtime.ROUTE_ROUNDS)]  # the route first, then alternating
+    assert speedup == pytest.approx(1.3)
 
 
 def bf16_when_large(func, args, kwargs):

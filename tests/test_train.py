@@ -557,7 +557,7 @@ def test_a_resumed_run_keeps_the_fp32_route_of_its_checkpoint(tmp_path, monkeypa
         for recorded in (not meta["fp32_route"], meta["fp32_route"]):  # as if the interrupted run had chosen so
             meta_file.write_text(json.dumps({**meta, "fp32_route": recorded}))
             with monkeypatch.context() as m:
-                m.setattr(runtime, "median_time", lambda *a, **k: pytest.fail("the route was measured again"))
+                m.setattr(runtime, "paired", lambda *a, **k: pytest.fail("the route was measured again"))
                 exact = runtime.choose_fp32_matmul(measure=False).exact
                 run_inprocess(tmp_path, "r", **{**EXACT, "train__max_steps": 6})
             assert read_metadata(list_checkpoints(run)[-1][1])["fp32_route"] == (recorded and exact)

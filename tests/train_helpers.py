@@ -59,8 +59,8 @@ def run_inprocess(tmp: Path, run: str = "run", **overrides) -> Path:
     return tmp / run
 
 
-def txl_process(args: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+def txl_process(args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "txl", *args], env=env, **kw)
 
 

@@ -181,11 +181,8 @@ class TrainConfig:
                 bad("mem_len_schedule", "its steps must increase")
             if mems[0] < 0 or any(b < a for a, b in zip(mems, mems[1:], strict=False)):
                 bad("mem_len_schedule", "its memories must be >= 0 and grow (never shrink)")
-        if self.fast_paths is not None:
-            try:
-                Backends.changes(self.fast_paths)  # (a mapping of Backends' fields, each of its type)
-            except ValueError as e:
-                bad("fast_paths", str(e))
+        if Backends.why_not(self.fast_paths):  # (a mapping of Backends' fields, each of its type)
+            bad("fast_paths", Backends.why_not(self.fast_paths))
         if self.scheduler == "inv_sqrt" and self.warmup_steps == 0:
             bad("warmup_steps", "inv_sqrt needs warmup_steps > 0 (the peak is at the end of the warm-up)")
 
@@ -428,3 +425,36 @@ def read_run_config(folder: Path) -> RunConfig | None:
     """The run configuration saved in a checkpoint (``run.json``), parsed like a recipe; None for a model folder."""
     path = Path(folder) / RUN_CONFIG
     return RunConfig.from_dict(read_json(path), source=str(path)) if path.is_file() else None
+
+
+@dataclass
+class ServeLimits:
+    """What bounds one request's work, checked before it is admitted (each a `txl serve` option)."""
+
+    max_prompt_tokens: int = 4096
+    """Longest prompt, in tokens (read in pieces of 1,024 positions: ``txl.infer.prompt``, the memory a piece holds
+    bounded by them)."""
+    max_new_tokens: int = 1024
+    """Most tokens one generation may ask for."""
+    max_batch: int = 8
+    """Rows in flight at most, whatever their memory lengths: a generation is one, a beam search one per beam, a
+    scored text one."""
+    max_queue: int = 64
+    """Requests that may wait for a row; more get 429."""
+    max_score_tokens: int = 200_000
+    """Longest text /v1/score takes, in tokens."""
+    max_mem_len: int = 8192
+    """Longest memory a request may ask for (its keys and values are kept per row)."""
+    max_tgt_len: int = 2048
+    """Longest segment /v1/score may ask for (its attention is tgt_len x (tgt_len + mem_len) per head)."""
+    max_stops: int = 16
+    """Most stop strings per request."""
+    max_stop_chars: int = 256
+    """Longest stop string, in characters."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body, in bytes; larger ones get 413."""
+    stream_buffer_tokens: int = 256
+    """Tokens of one generation made ahead of what its client has taken, at most: a client that reads slowly slows
+    its own generation (which waits, its row given to others, until the client takes half of them)."""
+    stream_timeout: float = 30.0
+    """Seconds a response may wait for its client to read (a full send buffer) before the connection is closed."""

@@ -435,7 +435,7 @@ def version_report() -> str:
 
     import torch
 
-    from txl.kernels import measured, native
+    from txl.kernels import native, registry
     from txl.kernels.backends import backends
 
     try:
@@ -444,7 +444,7 @@ def version_report() -> str:
         mine = "(source tree)"
     return "\n".join(
         [f"txl {mine} (torch {torch.__version__})", f"native kernels: {native.status()}", backends().describe(),
-         measured.describe()]
+         registry.describe()]
     )  # fmt: skip
 
 

@@ -47,11 +47,10 @@ def attention_pass_bytes(config, rows: int, queries: int, keys: int, device=None
     bytes an entry of [T, K]; these are 3 and 21."""
     import torch
 
-    from txl.kernels import native
-    from txl.kernels.backends import backends
+    from txl.kernels.registry import may_run
 
     blocked = (device is None or torch.device(device).type == "cpu") and config.attn_type == 0 and not half
-    blocked = blocked and backends().native_attention and native.library() is not None
+    blocked = blocked and may_run("native_attention")
     return queries * keys * (3 if blocked else 1 + 4 + rows * 2 * config.n_head * 4)
 
 

@@ -27,9 +27,9 @@ from txl.hf.configuration import TransfoXLConfig
 from txl.hf.generation import MemoryGenerationMixin
 from txl.hf.tokenization import library_words
 from txl.interop.convert import is_hf_layout, load_hf_weights
-from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.modeling import TransformerXL, TransformerXLLM
 from txl.model.pretrained import CheckpointError, tied_aliases
+from txl.model.transformer import init_module
 
 # ---------------------------------------------------------------------------------------------------------
 # Outputs: Hugging Face 4.x's, field for field (tuple order included).
@@ -90,37 +90,9 @@ class TransfoXLPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        """txl's initialisation (the original ``weights_init``), one module at a time, with transformers' init
-        functions (they leave weights that were loaded alone)."""
-        cfg = self.config
-
-        def weight_(t: Tensor) -> None:
-            if cfg.init == "uniform":
-                init.uniform_(t, -cfg.init_range, cfg.init_range)
-            else:
-                init.normal_(t, 0.0, cfg.init_std)
-
-        if isinstance(module, nn.Linear):
-            weight_(module.weight)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            weight_(module.weight)
-        elif isinstance(module, nn.LayerNorm):
-            init.normal_(module.weight, 1.0, cfg.init_std)
-            init.zeros_(module.bias)
-        elif isinstance(module, AdaptiveEmbedding):
-            for p in module.emb_projs:
-                init.normal_(p, 0.0, cfg.proj_init_std)
-        elif isinstance(module, ProjectedAdaptiveLogSoftmax):
-            for p in module.out_projs:
-                init.normal_(p, 0.0, cfg.proj_init_std)
-            if module.n_clusters > 0:
-                weight_(module.cluster_weight)
-                init.zeros_(module.cluster_bias)
-        elif isinstance(module, TransformerXL):
-            weight_(module.r_w_bias)
-            weight_(module.r_r_bias)
+        """txl's initialisation (the original ``weights_init``: :func:`txl.model.transformer.init_module`), one
+        module at a time, with transformers' init functions (they leave weights that were loaded alone)."""
+        init_module(module, self.config, ops=init)
 
     def post_init(self) -> None:
         self._declare_ties()

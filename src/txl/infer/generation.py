@@ -199,7 +199,7 @@ def stream(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty [batch, seq_len] tensor")
-    reading = (reading or Reading()).over(mem_len=mem_len).resolved(model.config)
+    reading = Reading.of(reading, model.config, mem_len=mem_len)
     mem_len = reading.mem_len
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
@@ -218,7 +218,7 @@ def stream(
 
             def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
                 with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
-                    return read_prompt(model, ids, cache, mem_len, pad, reading=reading)[:, -1]
+                    return read_prompt(model, ids, cache, reading, pad)[:, -1]
 
         else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
             if padding is not None:
@@ -229,7 +229,7 @@ def stream(
 
             def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
                 nonlocal mems
-                out = model.transformer(ids, mems, mem_len=mem_len, reading=reading)
+                out = model.transformer(ids, mems, reading=reading)
                 mems = out.mems
                 return out.last_hidden_state[:, -1]
 
@@ -324,7 +324,7 @@ def beam_steps(
     check_sampling(max_new_tokens)
     B, T = input_ids.shape
     K, dev = num_beams, input_ids.device
-    reading = (reading or Reading()).over(mem_len=mem_len).resolved(model.config)
+    reading = Reading.of(reading, model.config, mem_len=mem_len)
     mem_len = reading.mem_len
     if mem_len <= 0:
         raise ValueError("generation carries memory between steps: set mem_len > 0")
@@ -346,7 +346,7 @@ def beam_steps(
             model.transformer.fill_cache(cache, mems, mem_len)
         with transposed_weights():
             # The prompt's one pass, once per prompt: its K beams start from copies of its keys, values and state.
-            h = read_prompt(model, input_ids, cache, mem_len, padding, reading=reading)[:, -1]  # [B, D]
+            h = read_prompt(model, input_ids, cache, reading, padding)[:, -1]  # [B, D]
             cache.select([b for b in range(B) for _ in range(K)])  # [B * K] rows, beam k of prompt b at b * K + k
             h = h.repeat_interleave(K, 0)  # [B * K, D]
             yield
@@ -378,7 +378,7 @@ def beam_steps(
                     break
                 cache.select(rows)
                 with fp32_route(False):  # (products of a few rows: 3x slower routed)
-                    out = model.transformer(seq[:, -1:], cache=cache, mem_len=mem_len, reading=reading)
+                    out = model.transformer(seq[:, -1:], cache=cache, reading=reading)
                     h = out.last_hidden_state[:, -1]
                 yield
     finally:

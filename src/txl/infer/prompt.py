@@ -39,27 +39,26 @@ def read_prompt(
     model: TransformerXLLM,
     ids: Tensor,
     cache: KVCache,
-    mem_len: int,
+    reading: Reading,
     padding: Tensor | None = None,
     chunk: int = PROMPT_CHUNK,
-    reading: Reading | None = None,
 ) -> Tensor:
     """Read ``ids`` [B, T] (``padding`` [B, T]: True on the left of shorter prompts) into ``cache``, in pieces of
-    ``chunk`` positions where T is longer, and return every position's last hidden state [B, T, D]. Afterwards the
-    cache holds the last ``mem_len`` positions, as after one pass of the whole prompt. ``reading``: how the model
-    reads (same_length, clamp_len; None: its config's)."""
+    ``chunk`` positions where T is longer, and return every position's last hidden state [B, T, D]. ``reading``: how
+    the model reads (mem_len, same_length, clamp_len; None fields: its config's). Afterwards the cache holds the last
+    ``mem_len`` positions, as after one pass of the whole prompt."""
     if chunk < 1:
         raise ValueError(f"chunk = {chunk}: a prompt is read in pieces of at least one position")
+    read = Reading.of(reading, model.config)
     T = ids.shape[1]
     if T <= chunk:
-        return model.transformer(ids, cache=cache, mem_len=mem_len, padding=padding, reading=reading).last_hidden_state
-    same_length = (reading or Reading()).resolved(model.config).same_length
-    keep = mem_len if same_length else cache.length + T  # (what the pieces' queries must see)
+        return model.transformer(ids, cache=cache, padding=padding, reading=read).last_hidden_state
+    keep = read.mem_len if read.same_length else cache.length + T  # (what the pieces' queries must see)
     hidden = []
     for start in range(0, T, chunk):
         piece = slice(start, start + chunk)
         pad = None if padding is None else padding[:, piece]
-        out = model.transformer(ids[:, piece], cache=cache, mem_len=keep, padding=pad, reading=reading)
+        out = model.transformer(ids[:, piece], cache=cache, padding=pad, reading=read.over(mem_len=keep))
         hidden.append(out.last_hidden_state)
-    cache.end_segment(0, mem_len)  # (the window the one pass leaves: its last mem_len positions)
+    cache.end_segment(0, read.mem_len)  # (the window the one pass leaves: its last mem_len positions)
     return torch.cat(hidden, dim=1)  # [B, T, D]

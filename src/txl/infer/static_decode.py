@@ -34,9 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from txl.kernels.admission import admits
-from txl.kernels.backends import backends
 from txl.kernels.graphs import capture_undone
+from txl.kernels.registry import admitted
 from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading
 from txl.model.modeling import KVCache, RelPartialLearnableMultiHeadAttn, TransformerXLLM, sinusoid_embedding
@@ -51,11 +50,10 @@ def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -
     Not under autocast (e.g. ``txl lm-eval`` with precision bf16): its casts are cached per forward pass, which a
     graph replayed across tokens would not renew; the kernel-by-kernel step runs there."""
     return (
-        backends().graph_decode
-        and device.type == "cuda"
+        device.type == "cuda"
         and model.config.attn_type == 0
         and max_new_tokens >= MIN_NEW_TOKENS
-        and admits("graph_decode", model.transformer.layers, deep=True, name="layers")  # (stock layers: else said)
+        and admitted("graph_decode", model.transformer.layers, "layers", device.type)  # (stock layers: else said)
         and not torch.is_autocast_enabled(device.type)
     )
 
@@ -71,7 +69,7 @@ class StaticDecoder:
         reading: Reading | None = None,
     ):  # fmt: skip
         cfg = model.config
-        read = (reading or Reading()).resolved(cfg)  # (same_length, clamp_len: how the model reads)
+        read = Reading.of(reading, cfg)  # (same_length, clamp_len: how the model reads)
         if cfg.attn_type != 0:
             raise ValueError(f"the static decoder is for attn_type 0 (relative attention), not {cfg.attn_type}")
         if mem_len <= 0:

@@ -242,7 +242,9 @@ _verified: dict[tuple, bool] = {}
 """(path, kind) -> whether the fast path computed what the reference did, the first time it ran here."""
 
 
-def _close(fast: Tensor, ref: Tensor) -> bool:
+def _close(fast: Any, ref: Any) -> bool:
+    if isinstance(ref, (tuple, list)):
+        return isinstance(fast, (tuple, list)) and len(fast) == len(ref) and all(map(_close, fast, ref))
     if fast.shape != ref.shape or fast.dtype != ref.dtype:
         return False
     a, b = fast.detach().double(), ref.detach().double()
@@ -267,10 +269,13 @@ def verified(path: str, kind: tuple, fast: Callable[[], Any], reference: Callabl
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # (no comparison in a graph: it traces the
         return True  # fast path as chosen; the eager calls check it)
     with check_scope():
-        out = fast()
+        with torch.random.fork_rng(devices=[]):  # (each from the same random state: the same dropout masks)
+            out = fast()
         if out is None:
             return False
-        ok = _verified[key] = _close(pick(out), pick(reference()))
+        with torch.random.fork_rng(devices=[]):
+            ref = reference()
+        ok = _verified[key] = _close(pick(out), pick(ref))
     if not ok:
         decline(path, "it computes something else than the model's own code here (a changed source?)")
     return ok

@@ -12,11 +12,48 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import measured, native
-from txl.kernels.admission import admits, verified
+from txl.kernels import native
 from txl.kernels.backends import backends, fused_pays
-from txl.kernels.dropout import dropout_seed
+from txl.kernels.dropout import dropout_seed, masks
 from txl.kernels.native import ops
+from txl.kernels.registry import Backend, _cpu_switch, dispatch, register, settled_off
+
+register(
+    Backend(
+        "fused_attention",
+        "rel_attention",
+        "the attention's scores() + attend()",
+        lambda p, dev: dev in p.fused_attention,
+        measured=False,
+    )
+)
+register(
+    Backend(
+        "fused_attention_training",
+        "rel_attention",
+        "the attention's scores() + attend(), with gradients",
+        lambda p, dev: dev in p.fused_attention_training,
+        measured=False,
+    )
+)
+register(
+    Backend(
+        "native_attention",
+        "rel_attention",
+        "the attention's scores() + attend()",
+        _cpu_switch("native_attention"),
+        lambda q, *_: None if native.usable(q) else _NOT_FP32,
+    )
+)
+register(
+    Backend(
+        "native_attention_train",
+        "rel_attention",
+        "the attention's scores() + attend(), with gradients",
+        _cpu_switch("native_attention"),
+        lambda q, *_: None if native.usable(q) else _NOT_FP32,
+    )
+)
 
 
 def rel_attention(
@@ -26,55 +63,44 @@ def rel_attention(
 ) -> Tensor:  # fmt: skip
     """attn_type 0's attention, softmax((q + u) k + shift((q + v) W_kR R)) v, [B, T, H*Dh]: the named operation. The
     ``reference()`` is the model's (its scores() + attend()); the backends compute the same as one call, with the
-    (b)+(d) rows read at their shift inside the kernel, in this order where they apply:
+    (b)+(d) rows read at their shift inside the kernel:
 
-    * ``Backends.fused_attention`` (devices; in training ``fused_attention_training``): the fused Triton kernel
-      (:mod:`txl.kernels.fused_attention`), forward and backward, dropatt by its own Philox stream; on a GPU for
+    * ``fused_attention`` / ``fused_attention_training`` (``Backends.fused_attention``, devices): the fused Triton
+      kernel (:mod:`txl.kernels.fused_attention`), forward and backward, dropatt by its own Philox stream; on a GPU for
       half-precision segments of several positions.
-    * ``Backends.native_attention``: the native CPU kernel (fp32; ``torch.ops.txl.native_rel_attention``, and in
-      training ``native_rel_attention_train`` with its backward: :mod:`txl.kernels.native.ops`); its dropout of the
-      probabilities, ``dropatt``, draws its seed where the reference's :class:`~txl.kernels.dropout.Dropout` would,
-      and is the same mask.
+    * ``native_attention`` / ``native_attention_train`` (``Backends.native_attention``): the native CPU kernel (fp32;
+      ``torch.ops.txl.native_rel_attention``, and in training ``native_rel_attention_train`` with its backward); its
+      dropout of the probabilities, ``dropatt``, draws its seed where the reference's
+      :class:`~txl.kernels.dropout.Dropout` would, and is the same mask (the Philox stream; with torch's, not run).
 
     ``q`` [B, T, H, Dh] raw queries (the kernels form (q + u) * scale and (q + v) * scale), ``kv`` the keys and values
-    [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K].
-
-    The kernels stand in for ``module``'s scores() and attend(): only where it is stock (``txl.kernels.admission``:
-    the attention class as txl wrote it, its dropout too, no hook), and checked against ``reference()`` the first
-    time in the process (without dropatt: with it the two draw different masks). The native kernel runs only where
-    it was measured faster here (``txl.kernels.measured``)."""
+    [B, H, K, Dh] (one [2, ...] tensor, or a cache's pair), ``positions(K)`` W_kR R [H, Dh, >= K]. Chosen by
+    :func:`txl.kernels.registry.dispatch` for ``module`` and its ``dropatt`` (both stock)."""
     grad = torch.is_grad_enabled()
-    name = "fused_attention" if _fused_wanted(q, grad) else "native_attention"
-    if not _wanted(q, grad) or not admits(name, module) or not admits(name, module.dropatt):
-        return reference()
-    fast = _fused(q, u, v, kv, positions, scale, mask, grad, dropatt)
+    modules = (module, module.dropatt)
+    kind = (grad, mask is None, dropatt > 0)
+    if q.device.type in (backends().fused_attention_training if grad else backends().fused_attention):
+        name = "fused_attention_training" if grad else "fused_attention"
+        fast = _fused(q, u, v, kv, positions, scale, mask, grad, dropatt)
+        if fast is not None:  # (its dropatt is its own stream: checked against the reference without it)
+            return dispatch(name, modules, fast, reference, operands=(q,), kind=kind, verify=not dropatt)
+    name = "native_attention_train" if grad else "native_attention"
+    fast = _native(q, u, v, kv, positions, scale, mask, grad, dropatt, name)
     if fast is None:
-        fast = _native(q, u, v, kv, positions, scale, mask, grad, dropatt, reference)
-    if fast is None:
         return reference()
-    if dropatt or verified(name, (type(module), grad, q.dtype, q.device.type, mask is None), fast, reference):
-        return fast()
-    return reference()
+    k = kv[0]
+    shapes = (q.shape, k.shape)
+    operands = (q, kv) if grad and isinstance(kv, Tensor) else (q,)
+    return dispatch(name, modules, fast, reference, operands=operands, kind=kind, shapes=shapes)
 
 
-def _fused_wanted(q: Tensor, grad: bool) -> bool:
-    policy = backends()
-    return q.device.type in (policy.fused_attention_training if grad else policy.fused_attention)
-
-
-def _wanted(q: Tensor, grad: bool) -> bool:
-    """Whether a kernel might run (before the module is looked at: the common no-kernel case costs nothing more)."""
-    policy = backends()
-    return _fused_wanted(q, grad) or (policy.native_attention and native.usable(q))
+_NOT_FP32 = "not fp32 on the CPU without autocast, or no native library"
 
 
 def _fused(q, u, v, kv, positions, scale, mask, grad, dropatt) -> Callable[[], Tensor] | None:  # noqa: ANN001
-    """The fused Triton kernel (a call of it) where the policy lists q's device (``Backends.fused_attention``, with
-    gradients ``fused_attention_training``) and it applies (triton installed, the operands' layout; with gradients
-    only for keys and values of this step, not a cache's). On a GPU only where it was measured faster: products in half
-    precision, and segments of several positions (one-token steps are the decode paths')."""
-    if not _fused_wanted(q, grad):
-        return None
+    """The fused Triton kernel (a call of it) where it applies (triton installed, the operands' layout; with
+    gradients only for keys and values of this step, not a cache's). On a GPU only in half precision and for segments
+    of several positions (one-token steps are the decode paths')."""
     if torch.compiler.is_exporting():  # (an exported graph, ONNX's too, must not need txl's library)
         return None
     if grad and not isinstance(kv, Tensor):
@@ -113,31 +139,27 @@ def _fused_module():  # noqa: ANN202
     return _FUSED[0]
 
 
-def _native(q, u, v, kv, positions, scale, mask, grad, dropatt, reference) -> Callable[[], Tensor] | None:  # noqa: ANN001
-    """The native CPU kernel (a call of it) where ``Backends.native_attention`` is on, it applies, and it was measured
-    faster than ``reference`` here."""
+def _native(q, u, v, kv, positions, scale, mask, grad, dropatt, name) -> Callable[[], Tensor] | None:  # noqa: ANN001
+    """The native CPU kernel (a call of it) where its switch is on and it applies to these operands; its dropatt only
+    where the run's masks are Philox's (the kernel's stream)."""
     policy = backends()
-    if not (policy.native_attention and native.usable(q)) or (dropatt and not (grad and policy.native_dropout)):
+    if not (policy.native_kernels and policy.native_attention and native.usable(q)):
+        return None
+    if dropatt and not (grad and masks() == "philox"):
         return None
     if grad and not isinstance(kv, Tensor):  # (a cache's keys and values, with gradients: the PyTorch kernels)
         return None
     k, v_ = kv
-    name, shapes = ("native_attention_train" if grad else "native_attention"), (q.shape, k.shape)
-    known = measured.decided(name, shapes, q.dtype)
-    if known is False:  # (measured slower here: W_kR R is not even projected for it)
+    if settled_off(name, (q.shape, k.shape), q.dtype):  # (measured slower here: W_kR R is not even projected)
         return None
     r_k = positions(k.shape[2])
     qt, biases = q.transpose(1, 2), (u, v, scale)  # [B, H, T, Dh]
     if not native.attention_applies(qt, k, v_, qt, r_k, query_bias=biases):
         return None
     if not grad:
-        call = lambda: ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)  # noqa: E731
-    else:
-        seed = dropout_seed if dropatt else lambda: 0
-        call = lambda: ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, seed())[0]  # noqa: E731
-    if known is None and not measured.faster(name, shapes, q.dtype, call, reference, (q, kv) if grad else ()):
-        return None
-    return call
+        return lambda: ops.rel_attention(q, u, v, k, v_, r_k, mask, scale)
+    seed = dropout_seed if dropatt else lambda: 0
+    return lambda: ops.rel_attention_train(q, u, v, kv, r_k, mask, scale, dropatt, seed())[0]
 
 
 def score_sum(ac: Tensor, bd: Tensor | None) -> Tensor:

@@ -214,6 +214,15 @@ class Backends:
                 raise ValueError(f"{name} takes true or false (got {value!r})")
         return out
 
+    @staticmethod
+    def why_not(mapping: dict | None) -> str | None:
+        """Why ``mapping`` (a config's ``fast_paths``; None: no changes) is not a valid :meth:`changes`, or None."""
+        try:
+            Backends.changes(mapping if mapping is not None else {})
+        except ValueError as e:
+            return str(e)
+        return None
+
     def to_dict(self) -> dict:
         """The policy as JSON takes it (tuples as lists)."""
         out = dataclasses.asdict(self)

@@ -16,40 +16,48 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from txl.kernels import measured, native
-from txl.kernels.admission import admits, verified
-from txl.kernels.backends import backends
+from txl.kernels import native, registry
+from txl.kernels.registry import Backend, _cpu_switch, dispatch, register
+
+register(
+    Backend(
+        "fast_decode", "decode_step", "the layers' forward on one position", lambda p, dev: p.fast_decode, deep=True
+    )
+)
+register(
+    Backend(
+        "native_decode",
+        "decode_step",
+        "the one-token loop in Python (fast_decode)",
+        _cpu_switch("native_decode"),
+        lambda h, *_: None if native.usable(h) else "not fp32 on the CPU",
+    )
+)
 
 
 def one_token_step(
-    layers: nn.Module, kind: tuple, reference: Callable[[], Tensor], loop: Callable[[], Tensor]
+    layers: nn.Module, kind: tuple, reference: Callable[[], Tensor], loop: Callable[[], Tensor], h: Tensor
 ) -> Tensor:
-    """Every layer for one new position: ``loop()`` (the one-token loop) where ``Backends.fast_decode`` is on, the
-    ``layers`` are stock and the loop was checked against ``reference()`` (the layers' forward) for this ``kind`` of
-    model in this process; else ``reference()``."""
-    if backends().fast_decode and admits("fast_decode", layers, deep=True, name="layers"):
-        if verified("fast_decode", kind, loop, reference):
-            return loop()
-    return reference()
+    """Every layer for one new position ``h`` [B, 1, d_model]: ``loop()`` (the one-token loop) where the registry
+    chooses ``fast_decode`` for the ``layers`` (stock, checked against ``reference()``, the layers' forward, for this
+    ``kind`` of model, measured faster on the CPU); else ``reference()``."""
+    return dispatch("fast_decode", layers, loop, reference, operands=(h,), kind=kind, where="layers")
 
 
 def native_loop(
     plan: list, biases: tuple[Tensor, Tensor], h: Tensor, pos: list, mask: Tensor | None, cache: Any, state: dict,
     loop: Callable[[list | None], Tensor], hids: list | None = None,
 ) -> Tensor:  # fmt: skip
-    """The one-token loop: one native call (:func:`txl.kernels.native.decode_step`) where ``Backends.native_decode``
-    is on, the kernel applies, it was checked against ``loop`` (the Python loop) for this kind of model in this
-    process and measured faster than it here; else ``loop(hids)``. ``hids`` (None: not kept) receives the outputs of
-    every layer but the last. (The checks run both on this step: each writes the same keys and values.)"""
-    if backends().native_decode:
-        values = native.layer_values(plan)  # (every value the kernel reads from the modules: a new one is checked)
-        fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None, values)  # noqa: E731
-        first = plan[0]
-        kind = (values, tuple((type(lay.gate1), type(lay.gate2)) for lay in plan), h.dtype)
-        if verified("native_decode", kind, fast, lambda: loop(None)):
-            shapes = (h.shape, cache.k.shape[:3], (cache.length + 1, h.shape[-1], first.w1.shape[0]))
-            if measured.faster("native_decode", shapes, h.dtype, fast, lambda: loop(None)):
-                out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids, values)
-                if out is not None:
-                    return out
+    """The one-token loop: one native call (:func:`txl.kernels.native.decode_step`) where the registry chooses
+    ``native_decode`` (checked against ``loop``, the Python loop, for this kind of model in this process and measured
+    faster than it here); else ``loop(hids)``. ``hids`` (None: not kept) receives the outputs of every layer but the
+    last. (The checks run both on this step: each writes the same keys and values.)"""
+    values = native.layer_values(plan)  # (every value the kernel reads from the modules: a new one is checked)
+    fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None, values)  # noqa: E731
+    kind = (values, tuple((type(lay.gate1), type(lay.gate2)) for lay in plan))
+    shapes = (h.shape, cache.k.shape[:3], (cache.length + 1, h.shape[-1], plan[0].w1.shape[0]))
+    if registry.choose("native_decode", None, fast, lambda: loop(None), operands=(h,), kind=kind, shapes=shapes):
+        out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids, values)
+        if out is not None:
+            return out
     return loop(hids)

@@ -1,39 +1,91 @@
-"""Dropout, the named operation, and its CPU backends: ``F.dropout`` is the reference; on the CPU a cheaper mask
-(two 24-bit uniforms per random word) and, where it is built, the native one-pass kernel (``Backends.native_dropout``,
-with ReLU fused in: ``Backends.native_relu_dropout``). Every backend draws the same distribution; the native ones
-regenerate the mask from its seed in the backward (tests/test_backends_exact.py holds them to the definition)."""
+"""Dropout, the named operation, and where its masks come from.
+
+On the CPU a run's masks come from one of two streams (:func:`masks`), each drawing one value of torch's generator
+per call, so ``torch.manual_seed`` and a saved RNG state fix them:
+
+* ``"philox"``: Philox4x32-10 keyed by a 64-bit seed. The native one-pass kernel (``Backends.native_dropout``, relu
+  fused in: ``Backends.native_relu_dropout``) and its reference, :func:`txl.kernels.philox.dropout` in PyTorch
+  operations, draw the same mask, bit for bit: the backend chosen never changes what a run computes.
+* ``"torch"``: two 24-bit uniforms from every 64-bit word of torch's generator (half the cost of ``nn.Dropout``'s
+  draw, the same distribution); no native kernel.
+
+A new process uses ``"philox"`` where the native dropout can run (its library built, the switch on), else
+``"torch"``; ``txl train`` records the stream of a run in its checkpoints and a resumed run keeps it
+(:func:`use_masks`), whatever this machine has. On other devices, and in code being compiled, ``F.dropout``.
+Kept elements are ``x * (1 / (1 - p))``, as in ``nn.Dropout``."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import measured, native
-from txl.kernels.admission import admits, stock
+from txl.kernels import native, philox
+from txl.kernels.admission import stock
 from txl.kernels.backends import backends
 from txl.kernels.native import ops
+from txl.kernels.registry import Backend, _cpu_switch, dispatch, register
+
+MASKS = ("philox", "torch")
+_NOT_NATIVE = "not fp32 or bf16 on the CPU, or no native library"
+register(
+    Backend(
+        "native_dropout",
+        "dropout",
+        "the Philox mask in PyTorch operations (txl.kernels.philox)",
+        _cpu_switch("native_dropout"),
+        lambda x: None if native.dropout_applies(x) else _NOT_NATIVE,
+    )
+)
+register(
+    Backend(
+        "native_relu_dropout",
+        "relu_dropout",
+        "relu, then the Dropout module",
+        lambda p, dev: _cpu_switch("native_dropout")(p, dev) and p.native_relu_dropout,
+        lambda x: None if native.dropout_applies(x) else _NOT_NATIVE,
+    )
+)
+_pinned: ContextVar[str | None] = ContextVar("txl_masks", default=None)
 
 
-def _relu_dropout_fused() -> bool:
+def default_masks() -> str:
+    """The stream of a process that pinned none: Philox's where the native dropout can run here, else torch's."""
     policy = backends()
-    return policy.native_relu_dropout and policy.native_dropout
+    return "philox" if policy.native_kernels and policy.native_dropout and native.dropout_ready() else "torch"
+
+
+def masks() -> str:
+    """The stream of dropout masks in force: the pinned one (:func:`use_masks`), else :func:`default_masks`."""
+    return _pinned.get() or default_masks()
+
+
+@contextlib.contextmanager
+def use_masks(stream: str | None) -> Iterator[str]:
+    """Draw the CPU dropout masks of this block from ``stream`` (one of :data:`MASKS`; None: the default)."""
+    if stream is not None and stream not in MASKS:
+        raise ValueError(f"dropout masks come from one of {', '.join(MASKS)} (got {stream!r})")
+    token = _pinned.set(stream)
+    try:
+        yield masks()
+    finally:
+        _pinned.reset(token)
 
 
 def dropout_seed() -> int:
-    """The key of one native dropout mask: 63 random bits of torch's generator."""
+    """The key of one Philox mask: 63 random bits of torch's generator."""
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
 @stock
 class Dropout(nn.Module):
-    """``nn.Dropout`` with a cheaper mask on the CPU. Each call draws one 64-bit seed from torch's generator (so
-    ``torch.manual_seed`` and a saved RNG state fix the masks) for :mod:`txl.kernels.native`'s one-pass kernel;
-    without it,
-    the mask takes two 24-bit uniforms (the resolution of ``torch.rand``) from every 64-bit random word of torch's
-    generator, half the cost of ``nn.Dropout``'s one draw per element, for the same distribution. Elsewhere (other
-    devices, other dtypes, code being compiled) it is ``F.dropout``. Kept elements are ``x * (1 / (1 - p))``, as in
-    ``nn.Dropout``."""
+    """``nn.Dropout`` whose CPU masks come from the run's stream (the module docstring): Philox's (natively, or the
+    same mask in PyTorch operations), or two 24-bit uniforms per 64-bit word of torch's generator. Elsewhere (other
+    devices, code being compiled) it is ``F.dropout``."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -44,14 +96,16 @@ class Dropout(nn.Module):
             return x
         if x.device.type != "cpu" or torch.compiler.is_compiling():  # (a graph draws its mask as F.dropout does)
             return F.dropout(x, self.p, True)
-        if backends().native_dropout and native.dropout_applies(x):
-            call = lambda: ops.dropout(x, self.p, dropout_seed(), False)  # noqa: E731
-            if measured.faster("native_dropout", [x.shape], x.dtype, call, lambda: self._mask(x), (x,)):
-                return call()
-        return self._mask(x)
+        if masks() == "torch":
+            return self._mask(x)
+        seed = dropout_seed()
+        return dispatch(
+            "native_dropout", self, lambda: ops.dropout(x, self.p, seed, False),
+            lambda: philox.dropout(x, self.p, seed), operands=(x,),
+        )  # fmt: skip
 
     def _mask(self, x: Tensor) -> Tensor:
-        """The PyTorch path: two 24-bit uniforms per random word of torch's generator."""
+        """The ``"torch"`` stream: two 24-bit uniforms per random word of torch's generator."""
         n = x.numel()
         words = torch.empty((n + 1) // 2, dtype=torch.int64).random_()  # 63 random bits each
         uniform24 = words.view(torch.int32)[:n].bitwise_and(0xFFFFFF)  # two per word: bits 0-23 and 32-55
@@ -59,13 +113,13 @@ class Dropout(nn.Module):
         return x.mul(keep).mul_(1.0 / (1.0 - self.p))
 
     def relu(self, x: Tensor) -> Tensor:
-        """``self(F.relu(x))``: in one native pass where the native dropout runs (the same mask)."""
-        if self.training and self.p > 0 and _relu_dropout_fused() and native.dropout_applies(x):
-            if admits("native_relu_dropout", self):  # (a subclass's forward, a hook: called below)
-                call = lambda: ops.dropout(x, self.p, dropout_seed(), True)  # noqa: E731
-                if measured.faster("native_relu_dropout", [x.shape], x.dtype, call, lambda: self(F.relu(x)), (x,)):
-                    return call()
-        return self(F.relu(x))
+        """``self(F.relu(x))``: in one native pass where the Philox stream's native dropout runs (the same mask)."""
+        if not self.training or self.p == 0 or x.device.type != "cpu" or torch.compiler.is_compiling():
+            return self(F.relu(x))
+        if masks() == "torch":
+            return self(F.relu(x))
+        fused = lambda: ops.dropout(x, self.p, dropout_seed(), True)  # noqa: E731 (its seed drawn as forward's)
+        return dispatch("native_relu_dropout", self, fused, lambda: self(F.relu(x)), operands=(x,))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

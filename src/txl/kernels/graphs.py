@@ -42,6 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from txl.kernels.admission import global_hooks, own_hooks
 from txl.kernels.backends import backends, use_backends
+from txl.kernels.registry import REGISTRY, Backend, register
 
 MAX_GRAPHS = 32
 """Graphs per cache (one per offset of the window in the cache's buffer; 12 for tgt_len 64, mem_len 640)."""
@@ -118,6 +119,37 @@ def _autocast(dev: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
 
 
+register(
+    Backend(
+        "graph_segments",
+        "segment_layers",
+        "the layers' forward on a cached segment",
+        lambda p, dev: dev in p.graph_segments,
+        measured=False,
+    )
+)
+register(
+    Backend(
+        "graph_decode",
+        "decode_step",
+        "the K/V cache's one-token step, kernel by kernel",
+        lambda p, dev: p.graph_decode and dev == "cuda",
+        deep=True,
+        measured=False,
+    )
+)
+register(
+    Backend(
+        "graph_act",
+        "act_step",
+        "the agents' memory step by the K/V cache",
+        lambda p, dev: dev in p.graph_act,
+        deep=True,
+        measured=False,
+    )
+)
+
+
 def _capturing(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -139,7 +171,12 @@ def segment_layers(
     host (lengths, mask settings, the cache's buffers); ``holder``: the cache (its ``segment_graphs``); ``offset``: the
     window's place in the cache's buffer; ``module``: whose parameters and hooks the layers read."""
     dev = h.device
-    if not applies or dev.type not in backends().graph_segments or _capturing(dev) or torch.compiler.is_compiling():
+    if (
+        not applies
+        or not REGISTRY["graph_segments"].switch(backends(), dev.type)
+        or _capturing(dev)
+        or torch.compiler.is_compiling()
+    ):
         return layers(h)
     autocast = _autocast(dev)
     if autocast is None and h.dtype not in (torch.float16, torch.bfloat16):

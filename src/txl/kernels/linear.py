@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import measured
 from txl.kernels.admission import global_hooks, is_stock
 from txl.kernels.backends import backends
+from txl.kernels.registry import Backend, dispatch, register
 
 # ---------------------------------------------------------------------------------------------------------
 # 4a. A linear layer is called as a module; its weight is read directly only where the module is plain.
@@ -231,6 +231,16 @@ class _SegmentMemoryProjection(torch.autograd.Function):
         return None, g_x, g_w, None
 
 
+register(
+    Backend(
+        "segment_projection",
+        "segment_memory_projection",
+        "the layer's Linear called on [memory; segment]",
+        lambda p, dev: p.segment_projection,
+    )
+)
+
+
 def segment_memory_projection(module: nn.Module, mem: Tensor, x: Tensor, n_q: int) -> tuple[Tensor, Tensor]:
     """One layer's projections where the keys and values cover [``mem``; ``x``] and the queries only the segment
     ``x`` [B, T, D]: (queries [B, T, n_q], keys/values [B, M+T, out - n_q]). The reference calls ``module`` once on
@@ -248,14 +258,11 @@ def segment_memory_projection(module: nn.Module, mem: Tensor, x: Tensor, n_q: in
         q = project(module, x, out=slice(0, n_q))  # queries of the segment only, [B, T, n_q]
         return q, project(module, torch.cat([mem, x], dim=1), out=slice(n_q, None))  # [B, M+T, out - n_q]
 
-    if backends().segment_projection and grad and module.bias is None:
-        call = lambda: _SegmentMemoryProjection.apply(mem, x, module.weight, n_q)  # noqa: E731
-        shapes = [mem.shape, x.shape, module.weight.shape]
-        if x.device.type != "cpu" or measured.faster(
-            "segment_projection", shapes, x.dtype, call, apart, (x, module.weight)
-        ):
-            return call()
-    return apart()
+    if not grad or module.bias is not None:
+        return apart()
+    call = lambda: _SegmentMemoryProjection.apply(mem, x, module.weight, n_q)  # noqa: E731
+    shapes = [mem.shape, x.shape, module.weight.shape]
+    return dispatch("segment_projection", module, call, apart, operands=(x, module.weight), shapes=shapes)
 
 
 def logits_linear(h: Tensor, weight: Tensor, bias: Tensor | None, autocast: torch.dtype | None = None) -> Tensor:

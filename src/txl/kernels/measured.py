@@ -1,17 +1,23 @@
-"""Whether a CPU fast path is faster than the reference on this machine: measured at its first use, kept per machine.
+"""Whether a CPU fast path is faster than the reference on this machine: measured where it is used, kept per machine.
 
 The native kernels were written on AVX-512 machines; on a CPU with AVX2 only, PyTorch's kernels can be faster (the
-native attention made a bench-char training step 1.5x slower on a 2-core AVX2 EPYC). So, as the fp32 GEMM route
-(``txl.kernels.runtime.CheckedRoute``), each CPU fast path runs only where it was measured faster here:
+native attention made a bench-char training step 1.5x slower on a 2-core AVX2 EPYC). So each CPU fast path runs
+only where it was measured faster here, and a shared, noisy machine must not be able to fool that:
 
-* the first time a path could run for a kind of operand (its shapes rounded up to powers of two, the dtype, the
-  threads), :func:`faster` times it against the reference on those operands: one warm-up call each, then paired
-  rounds (which goes first alternates), the median of the ratios; with gradients the backward is timed too
-  (``torch.autograd.grad`` with respect to the operands: no parameter's ``.grad`` is touched). Torch's random state
-  is forked around it: the run draws the same numbers as without the measurement;
+* **paired and alternating** (:func:`paired`, the package's one timer): after one warm-up call of each, ``ROUNDS``
+  rounds that time the fast path and the reference back to back, which goes first alternating; the ratio of each
+  round (reference / fast) is a sample. With gradients the backward is timed too (``torch.autograd.grad`` with
+  respect to the operands: no parameter's ``.grad`` is touched); torch's random state is forked around it;
+* **a confidence rule**: the choice is *settled* only where the median ratio is further from 1 than ``Z`` standard
+  errors of the median (estimated from the samples' spread: 1.2533 x 1.4826 x MAD / sqrt(n), in log space). A
+  choice within the noise is used for now but not settled: it is measured again (its samples pooled with the
+  latest ones, at most ``MAX_SAMPLES``) when the next process first uses it, and in a process after ``RETRY_S``;
+* **re-measured when it may have changed**: the key includes torch's, txl's and the native library's versions (an
+  upgrade measures again, a path measured slower included); a settled choice expires after ``LIFETIME_S`` times the
+  square of its margin (a 1.5x choice made with a 2% error lasts the 30-day cap, one barely past the rule a day);
 * the choice is kept in memory and in ``measured.json`` beside the native library (``~/.cache/txl/native``), under
-  this machine's key (CPU model and flags, torch and txl versions, threads): later processes read it;
-* every choice is logged once (the ``txl`` logger: a run's log) and ``txl --version`` lists this machine's.
+  this machine's key (CPU model and flags, versions, threads); every new measurement is logged once (the ``txl``
+  logger) and ``txl --version`` lists each choice with its ratio, error and state.
 
 ``Backends.measured`` False (``TXL_MEASURE=0``; the tests) runs every fast path wherever it applies.
 """
@@ -20,8 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,27 +36,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txl.kernels.admission import check_scope
 from txl.kernels.backends import backends
+from txl.kernels.timing import Paired, Z, paired
 
 log = logging.getLogger("txl")
 
-ROUNDS = 5  # paired rounds after the warm-up (the median of their ratios decides)
+MAX_SAMPLES = 21  # the samples an unsettled choice pools (the latest)
+RETRY_S = 30.0  # an unsettled choice is measured again after this long in a process
+LIFETIME_S = 86400.0  # a settled choice of margin m (in units of Z errors) is kept LIFETIME_S * m**2, at most 30 days
+MAX_LIFETIME_S = 30 * 86400.0
 PATHS = {
     "native_attention": "the attention of attn_type 0 in inference (native kernel vs one SDPA call)",
     "native_attention_train": "the attention of attn_type 0 with gradients (native forward and backward vs PyTorch's)",
-    "native_dropout": "dropout (native one-pass kernel vs the PyTorch mask)",
+    "native_dropout": "dropout (native one-pass kernel vs the Philox mask in PyTorch operations)",
     "native_relu_dropout": "the feed-forward's relu + dropout as one native pass",
     "native_nll": "the adaptive softmax's NLL by the native kernel (vs log-softmax and gather)",
     "native_decode": "the one-token step of every layer as one native call (vs the Python loop)",
+    "fast_decode": "the one-token step as one loop over the layers (vs the layers' forward)",
     "segment_projection": "training's W_q / W_kv products with one backward (vs a product per slice)",
 }
 
-_choices: dict[str, dict] = {}  # key -> {"use": bool, "ratio": float}, this process's (and the file's, once read)
+_choices: dict[str, dict] = {}  # key -> a choice (see _choice), this process's (and the file's, once read)
+_due: dict[str, float] = {}  # key -> when (time.monotonic) this process measures it again (absent: now)
 _loaded = [False]
 _lock = threading.RLock()  # (a measurement runs the reference, which may measure another path)
-timer: Callable[[], float] = time.perf_counter
-"""The clock (a test replaces it to fake a measurement)."""
+clock: Callable[[], float] = time.time
+"""The wall clock of the choices' ages (a test replaces it)."""
 
 
 def machine_key() -> str:
@@ -73,7 +84,9 @@ def machine_key() -> str:
         txl_version = version("transformer-xl")
     except Exception:  # noqa: BLE001 (not installed: a source tree)
         txl_version = "source"
-    return f"{model} | {flags} | torch {torch.__version__} | txl {txl_version} | threads {torch.get_num_threads()}"
+    lib = native.library_name()
+    threads = torch.get_num_threads()
+    return f"{model} | {flags} | torch {torch.__version__} | txl {txl_version} | {lib} | threads {threads}"
 
 
 def _file():  # noqa: ANN202
@@ -93,7 +106,7 @@ def _load() -> None:
     if isinstance(saved, dict):
         for k, v in saved.items():
             # (an entry of another schema, an older or newer txl's, is left out: measured again when used)
-            if isinstance(v, dict) and isinstance(v.get("use"), bool) and type(v.get("ratio")) in (int, float):
+            if _valid(v):
                 _choices.setdefault(k, v)
 
 
@@ -134,43 +147,53 @@ def kind_of(path: str, shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> s
     return kind
 
 
-def _once(fn: Callable[[], Any], grad_of: Sequence[Tensor]) -> float:
-    t = timer()
-    out = fn()
-    if grad_of:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        outs = [o for o in outs if isinstance(o, Tensor) and o.requires_grad]
-        torch.autograd.grad(outs, list(grad_of), [torch.ones_like(o) for o in outs], allow_unused=True)
-    return timer() - t
+def _valid(v: object) -> bool:
+    """Whether a stored choice has this schema (another's is left out: measured again when used)."""
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("use"), bool)
+        and isinstance(v.get("settled"), bool)
+        and all(type(v.get(k)) in (int, float) for k in ("ratio", "error", "at"))
+        and isinstance(v.get("samples"), list)
+        and all(type(r) in (int, float) and r > 0 for r in v["samples"])
+    )
 
 
 def ratio(fast: Callable[[], Any], reference: Callable[[], Any], grad_of: Sequence[Tensor] = ()) -> float:
-    """The reference's time over the fast path's (above 1: the fast path is faster): the median of ``ROUNDS`` paired
-    rounds after one warm-up call of each; with ``grad_of`` (operands that require gradients) their backward too."""
-    grad_of = [t for t in grad_of if isinstance(t, Tensor) and t.requires_grad] if torch.is_grad_enabled() else []
-    with torch.random.fork_rng(devices=[]), check_scope():
-        _once(fast, grad_of), _once(reference, grad_of)
-        ratios = []
-        for i in range(ROUNDS):
-            if i % 2:
-                r, f = _once(reference, grad_of), _once(fast, grad_of)
-            else:
-                f, r = _once(fast, grad_of), _once(reference, grad_of)
-            ratios.append(r / max(f, 1e-9))
-    return statistics.median(ratios)
+    """The reference's time over the fast path's (above 1: the fast path is faster): :func:`paired`'s median."""
+    return paired(fast, reference, grad_of).median
+
+
+def _lifetime(choice: dict) -> float:
+    margin = abs(math.log(choice["ratio"])) / max(Z * choice["error"], 1e-9)
+    return min(LIFETIME_S * margin**2, MAX_LIFETIME_S)
+
+
+def _current(kind: str) -> dict | None:
+    """The choice for ``kind`` if it holds now, else None (never measured, or due to be measured again)."""
+    choice = _choices.get(kind)
+    if choice is None:
+        return None
+    due = _due.get(kind)
+    if due is not None and time.monotonic() < due:
+        return choice
+    if choice["settled"] and clock() - choice["at"] < _lifetime(choice):
+        _due[kind] = time.monotonic() + RETRY_S  # (its age looked at again after that)
+        return choice
+    return None
 
 
 def decided(path: str, shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> bool | None:
     """Whether the fast path runs for these operands, where that is known without measuring: True where it runs
-    unmeasured (``Backends.measured`` off, code being compiled), the choice made here earlier, else None (the caller
+    unmeasured (``Backends.measured`` off, code being compiled), the choice in force here, else None (the caller
     then asks :func:`faster`, which measures)."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting() or not backends().measured:
         return True
-    choice = _choices.get(kind_of(path, shapes, dtype))
-    if choice is None and not _loaded[0]:
+    kind = kind_of(path, shapes, dtype)
+    if not _loaded[0]:
         with _lock:
             _load()
-        choice = _choices.get(kind_of(path, shapes, dtype))
+    choice = _current(kind)
     return None if choice is None else choice["use"]
 
 
@@ -178,27 +201,46 @@ def faster(path: str, shapes: Sequence[Sequence[int]] | str, dtype: torch.dtype 
            reference: Callable[[], Any], grad_of: Sequence[Tensor] = ()) -> bool:  # fmt: skip
     """Whether the fast path ``path`` is to run for operands of these ``shapes`` and ``dtype`` (kept under
     :func:`kind_of`; a string: the key itself): True where ``Backends.measured`` is off, and in code being compiled
-    or exported (no timing there); else as measured here (at the first call for this kind: :func:`ratio` of ``fast``
-    and ``reference``, which compute the same on the caller's operands; the caller then runs the one chosen)."""
+    or exported (no timing there); else the choice in force, measured where there is none (the module docstring's
+    rule: ``fast`` and ``reference`` compute the same on the caller's operands; the caller then runs the one
+    chosen)."""
     if torch.compiler.is_compiling() or torch.compiler.is_exporting() or not backends().measured:
         return True
     kind = shapes if isinstance(shapes, str) else kind_of(path, shapes, dtype)
-    choice = _choices.get(kind)
+    choice = _current(kind)
     if choice is None:
         with _lock:
             _load()
-            choice = _choices.get(kind)
+            choice = _current(kind)
             if choice is None:
-                r = ratio(fast, reference, grad_of)
-                choice = _choices[kind] = {"use": r >= 1.0, "ratio": round(r, 3)}
-                _save()
-                verdict = "used" if choice["use"] else "not used: the reference is faster here"
-                log.warning("txl: measured %s: %.2fx the reference's speed, %s", kind, r, verdict)
+                choice = _measure(kind, fast, reference, grad_of)
     return choice["use"]
 
 
+def _measure(kind: str, fast: Callable[[], Any], reference: Callable[[], Any], grad_of: Sequence[Tensor]) -> dict:
+    """Measure ``kind`` now (pooled with an unsettled choice's samples), keep and log the choice."""
+    earlier = _choices.get(kind)
+    pooled = list(earlier["samples"]) if earlier and not earlier["settled"] else []
+    samples = (pooled + list(paired(fast, reference, grad_of).ratios))[-MAX_SAMPLES:]
+    m = Paired(tuple(samples))
+    choice = _choices[kind] = {
+        "use": m.median >= 1.0, "ratio": round(m.median, 4), "error": round(m.error, 4), "settled": m.settled,
+        "samples": [] if m.settled else [round(r, 4) for r in samples], "at": round(clock()),
+    }  # fmt: skip
+    _due[kind] = time.monotonic() + RETRY_S
+    _save()
+    verdict = "used" if choice["use"] else "not used: the reference is faster here"
+    state = "settled" if m.settled else "within the noise: measured again later"
+    log.warning(
+        "txl: measured %s: %.2fx the reference's speed (+-%.0f%%, %d rounds; %s), %s",
+        kind, m.median, 100 * (math.exp(Z * m.error) - 1), len(samples), state, verdict,
+    )  # fmt: skip
+    return choice
+
+
 def choices() -> dict[str, dict]:
-    """This machine's choices so far (read from the file too), key -> {"use", "ratio"}."""
+    """This machine's choices so far (read from the file too), key -> {"use", "ratio", "error", "settled",
+    "samples", "at"}."""
     with _lock:
         _load()
         return dict(_choices)
@@ -211,7 +253,9 @@ def describe() -> str:
         return "CPU fast paths: none measured on this machine yet (each is timed against PyTorch's at its first use)"
     lines = [f"CPU fast paths measured on this machine ({machine_key()}):"]
     for k, v in sorted(made.items()):
-        lines.append(f"  {k}: {v['ratio']:.2f}x -> {'on' if v['use'] else 'off'}")
+        spread = 100 * (math.exp(Z * v["error"]) - 1)
+        state = "settled" if v["settled"] else f"within the noise, {len(v['samples'])} samples: measured again"
+        lines.append(f"  {k}: {v['ratio']:.2f}x +-{spread:.0f}% ({state}) -> {'on' if v['use'] else 'off'}")
     return "\n".join(lines)
 
 
@@ -219,4 +263,5 @@ def forget() -> None:
     """Forget the choices in memory (the file stays): tests."""
     with _lock:
         _choices.clear()
+        _due.clear()
         _loaded[0] = False

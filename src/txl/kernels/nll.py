@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from txl.kernels import measured, native
-from txl.kernels.admission import admits
-from txl.kernels.backends import backends
+from txl.kernels import native
 from txl.kernels.linear import stamp, weight_copies
 from txl.kernels.native import ops
+from txl.kernels.registry import Backend, _cpu_switch, dispatch, register
 
 
 def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
@@ -27,21 +26,30 @@ def softmax_nll(x: Tensor, target: Tensor) -> Tensor:
     return -x.log_softmax(-1).gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
 
 
+register(
+    Backend(
+        "native_nll",
+        "adaptive_nll",
+        "the adaptive softmax's log_softmax + gather per cluster",
+        _cpu_switch("native_nll"),
+        lambda h: None if native.nll_applies(h) else "not fp32 on the CPU",
+        deep=True,
+    )
+)
+
+
 def adaptive_nll(
     module: nn.Module, h: Tensor, reference: Callable[[], Tensor], per_cluster: Callable[[], Tensor]
 ) -> Tensor:
     """The adaptive softmax's per-token NLL of the rows ``h`` [N, d_model] (fp32): ``per_cluster()`` (each cluster's
-    NLL from its logits by the native kernel, no log-softmax tensor) where ``Backends.native_nll`` is on, the
-    native kernels run for ``h`` (fp32 on the CPU), ``module`` (the adaptive softmax) is stock
-    (``txl.kernels.admission``) and the kernel was measured faster here; else ``reference()`` (log-softmax and
-    gather)."""
-    if backends().native_nll and native.nll_applies(h) and admits("native_nll", module, deep=True, name="crit"):
-        # (the cost grows with the vocabulary; in inference the native path reads packed weights, in training logits)
-        grad = 2 if torch.is_grad_enabled() else 1  # (1, 2: apart after the kind's rounding to powers of two)
-        kind = [h.shape, (getattr(module, "n_token", 0), getattr(module, "n_clusters", 0), grad)]
-        if measured.faster("native_nll", kind, h.dtype, per_cluster, reference, (h,)):
-            return per_cluster()
-    return reference()
+    NLL from its logits by the native kernel, no log-softmax tensor) where the registry chooses ``native_nll`` for
+    ``module`` (the adaptive softmax, stock), else ``reference()`` (log-softmax and gather)."""
+    if not native.nll_applies(h):  # (the common case off the CPU: nothing more looked at)
+        return reference()
+    # (the cost grows with the vocabulary; in inference the native path reads packed weights, in training logits)
+    grad = 2 if torch.is_grad_enabled() else 1  # (1, 2: apart after the kind's rounding to powers of two)
+    shapes = [h.shape, (getattr(module, "n_token", 0), getattr(module, "n_clusters", 0), grad)]
+    return dispatch("native_nll", module, per_cluster, reference, operands=(h,), shapes=shapes, where="crit")
 
 
 def cluster_nll(

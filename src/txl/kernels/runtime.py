@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from txl.kernels.timing import paired
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 ROUTE_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (2048, 256, 768))  # FF up/down, fused K/V: M x K x N
@@ -63,17 +63,6 @@ FP32_ERROR = 1e-5  # largest relative error of an exact product (bf16 arithmetic
 def is_fp32_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
     """True if ``matmul`` keeps fp32 accuracy on one 256 x 512 x 384 product."""
     return matmul_error(matmul) <= FP32_ERROR
-
-
-def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
-    """Median wall time of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 @dataclass
@@ -115,22 +104,24 @@ def fp32_route(enabled: bool) -> Iterator[None]:
 
 
 def _route_speedup() -> float:
-    """Time of the default path over the route's on ``ROUTE_SHAPES``: the median of ``ROUTE_ROUNDS`` ratios, each
-    from one round of both paths (which goes first alternates), after a first round that warms both up and is
-    dropped. The median of paired rounds resists one-off stalls and slow drift of the VM: ten calls in one process
-    on a 2-core EPYC gave 1.18-1.39x (and 1.03-1.20x in a batch minutes later, the machine itself having drifted)
-    where the earlier best-of-3-each estimate gave 1.11-1.59x; the per-round ratios of one long run were 1.12-1.45
-    (median 1.30) after a first round of 2.03."""
+    """Time of the default path over the route's on ``ROUTE_SHAPES`` (three products of each): the median of
+    ``ROUTE_ROUNDS`` paired rounds of :func:`txl.kernels.timing.paired`, the package's one timer (which goes first
+    alternates; a first call of each warms them up). The median of paired rounds resists one-off stalls and slow
+    drift of the VM: ten calls in one process on a 2-core EPYC gave 1.18-1.39x (and 1.03-1.20x in a batch minutes
+    later, the machine itself having drifted) where the earlier best-of-3-each estimate gave 1.11-1.59x; the
+    per-round ratios of one long run were 1.12-1.45 (median 1.30) after a first round of 2.03."""
     operands = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in ROUTE_SHAPES]
-    ratios = []
-    for i in range(ROUTE_ROUNDS + 1):
-        times = {}
-        for routed in (False, True) if i % 2 else (True, False):
+
+    def products(routed: bool) -> Callable[[], None]:
+        def run() -> None:
             _set_route(routed)
-            times[routed] = sum(median_time(lambda a=a, b=b: a @ b, repeats=3) for a, b in operands)
-        if i:
-            ratios.append(times[False] / times[True])
-    return statistics.median(ratios)
+            for _ in range(3):
+                for a, b in operands:
+                    a @ b
+
+        return run
+
+    return paired(products(True), products(False), rounds=ROUTE_ROUNDS).median
 
 
 def choose_fp32_matmul(

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
 from txl.kernels.admission import stock
-from txl.model.attention import RelPartialLearnableMultiHeadAttn, _Attention
+from txl.model.attention import Cache, RelPartialLearnableMultiHeadAttn, Stack, _Attention
 from txl.model.config import TransformerXLConfig
 from txl.model.positions import rel_shift, sinusoid_embedding
-
-if TYPE_CHECKING:
-    from txl.model.cache import KVCache
-    from txl.model.transformer import TransformerXL
-
 
 # ---------------------------------------------------------------------------------------------------------
 # 10. The ablation's attention variants (Sec. 4.3, Table 6), numbered as the original code's attn_type. Each differs
@@ -52,7 +45,7 @@ class RelLearnableMultiHeadAttn(_Attention):
         self.r_bias = nn.Parameter(torch.empty(cfg.max_klen, cfg.n_head))  # b_l, by distance
 
     @staticmethod
-    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+    def prepare(model: Stack, K: int, clamp_len: int, dtype, device, cache: Cache | None) -> list:
         """The (capped) distance of every key column, in the order of the unshifted scores (K-1, ..., 0)."""
         cfg = model.config
         return [_distances(K, cfg.max_klen - 1, clamp_len, device)] * cfg.n_layer
@@ -80,7 +73,7 @@ class MultiHeadAttn(_Attention):
         self.r_emb = nn.Parameter(torch.empty(cfg.max_klen, cfg.d_model)) if cfg.attn_type == 3 else None
 
     @staticmethod
-    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+    def prepare(model: Stack, K: int, clamp_len: int, dtype, device, cache: Cache | None) -> list:
         """The positions to add to each layer's [memory; segment] ([K, D] or None): attn_type 2 the sinusoid of
         the positions 0, ..., K-1 at the first layer (dropped out like R), attn_type 3 each layer's own rows."""
         cfg = model.config

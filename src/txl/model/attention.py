@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +19,24 @@ from txl.model.config import TransformerXLConfig
 from txl.model.gating import make_gate
 from txl.model.positions import mask_scores, mask_scores_, rel_shift, shift_padding, sinusoid_embedding
 
-if TYPE_CHECKING:
-    from txl.model.cache import KVCache
-    from txl.model.transformer import TransformerXL
+
+class Cache(Protocol):
+    """What the attention reads of a K/V cache (``txl.model.cache.KVCache``; a protocol: model/ has no import
+    circle)."""
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor: ...
+
+
+class Stack(Protocol):
+    """What the positions' preparation reads of the layer stack (``txl.model.transformer.TransformerXL``)."""
+
+    config: TransformerXLConfig
+    layers: nn.ModuleList
+    drop: nn.Module
+    r_w_bias: Tensor
+    r_r_bias: Tensor
 
 
 def at_least_fp32(x: Tensor) -> Tensor:
@@ -62,7 +77,7 @@ class _Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.d_head)
 
     def project(
-        self, h: Tensor, mem: Tensor | None, cache: KVCache | None, layer: int, pos: Tensor | None = None
+        self, h: Tensor, mem: Tensor | None, cache: Cache | None, layer: int, pos: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor | tuple[Tensor, Tensor]]:
         """Queries [B, T, H, Dh] of the segment, keys and values [B, H, K, Dh] of [memory; segment] (with a
         ``cache``: the cached ones of ``layer`` plus the segment's). ``pos`` [K, D] (absolute variants) is added to
@@ -103,7 +118,7 @@ class _Attention(nn.Module):
         mask: Tensor | None,
         mem: Tensor | None = None,
         need_weights: bool = False,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         layer: int = 0,
         head_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
@@ -231,7 +246,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         self.r_net = nn.Linear(cfg.d_model, cfg.n_head * cfg.d_head, bias=False)  # W_kR
 
     @staticmethod
-    def biases(model: TransformerXL) -> list[tuple[Tensor, Tensor]]:
+    def biases(model: Stack) -> list[tuple[Tensor, Tensor]]:
         """Each layer's u, v ([H, Dh] each): the model's, shared by the layers, or one per layer (untie_r)."""
         u, v = model.r_w_bias, model.r_r_bias  # [H, Dh], or [n_layer, H, Dh] (untie_r)
         return (
@@ -239,7 +254,7 @@ class RelPartialLearnableMultiHeadAttn(_Attention):
         )
 
     @staticmethod
-    def prepare(model: TransformerXL, K: int, clamp_len: int, dtype, device, cache: KVCache | None) -> list:
+    def prepare(model: Stack, K: int, clamp_len: int, dtype, device, cache: Cache | None) -> list:
         """R for the distances K-1, ..., 0 (shared by all layers) and each layer's u, v; with a ``cache``, W_kR R
         of every layer, projected once for the longest span."""
         cfg = model.config

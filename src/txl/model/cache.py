@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +15,6 @@ from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
 from txl.model.gating import GRUGate
 from txl.model.positions import SHIFT_ALIGN
-
-if TYPE_CHECKING:
-    from txl.model.transformer import TransformerXLLayer
 
 
 def _gru_weights(gate: nn.Module | None) -> tuple | None:
@@ -36,7 +33,7 @@ class DecodeLayer(NamedTuple):
     read (the tensors themselves: changes in place are seen). ``norm1``/``norm2``: the arguments of ``F.layer_norm``
     after the input (decode.c's)."""
 
-    layer: TransformerXLLayer
+    layer: nn.Module
     attn: RelPartialLearnableMultiHeadAttn
     qkv: Tensor
     o: Tensor
@@ -55,7 +52,7 @@ class DecodeLayer(NamedTuple):
     step computes the GRU gate and the residual sum)."""
 
     @classmethod
-    def of(cls, layer: TransformerXLLayer) -> DecodeLayer:
+    def of(cls, layer: nn.Module) -> DecodeLayer:
         attn, ff = layer.attn, layer.ff
 
         def norm(ln: nn.LayerNorm) -> tuple:

@@ -274,6 +274,12 @@ class Reading:
             self.clamp_len if clamp_len is None else clamp_len,
         )
 
+    @staticmethod
+    def of(reading: Reading | None, config: TransformerXLConfig, **overrides: int | bool | None) -> Reading:
+        """How a call reads: ``reading`` (None: as the config says) with the ``overrides`` that are not None
+        (``mem_len``, ``same_length``, ``clamp_len``), every setting then set (the config's where none is given)."""
+        return (reading or Reading()).over(**overrides).resolved(config)
+
     def resolved(self, config: TransformerXLConfig) -> Reading:
         """Every setting set: the config's where this one has None."""
         if self.mem_len is not None and self.same_length is not None and self.clamp_len is not None:

@@ -132,54 +132,59 @@ FORWARD_ARGUMENTS = """Arguments of ``TransformerXL.forward``:
 """
 
 
+def init_module(module: nn.Module, cfg: Any, ops: Any = nn.init) -> None:
+    """The original initialisation (``weights_init`` of the reference ``train.py``) of ``module`` itself (not its
+    children), with ``ops``'s functions (``torch.nn.init``; transformers' ``initialization``, which leaves loaded
+    weights alone). ``cfg``: txl's or Hugging Face's configuration (init, init_range, init_std, proj_init_std)."""
+
+    def weight_(t: Tensor) -> None:
+        if cfg.init == "uniform":
+            ops.uniform_(t, -cfg.init_range, cfg.init_range)
+        else:
+            ops.normal_(t, 0.0, cfg.init_std)
+
+    if isinstance(module, nn.Linear):
+        weight_(module.weight)
+        if module.bias is not None:
+            ops.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        weight_(module.weight)
+    elif isinstance(module, nn.LayerNorm):
+        ops.normal_(module.weight, 1.0, cfg.init_std)
+        ops.zeros_(module.bias)
+    elif isinstance(module, AdaptiveEmbedding):
+        for p in module.emb_projs:
+            ops.normal_(p, 0.0, cfg.proj_init_std)
+    elif isinstance(module, ProjectedAdaptiveLogSoftmax):
+        for p in module.out_projs:
+            ops.normal_(p, 0.0, cfg.proj_init_std)
+        if module.n_clusters > 0:
+            weight_(module.cluster_weight)
+            ops.zeros_(module.cluster_bias)
+    elif isinstance(module, TransformerXL) and getattr(cfg, "attn_type", 0) == 0:
+        weight_(module.r_w_bias)
+        weight_(module.r_r_bias)
+    elif isinstance(module, RelLearnableMultiHeadAttn):  # as the original train.py: biases r_bias at 0
+        weight_(module.r_emb)
+        weight_(module.r_w_bias)
+        ops.zeros_(module.r_bias)
+    elif isinstance(module, MultiHeadAttn) and module.r_emb is not None:
+        weight_(module.r_emb)
+
+
 class TransformerXLPreTrainedModel(PretrainedMixin, nn.Module):
     config_class = TransformerXLConfig
 
     def init_weights(self, modules: Iterable[nn.Module] | None = None) -> None:
-        """The original initialisation (``weights_init`` of the reference ``train.py``), of every module or of
-        ``modules``."""
-        cfg = self.config
-
-        def weight_(t: Tensor) -> None:
-            if cfg.init == "uniform":
-                nn.init.uniform_(t, -cfg.init_range, cfg.init_range)
-            else:
-                nn.init.normal_(t, 0.0, cfg.init_std)
-
+        """The original initialisation (:func:`init_module`) of every module or of ``modules``; the embedding tables
+        come last, so that tied output layers carry the embedding initialisation."""
         modules = list(self.modules() if modules is None else modules)
         for module in modules:
-            if isinstance(module, nn.Linear):
-                weight_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                weight_(module.weight)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.normal_(module.weight, 1.0, cfg.init_std)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, AdaptiveEmbedding):
-                for p in module.emb_projs:
-                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
-            elif isinstance(module, ProjectedAdaptiveLogSoftmax):
-                for p in module.out_projs:
-                    nn.init.normal_(p, 0.0, cfg.proj_init_std)
-                if module.n_clusters > 0:
-                    weight_(module.cluster_weight)
-                    nn.init.zeros_(module.cluster_bias)
-            elif isinstance(module, TransformerXL) and cfg.attn_type == 0:
-                weight_(module.r_w_bias)
-                weight_(module.r_r_bias)
-            elif isinstance(module, RelLearnableMultiHeadAttn):  # as the original train.py: biases r_bias at 0
-                weight_(module.r_emb)
-                weight_(module.r_w_bias)
-                nn.init.zeros_(module.r_bias)
-            elif isinstance(module, MultiHeadAttn) and module.r_emb is not None:
-                weight_(module.r_emb)
-        # The embedding tables come last so that tied output layers carry the embedding initialisation.
+            init_module(module, self.config)
         for m in modules:
             if isinstance(m, AdaptiveEmbedding):
-                for emb in m.emb_layers:
-                    weight_(emb.weight)
+                for emb in m.emb_layers:  # (nn.Embedding tables)
+                    init_module(emb, self.config)
 
 
 class TransformerXL(TransformerXLPreTrainedModel):
@@ -230,8 +235,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
         None: an empty memory, as the original PyTorch code; zeros: Hugging Face's / the TF code's), or of a
         ``cache`` (:class:`KVCache`, inference: the memory's keys and values, updated in place). See
         :data:`FORWARD_ARGUMENTS` for every argument. Returns the last layer's output and the next memory."""
-        read = (reading or Reading()).over(mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-        read = read.resolved(self.config)
+        read = Reading.of(reading, self.config, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
         seg = self._prepare(
             input_ids, inputs_embeds, mems, cache, padding, attention_mask, key_mask, head_mask, read, ext_len
         )
@@ -329,8 +333,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
                 hids.append(self._decode(s.h, s.pos, s.mask, s.cache, hids if want_hids else None))
                 return hids[-1]
 
-            kind = (type(self), self.config.pre_lnorm, self.config.identity_map, s.h.dtype, s.h.device.type)
-            return one_token_step(self.layers, kind, layers, loop), hids, attns
+            kind = (type(self), self.config.pre_lnorm, self.config.identity_map)
+            return one_token_step(self.layers, kind, layers, loop, s.h), hids, attns
         return self._segment(s, layers, want_hids or want_attns), hids, attns
 
     def _segment(self, s: Segment, layers: Callable[[Tensor], Tensor], recorded: bool) -> Tensor:

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from txl.kernels.admission import admits
 from txl.kernels.graphs import capture_undone, module_state
+from txl.kernels.registry import admitted
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.cache import DecodeLayer, ring_attend, ring_scores
 from txl.model.config import Reading, TransformerXLConfig
@@ -63,7 +63,7 @@ class RingMemory:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the step about to be taken
         self.x = torch.zeros(n_envs, model.d_input, device=dev, dtype=dtype)  # the step's inputs (fixed buffers)
         self.reset = torch.zeros(n_envs, dtype=torch.bool, device=dev)
-        read = Reading().resolved(cfg)
+        read = Reading.of(None, cfg)
         self.window = mem_len + int(cfg.tf_same_length) if read.same_length else C  # (keys a query sees)
         self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # the softmax's dtype
         self.r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
@@ -99,10 +99,10 @@ class RingMemory:
         eval mode and its cached terms fresh): the features [N, D]. A replay of the captured graph where it applies."""
         self.x.copy_(x)
         self.reset.copy_(reset)
-        if not admits("graph_act", model.core.layers, deep=True, name="layers"):
+        if not admitted("graph_act", model.core.layers, "layers"):
             return self._reference(model)
         # (the input layer is called by the step: a replay would not call a hook or an adapter put on it since)
-        if not self.graph or torch.is_autocast_enabled(self.k.device.type) or not admits("graph_act", model.embed):
+        if not self.graph or torch.is_autocast_enabled(self.k.device.type) or not admitted("graph_act", model.embed):
             # (under autocast a weight's cast can be cached from before the capture: a replay would read it stale)
             return self.step(model)
         state = module_state(model)  # (the weights' addresses: a model moved by .to() or .data = is captured again)

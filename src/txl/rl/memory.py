@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels.admission import admits
-from txl.kernels.backends import backends
+from txl.kernels.registry import admitted
 from txl.kernels.runtime import functorch_wrapped
 from txl.model.cache import KVCache
 from txl.model.config import TransformerXLConfig
@@ -188,8 +187,7 @@ class MemoryTransformer(nn.Module):
             )
         device, dtype = torch.device(device or w.device), dtype or w.dtype
         if graph is None:
-            graph = device.type in backends().graph_act and admits("graph_act", self.core.layers, deep=True,
-                                                                   name="layers")  # fmt: skip
+            graph = admitted("graph_act", self.core.layers, "layers", device.type)
         if not graph:
             return AgentMemory(self.config, n_envs, mem_len, device, dtype)
         return RingMemory(self, n_envs, mem_len, device, dtype, graph=True)

@@ -432,7 +432,7 @@ class Engine(RowScheduler):
             written = T + request.max_new_tokens  # (a short generation: a small buffer)
             cache = KVCache(config, 1, request.mem_len, T, positions=written, dtype=dtype, device=self.device)
             # [T, D] (in pieces, where it is long)
-            hidden = read_prompt(self.model, ids, cache, request.mem_len, reading=self.reading)[0]
+            hidden = read_prompt(self.model, ids, cache, self.reading.over(mem_len=request.mem_len))[0]
             if request.prompt_logprobs:
                 self._score_prompt(request, hidden[:-1])
             if request.max_new_tokens == 0:
@@ -495,7 +495,7 @@ class Engine(RowScheduler):
         try:
             with fp32_route(False):  # (products of a few rows: 3x slower routed)
                 out = self.model.transformer(
-                    batch.last[:, None], cache=batch.cache, mem_len=mem_len, reading=self.reading
+                    batch.last[:, None], cache=batch.cache, reading=self.reading.over(mem_len=mem_len)
                 )
             hidden = out.last_hidden_state[:, -1]  # [B, D]
             _, log_probs = self.model.crit(hidden, return_log_probs=True)  # [B, V]
@@ -585,7 +585,7 @@ class Engine(RowScheduler):
             if ids is None:
                 return
             if request.prompt_logprobs:
-                out = self.model.transformer(ids, mem_len=request.mem_len, reading=self.reading)
+                out = self.model.transformer(ids, reading=self.reading.over(mem_len=request.mem_len))
                 self._score_prompt(request, out.last_hidden_state[0, :-1])
             if request.max_new_tokens == 0:
                 self._finish(request, "length")

@@ -41,11 +41,13 @@ class RowScheduler:
         return rows + [r for r, _ in self._searches] + [r for r, _ in self._solos] + [p.request for p in self._parked]
 
     def _next(self, admitted: list) -> Generation | _Job:
-        """The waiting request whose group holds the fewest rows (running, parked, or admitted just now), the first
-        come among them: one caller's n=8 stream does not keep another's single request waiting behind its eight
-        (max-min fairness across callers; FIFO among equals). Lock held."""
+        """The waiting request whose group holds the fewest rows (running, parked, or admitted just now); among
+        those, the group that asks for the fewest in all (held and waiting), then the first come: one caller's n=8
+        stream does not keep another's single request waiting behind its eight, nor do twenty such callers that
+        hold nothing yet (max-min fairness across callers, the smallest demand filled first). Lock held."""
         held = self._load(admitted)
-        return min(self._waiting, key=lambda it: held[caller(it)])
+        demand = held + Counter(map(caller, self._waiting))
+        return min(self._waiting, key=lambda it: (held[caller(it)], demand[caller(it)]))
 
     def _admissible(self) -> bool:
         """Whether a waiting request can be admitted now (a row free, or one to take back). Lock held."""

@@ -3,13 +3,12 @@ and what the schema says of both: a client, or a fuzzer, reads there exactly wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from txl.config import MAX_SEED
+from txl.config import MAX_SEED, ServeLimits  # noqa: F401  (ServeLimits: re-exported)
 from txl.data.tokenizer import UnknownPolicy
 from txl.serve.engine import MAX_LOGPROBS
 
@@ -60,39 +59,6 @@ STREAMED: dict[int | str, dict[str, Any]] = {
         },
     }
 }
-
-
-@dataclass
-class ServeLimits:
-    """What bounds one request's work, checked before it is admitted (each a `txl serve` option)."""
-
-    max_prompt_tokens: int = 4096
-    """Longest prompt, in tokens (read in pieces of 1,024 positions: ``txl.infer.prompt``, the memory a piece holds
-    bounded by them)."""
-    max_new_tokens: int = 1024
-    """Most tokens one generation may ask for."""
-    max_batch: int = 8
-    """Rows in flight at most, whatever their memory lengths: a generation is one, a beam search one per beam, a
-    scored text one."""
-    max_queue: int = 64
-    """Requests that may wait for a row; more get 429."""
-    max_score_tokens: int = 200_000
-    """Longest text /v1/score takes, in tokens."""
-    max_mem_len: int = 8192
-    """Longest memory a request may ask for (its keys and values are kept per row)."""
-    max_tgt_len: int = 2048
-    """Longest segment /v1/score may ask for (its attention is tgt_len x (tgt_len + mem_len) per head)."""
-    max_stops: int = 16
-    """Most stop strings per request."""
-    max_stop_chars: int = 256
-    """Longest stop string, in characters."""
-    max_body_bytes: int = 8 << 20
-    """Largest request body, in bytes; larger ones get 413."""
-    stream_buffer_tokens: int = 256
-    """Tokens of one generation made ahead of what its client has taken, at most: a client that reads slowly slows
-    its own generation (which waits, its row given to others, until the client takes half of them)."""
-    stream_timeout: float = 30.0
-    """Seconds a response may wait for its client to read (a full send buffer) before the connection is closed."""
 
 
 class OpenAIPenalties(_Request):

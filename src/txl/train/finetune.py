@@ -141,11 +141,8 @@ class FinetuneConfig:
             bad("dropout", "must be in [0, 1)")
         if self.task not in ("single", "multi", "regression"):
             bad("task", "must be single, multi or regression")
-        if self.fast_paths is not None:
-            try:
-                Backends.changes(self.fast_paths)  # (a mapping of Backends' fields, each of its type)
-            except ValueError as e:
-                bad("fast_paths", str(e))
+        if Backends.why_not(self.fast_paths):  # (a mapping of Backends' fields, each of its type)
+            bad("fast_paths", Backends.why_not(self.fast_paths))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from txl.data.download import sha256_file
 from txl.infer.evaluate import autocast, evaluate, metric_name, metric_value
 from txl.kernels import native
 from txl.kernels.backends import Backends, backends, use_backends
+from txl.kernels.dropout import MASKS, default_masks, use_masks
 from txl.kernels.runtime import (
     ALLOCATOR_NOTE,
     CheckedRoute,
@@ -176,6 +177,7 @@ class Trainer(TrainingLoop):
             self._configure_cpu()
         else:
             self.say(f"runtime: {backends().describe()}")
+        self.masks = self._dropout_masks()  # (the CPU's dropout stream: saved with every checkpoint, kept on resume)
         self.say(f"runtime: {backends().training_paths(w.device.type, self.precision)}")  # (which backends run)
         self.say(f"runtime: {backends().inference_paths(w.device.type, self.precision)}")  # (validation's)
 
@@ -299,6 +301,23 @@ class Trainer(TrainingLoop):
             choice = choice or choose_fp32_matmul(earlier=chosen)
         self.fp32_route = choice.enabled
         self.say(f"runtime: {choice.describe()}")
+
+    def _dropout_masks(self) -> str:
+        """The stream of the run's CPU dropout masks (txl.kernels.dropout): a resumed run keeps its checkpoint's,
+        so that it draws the masks the interrupted run would have, whichever kernels this machine has; a new run
+        takes this process's default (Philox's where the native dropout runs)."""
+        earlier = read_metadata(self.checkpoint_to_load).get("dropout_masks") if self.checkpoint_to_load else None
+        if earlier is not None and earlier not in MASKS:
+            raise TrainingError(
+                f"{self.checkpoint_to_load}/metadata.json: dropout_masks is {earlier!r}, not one of {', '.join(MASKS)}"
+                "; resume from a checkpoint that txl wrote"
+            )
+        masks = earlier or default_masks()
+        slow = masks == "philox" and not native.dropout_ready()
+        how = " (kept from the run being resumed)" if earlier else ""
+        note = "; without the native kernel here they are drawn in PyTorch operations, slower" if slow else ""
+        self.say(f"runtime: CPU dropout masks from the {masks} stream{how}{note}")
+        return masks
 
     def _lock_run_dir(self) -> RunLock | None:
         """Process 0 locks the run folder; every process stops if that fails (one run per folder)."""
@@ -538,7 +557,7 @@ class Trainer(TrainingLoop):
         """The checked fp32 route's checks (train.fp32_route) around every step and validation."""
         self.route = CheckedRoute() if self.fp32_route else None
         try:
-            with self.route if self.route is not None else contextlib.nullcontext():
+            with self.route if self.route is not None else contextlib.nullcontext(), use_masks(self.masks):
                 yield
         finally:
             if self.route is not None:
@@ -577,6 +596,7 @@ class Trainer(TrainingLoop):
             "train_data_sha256": self.corpus.fingerprint("train"),
             "backends": backends().to_dict(),
             "fp32_route": self.fp32_route,
+            "dropout_masks": self.masks,
             "fp32_route_kinds": None
             if self.route is None
             else {"routed": self.route.routed, "not_exact": self.route.refused},

@@ -231,6 +231,18 @@ def library() -> ctypes.CDLL | None:
     return _LIB["lib"]
 
 
+def library_name() -> str:
+    """The library's file name (its source's hash: an edit of the C code is a new library), or why there is none."""
+    if library() is None:
+        return "no native library"
+    return Path(_LIB["path"]).name if _LIB.get("path") else "native library"
+
+
+def missing() -> bool:
+    """Whether the kernels are turned on but could not be built here (no C compiler): worth a note."""
+    return backends().native_kernels and library() is None
+
+
 def status() -> str:
     """One line: whether the native kernels (decoding step, attention, dropout, softmax NLL) are used, and where they
     were built or why they are not."""
@@ -362,6 +374,11 @@ def decode_step(
 
 
 _DROPOUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def dropout_ready() -> bool:
+    """Whether the native dropout can run in this process (turned on, the library built)."""
+    return backends().native_kernels and library() is not None
 
 
 def dropout_applies(x: Tensor) -> bool:
