@@ -130,3 +130,17 @@ def test_each_backend_declines_a_changed_module_and_equals_its_reference(name, s
     for a, b, c in zip(want, got, got_hooked, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)
+
+
+def test_not_supported_reasons_name_what_stops_a_backend():
+    m = model()
+    attn = m.transformer.layers[0].attn
+    q = torch.randn(2, 5, 3, 12)
+    assert registry.not_supported_reasons("native_attention", attn, q) == []
+    with use_backends(native_attention=False):
+        assert "turns it off" in registry.not_supported_reasons("native_attention", attn, q)[0]
+    assert "not fp32" in registry.not_supported_reasons("native_attention", attn, q.double())[0]
+    attn.register_forward_hook(lambda *a: None)
+    assert registry.not_supported_reasons("native_attention", attn, q) == ["model has a hook"]
+    deep = registry.not_supported_reasons("fast_decode", m.transformer.layers, q, where="layers")
+    assert deep == ["layers.0.attn has a hook"], deep

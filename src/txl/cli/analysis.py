@@ -3,50 +3,53 @@
 from __future__ import annotations
 
 import json as _json
+from dataclasses import dataclass
 from pathlib import Path
 
 from txl.cli.common import _set_threads
 from txl.config import Split
 
 
-def recl(
-    models: list[Path] | None = None,
-    contexts: list[int] | None = None,
-    sliding: list[Path] | None = None,
-    r: list[float] | None = None,
-    tokens: int = 5000,
-    data: str | None = None,
-    split: Split | None = None,
-    tgt_len: int | None = None,
-    batch_size: int = 16,
-    threshold: float = 0.01,
-    cap_windows: bool = True,
-    out: Path | None = None,
-    threads: int | None = None,
-) -> None:
+@dataclass
+class ReclArgs:
+    """The arguments of ``txl recl`` (each an option; these docstrings are its ``--help``)."""
+
+    models: list[Path] | None = None
+    """Run folders or model folders (the same tokenizer), e.g. --models runs/a runs/b."""
+    contexts: list[int] | None = None
+    """Evenly spaced context lengths, e.g. '[32, 64, 96, 128]'."""
+    sliding: list[Path] | None = None
+    """Those of --models scored with a sliding window (vanilla models) instead of a memory."""
+    r: list[float] | None = None
+    """Fractions of the hardest tokens to average over (default: the paper's 0.1, 0.5 and 1.0)."""
+    tokens: int = 5000
+    """Score the first this many tokens of the text."""
+    data: str | None = None
+    """A text file or folder, as for txl eval (default: the first model's run data)."""
+    split: Split | None = None
+    """train, valid or test (default: the first model's eval.split, else test)."""
+    tgt_len: int | None = None
+    """Segment length of the memory models (default: each model's evaluation tgt_len)."""
+    batch_size: int = 16
+    """Windows scored at once (sliding)."""
+    threshold: float = 0.01
+    """Gain below which more context stops counting (the paper: 0.01)."""
+    cap_windows: bool = True
+    """A --sliding model with a learned position table (attn_type 3) reads at most that many tokens (max_klen,
+    its training span): longer contexts score its longest window, as the paper scores its vanilla Transformer at
+    its training length. false: longer windows (their oldest keys share position 0)."""
+    out: Path | None = None
+    """Folder for recl.json and recl.png (default: the current folder)."""
+    threads: int | None = None
+    """torch CPU threads."""
+
+
+def recl(args: ReclArgs) -> None:
     """Relative effective context length (RECL, the paper's Appendix C) of a group of models on one text.
 
     Every model scores the same tokens at every context length (Transformer-XL: memory length; a vanilla model
     given in --sliding: window length); RECL is the first length whose relative gain to the next falls below the
-    threshold, against the group's best loss per token. Prints the table and writes recl.json and recl.png.
-
-    Args:
-        models: Run folders or model folders (the same tokenizer), e.g. --models runs/a runs/b.
-        contexts: Evenly spaced context lengths, e.g. '[32, 64, 96, 128]'.
-        sliding: Those of --models scored with a sliding window (vanilla models) instead of a memory.
-        r: Fractions of the hardest tokens to average over (default: the paper's 0.1, 0.5 and 1.0).
-        tokens: Score the first this many tokens of the text.
-        data: A text file or folder, as for txl eval (default: the first model's run data).
-        split: train, valid or test (default: the first model's eval.split, else test).
-        tgt_len: Segment length of the memory models (default: each model's evaluation tgt_len).
-        batch_size: Windows scored at once (sliding).
-        threshold: Gain below which more context stops counting (the paper: 0.01).
-        cap_windows: A --sliding model with a learned position table (attn_type 3) reads at most that many tokens
-            (max_klen, its training span): longer contexts score its longest window, as the paper scores its vanilla
-            Transformer at its training length. false: longer windows (their oldest keys share position 0).
-        out: Folder for recl.json and recl.png (default: the current folder).
-        threads: torch CPU threads.
-    """
+    threshold, against the group's best loss per token. Prints the table and writes recl.json and recl.png."""
     import numpy as np
 
     from txl.infer.evaluate import eval_settings, eval_text
@@ -55,70 +58,74 @@ def recl(
     from txl.model.modeling import TransformerXLLM
     from txl.train.checkpoint import read_run_config, resolve_model_dir
 
-    if not models or len(models) < 2:
+    if not args.models or len(args.models) < 2:
         raise ValueError("--models needs at least two models: RECL compares a group")
-    if not contexts:
+    if not args.contexts:
         raise ValueError("--contexts needs evenly spaced lengths, e.g. '[32, 64, 96]'")
-    if tokens < 2:
-        raise ValueError(f"--tokens = {tokens}: must be >= 2")
-    contexts = check_contexts(contexts)  # (before any model is scored)
-    if r is not None and not r:
+    if args.tokens < 2:
+        raise ValueError(f"--tokens = {args.tokens}: must be >= 2")
+    args.contexts = check_contexts(args.contexts)  # (before any model is scored)
+    if args.r is not None and not args.r:
         raise ValueError("--r []: give at least one fraction, or leave --r out (the paper's 0.1, 0.5 and 1.0)")
-    for ratio in r or []:
+    for ratio in args.r or []:
         check_ratio(ratio)
-    if batch_size < 1:
-        raise ValueError(f"--batch_size = {batch_size}: must be >= 1")
-    if not 0 <= threshold < 1:
-        raise ValueError(f"--threshold = {threshold}: must be in [0, 1) (a relative gain; the paper's is 0.01)")
-    out = Path(out or ".")
-    if out.exists() and not out.is_dir():  # (before the models are scored: the results are written at the end)
-        raise ValueError(f"--out {out}: a file, not a folder (recl.json and recl.png go in it)")
-    sliding_set = {str(p) for p in sliding or []}
-    unknown = sliding_set - {str(p) for p in models}
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size = {args.batch_size}: must be >= 1")
+    if not 0 <= args.threshold < 1:
+        raise ValueError(f"--threshold = {args.threshold}: must be in [0, 1) (a relative gain; the paper's is 0.01)")
+    args.out = Path(args.out or ".")
+    if (
+        args.out.exists() and not args.out.is_dir()
+    ):  # (before the models are scored: the results are written at the end)
+        raise ValueError(f"--out {args.out}: a file, not a folder (recl.json and recl.png go in it)")
+    sliding_set = {str(p) for p in args.sliding or []}
+    unknown = sliding_set - {str(p) for p in args.models}
     if unknown:
         raise ValueError(f"--sliding {sorted(unknown)}: not among --models")
-    _set_threads(threads)
-    ratios = r or [0.1, 0.5, 1.0]
+    _set_threads(args.threads)
+    ratios = args.r or [0.1, 0.5, 1.0]
     losses, ids_seen = {}, None
-    for path in models:
+    for path in args.models:
         folder = resolve_model_dir(path)
         run = read_run_config(folder)
         lm = TransformerXLLM.from_pretrained(folder)
-        s = eval_settings(run, lm.config, split=split, tgt_len=tgt_len)
-        text = eval_text(folder, run, s.split, data, None, None)
+        s = eval_settings(run, lm.config, split=args.split, tgt_len=args.tgt_len)
+        text = eval_text(folder, run, s.split, args.data, None, None)
         if isinstance(text.ids, list):
             raise ValueError(f"{path}: RECL scores one token stream; sentence shards (lm1b) are not one")
-        ids = np.asarray(text.ids[: tokens + 1], dtype=np.int64)
-        if contexts[0] >= len(ids) - 1:  # (probes.md r8: every context past the text gave RECL = the largest)
+        ids = np.asarray(text.ids[: args.tokens + 1], dtype=np.int64)
+        if args.contexts[0] >= len(ids) - 1:  # (probes.md r8: every context past the text gave RECL = the largest)
             raise ValueError(
-                f"--contexts {contexts}: the shortest is {contexts[0]:,} tokens, but {len(ids) - 1:,} are scored "
-                "(--tokens, or the text's length): give shorter contexts or more tokens"
+                f"--contexts {args.contexts}: the shortest is {args.contexts[0]:,} tokens, but {len(ids) - 1:,} are "
+                "scored (--tokens, or the text's length): give shorter contexts or more tokens"
             )
         if ids_seen is not None and not np.array_equal(ids, ids_seen):
-            raise ValueError(f"{path}: reads the text into other tokens than {models[0]}: RECL needs one tokenizer")
+            raise ValueError(
+                f"{path}: reads the text into other tokens than {args.models[0]}: RECL needs one tokenizer"
+            )
         ids_seen = ids
         name = str(path)
         how = "window" if name in sliding_set else "memory"
-        cap = lm.config.max_klen if cap_windows and name in sliding_set and lm.config.attn_type == 3 else None
-        if cap is not None and cap < contexts[-1]:
+        cap = lm.config.max_klen if args.cap_windows and name in sliding_set and lm.config.attn_type == 3 else None
+        if cap is not None and cap < args.contexts[-1]:
             how += f"; at most {cap} tokens, its learned positions"
-        print(f"scoring {name} at {len(contexts)} context lengths ({how})")
+        print(f"scoring {name} at {len(args.contexts)} context lengths ({how})")
         losses[name] = context_losses(
-            lm, ids, contexts, sliding=name in sliding_set, tgt_len=s.tgt_len, clamp_len=s.clamp_len,
-            same_length=s.same_length, batch_size=batch_size, max_window=cap,
+            lm, ids, args.contexts, sliding=name in sliding_set, tgt_len=s.tgt_len, clamp_len=s.clamp_len,
+            same_length=s.same_length, batch_size=args.batch_size, max_window=cap,
         )  # fmt: skip
-    results = [compute_recl(losses, contexts, ratio, threshold) for ratio in ratios]
-    out.mkdir(parents=True, exist_ok=True)
+    results = [compute_recl(losses, args.contexts, ratio, args.threshold) for ratio in ratios]
+    args.out.mkdir(parents=True, exist_ok=True)
     from txl.util.fileio import write_bytes
 
     record = {
-        "contexts": list(contexts),
+        "contexts": list(args.contexts),
         "tokens": int(len(ids_seen) - 1),
-        "threshold": threshold,
+        "threshold": args.threshold,
         "results": [{"r": x.r, "recl": x.recl, "reached": x.reached, "gains": x.gains} for x in results],
     }
-    write_bytes(out / "recl.json", (_json.dumps(record, indent=1) + "\n").encode())
-    plot_gains(results, out / "recl.png", threshold)
+    write_bytes(args.out / "recl.json", (_json.dumps(record, indent=1) + "\n").encode())
+    plot_gains(results, args.out / "recl.png", args.threshold)
     print("| model | " + " | ".join(f"RECL r={x.r}" for x in results) + " |")
     print("|---|" + "---|" * len(results))
     for name in losses:
@@ -126,8 +133,8 @@ def recl(
         print(f"| {name} | " + " | ".join(cells) + " |")
     unreached = any(not ok for x in results for ok in x.reached.values())
     print(
-        (f"(+: the gain never fell below {threshold} up to the longest length)  " if unreached else "")
-        + f"{out / 'recl.json'}, {out / 'recl.png'}"
+        (f"(+: the gain never fell below {args.threshold} up to the longest length)  " if unreached else "")
+        + f"{args.out / 'recl.json'}, {args.out / 'recl.png'}"
     )
 
 

@@ -8,6 +8,7 @@ folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that can
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import errno
 import inspect
@@ -16,6 +17,7 @@ import math
 import os
 import re
 import sys
+import typing
 from argparse import ArgumentError
 from pathlib import Path
 
@@ -160,6 +162,18 @@ def _summary(target) -> str:
     return re.split(r"(?<=\.)\s+(?=[A-Z`])", paragraph)[0]
 
 
+def _arguments(target) -> type | None:
+    """The dataclass of a typed command's arguments (its one parameter's type), or None for a flat function."""
+    params = list(inspect.signature(target).parameters.values())
+    if len(params) != 1:
+        return None
+    try:
+        kind = typing.get_type_hints(target).get(params[0].name)
+    except NameError:  # (an annotation only a type checker resolves: not a typed command)
+        return None
+    return kind if dataclasses.is_dataclass(kind) else None
+
+
 def _new_parser(prog: str, description: str | None = None):
     from jsonargparse import ArgumentParser
 
@@ -210,6 +224,10 @@ def build_parser():
                 child = _new_parser(prog, _description(target))
                 child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
                 child.add_class_arguments(FinetuneConfig, as_group=False)
+            elif _arguments(target) is not None:  # (a typed command: its dataclass's docstrings are the help)
+                child = _new_parser(prog, _description(target))
+                child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
+                child.add_class_arguments(_arguments(target), as_group=False)
             else:
                 child = _new_parser(prog, _description(target))
                 child.add_argument("--config", action=ActionConfigFile, help="Options from a YAML file.")
@@ -283,6 +301,10 @@ def run(argv: list[str]) -> None:
         from txl.train.finetune import FinetuneConfig
 
         finetune(FinetuneConfig(**{k: node[k] for k in FinetuneConfig.__dataclass_fields__}))
+        return
+    arguments = _arguments(target)
+    if arguments is not None:
+        target(arguments(**{f.name: node[f.name] for f in dataclasses.fields(arguments)}))
         return
     init = parser.instantiate(node)
     target(**{k: init[k] for k in inspect.signature(target).parameters})

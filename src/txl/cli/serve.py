@@ -4,119 +4,101 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 from txl.cli.common import DEFAULT_GENERATE_THREADS, _set_threads
-from txl.config import Quantization
+from txl.config import Quantization, ServeLimits
 
 
-def serve(
-    model: Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    allow_remote: bool = False,
-    api_key: str | None = None,
-    max_batch: int = 8,
-    max_queue: int = 64,
-    max_prompt_tokens: int = 4096,
-    max_new_tokens: int = 1024,
-    max_score_tokens: int = 200_000,
-    max_mem_len: int = 8192,
-    max_tgt_len: int = 2048,
-    max_stops: int = 16,
-    max_stop_chars: int = 256,
-    max_body_bytes: int = 8 << 20,
-    drain_timeout: float = 30.0,
-    stream_buffer_tokens: int = 256,
-    stream_timeout: float = 30.0,
-    header_timeout: float = 10.0,
-    body_timeout: float = 30.0,
-    keep_alive_timeout: float = 5.0,
-    unknown: Literal["error", "replace"] = "error",
-    served_model_name: list[str] | None = None,
-    threads: int | None = None,
-    device: str = "auto",
-    quantize: Quantization = "none",
-) -> None:
+@dataclass
+class ServeArgs(ServeLimits):
+    """The arguments of ``txl serve`` (each an option; these docstrings are its ``--help``): the limits of one
+    request's work (:class:`txl.config.ServeLimits`), then the server's own."""
+
+    model: Path | None = None
+    """A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder."""
+    host: str = "127.0.0.1"
+    """Address to bind (127.0.0.1: this machine only)."""
+    port: int = 8000
+    """Port to listen on (0 to 65535)."""
+    allow_remote: bool = False
+    """Needed to bind any address other than the loopback (the API has no rate limits by client)."""
+    api_key: str | None = None
+    """Require this key (header Authorization: Bearer KEY) on every endpoint but /health, / and /docs (default: the
+    TXL_API_KEY environment variable, if set)."""
+    drain_timeout: float = 30.0
+    """Seconds that SIGTERM (or Ctrl-C) lets the requests in flight run before ending them with finish_reason
+    shutdown; the exit code is 0 when everything ended cleanly."""
+    header_timeout: float = 10.0
+    """Seconds a client has to send a request's headers (from the connection's start, or the first byte of the
+    request): then 408 and the connection is closed."""
+    body_timeout: float = 30.0
+    """Seconds a client has to send a request's body, from the end of its headers."""
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle connection stays open between two requests."""
+    unknown: Literal["error", "replace"] = "error"
+    """Characters outside the model's vocabulary in a prompt or scored text: error (a 400 naming the first) or
+    replace (the tokenizer's replacement symbol); a request's own "unknown" field overrides it."""
+    served_model_name: list[str] | None = None
+    """The names OpenAI's "model" field may give (default: the folder's name and txl)."""
+    threads: int | None = None
+    """torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (the GPU if there is one): where the model runs."""
+    quantize: Quantization = "none"
+    """Serve the model with its Linear layers in int8 (CPU): int8 (PyTorch's dynamic quantization) or
+    int8-weight-only (torchao's, needs the extra 'quant'); none: as saved."""
+
+    LOWEST = dict(max_batch=1, max_queue=0, max_prompt_tokens=1, max_new_tokens=1, max_score_tokens=2, max_mem_len=1,
+                  max_tgt_len=1, max_stops=0, max_stop_chars=1, max_body_bytes=1024, drain_timeout=0,
+                  stream_buffer_tokens=1, stream_timeout=0.1, header_timeout=0.1, body_timeout=0.1,
+                  keep_alive_timeout=0.1)  # fmt: skip
+
+    def validate(self) -> None:
+        """One line naming the first option out of its range."""
+        if self.model is None:
+            raise ValueError("txl serve needs --model RUN_OR_DIR")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.allow_remote:
+            raise ValueError(
+                f"--host {self.host}: binding beyond this machine needs --allow_remote true (and an --api_key)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port = {self.port}: must be in [0, 65535]")
+        for name, low in self.LOWEST.items():
+            if not getattr(self, name) >= low:
+                raise ValueError(f"--{name} = {getattr(self, name)}: must be >= {low}")
+        if self.served_model_name is not None and (not self.served_model_name or "" in self.served_model_name):
+            raise ValueError("--served_model_name: give one or more non-empty names")
+
+    def limits(self) -> ServeLimits:
+        return ServeLimits(**{f.name: getattr(self, f.name) for f in fields(ServeLimits)})
+
+
+def serve(args: ServeArgs) -> None:
     """Serve a model over HTTP: a web page at /, POST /v1/generate (JSON or a server-sent event stream), POST
     /v1/score, GET /v1/model, GET /health; the API's page at /docs. Concurrent generations are batched step by step.
-
-    Args:
-        model: A run folder (its best checkpoint), a checkpoint step-N folder, or a model folder.
-        host: Address to bind (127.0.0.1: this machine only).
-        port: Port to listen on (0 to 65535).
-        allow_remote: Needed to bind any address other than the loopback (the API has no rate limits by client).
-        api_key: Require this key (header Authorization: Bearer KEY) on every endpoint but /health, / and /docs
-            (default: the TXL_API_KEY environment variable, if set).
-        max_batch: Rows in flight at most, whatever their memory lengths (a generation is one, a beam search one per
-            beam, a scored text one; 1: one at a time).
-        max_queue: Requests that may wait for a row; more get 429.
-        max_prompt_tokens: Longest prompt, in tokens.
-        max_new_tokens: Most tokens one request may ask for.
-        max_score_tokens: Longest text /v1/score takes, in tokens.
-        max_mem_len: Longest memory a request may ask for (its keys and values are kept per request).
-        max_tgt_len: Longest segment /v1/score may ask for.
-        max_stops: Most stop strings per request.
-        max_stop_chars: Longest stop string, in characters.
-        max_body_bytes: Largest request body, in bytes (413 beyond).
-        drain_timeout: Seconds that SIGTERM (or Ctrl-C) lets the requests in flight run before ending them with
-            finish_reason shutdown; the exit code is 0 when everything ended cleanly.
-        stream_buffer_tokens: Tokens of one generation made ahead of what its client has read, at most (a client that
-            reads slowly slows its own generation, whose row waits for it meanwhile).
-        stream_timeout: Seconds a response may wait for its client to read before the connection is closed and the
-            request cancelled.
-        header_timeout: Seconds a client has to send a request's headers (from the connection's start, or the
-            first byte of the request): then 408 and the connection is closed.
-        body_timeout: Seconds a client has to send a request's body, from the end of its headers.
-        keep_alive_timeout: Seconds an idle connection stays open between two requests.
-        unknown: Characters outside the model's vocabulary in a prompt or scored text: error (a 400 naming the
-            first) or replace (the tokenizer's replacement symbol); a request's own "unknown" field overrides it.
-        served_model_name: The names OpenAI's "model" field may give (default: the folder's name and txl).
-        threads: torch CPU threads (default: 1, the fastest for token-by-token decoding on a shared machine).
-        device: cpu, cuda, cuda:N or auto (the GPU if there is one): where the model runs.
-        quantize: Serve the model with its Linear layers in int8 (CPU): int8 (PyTorch's dynamic quantization) or
-            int8-weight-only (torchao's, needs the extra 'quant'); none: as saved.
     """
     try:
         import uvicorn
 
-        from txl.serve.app import DrainingServer, ServeLimits, create_app
+        from txl.serve.app import DrainingServer, create_app
         from txl.serve.http import ConnectionLimits, timed_protocol
     except ImportError as e:
         raise ValueError(
             f"txl serve needs the serve extra ({e.name} is missing): pip install 'transformer-xl[serve]'"
         ) from None
-    if model is None:
-        raise ValueError("txl serve needs --model RUN_OR_DIR")
-    if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
-        raise ValueError(f"--host {host}: binding beyond this machine needs --allow_remote true (and an --api_key)")
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port = {port}: must be in [0, 65535]")
-    for name, value, low in [("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
-                             ("max_prompt_tokens", max_prompt_tokens, 1), ("max_new_tokens", max_new_tokens, 1),
-                             ("max_score_tokens", max_score_tokens, 2), ("max_mem_len", max_mem_len, 1),
-                             ("max_tgt_len", max_tgt_len, 1), ("max_stops", max_stops, 0),
-                             ("max_stop_chars", max_stop_chars, 1), ("max_body_bytes", max_body_bytes, 1024),
-                             ("drain_timeout", drain_timeout, 0), ("stream_buffer_tokens", stream_buffer_tokens, 1),
-                             ("stream_timeout", stream_timeout, 0.1), ("header_timeout", header_timeout, 0.1),
-                             ("body_timeout", body_timeout, 0.1),
-                             ("keep_alive_timeout", keep_alive_timeout, 0.1)]:  # fmt: skip
-        if not value >= low:
-            raise ValueError(f"--{name} = {value}: must be >= {low}")
-    if served_model_name is not None and (not served_model_name or "" in served_model_name):
-        raise ValueError("--served_model_name: give one or more non-empty names")
-    sock = _listen(host, port)  # (before the model loads: a busy port fails at once, before any URL is printed)
-    _set_threads(DEFAULT_GENERATE_THREADS if threads is None else threads)
-    key = api_key or os.environ.get("TXL_API_KEY") or None
-    limits = ServeLimits(
-        max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_batch=max_batch, max_queue=max_queue,
-        max_score_tokens=max_score_tokens, max_mem_len=max_mem_len, max_tgt_len=max_tgt_len, max_stops=max_stops,
-        max_stop_chars=max_stop_chars, max_body_bytes=max_body_bytes, stream_buffer_tokens=stream_buffer_tokens,
-        stream_timeout=stream_timeout,
-    )  # fmt: skip
-    connections = ConnectionLimits(header_timeout, body_timeout, keep_alive_timeout)
-    app = create_app(model, limits, key, device, unknown=unknown, served_names=served_model_name, quantization=quantize)
+    args.validate()
+    sock = _listen(
+        args.host, args.port
+    )  # (before the model loads: a busy port fails at once, before any URL is printed)
+    _set_threads(DEFAULT_GENERATE_THREADS if args.threads is None else args.threads)
+    key = args.api_key or os.environ.get("TXL_API_KEY") or None
+    limits = args.limits()
+    connections = ConnectionLimits(args.header_timeout, args.body_timeout, args.keep_alive_timeout)
+    app = create_app(args.model, limits, key, args.device, unknown=args.unknown, served_names=args.served_model_name,
+                     quantization=args.quantize)  # fmt: skip
     state = app.state.server
     free = None  # (the host's memory, or the GPU's)
     if state.device.type == "cuda":
@@ -127,6 +109,7 @@ def serve(
     note = limits_memory_note(state.model.config, limits, itemsize, free, state.device)
     if note:
         print(f"txl serve: note: {note}", file=sys.stderr)
+    host = args.host
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"txl serve: warning: listening on {host}, reachable from other machines"
               + ("" if key else " without an API key"), file=sys.stderr)  # fmt: skip
@@ -152,7 +135,7 @@ def serve(
     # asyncio warns "socket.send() raised exception." for every few writes to a connection its client has closed,
     # before the server learns that it is gone (a streaming client that leaves): routine here, not a fault.
     logging.getLogger("asyncio").addFilter(lambda r: r.getMessage() != "socket.send() raised exception.")
-    server = DrainingServer(config, state, drain_timeout)
+    server = DrainingServer(config, state, args.drain_timeout)
     state.on_fatal.append(lambda _failure: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
     if state.failure is not None:

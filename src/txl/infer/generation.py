@@ -161,6 +161,41 @@ def choose(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def _stepper(
+    model: TransformerXLLM, input_ids: Tensor, padding: Tensor | None, mems: list[Tensor] | None, reading: Reading,
+    max_new_tokens: int,
+) -> tuple[Callable[..., Tensor], KVCache | None]:  # fmt: skip
+    """The step of :func:`stream` (ids [B, n] and their padding -> the last position's hidden state [B, D]) and the
+    K/V cache it reads through (None for attn_type 2, 3: absolute positions move with the window, so the memory is
+    recomputed each step)."""
+    B, T = input_ids.shape
+    if supports_kv_cache(model.config):
+        written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens  # (a short generation: a small buffer)
+        dtype = next(model.parameters()).dtype
+        cache = KVCache(model.config, B, reading.mem_len, T, positions=written, device=input_ids.device, dtype=dtype)
+        if mems:
+            model.transformer.fill_cache(cache, mems, reading.mem_len)
+
+        def cached(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
+            with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
+                return read_prompt(model, ids, cache, reading, pad)[:, -1]
+
+        return cached, cache
+    if padding is not None:
+        raise ValueError(
+            f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
+            "give prompts of one length"
+        )
+    memory = [mems]
+
+    def recomputed(ids: Tensor, pad: Tensor | None = None) -> Tensor:
+        out = model.transformer(ids, memory[0], reading=reading)
+        memory[0] = out.mems
+        return out.last_hidden_state[:, -1]
+
+    return recomputed, None
+
+
 @torch.no_grad()
 def stream(
     model: TransformerXLLM,
@@ -209,30 +244,7 @@ def stream(
     model.eval()
     try:
         B, T = input_ids.shape
-        dtype = next(model.parameters()).dtype
-        if supports_kv_cache(model.config):
-            written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens  # (a short generation: a small buffer)
-            cache = KVCache(model.config, B, mem_len, T, positions=written, device=input_ids.device, dtype=dtype)
-            if mems:
-                model.transformer.fill_cache(cache, mems, mem_len)
-
-            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
-                with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
-                    return read_prompt(model, ids, cache, reading, pad)[:, -1]
-
-        else:  # absolute positions (attn_type 2, 3) move with the window: the memory is recomputed each step
-            if padding is not None:
-                raise ValueError(
-                    f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
-                    "give prompts of one length"
-                )
-
-            def step(ids: Tensor, pad: Tensor | None = None) -> Tensor:
-                nonlocal mems
-                out = model.transformer(ids, mems, reading=reading)
-                mems = out.mems
-                return out.last_hidden_state[:, -1]
-
+        step, cache = _stepper(model, input_ids, padding, mems, reading, max_new_tokens)
         with transposed_weights():  # (the weights are fixed while generating)
             h = step(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
@@ -393,6 +405,37 @@ def generate(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, **k
     return torch.cat([input_ids, *stream(model, input_ids, max_new_tokens, **kwargs)], dim=1)
 
 
+def _new_tokens(prompt_len: int, max_new_tokens: int | None, max_length: int | None) -> int:
+    """Hugging Face's length arguments as new tokens: ``max_new_tokens``, or ``max_length`` counting the prompt (20
+    when neither is given)."""
+    if max_new_tokens is not None:
+        if max_length is not None:
+            raise ValueError("give max_new_tokens or max_length (which counts the prompt), not both")
+        return max_new_tokens
+    max_length = 20 if max_length is None else max_length
+    if max_length <= prompt_len:
+        raise ValueError(
+            f"max_length = {max_length} counts the prompt of {prompt_len} tokens: nothing to generate; "
+            "give max_new_tokens (new tokens only) or a larger max_length"
+        )
+    return max_length - prompt_len
+
+
+def _hf_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | None:
+    """Hugging Face's ``attention_mask`` [B, T] (1 = token, 0 = left padding) as txl's padding (True = padding;
+    None where there is none)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    padding = attention_mask.to(input_ids.device) == 0
+    if not bool(padding.any()):
+        return None
+    if bool(padding[:, -1].any()):
+        raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
+    return padding
+
+
 def generate_like_hf(
     model: TransformerXLLM,
     input_ids: Tensor,
@@ -445,27 +488,8 @@ def generate_like_hf(
         )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    if max_new_tokens is None:
-        max_length = 20 if max_length is None else max_length
-        if max_length <= input_ids.shape[-1]:
-            raise ValueError(
-                f"max_length = {max_length} counts the prompt of {input_ids.shape[-1]} tokens: nothing to generate; "
-                "give max_new_tokens (new tokens only) or a larger max_length"
-            )
-        max_new_tokens = max_length - input_ids.shape[-1]
-    elif max_length is not None:
-        raise ValueError("give max_new_tokens or max_length (which counts the prompt), not both")
-    padding = None
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}"
-            )
-        padding = attention_mask.to(input_ids.device) == 0
-        if not bool(padding.any()):
-            padding = None
-        elif bool(padding[:, -1].any()):
-            raise ValueError("attention_mask has padding at the end of a prompt: pad prompts on the left")
+    max_new_tokens = _new_tokens(input_ids.shape[-1], max_new_tokens, max_length)
+    padding = _hf_padding(attention_mask, input_ids)
     stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if min_new_tokens is not None and min_length is not None:
         raise ValueError("give min_new_tokens or min_length (which counts the prompt), not both")

@@ -55,7 +55,8 @@ def native_loop(
     values = native.layer_values(plan)  # (every value the kernel reads from the modules: a new one is checked)
     fast = lambda: native.decode_step(plan, biases, h, pos, mask, cache, state, None, values)  # noqa: E731
     kind = (values, tuple((type(lay.gate1), type(lay.gate2)) for lay in plan))
-    shapes = (h.shape, cache.k.shape[:3], (cache.length + 1, h.shape[-1], plan[0].w1.shape[0]))
+    window = 1 << cache.length.bit_length()  # (the keys' count rounded up to a power of two, as the kind keeps it)
+    shapes = (h.shape, cache.k.shape[:3], (window, h.shape[-1], plan[0].w1.shape[0]))
     if registry.choose("native_decode", None, fast, lambda: loop(None), operands=(h,), kind=kind, shapes=shapes):
         out = native.decode_step(plan, biases, h, pos, mask, cache, state, hids, values)
         if out is not None:

@@ -9,7 +9,8 @@ per call, so ``torch.manual_seed`` and a saved RNG state fix them:
 * ``"torch"``: two 24-bit uniforms from every 64-bit word of torch's generator (half the cost of ``nn.Dropout``'s
   draw, the same distribution); no native kernel.
 
-A new process uses ``"philox"`` where the native dropout can run (its library built, the switch on), else
+A new process uses ``"philox"`` where the native dropout can run (its library built, the switch on) and is faster
+than torch's mask here (measured once, ``txl.kernels.measured``: on an AVX2-only CPU it can be slower), else
 ``"torch"``; ``txl train`` records the stream of a run in its checkpoints and a resumed run keeps it
 (:func:`use_masks`), whatever this machine has. On other devices, and in code being compiled, ``F.dropout``.
 Kept elements are ``x * (1 / (1 - p))``, as in ``nn.Dropout``."""
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.kernels import native, philox
+from txl.kernels import measured, native, philox
 from txl.kernels.admission import stock
 from txl.kernels.backends import backends
 from txl.kernels.native import ops
@@ -54,9 +55,24 @@ _pinned: ContextVar[str | None] = ContextVar("txl_masks", default=None)
 
 
 def default_masks() -> str:
-    """The stream of a process that pinned none: Philox's where the native dropout can run here, else torch's."""
+    """The stream of a process that pinned none: Philox's where the native dropout can run here and was measured
+    faster than torch's own mask (on an AVX2-only CPU it can be slower), else torch's. A run pins the stream it
+    began with (:func:`use_masks`), so this choice is made once per run."""
     policy = backends()
-    return "philox" if policy.native_kernels and policy.native_dropout and native.dropout_ready() else "torch"
+    if not (policy.native_kernels and policy.native_dropout and native.dropout_ready()):
+        return "torch"
+    threads = torch.get_num_threads()
+    fast = _STREAM_FASTER.get(threads)
+    if fast is None:  # (once per process: a stream that changed mid-process would make its runs irreproducible)
+        x = torch.rand(1 << 20)
+        drop = Dropout(0.1)
+        fast = _STREAM_FASTER[threads] = measured.faster(
+            "dropout_stream", [x.shape], x.dtype, lambda: ops.dropout(x, 0.1, 1, False), lambda: drop._mask(x)
+        )
+    return "philox" if fast else "torch"
+
+
+_STREAM_FASTER: dict[int, bool] = {}  # threads -> whether Philox's native mask was measured faster (this process)
 
 
 def masks() -> str:

@@ -11,7 +11,8 @@ only where it was measured faster here, and a shared, noisy machine must not be 
 * **a confidence rule**: the choice is *settled* only where the median ratio is further from 1 than ``Z`` standard
   errors of the median (estimated from the samples' spread: 1.2533 x 1.4826 x MAD / sqrt(n), in log space). A
   choice within the noise is used for now but not settled: it is measured again (its samples pooled with the
-  latest ones, at most ``MAX_SAMPLES``) when the next process first uses it, and in a process after ``RETRY_S``;
+  latest ones, at most ``MAX_SAMPLES``) when the next process first uses it, and in a process after ``RETRY_S``
+  (at most ``MAX_TRIES`` times: a long run pays a bounded cost for a choice that stays within the noise);
 * **re-measured when it may have changed**: the key includes torch's, txl's and the native library's versions (an
   upgrade measures again, a path measured slower included); a settled choice expires after ``LIFETIME_S`` times the
   square of its margin (a 1.5x choice made with a 2% error lasts the 30-day cap, one barely past the rule a day);
@@ -43,12 +44,14 @@ log = logging.getLogger("txl")
 
 MAX_SAMPLES = 21  # the samples an unsettled choice pools (the latest)
 RETRY_S = 30.0  # an unsettled choice is measured again after this long in a process
+MAX_TRIES = 3  # measurements of one kind in one process (then its choice holds until the next process)
 LIFETIME_S = 86400.0  # a settled choice of margin m (in units of Z errors) is kept LIFETIME_S * m**2, at most 30 days
 MAX_LIFETIME_S = 30 * 86400.0
 PATHS = {
     "native_attention": "the attention of attn_type 0 in inference (native kernel vs one SDPA call)",
     "native_attention_train": "the attention of attn_type 0 with gradients (native forward and backward vs PyTorch's)",
     "native_dropout": "dropout (native one-pass kernel vs the Philox mask in PyTorch operations)",
+    "dropout_stream": "a new run's dropout masks: Philox's by the native kernel vs torch's own mask",
     "native_relu_dropout": "the feed-forward's relu + dropout as one native pass",
     "native_nll": "the adaptive softmax's NLL by the native kernel (vs log-softmax and gather)",
     "native_decode": "the one-token step of every layer as one native call (vs the Python loop)",
@@ -58,6 +61,7 @@ PATHS = {
 
 _choices: dict[str, dict] = {}  # key -> a choice (see _choice), this process's (and the file's, once read)
 _due: dict[str, float] = {}  # key -> when (time.monotonic) this process measures it again (absent: now)
+_tries: dict[str, int] = {}  # key -> measurements of it in this process
 _loaded = [False]
 _lock = threading.RLock()  # (a measurement runs the reference, which may measure another path)
 clock: Callable[[], float] = time.time
@@ -175,7 +179,7 @@ def _current(kind: str) -> dict | None:
     if choice is None:
         return None
     due = _due.get(kind)
-    if due is not None and time.monotonic() < due:
+    if due is not None and (time.monotonic() < due or _tries.get(kind, 0) >= MAX_TRIES):
         return choice
     if choice["settled"] and clock() - choice["at"] < _lifetime(choice):
         _due[kind] = time.monotonic() + RETRY_S  # (its age looked at again after that)
@@ -225,9 +229,10 @@ def _measure(kind: str, fast: Callable[[], Any], reference: Callable[[], Any], g
     m = Paired(tuple(samples))
     choice = _choices[kind] = {
         "use": m.median >= 1.0, "ratio": round(m.median, 4), "error": round(m.error, 4), "settled": m.settled,
-        "samples": [] if m.settled else [round(r, 4) for r in samples], "at": round(clock()),
+        "samples": [round(r, 4) for r in samples], "at": round(clock()),
     }  # fmt: skip
     _due[kind] = time.monotonic() + RETRY_S
+    _tries[kind] = _tries.get(kind, 0) + 1
     _save()
     verdict = "used" if choice["use"] else "not used: the reference is faster here"
     state = "settled" if m.settled else "within the noise: measured again later"
@@ -264,4 +269,5 @@ def forget() -> None:
     with _lock:
         _choices.clear()
         _due.clear()
+        _tries.clear()
         _loaded[0] = False

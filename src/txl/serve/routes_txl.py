@@ -108,7 +108,7 @@ def router(server: Server) -> APIRouter:
         text, then the summary, then ``[DONE]``."""
         started = start(server, req)
         if not req.stream:
-            return await unless_disconnected(request, finished(started, req.stop), started[2].cancel)
+            return await unless_disconnected(request, finished(started, req.stop), started.gen.cancel)
 
         async def events():
             """A token's text per event, then the summary (``done``; with finish_reason error, its ``error``), then
@@ -117,7 +117,7 @@ def router(server: Server) -> APIRouter:
                 async for piece, final in pieces(started, req.stop):
                     yield f"data: {json.dumps(piece if final is None else final | {'done': True})}\n\n"
             except Exception as e:  # (e.g. the tokenizer failed on a token): an error event ends the stream
-                started[2].cancel()
+                started.gen.cancel()
                 yield sse_error(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
                 return
             yield "data: [DONE]\n\n"

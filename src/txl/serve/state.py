@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -17,6 +18,14 @@ from txl.infer.generation import Penalties
 from txl.serve.engine import Engine, Generation
 from txl.serve.http import ApiError, invalid
 from txl.serve.schemas import MAX_SEED, CompletionRequest, GenerateRequest, MusicRequest, ScoreRequest, ServeLimits
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion an OpenAI request asks for: its generation and its prompt's text (for ``echo``)."""
+
+    request: GenerateRequest
+    prompt_text: str
 
 
 class Server:
@@ -230,7 +239,7 @@ class Server:
             raise ApiError(400, str(e)) from None
         return gen, ids
 
-    def completion_requests(self, req: CompletionRequest) -> list[tuple[GenerateRequest, str]]:
+    def completion_requests(self, req: CompletionRequest) -> list[Choice]:
         """The generations an OpenAI completions request asks for (``n`` per prompt, in the order of the response's
         choices), each with its prompt's text (for ``echo``)."""
         self.check_model(req.model)
@@ -274,7 +283,7 @@ class Server:
                     err = e.errors()[0]
                     name = where if err["loc"][:1] == ("prompt",) else ".".join(map(str, err["loc"]))
                     raise invalid(name, f"{name}: {err['msg']}") from None
-                out.append((gen, text))
+                out.append(Choice(gen, text))
         return out
 
     def score(self, req: ScoreRequest) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -31,7 +32,17 @@ from txl.serve.state import Server
 DISCONNECT_POLL = 0.25
 """Seconds between two looks for a client that left while its whole answer is being computed."""
 
-Started = tuple[Callable, Callable, Generation]
+
+@dataclass(frozen=True)
+class Started:
+    """A submitted generation: ``tokens()`` (an async iterator of (token id, text so far, new ids), ending with
+    (None, text, new ids)), ``summary(text, new, reason)`` (the final record), and the engine's generation."""
+
+    tokens: Callable
+    summary: Callable
+    gen: Generation
+
+
 """What :func:`start` returns: the token iterator, the summary function and the generation."""
 
 
@@ -94,7 +105,7 @@ def start(
             "finish_reason": reason, "error": error, "seconds": elapsed, "tokens_per_s": len(new) / elapsed,
         }  # fmt: skip
 
-    return tokens, summary, gen
+    return Started(tokens, summary, gen)
 
 
 async def finished(started: Started, stop: list[str]) -> dict[str, Any]:
@@ -103,7 +114,7 @@ async def finished(started: Started, stop: list[str]) -> dict[str, Any]:
         async for _, final in events:
             if final is not None:
                 if final["finish_reason"] == "error":
-                    raise ApiError(started[2].error_status, final["error"]["message"])
+                    raise ApiError(started.gen.error_status, final["error"]["message"])
                 return final
     raise AssertionError("pieces() always ends with the summary")
 
@@ -111,7 +122,7 @@ async def finished(started: Started, stop: list[str]) -> dict[str, Any]:
 async def pieces(started: Started, stop: list[str]):
     """({"token_id", "text"}, None) for each piece of text that is safe to send (no stop string can begin in it),
     then (None, the summary)."""
-    tokens, summary, gen = started
+    tokens, summary, gen = started.tokens, started.summary, started.gen
     sent = 0
     try:
         async for tok, text, new in tokens():

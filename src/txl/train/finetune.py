@@ -15,14 +15,12 @@ from which a run resumes exactly.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import random
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,18 +34,25 @@ from txl.kernels.backends import Backends, backends, use_backends
 from txl.kernels.runtime import check_fits
 from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLForSequenceClassification
 from txl.train.checkpoint import RunLock, latest_checkpoint, resolve_model_dir, save_checkpoint, verify_checksums
+from txl.train.finetune_data import (  # noqa: F401 (encode_prefix, read_split: re-exported)
+    Example,
+    FinetuneError,
+    Task,
+    _parse_label,
+    _rows,
+    _split_file,
+    encode_prefix,
+    label_names,
+    read_split,
+    targets,
+)
 from txl.train.loop import TrainingLoop, step_memory_bound
 from txl.util.distributed import World
 from txl.util.fileio import write_bytes
 from txl.util.folders import CheckpointError, read_json
 from txl.util.metrics import Reporter, truncate_metrics
 
-Task = Literal["single", "multi", "regression"]
 FINETUNE_CONFIG = "finetune.json"
-
-
-class FinetuneError(ValueError):
-    """Bad fine-tuning data or configuration; the message names the file and line."""
 
 
 @dataclass
@@ -143,188 +148,6 @@ class FinetuneConfig:
             bad("task", "must be single, multi or regression")
         if Backends.why_not(self.fast_paths):  # (a mapping of Backends' fields, each of its type)
             bad("fast_paths", Backends.why_not(self.fast_paths))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Example:
-    ids: list[int]
-    label: Any
-    where: str  # "file: line N"
-
-
-def _rows(path: Path, columns: tuple[str, ...] = ("text", "label")) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) of a CSV (a header with ``columns``) or JSONL file."""
-    rows = []
-    try:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8-sig") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line, object_pairs_hook=_unique_keys)
-                    except json.JSONDecodeError as e:
-                        raise FinetuneError(f"{path}: line {n}: not a JSON object ({e.msg})") from None
-                    except _DuplicateKey as e:  # (probes.md fl: the last one silently won)
-                        raise FinetuneError(f"{path}: line {n}: the key {e.args[0]!r} is given twice") from None
-                    if not isinstance(row, dict):
-                        raise FinetuneError(f"{path}: line {n}: not a JSON object")
-                    rows.append((n, row))
-        else:
-            with path.open(encoding="utf-8-sig", newline="") as f:
-                reader = csv.DictReader(f)
-                missing = set(columns) - set(reader.fieldnames or [])
-                if missing:
-                    raise FinetuneError(
-                        f"{path}: line 1: the header has no {' and no '.join(sorted(missing))} column "
-                        f"(it needs {' and '.join(columns)}, has {reader.fieldnames})"
-                    )
-                width = len(reader.fieldnames)
-                for row in reader:
-                    extra, short = row.get(None), None in row.values()
-                    if extra or short:  # (probes.md f12: extra fields were dropped silently)
-                        count = width + len(extra or []) - sum(v is None for v in row.values())
-                        raise FinetuneError(
-                            f"{path}: line {reader.line_num}: {count} fields, the header has {width} "
-                            "(a text with commas must be in double quotes)"
-                        )
-                    rows.append((reader.line_num, row))
-    except UnicodeDecodeError as e:
-        raise FinetuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return rows
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict, refusing a key given twice."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def _split_file(folder: Path, split: str) -> Path | None:
-    found = [folder / f"{split}.{ext}" for ext in ("csv", "jsonl") if (folder / f"{split}.{ext}").is_file()]
-    if len(found) > 1:
-        raise FinetuneError(f"{folder}: both {found[0].name} and {found[1].name}; keep one")
-    return found[0] if found else None
-
-
-def _parse_label(raw: Any, task: Task, where: str, csv_file: bool) -> Any:
-    if raw is None or (isinstance(raw, str) and not raw.strip()) or raw == []:
-        raise FinetuneError(f"{where}: no label")
-    if task == "regression":
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise FinetuneError(f"{where}: label {raw!r} is not a number (task regression)") from None
-        if not math.isfinite(value):
-            raise FinetuneError(f"{where}: label {raw!r} is not a finite number")
-        return value
-    if task == "multi":
-        names = raw.split("|") if csv_file and isinstance(raw, str) else raw
-        if isinstance(names, str) or not isinstance(names, list) or not all(isinstance(x, str | int) for x in names):
-            raise FinetuneError(f"{where}: label {raw!r}: task multi needs a list of class names")
-        return sorted({_class_name(str(x)) for x in names})
-    if isinstance(raw, list | dict | float) and not (isinstance(raw, float) and raw.is_integer()):
-        raise FinetuneError(f"{where}: label {raw!r}: task single needs one class name")
-    return _class_name(str(int(raw) if isinstance(raw, float) else raw))
-
-
-_INTEGRAL = re.compile(r"[+-]?\d+\.0*")
-
-
-def _class_name(name: str) -> str:
-    """A class name as written, except a whole number written with a decimal point ("1.0", as pandas writes an
-    integer column that had a gap): the number ("1"), so that "1" and "1.0" are one class (probes.md fc), as JSON's
-    1 and 1.0 already are."""
-    name = name.strip()
-    return str(int(float(name))) if _INTEGRAL.fullmatch(name) else name
-
-
-PREFIX_MARGIN = 16
-"""Tokens past the kept ones that a prefix of a text must encode to before its cut is trusted not to reach them."""
-
-
-def encode_prefix(tokenizer: Tokenizer, text: str, n: int) -> list[int]:
-    """``tokenizer.encode(text)[:n]``, encoding only as much of ``text`` as that needs (probes.md fbig: a 110 MB
-    text was encoded whole, 2.5 GB, before the cut): a prefix of up to 8n characters ending at a space, doubled until
-    it gives ``PREFIX_MARGIN`` tokens more than kept (characters, bytes and words are read left to right, so the
-    tokens before the cut are the whole text's)."""
-    size = max(8 * n, 1024)
-    while size < len(text):
-        cut = max(text.rfind(" ", 0, size), text.rfind("\n", 0, size))  # (at a space: no word is cut in two)
-        if cut > 0:
-            ids = tokenizer.encode(text[:cut])
-            if len(ids) >= n + PREFIX_MARGIN:
-                return ids[:n]
-        size *= 2
-    return tokenizer.encode(text)[:n]
-
-
-def read_split(path: Path, task: Task, tokenizer, max_tokens: int) -> list[Example]:
-    """Rows of one file as token ids and parsed labels; any bad row is an error naming file and line."""
-    examples = []
-    for n, row in _rows(path):
-        where = f"{path}: line {n}"
-        for key in ("text", "label"):
-            if key not in row:
-                raise FinetuneError(f"{where}: no {key!r} field (each row needs text and label)")
-        text = row["text"]
-        if not isinstance(text, str):  # (probes.md fg: a number was reported as an empty text)
-            raise FinetuneError(f"{where}: the text must be a string, not {type(text).__name__} ({text!r:.40})")
-        if not text.strip():
-            raise FinetuneError(f"{where}: empty text")
-        label = _parse_label(row["label"], task, where, path.suffix == ".csv")
-        try:
-            ids = encode_prefix(tokenizer, text, max_tokens)
-        except ValueError as e:
-            raise FinetuneError(f"{where}: {e}") from None
-        if not ids:
-            raise FinetuneError(f"{where}: the text encodes to no tokens")
-        examples.append(Example(ids, label, where))
-    if not examples:
-        raise FinetuneError(f"{path}: no rows")
-    return examples
-
-
-def label_names(train: list[Example], task: Task) -> list[str]:
-    if task == "regression":
-        return []
-    names = sorted({n for e in train for n in (e.label if task == "multi" else [e.label])})
-    if task == "single" and len(names) < 2:
-        raise FinetuneError(f"the training data has {len(names)} class ({names}); single-label needs at least 2")
-    return names
-
-
-def targets(examples: list[Example], task: Task, names: list[str]) -> torch.Tensor:
-    """Labels as the loss wants them; a class missing from train is an error naming the row."""
-    index = {n: i for i, n in enumerate(names)}
-
-    def idx(name: str, e: Example) -> int:
-        if name not in index:
-            raise FinetuneError(f"{e.where}: label {name!r} does not occur in the training data ({len(names)} classes)")
-        return index[name]
-
-    if task == "regression":
-        return torch.tensor([e.label for e in examples], dtype=torch.float32)
-    if task == "single":
-        return torch.tensor([idx(e.label, e) for e in examples], dtype=torch.long)
-    out = torch.zeros(len(examples), len(names))
-    for row, e in enumerate(examples):
-        for name in e.label:
-            out[row, idx(name, e)] = 1.0
-    return out
 
 
 def batch_ids(docs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,6 +295,50 @@ def _resumable(checkpoint: Path, cfg: FinetuneConfig, data_sha256: dict[str, str
     return saved
 
 
+def _read_data(cfg: FinetuneConfig, tokenizer: Tokenizer) -> tuple[list[Example], list[Example], dict]:
+    """The training and validation documents (every tenth training row held out without a valid file), and the
+    files' sha256 (a resumed run checks them)."""
+    folder = Path(cfg.data)
+    train_file = _split_file(folder, "train")
+    if train_file is None:
+        raise FinetuneError(f"{folder}: no train.csv or train.jsonl")
+    train = read_split(train_file, cfg.task, tokenizer, cfg.max_tokens)
+    valid_file = _split_file(folder, "valid")
+    if valid_file is None:  # every tenth row held out
+        if len(train) < 10:
+            raise FinetuneError(
+                f"{train_file}: {len(train)} rows are too few to hold out every tenth for validation; "
+                "add a valid.csv or valid.jsonl"
+            )
+        valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
+    else:
+        valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
+    return train, valid, {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
+
+
+def _classifier(
+    cfg: FinetuneConfig, source: Path, resume: Path | None, num_labels: int
+) -> TransformerXLForSequenceClassification:
+    """The classifier: the checkpoint being resumed, else a new head on the language model's body (or on random
+    weights, ``from_scratch``)."""
+    if resume is not None:
+        model = TransformerXLForSequenceClassification.from_pretrained(resume)
+        verify_checksums(resume)  # (a file that reads but was damaged: one error naming it)
+        return model
+    fields = TransformerXLConfig.__dataclass_fields__
+    saved = json.loads((source / "config.json").read_text())
+    lm_cfg = TransformerXLConfig.from_dict({k: v for k, v in saved.items() if k in fields})
+    lm_cfg.num_labels = num_labels
+    if cfg.dropout is not None:
+        lm_cfg.dropout = cfg.dropout
+    if cfg.clamp_len is not None:
+        lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
+    model = TransformerXLForSequenceClassification(lm_cfg)
+    if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
+        model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
+    return model
+
+
 class Finetuner(TrainingLoop):
     """``txl finetune``: the classification head (and the body) trained on labelled documents, read segment by
     segment with the memory carried, on the loop ``txl train`` runs (:class:`~txl.train.loop.TrainingLoop`: clipping,
@@ -492,22 +359,7 @@ class Finetuner(TrainingLoop):
             raise FinetuneError(f"{source}: no tokenizer.json to read the texts with")
         n_token = TransformerXLForSequenceClassification.load_config(source).n_token
         tokenizer = Tokenizer.load(self.tok_file).for_model(n_token, self.tok_file)
-        folder = Path(cfg.data)
-        train_file = _split_file(folder, "train")
-        if train_file is None:
-            raise FinetuneError(f"{folder}: no train.csv or train.jsonl")
-        train = read_split(train_file, cfg.task, tokenizer, cfg.max_tokens)
-        valid_file = _split_file(folder, "valid")
-        if valid_file is None:  # every tenth row held out
-            if len(train) < 10:
-                raise FinetuneError(
-                    f"{train_file}: {len(train)} rows are too few to hold out every tenth for validation; "
-                    "add a valid.csv or valid.jsonl"
-                )
-            valid, train = train[::10], [e for i, e in enumerate(train) if i % 10]
-        else:
-            valid = read_split(valid_file, cfg.task, tokenizer, cfg.max_tokens)
-        data_sha256 = {"train": sha256_file(train_file), "valid": sha256_file(valid_file) if valid_file else None}
+        train, valid, data_sha256 = _read_data(cfg, tokenizer)
         names = _resumable(resume, cfg, data_sha256)["labels"] if resume is not None else label_names(train, cfg.task)
         self.train, self.valid = train, valid
         self.y_train, self.y_valid = targets(train, cfg.task, names), targets(valid, cfg.task, names)
@@ -515,25 +367,7 @@ class Finetuner(TrainingLoop):
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        if resume is not None:
-            model = TransformerXLForSequenceClassification.from_pretrained(resume)
-            verify_checksums(resume)  # (a file that reads but was damaged: one error naming it)
-        else:
-            lm_cfg = TransformerXLConfig.from_dict(
-                {
-                    k: v
-                    for k, v in json.loads((source / "config.json").read_text()).items()
-                    if k in TransformerXLConfig.__dataclass_fields__
-                }  # fmt: skip
-            )
-            lm_cfg.num_labels = num_labels
-            if cfg.dropout is not None:
-                lm_cfg.dropout = cfg.dropout
-            if cfg.clamp_len is not None:
-                lm_cfg.clamp_len = cfg.clamp_len  # (saved with the classifier: predict reads the same way)
-            model = TransformerXLForSequenceClassification(lm_cfg)
-            if not cfg.from_scratch:  # the body of a language model (or of another fine-tuned classifier)
-                model.transformer.load_state_dict(TransformerXL.from_pretrained(source).state_dict())
+        model = _classifier(cfg, source, resume, num_labels)
         self.model = model
         # Fine-tuning trains: it reads as training did (the model's config.json), not with the evaluation settings
         # that the commands reading text with a trained model use (txl.infer.evaluate.reading_settings).

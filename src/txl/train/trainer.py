@@ -171,15 +171,7 @@ class Trainer(TrainingLoop):
         if note:
             self.say(f"note: train.precision = {tc.precision}: {note}" if tc.precision == "auto" else
                      f"note: train.precision = bf16, but {note}")  # fmt: skip
-        self.fp32_route: bool | None = None  # (CPU) fp32 GEMMs through oneDNN; saved with every checkpoint
-        self.route: CheckedRoute | None = None  # (its checks, while fit() runs with the route)
-        if w.device.type == "cpu":
-            self._configure_cpu()
-        else:
-            self.say(f"runtime: {backends().describe()}")
-        self.masks = self._dropout_masks()  # (the CPU's dropout stream: saved with every checkpoint, kept on resume)
-        self.say(f"runtime: {backends().training_paths(w.device.type, self.precision)}")  # (which backends run)
-        self.say(f"runtime: {backends().inference_paths(w.device.type, self.precision)}")  # (validation's)
+        self._runtime()
 
         # Data: process 0 tokenizes (or checks the cache) first; the others then find it ready.
         corpus = prepare_corpus(cfg.data, log=self.say) if w.is_main else None
@@ -301,6 +293,20 @@ class Trainer(TrainingLoop):
             choice = choice or choose_fp32_matmul(earlier=chosen)
         self.fp32_route = choice.enabled
         self.say(f"runtime: {choice.describe()}")
+
+    def _runtime(self) -> None:
+        """The process's settings for this run (each said in the log): the CPU's allocator and fp32 route, the
+        dropout masks' stream, which backends training and validation take."""
+        w = self.world
+        self.fp32_route: bool | None = None  # (CPU) fp32 GEMMs through oneDNN; saved with every checkpoint
+        self.route: CheckedRoute | None = None  # (its checks, while fit() runs with the route)
+        if w.device.type == "cpu":
+            self._configure_cpu()
+        else:
+            self.say(f"runtime: {backends().describe()}")
+        self.masks = self._dropout_masks()  # (the CPU's dropout stream: saved with every checkpoint, kept on resume)
+        self.say(f"runtime: {backends().training_paths(w.device.type, self.precision)}")  # (which backends run)
+        self.say(f"runtime: {backends().inference_paths(w.device.type, self.precision)}")  # (validation's)
 
     def _dropout_masks(self) -> str:
         """The stream of the run's CPU dropout masks (txl.kernels.dropout): a resumed run keeps its checkpoint's,
