@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.kernels.graphs import capture_undone
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
 from txl.model.gating import GRUGate
-from txl.model.positions import SHIFT_ALIGN
+from txl.model.positions import SHIFT_ALIGN, sinusoid_embedding
 
 
 def _gru_weights(gate: nn.Module | None) -> tuple | None:
@@ -110,6 +111,92 @@ def ring_attend(q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor, exact: torch.dtyp
     ac = torch.matmul(q_u, k.transpose(-1, -2))  # (a)+(c) by slot, [B, H, 1, C]
     prob = (ac + bd).softmax(dim=-1, dtype=exact).to(v.dtype)  # [B, H, 1, C]
     return torch.matmul(prob, v)
+
+
+class Ring:
+    """Every layer's keys and values over a ring of C = mem_len + 1 slots of fixed shape, for a step of one position
+    per row that a CUDA graph can replay (nothing read back to the host): the generation's decoder
+    (``txl.infer.static_decode.StaticDecoder``) and the agents' acting memory (``txl.rl.acting.RingMemory``) are its
+    subclasses. The newest position takes slot ``pos % C``; a query sees the slots that hold a position, are
+    ``valid`` for its row (not padding, not before an episode's start) and lie within ``window`` of it
+    (same_length); (b)+(d) is read by distance from W_kR R_d (``r_k``, by the attention's own
+    ``project_positions``), so no shift is needed."""
+
+    def __init__(self, cfg: TransformerXLConfig, rows: int, mem_len: int, device, dtype: torch.dtype,
+                 same_length: bool, clamp_len: int, graph: bool):  # fmt: skip
+        L, H, Dh = cfg.n_layer, cfg.n_head, cfg.d_head
+        dev = torch.device(device)
+        C = self.slots = mem_len + 1
+        self.k = torch.zeros(L, rows, H, C, Dh, device=dev, dtype=dtype)  # [L, B, H, C, Dh]
+        self.v = torch.zeros_like(self.k)
+        self.slot_pos = torch.full((C,), -1, dtype=torch.long, device=dev)  # [C], the position each slot holds
+        self.valid = torch.zeros(rows, C, dtype=torch.bool, device=dev)  # [B, C]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the position about to be taken
+        self.window = mem_len + int(cfg.tf_same_length) if same_length else C  # (keys a query sees, itself included)
+        self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # R's and the softmax's dtype
+        self.r = sinusoid_embedding(C, cfg.d_model, clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D] by distance
+        self.r_k = torch.zeros(L, H, Dh, C, device=dev, dtype=dtype)  # W_kR R_d of each layer, [H, Dh, C]
+        self.graph = graph and dev.type == "cuda"
+        self._replay: torch.cuda.CUDAGraph | None = None
+        self._captured: object = None  # (the key of what the graph was captured for)
+        self._out: Tensor | None = None
+
+    def positions(self, layers: nn.ModuleList) -> None:
+        """W_kR R of every layer, by its attention's ``project_positions``, written in place (a graph reads them)."""
+        for i, layer in enumerate(layers):
+            self.r_k[i].copy_(layer.attn.project_positions(self.r))
+
+    def advance(self) -> Tensor:
+        """The newest slot ([1], on the device) takes position ``pos`` and is valid for every row."""
+        slot = self.pos % self.slots  # [1]
+        self.slot_pos.index_copy_(0, slot, self.pos)
+        self.valid.index_fill_(1, slot, True)
+        return slot
+
+    def run(self, h: Tensor, layers: list[DecodeLayer], biases: list, slot: Tensor,
+            before: Callable[[int, Tensor], None] | None = None) -> Tensor:  # fmt: skip
+        """Every layer's one-token step (``DecodeLayer.step``) for the newest position ``h`` [B, 1, D], its keys and
+        values written into ``slot``; ``before(i, h)`` sees each layer's input. Advances ``pos``; [B, 1, D]."""
+        B, C = h.shape[0], self.slots
+        dist = self.pos - self.slot_pos  # [C], 0 for the newest position
+        seen = self.valid & (self.slot_pos >= 0) & (dist < self.window)  # [B, C]
+        bias = torch.zeros(B, 1, 1, C, dtype=self.exact, device=h.device)
+        bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [B, 1, 1, C]
+        by_distance = dist.clamp(0, C - 1)  # [C]
+        for i, lay in enumerate(layers):
+            if before is not None:
+                before(i, h)
+
+            def write(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:  # the newest position's slot
+                self.k[i].index_copy_(2, slot, k)
+                self.v[i].index_copy_(2, slot, v)
+                return self.k[i], self.v[i]  # [B, H, C, Dh], in slot order
+
+            def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
+                return ring_scores(q, *biases[i], lay.attn.scale, self.r_k[i], by_distance, bias)  # by slot, masked
+
+            h = lay.step(h, write, positional, attend=self.attend)  # [B, 1, D]
+        self.pos.add_(1)
+        return h
+
+    def attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
+        """softmax((a)+(c) + (b)+(d)) v over the slots (the softmax in ``exact``): [B, H, 1, Dh]."""
+        return ring_attend(q_u, k, v, bd, self.exact)
+
+    def replayed(self, step: Callable[[], Tensor], key: object = None) -> Tensor:
+        """``step()`` as a CUDA graph replay: captured at the first call, and again when ``key`` (what the graph
+        read from the host: the weights' addresses) changes (``txl.kernels.graphs.capture_undone``: the capture's
+        warm-up writes only what the first replay writes again; the bookkeeping is restored). Another thread's CUDA
+        work can break a capture: the step then runs eagerly from then on."""
+        if self._replay is None or self._captured != key:
+            try:
+                self._replay, self._out = capture_undone(step, (self.pos, self.slot_pos, self.valid), self.k.device)
+            except RuntimeError:  # (it ran nothing)
+                self.graph = False
+                return step()
+            self._captured = key
+        self._replay.replay()
+        return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
 
 
 class KVCache:

@@ -33,47 +33,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from txl.kernels.graphs import capture_undone, module_state
+from txl.kernels.graphs import module_state
 from txl.kernels.registry import admitted
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
-from txl.model.cache import DecodeLayer, ring_attend, ring_scores
+from txl.model.cache import DecodeLayer, Ring
 from txl.model.config import Reading, TransformerXLConfig
-from txl.model.positions import sinusoid_embedding
 from txl.rl.state import MemoryState, check_fits, element_size
 
 
-class RingMemory:
-    """The memory of N parallel environments for acting as a ring of fixed shape (see the module's docstring); its
-    ``model`` arguments are the ``MemoryTransformer`` that made it (``embed``, ``core``, ``d_input``, ``config``). Made
-    by ``MemoryTransformer.initial_memory(n, graph=True)`` (the default on CUDA); ``MemoryTransformer.step`` takes it
-    as it takes an ``AgentMemory``, and ``state()`` / ``clone()`` are the same."""
+class RingMemory(Ring):
+    """The memory of N parallel environments for acting as a ring of fixed shape (see the module's docstring): a
+    :class:`~txl.model.cache.Ring` that also keeps each layer's input (``hidden``, for ``state()`` and a weight
+    update's recompute) and forgets an environment's memory when it resets. Its ``model`` arguments are the
+    ``MemoryTransformer`` that made it (``embed``, ``core``, ``d_input``, ``config``). Made by
+    ``MemoryTransformer.initial_memory(n, graph=True)`` (the default on CUDA); ``MemoryTransformer.step`` takes it as it
+    takes an ``AgentMemory``, and ``state()`` / ``clone()`` are the same."""
 
     def __init__(self, model: nn.Module, n_envs: int, mem_len: int, device, dtype: torch.dtype, graph: bool):
         cfg: TransformerXLConfig = model.config
-        L, H, Dh, D = cfg.n_layer, cfg.n_head, cfg.d_head, cfg.d_model
         dev = torch.device(device)
         check_fits(self.bytes_per_env(cfg, mem_len, element_size(dtype)) * n_envs, dev, n_envs, mem_len)
+        read = Reading.of(None, cfg)
+        super().__init__(cfg, n_envs, mem_len, dev, dtype, read.same_length, read.clamp_len, graph)
         self.n_envs, self.mem_len = n_envs, mem_len
-        C = self.slots = mem_len + 1
-        self.k = torch.zeros(L, n_envs, H, C, Dh, device=dev, dtype=dtype)  # [L, N, H, C, Dh]
-        self.v = torch.zeros_like(self.k)
-        self.hidden = torch.zeros(L, n_envs, C, D, device=dev, dtype=dtype)  # each layer's input, [L, N, C, D]
-        self.slot_pos = torch.full((C,), -1, dtype=torch.long, device=dev)  # [C], the step each slot holds
-        self.valid = torch.zeros(n_envs, C, dtype=torch.bool, device=dev)  # [N, C]
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # the step about to be taken
+        self.hidden = torch.zeros(cfg.n_layer, n_envs, self.slots, cfg.d_model, device=dev, dtype=dtype)  # [L, N, C, D]
         self.x = torch.zeros(n_envs, model.d_input, device=dev, dtype=dtype)  # the step's inputs (fixed buffers)
         self.reset = torch.zeros(n_envs, dtype=torch.bool, device=dev)
-        read = Reading.of(None, cfg)
-        self.window = mem_len + int(cfg.tf_same_length) if read.same_length else C  # (keys a query sees)
-        self.exact = torch.float64 if dtype == torch.float64 else torch.float32  # the softmax's dtype
-        self.r = sinusoid_embedding(C, D, read.clamp_len, dev, self.exact).flip(0).to(dtype)  # [C, D], d ascending
-        self.r_k = torch.zeros(L, H, Dh, C, device=dev, dtype=dtype)  # W_kR R_d of each layer, by distance
         self.weights: tuple | None = None  # (the key of the weights the keys, values and r_k were computed with)
         self.made_for = (cfg, model.d_input)  # (a model of this configuration may step it: a target network)
-        self.graph = graph and dev.type == "cuda"
-        self._replay: torch.cuda.CUDAGraph | None = None
-        self._captured: tuple | None = None  # (module_state of the model the graph reads)
-        self._out: Tensor | None = None
 
     @staticmethod
     def bytes_per_env(config: TransformerXLConfig, mem_len: int, element_size: int = 4) -> int:
@@ -92,7 +79,7 @@ class RingMemory:
                 kv = layer.attn.memory_keys_values(self.hidden[i])  # [2, N, H, C, Dh]
                 self.k[i].copy_(kv[0])
                 self.v[i].copy_(kv[1])
-                self.r_k[i].copy_(layer.attn.r_net(self.r).t().reshape(self.r_k[i].shape))  # [C, H*Dh] -> [H, Dh, C]
+            self.positions(model.core.layers)
 
     def act(self, model: nn.Module, x: Tensor, reset: Tensor) -> Tensor:
         """One step of every environment (``x`` [N, d_input], ``reset`` [N] bool, checked by the caller, the model in
@@ -106,15 +93,7 @@ class RingMemory:
             # (under autocast a weight's cast can be cached from before the capture: a replay would read it stale)
             return self.step(model)
         state = module_state(model)  # (the weights' addresses: a model moved by .to() or .data = is captured again)
-        if self._replay is None or self._captured != state:
-            try:
-                self._capture(model)
-            except RuntimeError:  # another thread's CUDA work broke the capture (it ran nothing): go on without one
-                self.graph = False
-                return self.step(model)
-            self._captured = state
-        self._replay.replay()
-        return self._out.clone()  # (the graph's output buffer is overwritten by the next replay)
+        return self.replayed(lambda: self.step(model), state)
 
     def state(self, dtype: torch.dtype | None = None) -> MemoryState:
         """A copy of the memory now: each layer's input at the last ``mem_len`` steps, oldest first, and which of them
@@ -141,59 +120,30 @@ class RingMemory:
 
     # -- the step --------------------------------------------------------------------------------------------------
 
-    def _advance(self) -> Tensor:
-        """The bookkeeping of a step: the newest slot ([1], on the device) takes step ``pos``; the environments that
-        reset forget their memory (masked, and zeroed)."""
-        slot = self.pos % self.slots  # [1]
-        self.slot_pos.index_copy_(0, slot, self.pos)
+    def advance(self) -> Tensor:
+        """The bookkeeping of a step: the environments that reset forget their memory (masked, and zeroed), then the
+        newest slot ([1], on the device) takes step ``pos``."""
         gone = self.reset[:, None]  # [N, 1]
         self.valid.masked_fill_(gone, False)
-        self.valid.index_fill_(1, slot, True)
         self.k.masked_fill_(gone[None, :, :, None, None], 0)  # (a masked key adds exactly 0, not 0 x NaN)
         self.v.masked_fill_(gone[None, :, :, None, None], 0)
         self.hidden.masked_fill_(gone[None, :, :, None], 0)
-        return slot
-
-    def _attend(self, q_u: Tensor, k: Tensor, v: Tensor, bd: Tensor) -> Tensor:
-        """softmax((a)+(c) + (b)+(d)) v over the ring's slots (fp32 softmax for half precision): [N, H, 1, Dh]."""
-        return ring_attend(q_u, k, v, bd, self.exact)
+        return super().advance()
 
     @torch.no_grad()
     def step(self, model: nn.Module) -> Tensor:
         """The step on the buffers ``x`` and ``reset``: every layer over the ring, ``pos`` advanced; the features
         [N, D]. Only device tensors change (nothing is read back to the host): what the graph records."""
         core = model.core
-        N, C = self.n_envs, self.slots
-        slot = self._advance()
-        dist = self.pos - self.slot_pos  # [C], 0 for the newest step
-        seen = self.valid & (self.slot_pos >= 0) & (dist < self.window)  # [N, C]
-        bias = torch.zeros(N, 1, 1, C, dtype=self.exact, device=self.k.device)
-        bias.masked_fill_(~seen[:, None, None, :], float("-inf"))  # [N, 1, 1, C]
-        by_distance = dist.clamp(0, C - 1)  # [C]
-        biases = RelPartialLearnableMultiHeadAttn.biases(core)
+        slot = self.advance()
         h = core.drop(model.embed(self.x))[:, None]  # [N, 1, D]
-        for i, layer in enumerate(core.layers):
-            lay = DecodeLayer.of(layer)
-            self.hidden[i].index_copy_(1, slot, h)  # (the layer's input, for state() and an update's recompute)
+        layers = [DecodeLayer.of(layer) for layer in core.layers]
+        biases = RelPartialLearnableMultiHeadAttn.biases(core)
 
-            def ring(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:  # the newest step's slot
-                self.k[i].index_copy_(2, slot, k)
-                self.v[i].index_copy_(2, slot, v)
-                return self.k[i], self.v[i]  # [N, H, C, Dh], in slot order
+        def keep(i: int, h: Tensor) -> None:  # (each layer's input, for state() and an update's recompute)
+            self.hidden[i].index_copy_(1, slot, h)
 
-            def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
-                return ring_scores(q, *biases[i], lay.attn.scale, self.r_k[i], by_distance, bias)  # by slot, masked
-
-            h = lay.step(h, ring, positional, attend=self._attend)  # [N, 1, D]
-        self.pos.add_(1)
-        return core.drop(h)[:, 0]  # [N, D]
-
-    def _capture(self, model: nn.Module) -> None:
-        """Record :meth:`step` as a CUDA graph (:func:`txl.kernels.graphs.capture_undone`): its warm-up wrote the slot
-        the first replay writes again, from the same inputs, and the bookkeeping is restored (its zeroing of the
-        environments that reset is what the replay does again)."""
-        kept = (self.pos, self.slot_pos, self.valid)
-        self._replay, self._out = capture_undone(lambda: self.step(model), kept, self.k.device)
+        return core.drop(self.run(h, layers, biases, slot, before=keep))[:, 0]  # [N, D]
 
     def _reference(self, model: nn.Module) -> Tensor:
         """The step by the model's own modules (layers not stock: a hook, an adapter): ``window`` of one step from
@@ -203,7 +153,7 @@ class RingMemory:
             start = self.state()
             feats, end = model.window(self.x[:, None], self.reset[:, None], start, every_step=True)
             new = end.hidden[:, 0, :, -1].transpose(0, 1)  # [L, N, D], each layer's input at this step
-            slot = self._advance()
+            slot = self.advance()
             self.hidden.index_copy_(2, slot, new[:, :, None])
             for i, layer in enumerate(model.core.layers):
                 kv = layer.attn.memory_keys_values(new[i][:, None])  # [2, N, H, 1, Dh]
