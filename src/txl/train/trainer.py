@@ -318,7 +318,10 @@ class Trainer(TrainingLoop):
                 f"{self.checkpoint_to_load}/metadata.json: dropout_masks is {earlier!r}, not one of {', '.join(MASKS)}"
                 "; resume from a checkpoint that txl wrote"
             )
-        masks = earlier or default_masks()
+        w = self.world
+        masks = earlier or (default_masks() if w.is_main else "torch")  # (one stream for every process: process 0's)
+        if earlier is None and w.distributed:
+            masks = "philox" if all_reduce_sum(w, float(masks == "philox"))[0] > 0 else "torch"
         slow = masks == "philox" and not native.dropout_ready()
         how = " (kept from the run being resumed)" if earlier else ""
         note = "; without the native kernel here they are drawn in PyTorch operations, slower" if slow else ""
