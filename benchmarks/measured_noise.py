@@ -67,9 +67,9 @@ def first_use(model: TransformerXLLM, x: torch.Tensor) -> dict:
 
 
 def row(stage: str, c: dict) -> str:
-    spread = 100 * (2.718281828 ** (timing.Z * c["error"]) - 1)
     state = "settled" if c["settled"] else f"not settled ({len(c['samples'])} samples pooled)"
-    return f"| {stage} | {c['ratio']:.2f}x | +-{spread:.0f}% | {state} | {'native' if c['use'] else 'PyTorch'} |"
+    choice = "native" if c["use"] else "PyTorch"
+    return f"| {stage} | {c['ratio']:.2f}x | +-{timing.spread(c['error']):.0f}% | {state} | {choice} |"
 
 
 def main() -> None:
@@ -88,10 +88,9 @@ def main() -> None:
         kind = attention_kind()
         pooled += _rounds(kind)
     quiet = timing.Paired(tuple(pooled))
-    spread = 100 * (2.718281828 ** (timing.Z * quiet.error) - 1)
     choice = "native" if quiet.median >= 1 else "PyTorch"
     stage = f"quiet machine: 5 fresh first uses, {len(pooled)} rounds pooled"
-    rows.append(f"| {stage} | {quiet.median:.2f}x | +-{spread:.0f}% | reference | {choice} |")
+    rows.append(f"| {stage} | {quiet.median:.2f}x | +-{timing.spread(quiet.error):.0f}% | reference | {choice} |")
 
     # 2. A fresh cache's first measurement, under load.
     fresh()

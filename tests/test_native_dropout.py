@@ -224,3 +224,17 @@ def test_a_run_resumed_without_the_native_kernels_keeps_its_masks_and_losses(tmp
     fresh = txl_process(train_args(tmp_path, "fresh", **run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert fresh.wait(timeout=300) == 0
     assert read_metadata(latest_checkpoint(tmp_path / "fresh"))["dropout_masks"] == "torch"
+
+
+@needs_lib
+def test_choosing_a_runs_stream_leaves_torchs_random_stream_as_it_was(monkeypatch):
+    """The first Dropout call of a process measures which stream a run takes: its operand is drawn from a generator
+    of its own, so the masks after it are those of a process that had chosen already."""
+    from txl.kernels import dropout as dropout_module
+
+    monkeypatch.setattr(dropout_module, "_STREAM_FASTER", {})
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    dropout_module.default_masks()
+    assert torch.equal(torch.rand(4), expected)

@@ -64,7 +64,7 @@ def default_masks() -> str:
     threads = torch.get_num_threads()
     fast = _STREAM_FASTER.get(threads)
     if fast is None:  # (once per process: a stream that changed mid-process would make its runs irreproducible)
-        x = torch.rand(1 << 20)
+        x = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0))  # (torch's own stream left as it was)
         drop = Dropout(0.1)
         fast = _STREAM_FASTER[threads] = measured.faster(
             "dropout_stream", [x.shape], x.dtype, lambda: ops.dropout(x, 0.1, 1, False), lambda: drop._mask(x)
@@ -130,9 +130,8 @@ class Dropout(nn.Module):
 
     def relu(self, x: Tensor) -> Tensor:
         """``self(F.relu(x))``: in one native pass where the Philox stream's native dropout runs (the same mask)."""
-        if not self.training or self.p == 0 or x.device.type != "cpu" or torch.compiler.is_compiling():
-            return self(F.relu(x))
-        if masks() == "torch":
+        native = self.training and self.p > 0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if not native or masks() == "torch":
             return self(F.relu(x))
         fused = lambda: ops.dropout(x, self.p, dropout_seed(), True)  # noqa: E731 (its seed drawn as forward's)
         return dispatch("native_relu_dropout", self, fused, lambda: self(F.relu(x)), operands=(x,))

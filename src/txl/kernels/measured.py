@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import platform
 import threading
 import time
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor
 
 from txl.kernels.backends import backends
-from txl.kernels.timing import Paired, Z, paired
+from txl.kernels.timing import Paired, margin, paired, spread
 
 log = logging.getLogger("txl")
 
@@ -169,8 +168,7 @@ def ratio(fast: Callable[[], Any], reference: Callable[[], Any], grad_of: Sequen
 
 
 def _lifetime(choice: dict) -> float:
-    margin = abs(math.log(choice["ratio"])) / max(Z * choice["error"], 1e-9)
-    return min(LIFETIME_S * margin**2, MAX_LIFETIME_S)
+    return min(LIFETIME_S * margin(choice["ratio"], choice["error"]) ** 2, MAX_LIFETIME_S)
 
 
 def _current(kind: str) -> dict | None:
@@ -238,7 +236,7 @@ def _measure(kind: str, fast: Callable[[], Any], reference: Callable[[], Any], g
     state = "settled" if m.settled else "within the noise: measured again later"
     log.warning(
         "txl: measured %s: %.2fx the reference's speed (+-%.0f%%, %d rounds; %s), %s",
-        kind, m.median, 100 * (math.exp(Z * m.error) - 1), len(samples), state, verdict,
+        kind, m.median, spread(m.error), len(samples), state, verdict,
     )  # fmt: skip
     return choice
 
@@ -258,9 +256,8 @@ def describe() -> str:
         return "CPU fast paths: none measured on this machine yet (each is timed against PyTorch's at its first use)"
     lines = [f"CPU fast paths measured on this machine ({machine_key()}):"]
     for k, v in sorted(made.items()):
-        spread = 100 * (math.exp(Z * v["error"]) - 1)
         state = "settled" if v["settled"] else f"within the noise, {len(v['samples'])} samples: measured again"
-        lines.append(f"  {k}: {v['ratio']:.2f}x +-{spread:.0f}% ({state}) -> {'on' if v['use'] else 'off'}")
+        lines.append(f"  {k}: {v['ratio']:.2f}x +-{spread(v['error']):.0f}% ({state}) -> {'on' if v['use'] else 'off'}")
     return "\n".join(lines)
 
 

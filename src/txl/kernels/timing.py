@@ -22,6 +22,16 @@ timer: Callable[[], float] = time.perf_counter
 """The clock of the measurements (a test replaces it to fake one)."""
 
 
+def margin(median: float, error: float) -> float:
+    """How many ``Z`` standard errors (``error``, of the log) a median ratio lies from 1; above 1: settled."""
+    return abs(math.log(median)) / max(Z * error, 1e-9)
+
+
+def spread(error: float) -> float:
+    """The half-width of a ratio's ``Z``-error interval, in percent (what logs and ``txl --version`` print)."""
+    return 100 * (math.exp(Z * error) - 1)
+
+
 @dataclass(frozen=True)
 class Paired:
     """The samples of a paired measurement: each round's reference time over the fast path's."""
@@ -43,7 +53,7 @@ class Paired:
     @property
     def margin(self) -> float:
         """How many ``Z`` errors the median lies from 1 (log space); 1 or more: settled."""
-        return abs(math.log(self.median)) / max(Z * self.error, 1e-9)
+        return margin(self.median, self.error)
 
     @property
     def settled(self) -> bool:
