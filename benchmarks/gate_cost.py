@@ -3,8 +3,9 @@ stock check, the check against the reference, the measurement's lookup), before 
 
 Greedy generation of a bench-char-sized model (6 layers, d_model 256; mem_len 640, a 128-token prompt, 256 new
 tokens, 2 threads). The gates are timed as what the one-token step spends outside the work it chooses: the time of
-``one_token_step`` less the one-token loop it runs, plus the time of ``native_loop`` less the native call (or the
-Python loop) it runs. Run it alternately for each tree and compare medians:
+``decode_step`` less the model's step or the native call it runs (before the model handed its segment to
+kernels/decode.py: ``one_token_step`` less its loop, plus ``native_loop`` less its call; the plan's lookup in
+``_decode`` was not counted then, and is now). Run it alternately for each tree and compare medians:
 
     git worktree add /tmp/old BASE
     for r in $(seq 8); do python benchmarks/gate_cost.py /tmp/old/src old; python benchmarks/gate_cost.py src new; done
@@ -52,9 +53,13 @@ def timed_gate(fn, loop_at: int, key: str):  # noqa: ANN001, ANN201
     return run
 
 
-transformer.one_token_step = timed_gate(decode.one_token_step, 3, "step")  # (layers, kind, reference, loop, ...)
-transformer.native_loop = timed_gate(decode.native_loop, 7, "native")  # (plan, biases, h, pos, mask, cache, ...)
-native.decode_step = timed(native.decode_step, "native work")
+if hasattr(decode, "one_token_step"):  # (the tree before the model handed its segment to kernels/decode.py)
+    transformer.one_token_step = timed_gate(decode.one_token_step, 3, "step")  # (layers, kind, reference, loop, ...)
+    transformer.native_loop = timed_gate(decode.native_loop, 7, "native")  # (plan, biases, h, pos, mask, cache, ...)
+else:  # decode_step(model, segment, ...): the gates, around the model's step or the native call (the work)
+    transformer.decode_step = timed(decode.decode_step, "step")
+    transformer.TransformerXL.step = timed(transformer.TransformerXL.step, "step work")
+native.decode_step = timed(native.decode_step, "native work" if hasattr(decode, "one_token_step") else "step work")
 
 
 def gate_seconds() -> float:

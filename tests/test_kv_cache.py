@@ -5,6 +5,7 @@ slides; batched prompts of different lengths give what each prompt gives alone; 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import threading
 import warnings
@@ -19,6 +20,7 @@ from txl import TransformerXLLM
 from txl.infer.evaluate import evaluate
 from txl.infer.generation import generate, stream
 from txl.infer.prompt import read_prompt
+from txl.kernels import decode as kernels_decode
 from txl.kernels.backends import set_backends
 from txl.kernels.linear import weight_copies
 from txl.model import modeling
@@ -624,10 +626,10 @@ def test_generation_reads_transposed_copies_only_while_it_runs():
 @pytest.mark.parametrize("rows", [1, 3, modeling.SMALL_ROWS + 1])
 @pytest.mark.parametrize("scope", [True, False], ids=["transposed", "plain"])
 def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch):
-    """A cached one-token step runs TransformerXL._decode, one loop over the layers' weights; it computes what the
-    layers' own path computes (fast_decode off), step after step over a sliding memory, with left padding in the
-    batch, and it reads weights changed in place; asked for the hidden states (every other step), it gives each
-    layer's output as the layers do."""
+    """A cached one-token step runs the model's step (txl.kernels.decode), one loop over the layers' weights; it
+    computes what the layers' own path computes (fast_decode off), step after step over a sliding memory, with left
+    padding in the batch, and it reads weights changed in place; asked for the hidden states (every other step), it
+    gives each layer's output as the layers do."""
     model = lm(**VARIANTS[variant], mem_len=10)
     n = model.config.n_token
     prompt = torch.randint(0, n, (rows, 7))
@@ -635,7 +637,7 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
     padding[0, :3] = True  # the first row's prompt is shorter
     ids = torch.randint(0, n, (rows, 20))
     caches = {fast: KVCache(model.config, rows, 10, max_segment=7) for fast in (True, False)}
-    decode = model.transformer._decode
+    decode = kernels_decode._step
     with torch.no_grad(), modeling.transposed_weights() if scope else contextlib.nullcontext():
         for t in range(-1, ids.shape[1]):
             if t == 12:  # weights changed in place between two steps
@@ -645,7 +647,7 @@ def test_one_token_steps_equal_the_layers_path(variant, rows, scope, monkeypatch
             for fast, cache in caches.items():
                 set_backends(fast_decode=fast)
                 called = []
-                monkeypatch.setattr(model.transformer, "_decode", spy(decode, called))
+                monkeypatch.setattr(kernels_decode, "_step", spy(decode, called))
                 if t < 0:
                     out[fast] = model(prompt, cache=cache, padding=padding, return_log_probs=True).log_probs
                 else:
@@ -684,6 +686,42 @@ def test_one_token_steps_read_the_weights_of_the_model_that_runs_them(monkeypatc
             a(prompt, cache=cache)
             a(tok, cache=cache)
             out[fast] = b(tok, cache=cache, return_log_probs=True).log_probs
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
+
+
+def _replace_linear(m):
+    old = m.transformer.layers[0].attn.qkv_net
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    new.weight.copy_(old.weight * 2)
+    m.transformer.layers[0].attn.qkv_net = new
+
+
+def _replace_parameter(m):
+    ff = m.transformer.layers[1].ff.layer_1
+    ff.weight = torch.nn.Parameter(ff.weight * 1.5)
+
+
+def _remove_bias(m):
+    m.transformer.layers[1].ff.layer_2.register_parameter("bias", None)
+
+
+@pytest.mark.parametrize("change", [_replace_linear, _replace_parameter, _remove_bias])
+def test_a_module_or_weight_replaced_between_two_steps_is_read(change):
+    """A module or a parameter replaced between two one-token steps on one cache (after the native step's plan was
+    made): the next step computes what the changed model's layers compute (the plan is remade)."""
+    base = lm(n_layer=2)
+    prompt, tok = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 1))
+    out = {}
+    for fast in (True, False):
+        set_backends(fast_decode=fast)
+        m = copy.deepcopy(base)
+        cache = KVCache(m.config, 2, 16, max_segment=6)
+        with torch.no_grad():
+            m(prompt, cache=cache)
+            for _ in range(3):
+                m(tok, cache=cache)
+            change(m)
+            out[fast] = m(tok, cache=cache, return_log_probs=True).log_probs
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=1e-5)
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from txl.kernels.registry import admitted
-from txl.model.cache import DecodeLayer, Ring
+from txl.model.cache import Ring
 from txl.model.config import Reading
 from txl.model.modeling import KVCache, RelPartialLearnableMultiHeadAttn, TransformerXLLM
 
@@ -77,7 +77,6 @@ class StaticDecoder(Ring):
         super().__init__(cfg, B, mem_len, cache.k.device, cache.k.dtype, read.same_length, read.clamp_len, graph)
         self.model = model
         tr = model.transformer
-        self.layers = [DecodeLayer.of(layer) for layer in tr.layers]
         L = cache.length
         self.k[:, :, :, :L] = cache.k[:, :, :, cache.start : cache.end]
         self.v[:, :, :, :L] = cache.v[:, :, :, cache.start : cache.end]
@@ -100,6 +99,6 @@ class StaticDecoder(Ring):
         tr = self.model.transformer
         slot = self.advance()
         h = tr.drop(tr.word_emb(self.ids[:, None]))  # [B, 1, D]
-        h = self.run(h, self.layers, self.biases, slot)  # [B, 1, D]
+        h = self.run(h, tr.layers, self.biases, slot)  # [B, 1, D]
         _, log_probs = self.model.crit(tr.drop(h)[:, 0], return_log_probs=True)  # [B, V]
         return log_probs

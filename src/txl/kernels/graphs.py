@@ -33,6 +33,8 @@ steps on the reference."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,47 +156,48 @@ def _capturing(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def segment_layers(
-    applies: bool,
-    key: tuple,
-    holder: Any,
-    offset: int,
-    module: nn.Module,
-    h: Tensor,
-    layers: Callable[[Tensor], Tensor],
-    run: Callable[[Tensor], Tensor],
-) -> Tensor:
-    """Every layer for a cached segment from its input ``h`` [B, T, D]: ``layers(h)`` (the reference, which records
-    what the caller asked for), or where this step ``applies`` (a cached step of T > 1 positions, no padding, no
-    per-layer outputs; see the module's note) on a device of ``Backends.graph_segments``, ``run(h)`` (the same
-    computation, recording nothing) replayed as a graph. ``key``: the caller's part of what the kernels read from the
-    host (lengths, mask settings, the cache's buffers); ``holder``: the cache (its ``segment_graphs``); ``offset``: the
-    window's place in the cache's buffer; ``module``: whose parameters and hooks the layers read."""
+def segment_layers(model: nn.Module, s: Any, record: tuple[list, list] | None, need_weights: bool) -> Tensor:
+    """Every layer of ``model`` (a ``TransformerXL``) for its prepared cached segment ``s`` (``s.h`` [B, T, D]):
+    ``model.layers_forward`` (the reference; ``record``, lists or None, receives each layer's output and weights),
+    or where this step applies (see the module's note) on a device of ``Backends.graph_segments``, the same
+    computation replayed as a graph, keyed by what its kernels read from the host."""
+    h, cache, read = s.h, s.cache, s.read
     dev = h.device
+    applies = record is None and not need_weights and model.config.attn_type == 0 and s.mask is not None
+    applies = applies and s.mask.dim() == 2 and all(m is None for m in s.heads)  # (no padding, no head mask)
     if (
         not applies
         or not REGISTRY["graph_segments"].switch(backends(), dev.type)
         or _capturing(dev)
         or torch.compiler.is_compiling()
     ):
-        return layers(h)
+        return model.layers_forward(s, need_weights, record)
     autocast = _autocast(dev)
     if autocast is None and h.dtype not in (torch.float16, torch.bfloat16):
-        return layers(h)  # (fp32 steps are bound by their arithmetic here: see the module's note)
-    state, values, hooked = module_state(module)
+        return model.layers_forward(s)  # (fp32 steps are bound by their arithmetic here: see the module's note)
+    state, values, hooked = module_state(model)
     if hooked:
-        return layers(h)
+        return model.layers_forward(s)
+    key = (s.T, s.mlen, read.same_length, s.window, read.clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
     key = (key, tuple(h.shape), h.dtype, autocast, state, values)
-    graphs = holder.segment_graphs
+    graphs = cache.segment_graphs
     if graphs is None or graphs.key != key:
-        holder.segment_graphs = SegmentGraphs(key)  # (a new key's first step: the reference, no capture)
-        return layers(h)
-    entry = graphs.graphs.get(offset)
+        cache.segment_graphs = SegmentGraphs(key)  # (a new key's first step: the reference, no capture)
+        return model.layers_forward(s)
+    entry = graphs.graphs.get(cache.start)
     if entry is not None:
         return entry.replay(h)
     if graphs.failed or len(graphs.graphs) >= MAX_GRAPHS:
-        return layers(h)
-    return _record(graphs, offset, h, run)
+        return model.layers_forward(s)
+    # The graph keeps its function alive (and what its kernels read) in the cache: it holds the cache weakly, so that
+    # a cache nobody uses is freed at once with its graphs' memory, not at the next cycle collection (a reference
+    # cycle: GPU memory that Python's collector does not see).
+    cache_ref, seg = weakref.ref(cache), dataclasses.replace(s, cache=None)
+
+    def run(x: Tensor) -> Tensor:  # the step from the input x
+        return model.layers_forward(dataclasses.replace(seg, h=x, cache=cache_ref()))
+
+    return _record(graphs, cache.start, h, run)
 
 
 def _record(graphs: SegmentGraphs, offset: int, h: Tensor, run: Callable[[Tensor], Tensor]) -> Tensor:

@@ -1,95 +1,18 @@
-"""The memory as cached keys and values (inference: evaluation and generation), and one layer's weights as the
-cached one-token step reads them."""
+"""The memory as cached keys and values (inference: evaluation and generation): over a sliding window
+(``KVCache``), and over a ring of fixed shape (``Ring``)."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.kernels.graphs import capture_undone
-from txl.model.attention import RelPartialLearnableMultiHeadAttn
 from txl.model.config import TransformerXLConfig
-from txl.model.gating import GRUGate
 from txl.model.positions import SHIFT_ALIGN, sinusoid_embedding
-
-
-def _gru_weights(gate: nn.Module | None) -> tuple | None:
-    """A gate's weights as the C step reads a GRU gate's: (W [3D, D], U [2D, D], U_g [D, D], b_g [D]); () for no gate;
-    None for another kind."""
-    if gate is None:
-        return ()
-    if type(gate) is not GRUGate:
-        return None
-    return gate.w.weight, gate.u.weight, gate.u_g.weight, gate.b_g
-
-
-class DecodeLayer(NamedTuple):
-    """One layer as the one-token step reads it: the layer itself (its attention's scores and output, its
-    feed-forward: called, so the step is derived from the layer's own code) and the weights the step and decode.c
-    read (the tensors themselves: changes in place are seen). ``norm1``/``norm2``: the arguments of ``F.layer_norm``
-    after the input (decode.c's)."""
-
-    layer: nn.Module
-    attn: RelPartialLearnableMultiHeadAttn
-    qkv: Tensor
-    o: Tensor
-    norm1: tuple
-    w1: Tensor
-    b1: Tensor
-    w2: Tensor
-    b2: Tensor
-    norm2: tuple
-    pre_lnorm: bool
-    identity_map: bool = False
-    gate1: nn.Module | None = None
-    gate2: nn.Module | None = None
-    gru: tuple = ((), ())
-    """Each gate's weights as a GRU gate's (W, U, U_g, b_g); () without a gate; None for another kind of gate (the C
-    step computes the GRU gate and the residual sum)."""
-
-    @classmethod
-    def of(cls, layer: nn.Module) -> DecodeLayer:
-        attn, ff = layer.attn, layer.ff
-
-        def norm(ln: nn.LayerNorm) -> tuple:
-            return ln.normalized_shape, ln.weight, ln.bias, ln.eps
-
-        return cls(
-            layer, attn, attn.qkv_net.weight, attn.o_net.weight, norm(attn.layer_norm), ff.layer_1.weight,
-            ff.layer_1.bias, ff.layer_2.weight, ff.layer_2.bias, norm(ff.layer_norm), attn.pre_lnorm,
-            attn.identity_map, attn.gate, ff.gate, (_gru_weights(attn.gate), _gru_weights(ff.gate)),
-        )  # fmt: skip
-
-    def step(
-        self, h: Tensor, keys_values: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
-        positional: Callable[[Tensor, int], tuple[Tensor, Tensor]], product: Callable = F.linear,
-        attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
-    ) -> Tensor:  # fmt: skip
-        """The layer for one new position per row, ``h`` [B, 1, D] -> [B, 1, D]: the one-token step of the decode
-        paths (``TransformerXL._decode`` over a KVCache's window, ``txl.infer.static_decode`` over its ring, replayed
-        as a CUDA graph; decode.c is its C backend). What the memory's layout decides is passed in:
-        ``keys_values(k, v)`` stores the new position's keys and values [B, H, 1, Dh] and returns those attended
-        [B, H, K, Dh]; ``positional(q, K)`` gives (q + u)/sqrt(Dh) and the (b)+(d) scores [B, H, 1, K] with the mask
-        added (-inf), for the queries ``q`` [B, H, 1, Dh]; ``attend(q_w, k, v, bd)`` the heads' values [B, H, 1, Dh]
-        (default: softmax(q_w k + bd) v as one SDPA call)."""
-        B = h.shape[0]
-        attn = self.attn
-        H, Dh = attn.n_head, attn.d_head
-        x = attn.layer_norm(h) if attn.pre_lnorm else h  # (the attention's own flag, read now)
-        q, k, v = product(x, self.qkv).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
-        k, v = keys_values(k, v)  # [B, H, K, Dh]
-        q_w, bd = positional(q, k.shape[2])  # [B, H, 1, Dh], [B, H, 1, K]
-        if attend is None:
-            vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
-        else:
-            vec = attend(q_w, k, v, bd)
-        # the rest is the layer's own: W_o, the residual, norm or gate (attn.output), then its feed-forward
-        return self.layer.ff(attn.output(h, vec.transpose(1, 2).reshape(B, 1, H * Dh)))  # [B, 1, D]
 
 
 def ring_scores(
@@ -153,10 +76,11 @@ class Ring:
         self.valid.index_fill_(1, slot, True)
         return slot
 
-    def run(self, h: Tensor, layers: list[DecodeLayer], biases: list, slot: Tensor,
+    def run(self, h: Tensor, layers: nn.ModuleList, biases: list, slot: Tensor,
             before: Callable[[int, Tensor], None] | None = None) -> Tensor:  # fmt: skip
-        """Every layer's one-token step (``DecodeLayer.step``) for the newest position ``h`` [B, 1, D], its keys and
-        values written into ``slot``; ``before(i, h)`` sees each layer's input. Advances ``pos``; [B, 1, D]."""
+        """Every layer's one-token step (``TransformerXLLayer.step``) for the newest position ``h`` [B, 1, D], its
+        keys and values written into ``slot``; ``before(i, h)`` sees each layer's input. Advances ``pos``; [B, 1,
+        D]."""
         B, C = h.shape[0], self.slots
         dist = self.pos - self.slot_pos  # [C], 0 for the newest position
         seen = self.valid & (self.slot_pos >= 0) & (dist < self.window)  # [B, C]
@@ -172,7 +96,7 @@ class Ring:
                 self.v[i].index_copy_(2, slot, v)
                 return self.k[i], self.v[i]  # [B, H, C, Dh], in slot order
 
-            def positional(q: Tensor, K: int, i: int = i, lay: DecodeLayer = lay) -> tuple[Tensor, Tensor]:
+            def positional(q: Tensor, K: int, i: int = i, lay: nn.Module = lay) -> tuple[Tensor, Tensor]:
                 return ring_scores(q, *biases[i], lay.attn.scale, self.r_k[i], by_distance, bias)  # by slot, masked
 
             h = lay.step(h, write, positional, attend=self.attend)  # [B, 1, D]
@@ -231,14 +155,16 @@ class KVCache:
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
+        self.slid: tuple[int, int] | None = None  # (the last begin's slide: the window's old start, its length)
         self._reset(plan=True, graphs=True, tables=True)
 
     def _reset(self, *, plan: bool = False, graphs: bool = False, tables: bool = False) -> None:
         """Forget state derived from the buffers or the weights (the one place it is reset): the decoding ``plan``
-        (the model, its layers' DecodeLayer, the native kernel's state), the segment ``graphs`` (txl.kernels.graphs:
-        a segment's layers as CUDA graphs, keyed), the W_kR R ``tables`` (one per layer, their key, the last view)."""
+        (``kernel_state``, txl.kernels.decode's: the model, its layers' weights as decode.c reads them, the native
+        kernel's state), the segment ``graphs`` (txl.kernels.graphs: a segment's layers as CUDA graphs, keyed), the
+        W_kR R ``tables`` (one per layer, their key, the last view)."""
         if plan:
-            self.decode_plan: tuple | None = None
+            self.kernel_state: dict = {}
         if graphs:
             self.segment_graphs = None
         if tables:
@@ -273,7 +199,10 @@ class KVCache:
 
     def begin(self, T: int, padding: Tensor | None = None) -> Tensor | None:
         """Make room for a segment of T positions (``padding`` [B, T]: True where a position is padding); return the
-        padding of the window [B, M + T] if any position in it is padding."""
+        padding of the window [B, M + T] if any position in it is padding. When the window moves to the front of
+        the buffer, ``slid`` says from where (its old start) and how many positions (None when it stays): what keeps
+        something per position beside the cache (txl.rl's layer inputs) moves the same."""
+        self.slid = None
         if self.end + T > self.capacity:
             n = self.length
             if n + T > self.capacity:  # a longer segment than planned: grow
@@ -288,7 +217,7 @@ class KVCache:
                 for t in (self.k, self.v):
                     t[:, :, :, :n] = t[:, :, :, self.start : self.end].clone()
                 self.padding[:, :n] = self.padding[:, self.start : self.end].clone()
-            self.start, self.end = 0, n
+            self.slid, self.start, self.end = (self.start, n), 0, n
         if padding is not None or self.padded:  # (the buffer holds no padding until a call brings some)
             self.padding[:, self.end : self.end + T] = False if padding is None else padding
             self.padded = self.padded or bool(padding is not None and padding.any())
@@ -399,7 +328,7 @@ class KVCache:
             row += b
         merged.padding[:, n:] = False
         merged.padded = bool(merged.padding[:, :n].any())
-        merged.start, merged.end = 0, n
+        merged.start, merged.end, merged.slid = 0, n, None
         merged._reset(plan=True, graphs=True, tables=True)
         return merged
 

@@ -31,6 +31,8 @@ class _Gate(nn.Module):
 class GRUGate(_Gate):
     """r = σ(W_r y + U_r x), z = σ(W_z y + U_z x − b_g), ĥ = tanh(W_g y + U_g (r ⊙ x)), g = (1 − z) ⊙ x + z ⊙ ĥ."""
 
+    formula = "gru"  # (what this class computes, for a kernel that computes it: this class's own, not a subclass's)
+
     def __init__(self, cfg: TransformerXLConfig):
         super().__init__(cfg)
         D = cfg.d_model

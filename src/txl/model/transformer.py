@@ -4,7 +4,6 @@ recurrence (Sec. 3.2)."""
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,14 +14,14 @@ from torch import Tensor, nn
 
 from txl.kernels.admission import stock
 from txl.kernels.compiled import layer_call
-from txl.kernels.decode import native_loop, one_token_step
+from txl.kernels.decode import decode_step
 from txl.kernels.dropout import Dropout
 from txl.kernels.graphs import segment_layers
 from txl.kernels.linear import project, rows_linear
 from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attention_class
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
-from txl.model.cache import DecodeLayer, KVCache
+from txl.model.cache import KVCache
 from txl.model.config import Reading, TransformerXLConfig
 from txl.model.gating import make_gate
 from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
@@ -65,6 +64,30 @@ class TransformerXLLayer(nn.Module):
     def forward(self, h: Tensor, pos: Any, mask: Tensor | None, **kw) -> tuple[Tensor, Tensor | None]:
         out, prob = self.attn(h, pos, mask, **kw)
         return self.ff(out), prob
+
+    def step(
+        self, h: Tensor, keys_values: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+        positional: Callable[[Tensor, int], tuple[Tensor, Tensor]], product: Callable = F.linear,
+        attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The layer for one new position per row, ``h`` [B, 1, D] -> [B, 1, D] (relative attention): the one-token
+        step over a KVCache's window (:meth:`TransformerXL.step`) and over a ring (txl.model.cache.Ring). What the
+        memory's layout decides is passed in: ``keys_values(k, v)`` stores the new position's keys and values
+        [B, H, 1, Dh] and returns those attended [B, H, K, Dh]; ``positional(q, K)`` gives (q + u)/sqrt(Dh) and the
+        (b)+(d) scores [B, H, 1, K] with the mask added (-inf) for the queries ``q`` [B, H, 1, Dh]; ``attend(q_w, k,
+        v, bd)`` the heads' values [B, H, 1, Dh] (default: softmax(q_w k + bd) v as one SDPA call)."""
+        B, attn = h.shape[0], self.attn
+        H, Dh = attn.n_head, attn.d_head
+        x = attn.layer_norm(h) if attn.pre_lnorm else h
+        q, k, v = product(x, attn.qkv_net.weight).view(B, 3, H, 1, Dh).unbind(1)  # [B, H, 1, Dh] each
+        k, v = keys_values(k, v)  # [B, H, K, Dh]
+        q_w, bd = positional(q, k.shape[2])  # [B, H, 1, Dh], [B, H, 1, K]
+        if attend is None:
+            vec = F.scaled_dot_product_attention(q_w, k, v, attn_mask=bd, scale=1.0)  # + (a)+(c), [B, H, 1, Dh]
+        else:
+            vec = attend(q_w, k, v, bd)
+        # the rest is the layer's own: W_o, the residual, norm or gate (attn.output), then its feed-forward
+        return self.ff(attn.output(h, vec.transpose(1, 2).reshape(B, 1, H * Dh)))  # [B, 1, D]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,59 +339,51 @@ class TransformerXL(TransformerXLPreTrainedModel):
 
     def _run(self, s: Segment, want_hids: bool, want_attns: bool) -> tuple[Tensor, list[Tensor], list]:
         """Every layer on the segment: the output [B, T, D], every layer's input then the output, and the attention
-        weights (where asked for). Without a cache the layers' forward; with one, a step of one token by the
-        one-token loop where it is admitted, a segment by the layers (replayed as graphs where that applies)."""
-        hids, attns = [s.h], []
-
-        def layers(h: Tensor = s.h) -> Tensor:  # every layer's forward (the reference), each output recorded
-            del hids[1:], attns[:]
-            return self._layers(h, s.pos, s.mask, s.cache, s.mems, s.heads, want_attns, hids, attns)
-
+        weights (where asked for). Without a cache the layers' forward; with one, the cached operations of
+        txl.kernels (a step of one token, a segment), whose reference is this model's own
+        :meth:`layers_forward` and :meth:`step`."""
+        hids: list[Tensor] = [s.h]
         if s.cache is None:
-            return layers(), hids, attns
-        if s.T == 1 and self.config.attn_type == 0 and s.heads.count(None) == len(s.heads) and not want_attns:
+            attns: list = []
+            return self.layers_forward(s, want_attns, (hids, attns)), hids, attns  # (the inputs: the next memory)
+        record = (hids, []) if want_hids or want_attns else None
+        step = decode_step if s.T == 1 else segment_layers  # (the cached operations; the references are below)
+        h = step(self, s, record, want_attns)
+        if record is None:
+            hids.append(h)
+        return h, hids, record[1] if record else []
 
-            def loop() -> Tensor:  # the same as layers(), as one loop over the layers (a step of one token)
-                del hids[1:]
-                hids.append(self._decode(s.h, s.pos, s.mask, s.cache, hids if want_hids else None))
-                return hids[-1]
-
-            kind = (type(self), self.config.pre_lnorm, self.config.identity_map)
-            return one_token_step(self.layers, kind, layers, loop, s.h), hids, attns
-        return self._segment(s, layers, want_hids or want_attns), hids, attns
-
-    def _segment(self, s: Segment, layers: Callable[[Tensor], Tensor], recorded: bool) -> Tensor:
-        """A cached segment's layers, or the same kernels replayed as graphs (txl.kernels.graphs)."""
-        cache, mask = s.cache, s.mask
-        graphed = s.T > 1 and self.config.attn_type == 0 and mask.dim() == 2 and s.heads.count(None) == len(s.heads)
-        graphed = graphed and not recorded
-        read = s.read
-        key = (s.T, s.mlen, read.same_length, s.window, read.clamp_len, cache.k.data_ptr(), cache.v.data_ptr())
-        # The graphs keep this function alive (and what their kernels read) in the cache: it holds the cache weakly,
-        # so that a cache nobody uses is freed at once with its graphs' memory, not at the next cycle collection (a
-        # reference cycle: GPU memory that Python's collector does not see).
-        cache_ref = weakref.ref(cache)
-        pos, mems, heads = s.pos, s.mems, s.heads
-
-        def quiet(h: Tensor) -> Tensor:  # the same, recording nothing
-            return self._layers(h, pos, mask, cache_ref(), mems, heads, False)
-
-        return segment_layers(graphed, key, cache, cache.start, self, s.h, layers, quiet)
-
-    def _layers(
-        self, h: Tensor, pos: list, mask: Tensor | None, cache: KVCache | None, mems: list[Tensor] | None,
-        heads: list[Tensor | None], need_weights: bool, hids: list | None = None, attns: list | None = None,
-    ) -> Tensor:  # fmt: skip
-        """Every layer's forward from ``h`` [B, T, D] (the layer's own, compiled where it pays); with ``hids`` and
-        ``attns``, each layer's output and attention weights appended to them."""
+    def layers_forward(self, s: Segment, need_weights: bool = False, record: tuple[list, list] | None = None) -> Tensor:
+        """Every layer's forward on the segment ``s`` (the layer's own, compiled where it pays): [B, T, D]; with
+        ``record`` (lists), each layer's output and attention weights appended to them."""
+        h = s.h
         for i, layer in enumerate(self.layers):
-            kw = dict(mem=mems[i] if mems else None, need_weights=need_weights, cache=cache, layer=i)
-            if heads[i] is not None:
-                kw["head_mask"] = heads[i]
-            h, prob = layer_call(layer, h, pos[i], mask, **kw)
-            if hids is not None:
-                hids.append(h)
-                attns.append(prob)
+            kw = dict(mem=s.mems[i] if s.mems else None, need_weights=need_weights, cache=s.cache, layer=i)
+            if s.heads[i] is not None:
+                kw["head_mask"] = s.heads[i]
+            h, prob = layer_call(layer, h, s.pos[i], s.mask, **kw)
+            if record is not None:
+                record[0].append(h)
+                record[1].append(prob)
+        return h
+
+    def step(self, s: Segment, record: tuple[list, list] | None = None) -> Tensor:
+        """The plain one-token step: every layer for one new position per row ``s.h`` [B, 1, D] with a cache
+        (inference, attn_type 0), each layer's :meth:`TransformerXLLayer.step` over the cache's window; ``record``:
+        each layer's output appended. What :meth:`layers_forward` computes for one position, without the general
+        path's module calls, attribute lookups, checks and shift (for one token they cost more than the arithmetic,
+        about 15 MFLOP for the bench-char model; the native decode's reference)."""
+        cache, mask, h = s.cache, s.mask, s.h
+        product = rows_linear(h, self.layers[0].attn.qkv_net.weight.dtype)  # = linear(x, weight), checked once
+        for i, (layer, p) in enumerate(zip(self.layers, s.pos, strict=True)):
+
+            def positional(q: Tensor, K: int, attn: nn.Module = layer.attn, p: RelPositions = p) -> tuple:
+                q_w, bd = attn.scores(q.transpose(1, 2), p, K)  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
+                return q_w, bd if mask is None else mask_scores(bd, mask, inplace=True)  # (same_length, padding)
+
+            h = layer.step(h, functools.partial(cache.append, i), positional, product)  # [B, 1, D]
+            if record is not None:
+                record[0].append(h)
         return h
 
     @staticmethod
@@ -407,43 +422,6 @@ class TransformerXL(TransformerXLPreTrainedModel):
         for i, (layer, mem) in enumerate(zip(self.layers, mems, strict=True)):
             cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
         cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
-
-    def _decode(
-        self, h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache, hids: list | None = None
-    ) -> Tensor:
-        """Every layer for one new position per row, ``h`` [B, 1, D], with a ``cache`` (inference, attn_type 0):
-        what the layers' forward computes, as one loop over their weights (``hids``, None: not kept, receives the
-        outputs of every layer but the last). For one token the arithmetic is small
-        (about 15 MFLOP for the bench-char model) and the general path (module calls, attribute lookups, the checks
-        of each product, the shift) costs more than it; this loop is 1.19x faster per generated token on a 2-core
-        EPYC (benchmarks/levers.py). The attention's own ``scores`` gives the queries and the (b)+(d) row, which for
-        the single newest query needs no shift."""
-        if cache.decode_plan is None or cache.decode_plan[0] is not self:
-            cache.decode_plan = (self, [DecodeLayer.of(layer) for layer in self.layers], {})
-        _, plan, kernel_state = cache.decode_plan
-        biases = (self.r_w_bias, self.r_r_bias)
-        # (the same loop in C where it applies: fp32 on the CPU, a C compiler; txl.kernels.decode)
-        loop = lambda kept: self._loop(plan, h, pos, mask, cache, kept)  # noqa: E731
-        return native_loop(plan, biases, h, pos, mask, cache, kernel_state, loop, hids)
-
-    def _loop(
-        self, plan: list[DecodeLayer], h: Tensor, pos: list[RelPositions], mask: Tensor | None, cache: KVCache,
-        hids: list | None = None,
-    ) -> Tensor:  # fmt: skip
-        """:meth:`_decode`'s loop in Python."""
-        product = rows_linear(h, plan[0].qkv.dtype)  # = linear(x, weight, bias), its checks made once per step
-
-        for i, (lay, p) in enumerate(zip(plan, pos, strict=True)):
-
-            def positional(q: Tensor, K: int, lay: DecodeLayer = lay, p: RelPositions = p) -> tuple[Tensor, Tensor]:
-                q_w, bd = lay.attn.scores(q.transpose(1, 2), p, K)  # (q + u) / sqrt(Dh); (b)+(d), [B, H, 1, K]
-                return q_w, bd if mask is None else mask_scores(bd, mask, inplace=True)  # (same_length, padding)
-
-            # the window's keys and values: the cache's, this position appended
-            if i and hids is not None:
-                hids.append(h)
-            h = lay.step(h, functools.partial(cache.append, i), positional, product)  # [B, 1, D]
-        return h
 
     def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):
         """The memory length and the mask ([T, K], or [B, 1, T, K] with padding) of a cache about to take a segment

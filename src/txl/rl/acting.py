@@ -16,7 +16,7 @@ small kernels per layer from Python: on a GPU, with thousands of environments, t
 * the layer inputs are kept per slot too (``hidden``): ``state()`` reads the last ``mem_len`` of them in time order,
   a training window's start, and an update's new weights recompute every slot's keys and values from them.
 
-The arithmetic is the one-token step of the layers (``DecodeLayer.step``: the layers' own output, gate and
+The arithmetic is the one-token step of the layers (``TransformerXLLayer.step``: the layers' own output, gate and
 feed-forward modules called), over the same keys with the same positional terms; only the order in which the keys
 are summed differs (slot order): what ``AgentMemory``'s step computes up to fp32 rounding (tests/test_rl_acting.py).
 Everything a step reads and writes is a device tensor (the observations and resets are copied into fixed buffers),
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from txl.kernels.graphs import module_state
 from txl.kernels.registry import admitted
 from txl.model.attention import RelPartialLearnableMultiHeadAttn
-from txl.model.cache import DecodeLayer, Ring
+from txl.model.cache import Ring
 from txl.model.config import Reading, TransformerXLConfig
 from txl.rl.state import MemoryState, check_fits, element_size
 
@@ -137,13 +137,12 @@ class RingMemory(Ring):
         core = model.core
         slot = self.advance()
         h = core.drop(model.embed(self.x))[:, None]  # [N, 1, D]
-        layers = [DecodeLayer.of(layer) for layer in core.layers]
         biases = RelPartialLearnableMultiHeadAttn.biases(core)
 
         def keep(i: int, h: Tensor) -> None:  # (each layer's input, for state() and an update's recompute)
             self.hidden[i].index_copy_(1, slot, h)
 
-        return core.drop(self.run(h, layers, biases, slot, before=keep))[:, 0]  # [N, D]
+        return core.drop(self.run(h, core.layers, biases, slot, before=keep))[:, 0]  # [N, D]
 
     def _reference(self, model: nn.Module) -> Tensor:
         """The step by the model's own modules (layers not stock: a hook, an adapter): ``window`` of one step from

@@ -70,19 +70,19 @@ class AgentMemory:
         return capacity * per_position
 
     def _begin(self, reset: Tensor) -> None:
-        """Before a step: forget the memory of the environments that start an episode, and slide the layer inputs
-        as the cache is about to slide its keys (to the front of the buffer, once every mem_len + 1 steps)."""
+        """Before a step: forget the memory of the environments that start an episode."""
         c = self.cache
         if c.length:
             gone = c.forget(reset)  # (masked, zeroed: nothing of a past episode, a NaN included, reaches the new one)
             if len(gone):  # (only the rows that start over are written: none in most steps)
                 self.hidden[:, gone, c.start : c.end] = 0
-        if c.end + 1 > c.capacity:  # (KVCache.begin slides its window to the front now: the same here)
-            n = c.length
-            self.hidden[:, :, :n] = self.hidden[:, :, c.start : c.end].clone()
 
     def _record(self, inputs: list[Tensor]) -> None:
-        """After a step: each layer's input at it ([N, 1, D] each) at the position the cache wrote."""
+        """After a step: the layer inputs moved as the cache's window slid (``KVCache.slid``, once every mem_len + 1
+        steps), then each layer's input at this step ([N, 1, D] each) at the position the cache wrote."""
+        if self.cache.slid is not None:
+            start, n = self.cache.slid
+            self.hidden[:, :, :n] = self.hidden[:, :, start : start + n].clone()
         self.hidden[:, :, self.cache.end - 1] = torch.stack(inputs)[:, :, 0]  # [L, N, D]
 
     def recompute(self, model: MemoryTransformer) -> None:
