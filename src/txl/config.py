@@ -205,10 +205,12 @@ class EvalConfig:
     """Relative distances above this share one positional embedding (-1: none)."""
     same_length: bool = True
     """Every query sees the same number (mem_len) of keys."""
+    cmem_len: int | None = None
+    """A Compressive Transformer's compressed memory slots per layer (None: the model's cmem_len)."""
 
     def reading(self) -> Reading:
-        """How the model reads with these settings (its mem_len, same_length, clamp_len), for its calls."""
-        return Reading(self.mem_len, self.same_length, self.clamp_len)
+        """How the model reads with these settings (its mem_len, same_length, clamp_len, cmem_len), for its calls."""
+        return Reading(self.mem_len, self.same_length, self.clamp_len, self.cmem_len)
 
     def validate(self, prefix: str = "eval.") -> None:
         """Raise ``ConfigError`` naming the first bad field as ``{prefix}{field}``."""
@@ -225,6 +227,8 @@ class EvalConfig:
             bad("mem_len", "must be >= 0")
         if self.same_length and self.mem_len == 0:
             bad("same_length", "needs mem_len > 0 (the window of mem_len keys would be empty)")
+        if self.cmem_len is not None and (self.cmem_len < 0 or (self.cmem_len and not self.mem_len)):
+            bad("cmem_len", "must be >= 0, and 0 without a memory (it holds what leaves the memory)")
 
 
 @dataclass

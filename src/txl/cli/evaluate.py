@@ -35,6 +35,9 @@ class EvalArgs:
     sweep: '[0, 64, 128, 256]' or 0,64,128,256), one line each and a plot of the metric against it."""
     clamp_len: int | None = None
     """Relative distances above this share one position embedding (-1: none)."""
+    cmem_len: int | None = None
+    """A Compressive Transformer's compressed memory slots per layer (default: the model's; longer reaches further
+    back, as --mem_len does for the memory; 0: read as Transformer-XL)."""
     same_length: bool | None = None
     """Every query attends to the same number (mem_len) of keys."""
     batch_size: int | None = None
@@ -118,7 +121,7 @@ def eval(args: EvalArgs) -> None:
 
         plot = image_path(args.plot or Path("mem_len_sweep.png"), "--plot", "mem_len_sweep.png")
     given = dict(split=args.split, batch_size=args.batch_size, tgt_len=args.tgt_len, clamp_len=args.clamp_len,
-                 same_length=args.same_length)  # fmt: skip
+                 same_length=args.same_length, cmem_len=args.cmem_len)  # fmt: skip
     settings_list = [eval_settings(run, lm.config, mem_len=m, **given) for m in sweep or [args.mem_len]]
     s = settings_list[0]
     if args.sliding_window is not None and args.sliding_window < 1:
@@ -160,7 +163,8 @@ def _score(lm, text, s, args: EvalArgs, precision: str, dev, folder: Path, first
     start = time.perf_counter()
     res = evaluate(
         lm, text.ids, batch_size=s.batch_size, tgt_len=s.tgt_len, mem_len=s.mem_len, clamp_len=s.clamp_len,
-        same_length=s.same_length, max_batches=args.max_batches, precision=precision, world=World(device=dev),
+        same_length=s.same_length, cmem_len=s.cmem_len, max_batches=args.max_batches, precision=precision,
+        world=World(device=dev),
         zero_memory=args.zero_memory,
     )  # fmt: skip
     speed = _speed(res.tokens, time.perf_counter() - start)
@@ -179,6 +183,8 @@ def _score(lm, text, s, args: EvalArgs, precision: str, dev, folder: Path, first
         )
     settings = {"split": s.split, "tgt_len": s.tgt_len, "mem_len": s.mem_len, "clamp_len": s.clamp_len}
     settings |= {"same_length": s.same_length, "batch_size": s.batch_size}
+    if lm.config.cmem_len:
+        settings["cmem_len"] = lm.config.cmem_len if s.cmem_len is None else s.cmem_len
     if args.zero_memory:
         settings["zero_memory"] = True
     if args.json:
@@ -188,6 +194,7 @@ def _score(lm, text, s, args: EvalArgs, precision: str, dev, folder: Path, first
         label = text.description if args.data is not None and Path(args.data).is_file() else s.split
         print(
             f"{label}: loss {res.loss:.4f} | {name} {value:.4f} | tgt_len {s.tgt_len}, mem_len {s.mem_len}, "
+            f"{'cmem_len ' + str(settings['cmem_len']) + ', ' if 'cmem_len' in settings else ''}"
             f"clamp_len {s.clamp_len}, same_length {s.same_length}, batch {s.batch_size}"
             f"{', zero memory' if args.zero_memory else ''} | "
             f"{res.tokens:,} tokens, {speed['tokens_per_s']:,.0f} tokens/s | {folder}",

@@ -107,6 +107,7 @@ def evaluate_steps(
     mem_len: int,
     clamp_len: int | None = None,
     same_length: bool | None = None,
+    cmem_len: int | None = None,
     max_batches: int | None = None,
     precision: str = "fp32",
     world: World | None = None,
@@ -161,6 +162,7 @@ def evaluate_steps(
                     mem_len=mem_len,
                     clamp_len=clamp_len,
                     same_length=same_length,
+                    cmem_len=cmem_len,
                 )
             mems = out.mems
             nll += out.losses.double().sum()
@@ -298,7 +300,8 @@ def reading_settings(folder: str | Path, model_config: TransformerXLConfig, **gi
 
 def describe_reading(s: EvalConfig) -> str:
     """The reading settings as the commands print them."""
-    return f"mem_len {s.mem_len}, clamp_len {s.clamp_len}, same_length {s.same_length}"
+    cmem = f", cmem_len {s.cmem_len}" if s.cmem_len else ""
+    return f"mem_len {s.mem_len}{cmem}, clamp_len {s.clamp_len}, same_length {s.same_length}"
 
 
 @dataclass

@@ -59,9 +59,9 @@ COMPUTED = frozenset({
 })  # fmt: skip
 """The fields of ``TransformerXLConfig`` txl.keras computes as txl's PyTorch model does (tests_keras: the random
 configurations against it, the initialisation's draws, the classifier's pooling, dropout in training only)."""
-REFUSED = {"attn_type": 0, "gate": "residual", "identity_map": False}
+REFUSED = {"attn_type": 0, "gate": "residual", "identity_map": False, "cmem_len": 0}
 """The fields of txl's PyTorch-only variants, with the value txl.keras computes (the paper's): any other is refused."""
-INERT = {"gate_bias": "gate", "max_klen": "attn_type"}
+INERT = {"gate_bias": "gate", "max_klen": "attn_type", "cmem_ratio": "cmem_len", "compression": "cmem_len"}
 """Fields read only by a refused variant (the field it belongs to): any value computes the same here."""
 
 

@@ -141,10 +141,13 @@ class KVCache:
         positions: int | None = None, **kw,
     ):  # fmt: skip
         if not supports_kv_cache(config):
-            raise ValueError(
+            why = (
                 f"attn_type {config.attn_type} has absolute positions, which move as the window slides: its keys "
-                "cannot be cached (evaluate without a cache; generation recomputes the memory)"
+                "cannot be cached"
+                if config.cmem_len == 0
+                else f"cmem_len {config.cmem_len}: a Compressive Transformer's compressed memory is not cached yet"
             )
+            raise ValueError(f"{why} (evaluate without a cache; generation recomputes the memory)")
         self.config = config
         self.capacity = self.capacity_for(mem_len, max_segment, positions)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
@@ -334,5 +337,6 @@ class KVCache:
 
 
 def supports_kv_cache(config: TransformerXLConfig) -> bool:
-    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1)."""
-    return config.attn_type in (0, 1)
+    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1; not yet a
+    Compressive Transformer's compressed memory, which is read from its layer inputs)."""
+    return config.attn_type in (0, 1) and not config.cmem_len

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -79,6 +80,15 @@ class TransformerXLConfig:
     """Relative distances above clamp_len share one positional embedding (<= 0: no clamping)."""
     mem_len: int = 0
     """Default number of past hidden states kept as memory per layer (0 = no recurrence)."""
+    cmem_len: int = 0
+    """The Compressive Transformer's n_cm (Rae et al. 2020): compressed memory slots per layer, each made by
+    ``compression`` from cmem_ratio memories that fall out of the memory (0 = Transformer-XL, exactly)."""
+    cmem_ratio: int = 4
+    """The compression rate c: memories per compressed slot."""
+    compression: Literal["max", "mean", "conv", "dilated_conv", "most_used"] = "conv"
+    """The compression function f_c (the paper's Sec. 3.1): max or mean pooling (kernel = stride = c), a 1D
+    convolution (kernel = stride = c), dilated convolutions, or most-used (keep the memory that received the most
+    attention of each c)."""
     attn_type: Literal[0, 1, 2, 3] = 0
     """Positional scheme (the original code's numbering; 1-3 are the paper's ablations, Table 6): 0 Transformer-XL's
     relative encoding (R, W_kR, u, v); 1 Shaw et al. (2018): learned relative embeddings per layer and distance,
@@ -183,6 +193,23 @@ class TransformerXLConfig:
             bad("gate_bias", "must be a number")
         if self.num_labels < 1:
             bad("num_labels", "must be >= 1")
+        self._validate_compression(bad)
+
+    def _validate_compression(self, bad: Any) -> None:
+        for name in ("cmem_len", "cmem_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "cmem_len" else 1):
+                bad(name, "must be an integer >= " + ("0" if name == "cmem_len" else "1"))
+        kinds = ("max", "mean", "conv", "dilated_conv", "most_used")
+        if self.compression not in kinds:
+            bad("compression", f"must be one of {', '.join(kinds)}")
+        if self.cmem_len and not self.mem_len:
+            bad("cmem_len", "compresses the memories that fall out of the memory: set mem_len > 0")
+        if self.cmem_len and self.attn_type != 0:
+            bad(
+                "cmem_len",
+                f"reads the compressed memory by relative positions (attn_type 0), not attn_type {self.attn_type}",
+            )
 
     @property
     def n_clusters(self) -> int:
@@ -261,18 +288,17 @@ class Reading:
     """Every query sees the same number of keys (mem_len)."""
     clamp_len: int | None = None
     """Relative distances beyond this use the same encoding (-1: none)."""
+    cmem_len: int | None = None
+    """Compressed memory slots kept per layer (a Compressive Transformer's; 0: none)."""
 
     def over(
-        self, mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None
-    ) -> Reading:
+        self, mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None,
+        cmem_len: int | None = None,
+    ) -> Reading:  # fmt: skip
         """These settings with the given ones that are not None in their place."""
-        if mem_len is None and same_length is None and clamp_len is None:
-            return self
-        return Reading(
-            self.mem_len if mem_len is None else mem_len,
-            self.same_length if same_length is None else same_length,
-            self.clamp_len if clamp_len is None else clamp_len,
-        )
+        given = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len, "cmem_len": cmem_len}
+        given = {k: v for k, v in given.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
 
     @staticmethod
     def of(reading: Reading | None, config: TransformerXLConfig, **overrides: int | bool | None) -> Reading:
@@ -282,10 +308,5 @@ class Reading:
 
     def resolved(self, config: TransformerXLConfig) -> Reading:
         """Every setting set: the config's where this one has None."""
-        if self.mem_len is not None and self.same_length is not None and self.clamp_len is not None:
-            return self
-        return Reading(
-            config.mem_len if self.mem_len is None else self.mem_len,
-            config.same_length if self.same_length is None else self.same_length,
-            config.clamp_len if self.clamp_len is None else self.clamp_len,
-        )
+        unset = {f.name: getattr(config, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is None}
+        return dataclasses.replace(self, **unset) if unset else self

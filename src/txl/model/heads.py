@@ -31,6 +31,9 @@ class TransformerXLLMOutput:
     last_hidden_state: Tensor
     hidden_states: list[Tensor] | None = None
     attentions: list[Tensor] | None = None
+    recon_loss: Tensor | None = None
+    """A Compressive Transformer's attention-reconstruction loss (with gradients on): add it to ``loss`` to train
+    the compression functions (its gradient reaches them alone)."""
 
     @property
     def logits(self) -> Tensor:
@@ -113,6 +116,7 @@ class TransformerXLLM(TransformerXLPreTrainedModel):
             last_hidden_state=out.last_hidden_state,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
+            recon_loss=out.recon_loss,
         )
 
     def generate(self, input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -22,6 +22,7 @@ from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attenti
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
 from txl.model.cache import KVCache
+from txl.model.compressive import compress_memories, joined, make_compression, split_mems
 from txl.model.config import Reading, TransformerXLConfig
 from txl.model.gating import make_gate
 from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
@@ -106,6 +107,8 @@ class TransformerXLModelOutput:
     """n_layer + 1 tensors [B, T, d_model]: the input of every layer, then the final output."""
     attentions: list[Tensor] | None = None
     """n_layer tensors [B, H, T, K] of attention probabilities."""
+    recon_loss: Tensor | None = None
+    """A Compressive Transformer's attention-reconstruction loss (with gradients on; it trains f_c alone)."""
 
 
 @dataclass
@@ -137,8 +140,12 @@ FORWARD_ARGUMENTS = """Arguments of ``TransformerXL.forward``:
 * ``mems``: the memory, n_layer tensors [B, M, d_model] (None: empty; n_layer zero tensors [B, mem_len, d_model]
   reproduce Hugging Face's / the TF code's zero memory). The returned memory keeps the last ``mem_len`` layer inputs,
   excluding the last ``ext_len`` positions of the segment (fed again as extended context).
-* ``reading`` (:class:`~txl.model.config.Reading`), or ``mem_len``, ``same_length``, ``clamp_len`` one by one (which
-  win over ``reading``): how this call reads, each None the config's (evaluation with a longer memory).
+  A Compressive Transformer's (``cmem_len`` > 0) are 2 x n_layer tensors: the memory as above, then each layer's
+  compressed memory [B, Mc, d_model] (Mc <= cmem_len slots, oldest first; n_layer tensors alone: none yet); each
+  layer attends to [compressed memory; memory; segment] (txl.model.compressive).
+* ``reading`` (:class:`~txl.model.config.Reading`), or ``mem_len``, ``same_length``, ``clamp_len``, ``cmem_len`` one
+  by one (which win over ``reading``): how this call reads, each None the config's (evaluation with a longer
+  memory, or a longer compressed memory).
 * ``cache`` (:class:`KVCache`): the memory as its keys and values, updated in place (``mems`` is then None in the
   output): the same result, without projecting the memory again (inference).
 * ``padding``: positions never attended to (True = padding), e.g. the left padding of texts of different lengths
@@ -231,6 +238,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
             self.r_w_bias = nn.Parameter(torch.empty(bias_shape))  # u
             self.r_r_bias = nn.Parameter(torch.empty(bias_shape))  # v
         self.layers = nn.ModuleList([TransformerXLLayer(config) for _ in range(config.n_layer)])
+        if config.cmem_len:  # 12. the Compressive Transformer: each layer's compression function f_c
+            self.compress = nn.ModuleList([make_compression(config) for _ in range(config.n_layer)])
         if init:
             self.init_weights()
 
@@ -252,21 +261,32 @@ class TransformerXL(TransformerXLPreTrainedModel):
         mem_len: int | None = None, same_length: bool | None = None, clamp_len: int | None = None, ext_len: int = 0,
         cache: KVCache | None = None, padding: Tensor | None = None, attention_mask: Tensor | None = None,
         key_mask: Tensor | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
-        detach_mems: bool = True,
+        detach_mems: bool = True, cmem_len: int | None = None,
     ) -> TransformerXLModelOutput:  # fmt: skip
         """Run one segment ``input_ids`` [B, T] on top of the memory ``mems`` (n_layer tensors [B, M, d_model];
         None: an empty memory, as the original PyTorch code; zeros: Hugging Face's / the TF code's), or of a
         ``cache`` (:class:`KVCache`, inference: the memory's keys and values, updated in place). See
         :data:`FORWARD_ARGUMENTS` for every argument. Returns the last layer's output and the next memory."""
-        read = Reading.of(reading, self.config, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len)
-        seg = self._prepare(
-            input_ids, inputs_embeds, mems, cache, padding, attention_mask, key_mask, head_mask, read, ext_len
+        cfg = self.config
+        read = Reading.of(
+            reading, cfg, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, cmem_len=cmem_len
         )
-        h, hids, attns = self._run(seg, output_hidden_states, output_attentions)  # every layer
+        mems, cmems = split_mems(mems, cfg.n_layer, read.cmem_len, cfg.cmem_len > 0)  # (cmems: Compressive only)
+        if cmems is not None and cache is not None:
+            raise ValueError("a KVCache holds no compressed memory: read a Compressive Transformer with mems")
+        seg = self._prepare(
+            input_ids, inputs_embeds, joined(mems, cmems), cache, padding, attention_mask, key_mask, head_mask, read,
+            ext_len,
+        )  # fmt: skip
+        usage = cmems is not None and cfg.compression == "most_used"  # (the attention each memory received)
+        h, hids, attns = self._run(seg, output_hidden_states, output_attentions or usage)  # every layer
         hids[-1] = h = self.drop(h)
+        recon = None
         if cache is not None:
             cache.end_segment(seg.T, read.mem_len)  # (the segment is memory now)
             new_mems = None
+        elif cmems is not None and read.mem_len > 0:  # 12. the Compressive Transformer's two memories
+            new_mems, recon = compress_memories(self, hids[:-1], mems, cmems, attns, read, seg.T, ext_len, detach_mems)
         else:
             new_mems = self._update_mems(hids[:-1], mems, seg.mlen, seg.T, read.mem_len, ext_len, detach_mems)
         return TransformerXLModelOutput(
@@ -274,6 +294,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             mems=new_mems,
             hidden_states=hids if output_hidden_states else None,
             attentions=attns if output_attentions else None,
+            recon_loss=recon,
         )
 
     def _prepare(
@@ -286,7 +307,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
         cfg = self.config
         if read.same_length and read.mem_len <= 0:
             raise ValueError("same_length=True needs mem_len > 0")
-        window = read.mem_len + int(cfg.tf_same_length)  # (the keys a query sees with same_length, itself included)
+        window = read.mem_len + max(read.cmem_len, 0) + int(cfg.tf_same_length)  # (the keys a query sees with
+        # same_length, itself included: the compressed memory's slots too)
         word_emb, dev = self._embed(input_ids, inputs_embeds)  # [B, T, D]
         B, T = word_emb.shape[:2]
         if attention_mask is not None:

@@ -226,7 +226,7 @@ class Trainer(TrainingLoop):
         self.tokens = 0
         self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
         self._epoch = 0
-        self._batch_tokens = 0
+        self._batch_tokens, self._recon = 0, None
         if self.checkpoint_to_load is not None:
             self._check_resumable(self.checkpoint_to_load)
             with naming_an_earlier_checkpoint(self.checkpoint_to_load):
@@ -514,16 +514,18 @@ class Trainer(TrainingLoop):
         if tc.loss_fraction < 1.0:  # score the last positions only (the model scores targets right-aligned)
             target = target[:, target.shape[1] - scored_positions(target.shape[1], tc.loss_fraction) :]
         inputs, targets = batch.input.chunk(n, dim=0), target.chunk(n, dim=0)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=w.device)
+        loss_sum, recon_sum = (torch.zeros((), dtype=torch.float32, device=w.device) for _ in range(2))
         for c in range(n):
             sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
             with sync:
                 with autocast(w.device, self.precision):
                     out = self.net(inputs[c], targets[c], mems=self.mems[c], ext_len=tc.ext_len, mem_len=mem)
-                loss = out.loss.float() / n
-                self.scaler.scale(loss).backward()
+                loss, recon = out.loss.float() / n, out.recon_loss  # (recon: a Compressive Transformer's, for f_c)
+                self.scaler.scale(loss if recon is None else loss + recon.float() / n).backward()
             self.mems[c] = out.mems
             loss_sum += loss.detach()
+            recon_sum += 0.0 if recon is None else recon.detach().float() / n
+        self._recon = recon_sum if self.cfg.model.cmem_len else None
         return self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
 
     # -- the loop (txl.train.loop) ----------------------------------------------------------------------------
@@ -557,6 +559,8 @@ class Trainer(TrainingLoop):
         self.tokens += self._batch_tokens
         for key, value in (("loss", loss), ("steps", 1), ("tokens", self._batch_tokens), ("time", seconds)):
             self.acc[key] += value
+        if self._recon is not None:  # (this process's attention-reconstruction loss)
+            self.acc["recon"] = self.acc.get("recon", 0.0) + float(self._recon)
         self.reporter.advance(1, loss=f"{loss:.3f}")
         if self.step % self.tc.log_interval == 0:
             self._log_train(norm)
@@ -657,10 +661,13 @@ class Trainer(TrainingLoop):
             "tokens_per_s": a["tokens"] / a["time"] if a["time"] > 0 else 0.0,
             "epoch": self._epoch,
         }
+        if "recon" in a:
+            row["recon"] = a["recon"] / a["steps"]
         self.reporter.row(row)
+        recon = f" recon {row['recon']:.4g} |" if "recon" in row else ""
         self.say(
             f"| step {self.step:>8,} | tokens {self.tokens:>12,} | lr {row['lr']:.3g} | loss {loss:.4f} | "
-            f"{self.metric} {value:.4f} | grad norm {norm:.3f} | {row['tokens_per_s']:,.0f} tok/s |"
+            f"{self.metric} {value:.4f} |{recon} grad norm {norm:.3f} | {row['tokens_per_s']:,.0f} tok/s |"
         )
         self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
 
