@@ -633,3 +633,16 @@ def test_a_transformers_release_that_breaks_the_generation_contract_is_refused(m
     monkeypatch.setattr(generation_utils, "ALL_CACHE_NAMES", ["cache"])
     with pytest.raises(RuntimeError, match="does not support transformers .*: its GenerationMixin no longer keeps"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+
+
+def test_a_compressive_transformer_is_refused_by_name(tmp_path):
+    """Issue 76 (7): Hugging Face's TransfoXL cannot describe a Compressive Transformer: its config and a txl folder
+    of one are refused in one line naming cmem_len."""
+    from txl import TransformerXLConfig, TransformerXLLM
+
+    cfg = TransformerXLConfig(n_token=20, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=4, cmem_len=2)
+    with pytest.raises(ValueError, match=r"cannot describe \(cmem_len: cmem_len=2\)"):
+        TransfoXLConfig.from_txl(cfg)
+    TransformerXLLM(cfg).save_pretrained(tmp_path / "ct")
+    with pytest.raises(ValueError, match="cmem_len"):
+        TransfoXLLMHeadModel.from_pretrained(tmp_path / "ct")

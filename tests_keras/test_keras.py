@@ -208,7 +208,8 @@ def test_random_configurations_compute_what_txl_computes(seed):
 
 def test_a_variant_the_keras_model_does_not_compute_is_refused_by_name():
     changes = {"attn_type": {"attn_type": 2}, "gate": {"gate": "gru", "identity_map": True, "pre_lnorm": True},
-               "identity_map": {"identity_map": True, "pre_lnorm": True}}  # fmt: skip
+               "identity_map": {"identity_map": True, "pre_lnorm": True},
+               "cmem_len": {"cmem_len": 2, "mem_len": 4}}  # fmt: skip
     for field, change in changes.items():
         cfg = TransformerXLConfig(n_token=20, d_model=16, n_head=2, d_head=8, **change)
         with pytest.raises(ValueError, match=f"TransformerXLConfig.{field} = .*txl.keras computes the paper's model"):
