@@ -166,3 +166,16 @@ def test_txl_train_logs_the_reconstruction_loss_and_resumes_exactly(tmp_path):
     run_inprocess(tmp_path, "part", **run)  # --resume auto
     again = [r for r in read_metrics(part) if r.get("split") == "train"]
     assert [(r["step"], r["loss"], r["recon"]) for r in again] == [(r["step"], r["loss"], r["recon"]) for r in rows]
+
+
+def test_the_servers_engine_generates_from_a_compressive_model():
+    """txl serve's engine (no K/V cache for a compressed memory: one request at a time, as `generate` does)."""
+    from tests.serve_helpers import engine_tokens
+    from txl.infer.generation import beam_search
+
+    model = lm(mem_len=5, cmem_len=3, cmem_ratio=2)
+    prompt = [5, 9, 11, 2, 40, 7]
+    want = generate(model, torch.tensor([prompt]), 14, temperature=0.0, mem_len=5)[0, len(prompt) :].tolist()
+    assert engine_tokens(model, prompt, 14, mem_len=5) == want
+    with pytest.raises(ValueError, match="beam search reorders a K/V cache, and cmem_len 3: a Compressive"):
+        beam_search(model, torch.tensor([prompt]), 4, num_beams=2)

@@ -23,6 +23,7 @@ from txl.infer import static_decode
 from txl.infer.beams import BeamBook, padded
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
+from txl.model.cache import no_kv_cache_reason
 from txl.model.config import Reading
 from txl.model.modeling import KVCache, NonFiniteError, TransformerXLLM, supports_kv_cache, transposed_weights
 
@@ -183,8 +184,7 @@ def _stepper(
         return cached, cache
     if padding is not None:
         raise ValueError(
-            f"padding needs a K/V cache, which attn_type {model.config.attn_type} cannot have: "
-            "give prompts of one length"
+            f"padding needs a K/V cache, and {no_kv_cache_reason(model.config)}: give prompts of one length"
         )
     memory = [mems]
 
@@ -332,7 +332,7 @@ def beam_steps(
     if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"beam search needs num_beams >= 2 and 1 <= num_return_sequences <= num_beams ({num_beams})")
     if not supports_kv_cache(model.config):
-        raise ValueError(f"beam search reorders a K/V cache, which attn_type {model.config.attn_type} cannot have")
+        raise ValueError(f"beam search reorders a K/V cache, and {no_kv_cache_reason(model.config)}")
     check_sampling(max_new_tokens)
     B, T = input_ids.shape
     K, dev = num_beams, input_ids.device

@@ -141,13 +141,9 @@ class KVCache:
         positions: int | None = None, **kw,
     ):  # fmt: skip
         if not supports_kv_cache(config):
-            why = (
-                f"attn_type {config.attn_type} has absolute positions, which move as the window slides: its keys "
-                "cannot be cached"
-                if config.cmem_len == 0
-                else f"cmem_len {config.cmem_len}: a Compressive Transformer's compressed memory is not cached yet"
+            raise ValueError(
+                f"{no_kv_cache_reason(config)} (evaluate without a cache; generation recomputes the memory)"
             )
-            raise ValueError(f"{why} (evaluate without a cache; generation recomputes the memory)")
         self.config = config
         self.capacity = self.capacity_for(mem_len, max_segment, positions)
         shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.d_head)
@@ -334,6 +330,14 @@ class KVCache:
         merged.start, merged.end, merged.slid = 0, n, None
         merged._reset(plan=True, graphs=True, tables=True)
         return merged
+
+
+def no_kv_cache_reason(config: TransformerXLConfig) -> str:
+    """Why ``config``'s keys and values cannot be cached (where :func:`supports_kv_cache` is False)."""
+    if config.cmem_len:
+        return f"cmem_len {config.cmem_len}: a Compressive Transformer's compressed memory is not cached yet"
+    absolute = f"attn_type {config.attn_type} has absolute positions"
+    return f"{absolute}, which move as the window slides: its keys cannot be cached"
 
 
 def supports_kv_cache(config: TransformerXLConfig) -> bool:

@@ -209,15 +209,14 @@ class Server:
         if mem_len < 1:
             raise invalid("mem_len", "the model has no memory length; give mem_len >= 1")
         if req.num_beams > 1:
-            from txl.model.modeling import supports_kv_cache
+            from txl.model.cache import no_kv_cache_reason, supports_kv_cache
 
             if req.temperature != 0:
                 raise invalid("num_beams", "beam search finds the likeliest text: give temperature 0")
             if req.num_beams > lim.max_batch:
                 raise invalid("num_beams", f"{req.num_beams} is more than the server's max_batch {lim.max_batch}")
             if not supports_kv_cache(self.model.config):
-                attn = self.model.config.attn_type
-                raise invalid("num_beams", f"beam search needs a K/V cache (attn_type 0 or 1), not {attn}")
+                raise invalid("num_beams", f"beam search needs a K/V cache: {no_kv_cache_reason(self.model.config)}")
         bias = req.logit_bias or {}
         bad = [i for i in bias if not 0 <= i < self.model.config.n_token]
         if bad:
