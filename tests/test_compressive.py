@@ -1,7 +1,8 @@
 """The Compressive Transformer (txl.model.compressive; issue 76): cmem_len 0 is Transformer-XL, the compressed
 memory reaches back c x cmem_len positions beyond the memory and no further, the groups of c do not depend on the
-segment length, the reconstruction loss trains the compression functions alone, generation equals reading one
-token at a time, and `txl train` logs and resumes the reconstruction loss."""
+segment length, the reconstruction loss trains the compression functions alone, the K/V cache computes what the
+memories compute, generation equals reading one token at a time, and `txl train` logs and resumes the
+reconstruction loss."""
 
 from __future__ import annotations
 
@@ -85,6 +86,31 @@ def test_the_groups_of_c_do_not_depend_on_the_segment_length(T):
     torch.testing.assert_close(slots, groups)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_kv_cache_computes_what_the_memories_compute(kind, T):
+    """A cached reading (the memory's keys and values, the compressed slots projected once; one-token steps by the
+    model's step or its native form where it applies) gives the uncached reading's losses, and txl eval's cached
+    scoring its uncached score."""
+    from txl.infer.evaluate import evaluate
+
+    model = lm(mem_len=6, cmem_len=4, cmem_ratio=3, compression=kind)
+    ids = torch.randint(0, 97, (2, 41))
+    got = {}
+    for cached in (False, True):
+        mems, cache, parts = None, KVCache(model.config, 2, 6, T) if cached else None, []
+        with torch.no_grad():
+            for t in range(0, 40, T):
+                out = model(ids[:, t : t + T], ids[:, t + 1 : t + T + 1], mems=mems, cache=cache)
+                mems, parts = out.mems, [*parts, out.losses]
+        got[cached] = torch.cat(parts, 1)
+        assert not cached or (cache.slots == 4 and 6 <= cache.length <= 8)
+    torch.testing.assert_close(got[True], got[False], atol=1e-5, rtol=0)
+    data = torch.randint(0, 97, (400,)).numpy()
+    scores = [evaluate(model, data, batch_size=2, tgt_len=7, mem_len=6, cache=c).loss for c in (True, False)]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-5)
+
+
 def test_the_reconstruction_loss_trains_the_compression_functions_alone():
     """With and without the reconstruction loss, every gradient of the language model is the same; the compression
     functions (a convolution here) get theirs from it alone."""
@@ -136,8 +162,10 @@ def test_the_memory_layout_and_its_errors():
         model(ids[:, :4], mems=mems[:3])
     with pytest.raises(ValueError, match="no compression function"):
         lm(mem_len=4)(ids[:, :4], cmem_len=2)
-    with pytest.raises(ValueError, match="compressed memory is not cached yet"):
-        KVCache(model.config, 2, 4)
+    with pytest.raises(ValueError, match="reads no padding"):
+        model(ids[:, :4], padding=torch.tensor([[True, False, False, False]] * 2), cache=KVCache(model.config, 2, 4))
+    with pytest.raises(ValueError, match="caches are not merged"):
+        KVCache.merge([KVCache(model.config, 1, 4), KVCache(model.config, 1, 4)])
     with pytest.raises(ValueError, match=r"TransformerXLConfig\.cmem_len = 2: .*set mem_len > 0"):
         debug_config(mem_len=0, cmem_len=2)
     with pytest.raises(ValueError, match=r"TransformerXLConfig\.compression = 'gzip'"):
@@ -177,5 +205,26 @@ def test_the_servers_engine_generates_from_a_compressive_model():
     prompt = [5, 9, 11, 2, 40, 7]
     want = generate(model, torch.tensor([prompt]), 14, temperature=0.0, mem_len=5)[0, len(prompt) :].tolist()
     assert engine_tokens(model, prompt, 14, mem_len=5) == want
-    with pytest.raises(ValueError, match="beam search reorders a K/V cache, and cmem_len 3: a Compressive"):
-        beam_search(model, torch.tensor([prompt]), 4, num_beams=2)
+    beams = beam_search(model, torch.tensor([prompt]), 4, num_beams=2)
+    assert beams.shape == (1, len(prompt) + 4)
+
+
+def test_a_cache_reordered_or_taken_by_rows_keeps_each_rows_memories():
+    """KVCache.select (beam search) and take move the compressed slots and the kept layer inputs with their rows."""
+    model = lm(mem_len=4, cmem_len=3, cmem_ratio=2)
+    ids = torch.randint(0, 97, (3, 30))
+    cache, mems = KVCache(model.config, 3, 4, 5), None
+    with torch.no_grad():
+        for t in range(0, 25, 5):
+            model(ids[:, t : t + 5], cache=cache)
+            mems = model(ids[:, t : t + 5], mems=mems).mems
+        rows = [2, 0, 2]
+        part = cache.take([1])
+        cache.select(rows)
+        nxt = ids[rows, 25:30]
+        got = model(nxt, nxt, cache=cache).losses
+        want = model(nxt, nxt, mems=[m[rows] for m in mems]).losses
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        one = model(ids[1:2, 25:30], ids[1:2, 25:30], cache=part).losses
+        alone = model(ids[1:2, 25:30], ids[1:2, 25:30], mems=[m[1:2] for m in mems]).losses
+        torch.testing.assert_close(one, alone, atol=1e-5, rtol=0)

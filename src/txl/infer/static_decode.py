@@ -51,6 +51,7 @@ def applies(model: TransformerXLLM, device: torch.device, max_new_tokens: int) -
     return (
         device.type == "cuda"
         and model.config.attn_type == 0
+        and not model.config.cmem_len  # (the ring holds no compressed slots)
         and max_new_tokens >= MIN_NEW_TOKENS
         and admitted("graph_decode", model.transformer.layers, "layers", device.type)  # (stock layers: else said)
         and not torch.is_autocast_enabled(device.type)

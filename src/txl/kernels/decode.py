@@ -31,7 +31,11 @@ register(
         "decode_step",
         "the model's one-token step in Python (fast_decode)",
         _cpu_switch("native_decode"),
-        lambda h, *_: None if native.usable(h) else "not fp32 on the CPU",
+        lambda h, cache=None, *_: (
+            "not fp32 on the CPU"
+            if not native.usable(h)
+            else ("a compressed memory (its slots are outside the window decode.c reads)" if cache.slots else None)
+        ),
     )
 )
 
@@ -150,7 +154,10 @@ def _step(model: Any, s: Any, record: tuple[list, list] | None) -> Tensor:
     kind = (values, tuple((type(lay.attn.gate), type(lay.layer.ff.gate)) for lay in plan))
     window = 1 << cache.length.bit_length()  # (the keys' count rounded up to a power of two, as the kind keeps it)
     shapes = (h.shape, cache.k.shape[:3], (window, h.shape[-1], plan[0].w1.shape[0]))
-    if registry.choose("native_decode", None, fast, lambda: model.step(s), operands=(h,), kind=kind, shapes=shapes):
+    chosen = registry.choose(
+        "native_decode", None, fast, lambda: model.step(s), operands=(h, cache), kind=kind, shapes=shapes
+    )
+    if chosen:
         hids = None if record is None else []
         out = native.decode_step(plan, biases, h, s.pos, s.mask, cache, state, hids, values)
         if out is not None:

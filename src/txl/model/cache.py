@@ -151,6 +151,12 @@ class KVCache:
         # write would fault them in one by one)
         self.k = torch.zeros(shape, **kw)
         self.v = torch.zeros(shape, **kw)
+        self.names = ("k", "v")  # (the buffers indexed by position: [n_layer, B, ., capacity, .])
+        if config.cmem_len:  # a Compressive Transformer's: the layer inputs (compressed when they leave), the slots
+            self.hidden = torch.zeros(config.n_layer, batch_size, 1, self.capacity, config.d_model, **kw)
+            self.ck = self.k.new_zeros(*shape[:3], 0, config.d_head)  # [n_layer, B, H, slots, Dh]
+            self.cv = self.ck.clone()
+            self.names = ("k", "v", "hidden")
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
@@ -206,14 +212,17 @@ class KVCache:
             n = self.length
             if n + T > self.capacity:  # a longer segment than planned: grow
                 self.capacity = 2 * (n + T)
-                grown = (*self.k.shape[:3], self.capacity, self.k.shape[4])
-                self.k = torch.cat([self.k[:, :, :, self.start : self.end], self.k.new_empty(grown)], dim=3)
-                self.v = torch.cat([self.v[:, :, :, self.start : self.end], self.v.new_empty(grown)], dim=3)
+                for name in self.names:
+                    t = getattr(self, name)
+                    grown = t.new_empty(*t.shape[:3], self.capacity, t.shape[4])
+                    grown[:, :, :, :n] = t[:, :, :, self.start : self.end]
+                    setattr(self, name, grown)
                 pad = self.padding.new_zeros(self.padding.shape[0], self.capacity)
                 pad[:, :n] = self.padding[:, self.start : self.end]
                 self.padding = pad
             else:  # slide the window to the front (the source and destination never overlap here)
-                for t in (self.k, self.v):
+                for name in self.names:
+                    t = getattr(self, name)
                     t[:, :, :, :n] = t[:, :, :, self.start : self.end].clone()
                 self.padding[:, :n] = self.padding[:, self.start : self.end].clone()
             self.slid, self.start, self.end = (self.start, n), 0, n
@@ -239,12 +248,21 @@ class KVCache:
         self.padded = True
         return gone
 
+    @property
+    def slots(self) -> int:
+        """Compressed memory slots before the window (a Compressive Transformer's; 0 for Transformer-XL)."""
+        return self.ck.shape[3] if len(self.names) == 3 else 0
+
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""
+        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh] (after
+        the compressed slots', where there are some: [B, H, Mc + M + T, Dh])."""
         T = k.shape[2]
         self.k[layer, :, :, self.end : self.end + T] = k
         self.v[layer, :, :, self.end : self.end + T] = v
-        return self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
+        k, v = self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
+        if self.slots:
+            k, v = torch.cat([self.ck[layer], k], dim=2), torch.cat([self.cv[layer], v], dim=2)
+        return k, v
 
     def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor:
         """W_kR R of ``layer`` for the distances K-1, ..., 0, then ``SHIFT_ALIGN`` zero columns (the padding of the
@@ -276,7 +294,9 @@ class KVCache:
         if len(rows) != self.k.shape[1]:
             return self._copy_rows(rows)
         window, moved = slice(self.start, self.end), [j for j, r in enumerate(rows) if r != j]
-        for t in (self.k, self.v):  # (row by row: index_select on the window's strided view is ~10x slower)
+        if self.slots:
+            self.ck, self.cv = self.ck[:, rows], self.cv[:, rows]
+        for t in map(self.__getattribute__, self.names):  # (row by row: index_select on the strided view is slower)
             sources = {r: t[:, r, :, window].clone() for r in {rows[j] for j in moved}}  # (read before written)
             for j in moved:
                 t[:, j, :, window].copy_(sources[rows[j]])
@@ -287,12 +307,15 @@ class KVCache:
     def _copy_rows(self, rows: list[int]) -> KVCache:
         """:meth:`select` into new buffers (this cache's are left as they were, for :meth:`take`)."""
         window = slice(self.start, self.end)
-        shape = (self.k.shape[0], len(rows), *self.k.shape[2:])
-        k, v = self.k.new_empty(shape), self.v.new_empty(shape)
-        for new, old in ((k, self.k), (v, self.v)):
+        for name in self.names:
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], len(rows), *old.shape[2:])
             for j, r in enumerate(rows):
                 new[:, j, :, window].copy_(old[:, r, :, window])
-        self.k, self.v, self.padding = k, v, self.padding[rows]
+            setattr(self, name, new)
+        if len(self.names) == 3:
+            self.ck, self.cv = self.ck[:, rows], self.cv[:, rows]
+        self.padding = self.padding[rows]
         self._reset(graphs=True)
         return self
 
@@ -310,10 +333,12 @@ class KVCache:
         shorter memory is preceded by padding positions, which are never attended to and, being on the left, keep
         every row's relative distances. Each row then computes exactly what it would in its own cache."""
         first = caches[0]
+        if len(first.names) == 3:
+            raise ValueError("a Compressive Transformer's caches are not merged: each request runs alone")
         n = max(c.length for c in caches)
         batch = sum(c.k.shape[1] for c in caches)
         merged = cls.__new__(cls)
-        merged.config = first.config
+        merged.config, merged.names = first.config, first.names
         merged.capacity = max(2 * n, first.capacity)
         shape = (first.k.shape[0], batch, first.k.shape[2], merged.capacity, first.k.shape[4])
         merged.k, merged.v = first.k.new_zeros(shape), first.v.new_zeros(shape)
@@ -334,13 +359,16 @@ class KVCache:
 
 def no_kv_cache_reason(config: TransformerXLConfig) -> str:
     """Why ``config``'s keys and values cannot be cached (where :func:`supports_kv_cache` is False)."""
-    if config.cmem_len:
-        return f"cmem_len {config.cmem_len}: a Compressive Transformer's compressed memory is not cached yet"
     absolute = f"attn_type {config.attn_type} has absolute positions"
     return f"{absolute}, which move as the window slides: its keys cannot be cached"
 
 
 def supports_kv_cache(config: TransformerXLConfig) -> bool:
-    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1; not yet a
-    Compressive Transformer's compressed memory, which is read from its layer inputs)."""
-    return config.attn_type in (0, 1) and not config.cmem_len
+    """Whether keys and values can be cached across segments (relative positions: attn_type 0 and 1)."""
+    return config.attn_type in (0, 1)
+
+
+def mergeable(config: TransformerXLConfig) -> bool:
+    """Whether caches of ``config`` can be merged into one batch (``KVCache.merge``, the server's batches): not a
+    Compressive Transformer's, whose rows can hold different numbers of compressed slots."""
+    return supports_kv_cache(config) and not config.cmem_len

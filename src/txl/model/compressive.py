@@ -218,3 +218,32 @@ def compress_memories(
         recon = sum(losses) if losses else sum(p.sum() * 0.0 for p in model.compress.parameters())
         recon = recon if isinstance(recon, Tensor) else hids[0].new_zeros(())
     return new_mems + new_cmems, recon
+
+
+def compress_cached(model: nn.Module, cache: object, hids: list[Tensor], attns: list, read: object, T: int) -> None:
+    """:func:`compress_memories` on a K/V cache (``txl.model.cache.KVCache``) after a segment of T positions: the
+    layers' inputs ``hids`` kept at the segment's positions, the oldest whole groups of c beyond the last
+    ``mem_len`` compressed by each layer's f_c and projected by its attention into the cache's slots (the last
+    ``cmem_len`` kept), and the window moved past them: what the layer inputs and the projection of the uncached
+    model compute."""
+    cfg, start, end = model.config, cache.start, cache.end
+    cache.hidden[:, :, 0, end : end + T] = torch.stack(hids)  # [L, B, T, D]
+    evicted = max(0, end + T - start - read.mem_len) // cfg.cmem_ratio * cfg.cmem_ratio
+    if evicted:
+        Mc, keys, values = cache.slots, [], []
+        for i, (layer, f_c) in enumerate(zip(model.layers, model.compress, strict=True)):
+            old = cache.hidden[i, :, 0, start : start + evicted]  # [B, G c, D]
+            usage = attns[i].mean((1, 2))[:, Mc : Mc + evicted] if cfg.compression == "most_used" else None
+            kv = layer.attn.memory_keys_values(f_c(old, usage))  # [2, B, H, G, Dh]
+            keys.append(kv[0])
+            values.append(kv[1])
+        cache.ck = torch.cat([cache.ck, torch.stack(keys)], dim=3)[:, :, :, -read.cmem_len :]
+        cache.cv = torch.cat([cache.cv, torch.stack(values)], dim=3)[:, :, :, -read.cmem_len :]
+    cache.start, cache.end = start + evicted, end + T
+
+
+def fill_compressed(model: nn.Module, cache: object, cmems: list[Tensor]) -> None:
+    """A cache's compressed slots from a compressed memory of layer inputs ``cmems`` (n_layer tensors [B, Mc, D])."""
+    kv = [layer.attn.memory_keys_values(cm.to(cache.k)) for layer, cm in zip(model.layers, cmems, strict=True)]
+    cache.ck = torch.stack([k for k, _ in kv])  # [L, B, H, Mc, Dh]
+    cache.cv = torch.stack([v for _, v in kv])

@@ -22,7 +22,14 @@ from txl.model.ablation import MultiHeadAttn, RelLearnableMultiHeadAttn, attenti
 from txl.model.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from txl.model.attention import RelPositions
 from txl.model.cache import KVCache
-from txl.model.compressive import compress_memories, joined, make_compression, split_mems
+from txl.model.compressive import (
+    compress_cached,
+    compress_memories,
+    fill_compressed,
+    joined,
+    make_compression,
+    split_mems,
+)
 from txl.model.config import Reading, TransformerXLConfig
 from txl.model.gating import make_gate
 from txl.model.positions import _masks_any, _padding_mask, causal_mask, mask_scores
@@ -272,19 +279,21 @@ class TransformerXL(TransformerXLPreTrainedModel):
             reading, cfg, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, cmem_len=cmem_len
         )
         mems, cmems = split_mems(mems, cfg.n_layer, read.cmem_len, cfg.cmem_len > 0)  # (cmems: Compressive only)
-        if cmems is not None and cache is not None:
-            raise ValueError("a KVCache holds no compressed memory: read a Compressive Transformer with mems")
+        if cmems is not None and padding is not None and bool(padding.any()):
+            raise ValueError("a Compressive Transformer reads no padding: a group of c would compress it into a slot")
         seg = self._prepare(
             input_ids, inputs_embeds, joined(mems, cmems), cache, padding, attention_mask, key_mask, head_mask, read,
             ext_len,
         )  # fmt: skip
         usage = cmems is not None and cfg.compression == "most_used"  # (the attention each memory received)
-        h, hids, attns = self._run(seg, output_hidden_states, output_attentions or usage)  # every layer
+        inputs = output_hidden_states or (cache is not None and cmems is not None)  # (the layer inputs compressed)
+        h, hids, attns = self._run(seg, inputs, output_attentions or usage)  # every layer
         hids[-1] = h = self.drop(h)
-        recon = None
-        if cache is not None:
+        recon = new_mems = None
+        if cache is not None and cmems is not None:
+            compress_cached(self, cache, hids[:-1], attns, read, seg.T)  # (the segment is memory now)
+        elif cache is not None:
             cache.end_segment(seg.T, read.mem_len)  # (the segment is memory now)
-            new_mems = None
         elif cmems is not None and read.mem_len > 0:  # 12. the Compressive Transformer's two memories
             new_mems, recon = compress_memories(self, hids[:-1], mems, cmems, attns, read, seg.T, ext_len, detach_mems)
         else:
@@ -439,11 +448,19 @@ class TransformerXL(TransformerXLPreTrainedModel):
         Hugging Face's zero memory): its keys and values, as a segment of M positions would have left them."""
         if cache.length:
             raise ValueError("fill_cache starts a cache: this one already holds a memory")
-        M = self._check_mems(mems, cache.k.shape[1])
+        compressive = len(cache.names) == 3
+        plain, cmems = split_mems(mems, self.config.n_layer, int(compressive), compressive)
+        M = self._check_mems(plain, cache.k.shape[1])
         cache.begin(M)
-        for i, (layer, mem) in enumerate(zip(self.layers, mems, strict=True)):
+        for i, (layer, mem) in enumerate(zip(self.layers, plain, strict=True)):
             cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
-        cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
+        if cmems is not None:  # (a Compressive Transformer's: the layer inputs, then the compressed slots)
+            cache.hidden[:, :, 0, cache.end : cache.end + M] = torch.stack(plain).to(cache.hidden)
+            if cmems:
+                fill_compressed(self, cache, cmems)
+            cache.end += M  # (all of it: the memory may hold up to c - 1 positions past mem_len)
+        else:
+            cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
 
     def _prepare_cache(self, cache: KVCache, B, T, mems, padding, same_length, window, ext_len):
         """The memory length and the mask ([T, K], or [B, 1, T, K] with padding) of a cache about to take a segment
@@ -454,7 +471,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             raise ValueError("a KVCache is for inference with fixed weights: use model.eval() and torch.no_grad()")
         if cache.k.shape[1] != B:
             raise ValueError(f"the cache holds {cache.k.shape[1]} rows, the input {B}")
-        mlen = cache.length
+        mlen = cache.length + cache.slots  # (a Compressive Transformer's slots come first)
         padded = cache.begin(T, padding)  # [B, M + T] or None
         mask = None  # [T, K]
         if _masks_any(T, mlen, same_length, window):

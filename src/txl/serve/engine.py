@@ -43,7 +43,8 @@ import torch
 from txl.infer.generation import NoTokenLeftError, beam_steps, check_left, choose, stream
 from txl.infer.prompt import read_prompt
 from txl.kernels.runtime import fp32_route
-from txl.model.modeling import KVCache, Reading, TransformerXLLM, supports_kv_cache, transposed_weights
+from txl.model.cache import mergeable
+from txl.model.modeling import KVCache, Reading, TransformerXLLM, transposed_weights
 from txl.serve.requests import (
     FAIR_WAIT,
     MAX_LOGPROBS,
@@ -101,7 +102,7 @@ class Engine(RowScheduler):
         """How the model reads (same_length, clamp_len; each request's mem_len over it): the config is not changed."""
         self.device = next(model.parameters()).device  # (the requests' tensors and generators go there)
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.batched = supports_kv_cache(model.config)
+        self.batched = mergeable(model.config)
         self.on_failure = on_failure
         self.failure: str | None = None
         """Why the engine's thread failed (None while it runs)."""
