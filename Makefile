@@ -66,7 +66,8 @@ setup-oldest: $(OLD_STAMP)
 # `make test-oldest` runs it on the oldest supported versions.
 FAST := tests/test_packaging.py tests/test_model_api.py tests/test_oracle_parity.py tests/test_adaptive.py \
 	tests/test_attn_types.py tests/test_backends_exact.py tests/test_data_tokenizer.py tests/test_cli_errors.py \
-	tests/test_rl_memory.py tests/test_changed_models.py tests/test_measured.py tests/test_registry.py
+	tests/test_rl_memory.py tests/test_changed_models.py tests/test_measured.py tests/test_registry.py \
+	tests/test_compressive.py
 # The tests run in parallel, one process per core (at most 4: each holds models and a native build), with pytest-xdist
 # (tests/conftest.py gives each its share of the threads).
 PARALLEL := -n auto --maxprocesses 4

@@ -228,3 +228,21 @@ def test_a_cache_reordered_or_taken_by_rows_keeps_each_rows_memories():
         one = model(ids[1:2, 25:30], ids[1:2, 25:30], cache=part).losses
         alone = model(ids[1:2, 25:30], ids[1:2, 25:30], mems=[m[1:2] for m in mems]).losses
         torch.testing.assert_close(one, alone, atol=1e-5, rtol=0)
+
+
+def test_the_cpu_recipe_trains_through_txl_train_and_logs_recon(tmp_path):
+    """configs/sympy_compressive.yaml (a few steps, on a small corpus of the sympy dataset's form): the run's model
+    is a Compressive Transformer and every train row logs recon."""
+    from txl.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 40), ("valid", 4), ("test", 4)):
+        (data / f"{split}.txt").write_text("".join(f"def f{i}(x):\n    return x + {i}\n\f\n" for i in range(n)))
+    run = tmp_path / "run"
+    main(["train", "--config", "configs/sympy_compressive.yaml", "--data.path", str(data), "--run_dir", str(run),
+          "--train.max_steps", "4", "--train.log_interval", "1", "--train.eval_interval", "0", "--train.tgt_len",
+          "16", "--train.batch_size", "2", "--data.cache_dir", str(tmp_path / "cache")])  # fmt: skip
+    rows = [r for r in read_metrics(run) if r.get("split") == "train"]
+    assert len(rows) == 4 and all("recon" in r for r in rows)
+    assert TransformerXLLM.from_pretrained(run / "checkpoints" / "step-4").config.cmem_len == 128

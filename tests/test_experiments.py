@@ -199,3 +199,20 @@ def test_long_range_levers_screen(tmp_path):
     assert yaml.safe_load((runs / "same-length" / "config.yaml").read_text())["model"]["same_length"] is True
     saved = json.loads((runs / "clamp-at-memory" / "levers_32.json").read_text())
     assert sorted(saved["sweep"], key=int) == ["32", "128"]
+
+
+@pytest.mark.slow
+def test_compressive_experiment_quick_mode(tmp_path):
+    """experiments/compressive.py, quick budget, on a long-range corpus the test makes: the equal-cost rows, every
+    compression function, the reach task, and a page whose section replaces itself when written again."""
+    data = long_range_corpus(tmp_path / "data")
+    out = tmp_path / "compressive.md"
+    cmd = [sys.executable, str(ROOT / "experiments" / "compressive.py"), "--budget", "quick", "--data", str(data)]
+    cmd += ["--runs", str(tmp_path / "runs"), "--write", str(out)]
+    for _ in range(2):  # (the second run reuses the trained rows and rewrites the section)
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    text = out.read_text()
+    assert text.count("## The Compressive Transformer at CPU scale") == 1
+    assert re.search(r"^\| compressive \| mem_len 16 \+ 16 slots of c = 4 \| 80 \| \d+\.\d{3} \|", text, re.M)
+    assert all(f"| {k} | " in text for k in ("max", "mean", "conv", "dilated_conv", "most_used"))
+    assert re.search(r"^\| xl \| \d+\.\d\d \| \d+\.\d\d \|$", text, re.M), text

@@ -124,6 +124,11 @@ class MemoryTransformer(nn.Module):
             raise ValueError(
                 f"MemoryTransformer needs attn_type 0 (relative positions, cached), not {config.attn_type}"
             )
+        if config.cmem_len:
+            raise ValueError(
+                f"cmem_len = {config.cmem_len}: an agent's memory (its episode masks, the acting ring, the windows "
+                "it trains on) has no compressed memory yet: use cmem_len 0"
+            )
         self.config, self.d_input = config, d_input
         self.embed = nn.Linear(d_input, config.d_model)
         self.core = TransformerXL(config)
