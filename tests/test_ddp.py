@@ -129,3 +129,16 @@ def test_every_process_takes_process_0s_fp32_route(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (tmp_path / "route-0").read_text() == "None True"  # measured
     assert (tmp_path / "route-1").read_text() == "True True"  # given, not measured
+
+
+def test_a_compressive_transformer_trains_under_ddp_as_on_one_process(tmp_path):
+    """Issue 76: a Compressive Transformer (compression from the third step on, its reconstruction loss) under
+    torchrun gives one process's losses and weights, the compression function's included."""
+    settings = SETTINGS | dict(model__mem_len=8, model__cmem_len=4, model__cmem_ratio=2, train__max_steps=6)
+    _launch(train_args(tmp_path, "single", **settings), 1)
+    _launch(train_args(tmp_path, "ddp", **settings), 2)
+    _close(losses(tmp_path / "ddp"), losses(tmp_path / "single"), 1e-5)
+    w1, w2 = final_weights(tmp_path / "single"), final_weights(tmp_path / "ddp")
+    assert any(k.startswith("transformer.compress.") for k in w1)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=1e-4)
