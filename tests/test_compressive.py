@@ -137,7 +137,7 @@ def test_the_reconstruction_loss_trains_the_compression_functions_alone():
 
 def test_greedy_generation_equals_reading_one_token_at_a_time():
     model = lm(mem_len=5, cmem_len=3, cmem_ratio=2, compression="conv")
-    prompt = torch.randint(0, 97, (1, 7))
+    prompt = torch.randint(0, 97, (1, 5))  # (read as one segment: as one token at a time, within mem_len)
     out = generate(model, prompt, 16, temperature=0.0)[0].tolist()
     seq, mems = prompt[0].tolist(), None
     with torch.no_grad():
