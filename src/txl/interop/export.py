@@ -79,6 +79,11 @@ def _refuse_unexportable(lm: TransformerXLLM, mem_len: int) -> None:
             f"attn_type {cfg.attn_type} (absolute positions, an ablation variant) cannot be exported: "
             "its positions move with the window; export an attn_type 0 (Transformer-XL) model"
         )
+    if cfg.cmem_len:
+        raise ExportError(
+            f"cmem_len {cfg.cmem_len}: the exported step carries one memory, not a Compressive Transformer's "
+            "compressed memory (not exportable yet)"
+        )
 
 
 def _inputs(cfg, B: int, T: int, M: int, generator: torch.Generator, pad_rows: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -153,6 +153,8 @@ class TransformerXLHarnessLM(LM):
         self.batch_size = _int(batch_size, "batch_size", 8)
         if self.batch_size < 1:
             raise ValueError(f"--batch_size {batch_size}: must be >= 1 (or auto)")
+        if self.model.config.cmem_len:  # (a compressed memory reads no padding: rows of different lengths alone)
+            self.batch_size = 1
         self.max_gen_toks = _int(max_gen_toks, "max_gen_toks", 256)
         self.prefix = self.tokenizer.document_start()[1]  # (the line end, else a space)
         self._noted: set[str] = set()  # notes given once: unused generation_kwargs, "beam sampling"
