@@ -246,3 +246,12 @@ def test_the_cpu_recipe_trains_through_txl_train_and_logs_recon(tmp_path):
     rows = [r for r in read_metrics(run) if r.get("split") == "train"]
     assert len(rows) == 4 and all("recon" in r for r in rows)
     assert TransformerXLLM.from_pretrained(run / "checkpoints" / "step-4").config.cmem_len == 128
+
+
+def test_what_cannot_take_a_compressed_memory_yet_says_so_in_one_line(tmp_path, capsys):
+    """`txl export onnx` of a Compressive Transformer: one line, nothing written."""
+    from tests.test_cli_errors import fails
+
+    lm(mem_len=4, cmem_len=2, cmem_ratio=2).save_pretrained(tmp_path / "ct")
+    line = fails(capsys, ["export", "onnx", "--model", str(tmp_path / "ct"), "--out", str(tmp_path / "m.onnx")])
+    assert "cmem_len 2: the exported step carries one memory" in line and not (tmp_path / "m.onnx").exists()
