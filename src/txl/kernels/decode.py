@@ -31,11 +31,7 @@ register(
         "decode_step",
         "the model's one-token step in Python (fast_decode)",
         _cpu_switch("native_decode"),
-        lambda h, cache=None, *_: (
-            "not fp32 on the CPU"
-            if not native.usable(h)
-            else ("a compressed memory (its slots are outside the window decode.c reads)" if cache.slots else None)
-        ),
+        lambda h, *_: None if native.usable(h) else "not fp32 on the CPU",
     )
 )
 

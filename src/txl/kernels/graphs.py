@@ -165,7 +165,7 @@ def segment_layers(model: nn.Module, s: Any, record: tuple[list, list] | None, n
     dev = h.device
     applies = record is None and not need_weights and model.config.attn_type == 0 and s.mask is not None
     applies = applies and s.mask.dim() == 2 and all(m is None for m in s.heads)  # (no padding, no head mask)
-    applies = applies and not cache.slots  # (compressed slots: new tensors at each compression, not fixed addresses)
+    applies = applies and not cache.compressive  # (not yet replayed with a compressed memory: its start moves)
     if (
         not applies
         or not REGISTRY["graph_segments"].switch(backends(), dev.type)

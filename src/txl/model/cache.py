@@ -152,10 +152,10 @@ class KVCache:
         self.k = torch.zeros(shape, **kw)
         self.v = torch.zeros(shape, **kw)
         self.names = ("k", "v")  # (the buffers indexed by position: [n_layer, B, ., capacity, .])
-        if config.cmem_len:  # a Compressive Transformer's: the layer inputs (compressed when they leave), the slots
+        self.compressive = bool(config.cmem_len)
+        self.slots = 0  # (a Compressive Transformer's compressed slots: the first positions of the window)
+        if self.compressive:  # the layer inputs at each position (what is compressed when it leaves the memory)
             self.hidden = torch.zeros(config.n_layer, batch_size, 1, self.capacity, config.d_model, **kw)
-            self.ck = self.k.new_zeros(*shape[:3], 0, config.d_head)  # [n_layer, B, H, slots, Dh]
-            self.cv = self.ck.clone()
             self.names = ("k", "v", "hidden")
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
@@ -199,7 +199,8 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Number of positions in the memory."""
+        """Number of positions before a segment: the memory's (after a Compressive Transformer's compressed slots,
+        which take the window's first ``slots`` positions, one each)."""
         return self.end - self.start
 
     def begin(self, T: int, padding: Tensor | None = None) -> Tensor | None:
@@ -248,21 +249,12 @@ class KVCache:
         self.padded = True
         return gone
 
-    @property
-    def slots(self) -> int:
-        """Compressed memory slots before the window (a Compressive Transformer's; 0 for Transformer-XL)."""
-        return self.ck.shape[3] if len(self.names) == 3 else 0
-
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh] (after
-        the compressed slots', where there are some: [B, H, Mc + M + T, Dh])."""
+        """Write the segment's keys/values [B, H, T, Dh] of ``layer``; return the window's [B, H, M + T, Dh]."""
         T = k.shape[2]
         self.k[layer, :, :, self.end : self.end + T] = k
         self.v[layer, :, :, self.end : self.end + T] = v
-        k, v = self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
-        if self.slots:
-            k, v = torch.cat([self.ck[layer], k], dim=2), torch.cat([self.cv[layer], v], dim=2)
-        return k, v
+        return self.k[layer, :, :, self.start : self.end + T], self.v[layer, :, :, self.start : self.end + T]
 
     def positions(self, layer: int, K: int, key: tuple, project: Callable[[int], Tensor]) -> Tensor:
         """W_kR R of ``layer`` for the distances K-1, ..., 0, then ``SHIFT_ALIGN`` zero columns (the padding of the
@@ -294,8 +286,6 @@ class KVCache:
         if len(rows) != self.k.shape[1]:
             return self._copy_rows(rows)
         window, moved = slice(self.start, self.end), [j for j, r in enumerate(rows) if r != j]
-        if self.slots:
-            self.ck, self.cv = self.ck[:, rows], self.cv[:, rows]
         for t in map(self.__getattribute__, self.names):  # (row by row: index_select on the strided view is slower)
             sources = {r: t[:, r, :, window].clone() for r in {rows[j] for j in moved}}  # (read before written)
             for j in moved:
@@ -313,8 +303,6 @@ class KVCache:
             for j, r in enumerate(rows):
                 new[:, j, :, window].copy_(old[:, r, :, window])
             setattr(self, name, new)
-        if len(self.names) == 3:
-            self.ck, self.cv = self.ck[:, rows], self.cv[:, rows]
         self.padding = self.padding[rows]
         self._reset(graphs=True)
         return self
@@ -333,12 +321,12 @@ class KVCache:
         shorter memory is preceded by padding positions, which are never attended to and, being on the left, keep
         every row's relative distances. Each row then computes exactly what it would in its own cache."""
         first = caches[0]
-        if len(first.names) == 3:
+        if first.compressive:
             raise ValueError("a Compressive Transformer's caches are not merged: each request runs alone")
         n = max(c.length for c in caches)
         batch = sum(c.k.shape[1] for c in caches)
         merged = cls.__new__(cls)
-        merged.config, merged.names = first.config, first.names
+        merged.config, merged.names, merged.compressive, merged.slots = first.config, first.names, False, 0
         merged.capacity = max(2 * n, first.capacity)
         shape = (first.k.shape[0], batch, first.k.shape[2], merged.capacity, first.k.shape[4])
         merged.k, merged.v = first.k.new_zeros(shape), first.v.new_zeros(shape)

@@ -221,29 +221,30 @@ def compress_memories(
 
 
 def compress_cached(model: nn.Module, cache: object, hids: list[Tensor], attns: list, read: object, T: int) -> None:
-    """:func:`compress_memories` on a K/V cache (``txl.model.cache.KVCache``) after a segment of T positions: the
-    layers' inputs ``hids`` kept at the segment's positions, the oldest whole groups of c beyond the last
-    ``mem_len`` compressed by each layer's f_c and projected by its attention into the cache's slots (the last
-    ``cmem_len`` kept), and the window moved past them: what the layer inputs and the projection of the uncached
-    model compute."""
-    cfg, start, end = model.config, cache.start, cache.end
+    """:func:`compress_memories` on a K/V cache (``txl.model.cache.KVCache``) after a segment of T positions. The
+    cache's window is [slots; memory; segment] in its buffer: the layers' inputs ``hids`` are kept at the segment's
+    positions, the oldest whole groups of c beyond the last ``mem_len`` are compressed by each layer's f_c and
+    projected by its attention into keys and values, and the slots (the last ``cmem_len`` of the old and the new)
+    are written just before the memory that remains, which is where the window then starts: the attention, the
+    positions and the one-token kernels read one contiguous window, as for Transformer-XL."""
+    cfg, start, end, S = model.config, cache.start, cache.end, cache.slots
     cache.hidden[:, :, 0, end : end + T] = torch.stack(hids)  # [L, B, T, D]
-    evicted = max(0, end + T - start - read.mem_len) // cfg.cmem_ratio * cfg.cmem_ratio
-    if evicted:
-        Mc, keys, values = cache.slots, [], []
-        for i, (layer, f_c) in enumerate(zip(model.layers, model.compress, strict=True)):
-            old = cache.hidden[i, :, 0, start : start + evicted]  # [B, G c, D]
-            usage = attns[i].mean((1, 2))[:, Mc : Mc + evicted] if cfg.compression == "most_used" else None
-            kv = layer.attn.memory_keys_values(f_c(old, usage))  # [2, B, H, G, Dh]
-            keys.append(kv[0])
-            values.append(kv[1])
-        cache.ck = torch.cat([cache.ck, torch.stack(keys)], dim=3)[:, :, :, -read.cmem_len :]
-        cache.cv = torch.cat([cache.cv, torch.stack(values)], dim=3)[:, :, :, -read.cmem_len :]
-    cache.start, cache.end = start + evicted, end + T
-
-
-def fill_compressed(model: nn.Module, cache: object, cmems: list[Tensor]) -> None:
-    """A cache's compressed slots from a compressed memory of layer inputs ``cmems`` (n_layer tensors [B, Mc, D])."""
-    kv = [layer.attn.memory_keys_values(cm.to(cache.k)) for layer, cm in zip(model.layers, cmems, strict=True)]
-    cache.ck = torch.stack([k for k, _ in kv])  # [L, B, H, Mc, Dh]
-    cache.cv = torch.stack([v for _, v in kv])
+    memory = start + S  # (the memory's first position)
+    evicted = max(0, end + T - memory - read.mem_len) // cfg.cmem_ratio * cfg.cmem_ratio
+    cache.end = end + T
+    if not evicted:
+        return
+    G = evicted // cfg.cmem_ratio
+    keep = max(0, min(S, read.cmem_len - G))  # (old slots kept, the newest of them)
+    new = min(G, read.cmem_len)
+    first = memory + evicted - keep - new  # (>= start: the evicted positions make room for the new slots)
+    for name in ("k", "v"):  # the kept slots moved up to just before the new ones (source before destination)
+        t = getattr(cache, name)
+        t[:, :, :, first : first + keep] = t[:, :, :, memory - keep : memory].clone()
+    for i, (layer, f_c) in enumerate(zip(model.layers, model.compress, strict=True)):
+        old = cache.hidden[i, :, 0, memory : memory + evicted]  # [B, G c, D]
+        usage = attns[i].mean((1, 2))[:, S : S + evicted] if cfg.compression == "most_used" else None
+        kv = layer.attn.memory_keys_values(f_c(old, usage)[:, G - new :])  # [2, B, H, new, Dh]
+        cache.k[i, :, :, first + keep : first + keep + new] = kv[0]
+        cache.v[i, :, :, first + keep : first + keep + new] = kv[1]
+    cache.start, cache.slots = first, keep + new

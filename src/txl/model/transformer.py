@@ -25,7 +25,6 @@ from txl.model.cache import KVCache
 from txl.model.compressive import (
     compress_cached,
     compress_memories,
-    fill_compressed,
     joined,
     make_compression,
     split_mems,
@@ -279,6 +278,8 @@ class TransformerXL(TransformerXLPreTrainedModel):
             reading, cfg, mem_len=mem_len, same_length=same_length, clamp_len=clamp_len, cmem_len=cmem_len
         )
         mems, cmems = split_mems(mems, cfg.n_layer, read.cmem_len, cfg.cmem_len > 0)  # (cmems: Compressive only)
+        if cmems is None and cache is not None and cache.slots:
+            raise ValueError("this cache holds compressed slots: read it with cmem_len > 0")
         if cmems is not None and padding is not None and bool(padding.any()):
             raise ValueError("a Compressive Transformer reads no padding: a group of c would compress it into a slot")
         seg = self._prepare(
@@ -448,17 +449,17 @@ class TransformerXL(TransformerXLPreTrainedModel):
         Hugging Face's zero memory): its keys and values, as a segment of M positions would have left them."""
         if cache.length:
             raise ValueError("fill_cache starts a cache: this one already holds a memory")
-        compressive = len(cache.names) == 3
-        plain, cmems = split_mems(mems, self.config.n_layer, int(compressive), compressive)
+        plain, cmems = split_mems(mems, self.config.n_layer, int(cache.compressive), cache.compressive)
         M = self._check_mems(plain, cache.k.shape[1])
-        cache.begin(M)
+        if cmems:  # (a Compressive Transformer's slots first: [compressed memory; memory], one position each)
+            plain = [torch.cat([cm, m], dim=1) for cm, m in zip(cmems, plain, strict=True)]
+        S = plain[0].shape[1] - M
+        cache.begin(S + M)
         for i, (layer, mem) in enumerate(zip(self.layers, plain, strict=True)):
             cache.append(i, *layer.attn.memory_keys_values(mem.to(cache.k)))
-        if cmems is not None:  # (a Compressive Transformer's: the layer inputs, then the compressed slots)
-            cache.hidden[:, :, 0, cache.end : cache.end + M] = torch.stack(plain).to(cache.hidden)
-            if cmems:
-                fill_compressed(self, cache, cmems)
-            cache.end += M  # (all of it: the memory may hold up to c - 1 positions past mem_len)
+        if cache.compressive:  # (the memory's layer inputs kept; all of it: up to c - 1 positions past mem_len)
+            cache.hidden[:, :, 0, cache.end + S : cache.end + S + M] = torch.stack(plain)[:, :, S:].to(cache.hidden)
+            cache.slots, cache.end = S, cache.end + S + M
         else:
             cache.end_segment(M, self.config.mem_len if mem_len is None else mem_len)
 
@@ -471,7 +472,7 @@ class TransformerXL(TransformerXLPreTrainedModel):
             raise ValueError("a KVCache is for inference with fixed weights: use model.eval() and torch.no_grad()")
         if cache.k.shape[1] != B:
             raise ValueError(f"the cache holds {cache.k.shape[1]} rows, the input {B}")
-        mlen = cache.length + cache.slots  # (a Compressive Transformer's slots come first)
+        mlen = cache.length  # (a Compressive Transformer's slots included: the window's first positions)
         padded = cache.begin(T, padding)  # [B, M + T] or None
         mask = None  # [T, K]
         if _masks_any(T, mlen, same_length, window):
