@@ -197,7 +197,9 @@ def test_txl_train_logs_the_reconstruction_loss_and_resumes_exactly(tmp_path):
 
 
 def test_the_servers_engine_generates_from_a_compressive_model():
-    """txl serve's engine (no K/V cache for a compressed memory: one request at a time, as `generate` does)."""
+    """txl serve's engine (one request at a time: compressive caches are not merged; as `generate` does), and beam
+    search (its cache's rows reordered with their slots)."""
+    pytest.importorskip("uvicorn", reason="the server needs the extra 'serve'")
     from tests.serve_helpers import engine_tokens
     from txl.infer.generation import beam_search
 
@@ -250,6 +252,7 @@ def test_the_cpu_recipe_trains_through_txl_train_and_logs_recon(tmp_path):
 
 def test_what_cannot_take_a_compressed_memory_yet_says_so_in_one_line(tmp_path, capsys):
     """`txl export onnx` of a Compressive Transformer: one line, nothing written."""
+    pytest.importorskip("onnx", reason="ONNX export needs the extra 'onnx'")
     from tests.test_cli_errors import fails
 
     lm(mem_len=4, cmem_len=2, cmem_ratio=2).save_pretrained(tmp_path / "ct")
