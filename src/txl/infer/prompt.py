@@ -51,7 +51,7 @@ def read_prompt(
         raise ValueError(f"chunk = {chunk}: a prompt is read in pieces of at least one position")
     read = Reading.of(reading, model.config)
     T = ids.shape[1]
-    if T <= chunk or cache.slots or read.cmem_len:  # (a compressed memory: one pass, which compresses what leaves)
+    if T <= chunk or read.cmem_len:  # (a compressed memory: one pass, which compresses what leaves the memory)
         return model.transformer(ids, cache=cache, padding=padding, reading=read).last_hidden_state
     keep = read.mem_len if read.same_length else cache.length + T  # (what the pieces' queries must see)
     hidden = []

@@ -151,7 +151,7 @@ def _step(model: Any, s: Any, record: tuple[list, list] | None) -> Tensor:
     window = 1 << cache.length.bit_length()  # (the keys' count rounded up to a power of two, as the kind keeps it)
     shapes = (h.shape, cache.k.shape[:3], (window, h.shape[-1], plan[0].w1.shape[0]))
     chosen = registry.choose(
-        "native_decode", None, fast, lambda: model.step(s), operands=(h, cache), kind=kind, shapes=shapes
+        "native_decode", None, fast, lambda: model.step(s), operands=(h,), kind=kind, shapes=shapes
     )
     if chosen:
         hids = None if record is None else []

@@ -138,7 +138,7 @@ class KVCache:
 
     def __init__(
         self, config: TransformerXLConfig, batch_size: int, mem_len: int, max_segment: int = 1, *,
-        positions: int | None = None, **kw,
+        positions: int | None = None, inputs: bool = False, **kw,
     ):  # fmt: skip
         if not supports_kv_cache(config):
             raise ValueError(
@@ -152,15 +152,14 @@ class KVCache:
         self.k = torch.zeros(shape, **kw)
         self.v = torch.zeros(shape, **kw)
         self.names = ("k", "v")  # (the buffers indexed by position: [n_layer, B, ., capacity, .])
-        self.compressive = bool(config.cmem_len)
         self.slots = 0  # (a Compressive Transformer's compressed slots: the first positions of the window)
-        if self.compressive:  # the layer inputs at each position (what is compressed when it leaves the memory)
+        if inputs or self.compressive:  # each layer's input at each position, moved with the window (what a
+            # Compressive Transformer compresses when it leaves the memory; what txl.rl's training windows start from)
             self.hidden = torch.zeros(config.n_layer, batch_size, 1, self.capacity, config.d_model, **kw)
             self.names = ("k", "v", "hidden")
         self.padding = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=self.k.device)
         self.padded = False  # whether any position ever written was padding
         self.start = self.end = 0  # the memory is positions [start, end) of the buffer
-        self.slid: tuple[int, int] | None = None  # (the last begin's slide: the window's old start, its length)
         self._reset(plan=True, graphs=True, tables=True)
 
     def _reset(self, *, plan: bool = False, graphs: bool = False, tables: bool = False) -> None:
@@ -198,6 +197,11 @@ class KVCache:
                 self.k[i, :, :, window], self.v[i, :, :, window] = kv[0], kv[1]
 
     @property
+    def compressive(self) -> bool:
+        """Whether the cache holds a Compressive Transformer's memories (compressed slots, kept layer inputs)."""
+        return bool(self.config.cmem_len)
+
+    @property
     def length(self) -> int:
         """Number of positions before a segment: the memory's (after a Compressive Transformer's compressed slots,
         which take the window's first ``slots`` positions, one each)."""
@@ -205,10 +209,8 @@ class KVCache:
 
     def begin(self, T: int, padding: Tensor | None = None) -> Tensor | None:
         """Make room for a segment of T positions (``padding`` [B, T]: True where a position is padding); return the
-        padding of the window [B, M + T] if any position in it is padding. When the window moves to the front of
-        the buffer, ``slid`` says from where (its old start) and how many positions (None when it stays): what keeps
-        something per position beside the cache (txl.rl's layer inputs) moves the same."""
-        self.slid = None
+        padding of the window [B, M + T] if any position in it is padding. Every buffer indexed by position
+        (``names``) moves with the window."""
         if self.end + T > self.capacity:
             n = self.length
             if n + T > self.capacity:  # a longer segment than planned: grow
@@ -226,7 +228,7 @@ class KVCache:
                     t = getattr(self, name)
                     t[:, :, :, :n] = t[:, :, :, self.start : self.end].clone()
                 self.padding[:, :n] = self.padding[:, self.start : self.end].clone()
-            self.slid, self.start, self.end = (self.start, n), 0, n
+            self.start, self.end = 0, n
         if padding is not None or self.padded:  # (the buffer holds no padding until a call brings some)
             self.padding[:, self.end : self.end + T] = False if padding is None else padding
             self.padded = self.padded or bool(padding is not None and padding.any())
@@ -238,13 +240,13 @@ class KVCache:
         attended again (an agent's episode starts; ``txl.rl``). The positions stay, so distances are unchanged. Their
         keys and values are zeroed: a masked position then adds exactly 0 to the attention, where a non-finite value
         would add 0 x NaN = NaN (one NaN observation would poison the episodes after it). Returns the indices of those
-        rows, on the cache's device."""
+        rows, on the cache's device. (The kept layer inputs, where there are some, are zeroed too.)"""
         gone = rows.nonzero().flatten().to(self.k.device)  # (zeroing only these rows costs what they hold)
         if not len(gone):
             return gone
         self.padding[gone, self.start : self.end] = True
         if self.length:
-            for t in (self.k, self.v):
+            for t in map(self.__getattribute__, self.names):
                 t[:, gone, :, self.start : self.end] = 0
         self.padded = True
         return gone
@@ -326,7 +328,7 @@ class KVCache:
         n = max(c.length for c in caches)
         batch = sum(c.k.shape[1] for c in caches)
         merged = cls.__new__(cls)
-        merged.config, merged.names, merged.compressive, merged.slots = first.config, first.names, False, 0
+        merged.config, merged.names, merged.slots = first.config, first.names, 0
         merged.capacity = max(2 * n, first.capacity)
         shape = (first.k.shape[0], batch, first.k.shape[2], merged.capacity, first.k.shape[4])
         merged.k, merged.v = first.k.new_zeros(shape), first.v.new_zeros(shape)
@@ -340,7 +342,7 @@ class KVCache:
             row += b
         merged.padding[:, n:] = False
         merged.padded = bool(merged.padding[:, :n].any())
-        merged.start, merged.end, merged.slid = 0, n, None
+        merged.start, merged.end = 0, n
         merged._reset(plan=True, graphs=True, tables=True)
         return merged
 

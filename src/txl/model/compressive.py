@@ -62,7 +62,8 @@ class ConvCompression(nn.Module):
         super().__init__()
         D, c = cfg.d_model, cfg.cmem_ratio
         self.c = c
-        if cfg.compression == "conv" or c == 1:
+        self.strided = cfg.compression == "conv" or c == 1  # (one convolution over the whole sequence)
+        if self.strided:
             self.convs = nn.ModuleList([nn.Conv1d(D, D, c, stride=c)])
         else:
             dilations, reach = [], 1  # (each kernel-2 layer adds its dilation to the receptive field)
@@ -74,7 +75,7 @@ class ConvCompression(nn.Module):
 
     def forward(self, old: Tensor, usage: Tensor | None = None) -> Tensor:
         B, n, D = old.shape
-        if len(self.convs) == 1 and self.convs[0].stride[0] == self.c:
+        if self.strided:
             return self.convs[0](old.transpose(1, 2)).transpose(1, 2)  # [B, G, D]
         x = old.reshape(B * (n // self.c), self.c, D).transpose(1, 2)  # each group alone: [B G, D, c]
         for i, conv in enumerate(self.convs):
@@ -108,11 +109,16 @@ def make_compression(cfg: TransformerXLConfig) -> nn.Module:
     return ConvCompression(cfg)
 
 
-def split_memories(old: Tensor, mem_len: int, c: int) -> tuple[Tensor, Tensor]:
-    """The layer inputs [B, N, D] (memory then segment, what is kept) split into the groups of c to compress
-    [B, G c, D] and the memory kept [B, N - G c, D]: the oldest whole groups beyond the last ``mem_len``."""
-    evicted = max(0, old.shape[1] - mem_len) // c * c
-    return old[:, :evicted], old[:, evicted:]
+def evicted(n: int, mem_len: int, c: int) -> int:
+    """Of ``n`` positions (memory then segment), how many leave the memory to be compressed: the oldest whole groups
+    of c beyond the last ``mem_len`` (fewer than c wait in the memory for the next segment)."""
+    return max(0, n - mem_len) // c * c
+
+
+def _usage(cfg: TransformerXLConfig, attns: list, i: int, first: int, n: int) -> Tensor | None:
+    """most_used's: the attention layer ``i``'s keys ``first`` .. ``first + n`` received, averaged over the heads
+    and the queries ([B, n]); None for the other functions."""
+    return attns[i].mean((1, 2))[:, first : first + n] if cfg.compression == "most_used" else None
 
 
 def content_attention(attn: nn.Module, h: Tensor, m: Tensor) -> Tensor:
@@ -201,23 +207,21 @@ def compress_memories(
     end = M + max(0, T - ext_len)
     train = torch.is_grad_enabled()
     new_mems, new_cmems, losses = [], [], []
+    n = evicted(end, read.mem_len, cfg.cmem_ratio)
     for i, (h, f_c) in enumerate(zip(hids, model.compress, strict=True)):
         full = (torch.cat([mems[i], h], dim=1) if mems else h)[:, :end]  # [B, M + T', D]
-        old, kept = split_memories(full, read.mem_len, cfg.cmem_ratio)
+        old, kept = full[:, :n], full[:, n:]  # (to compress, [B, G c, D]; the memory kept)
         cm = cmems[i] if cmems else full.new_zeros(full.shape[0], 0, full.shape[2])
-        if old.shape[1]:
-            usage = attns[i].mean((1, 2))[:, Mc : Mc + old.shape[1]] if cfg.compression == "most_used" else None
-            new = f_c(old.detach(), usage)  # [B, G, D]
+        if n:
+            new = f_c(old.detach(), _usage(cfg, attns, i, Mc, n))  # [B, G, D]
             if train:
                 losses.append(reconstruction_loss(model.layers[i].attn, h, old, new))
             cm = torch.cat([cm, new.detach()], dim=1)[:, -read.cmem_len :]
         new_mems.append(kept.detach() if detach else kept)
         new_cmems.append(cm)
-    recon = None
-    if train:
-        recon = sum(losses) if losses else sum(p.sum() * 0.0 for p in model.compress.parameters())
-        recon = recon if isinstance(recon, Tensor) else hids[0].new_zeros(())
-    return new_mems + new_cmems, recon
+    if train and not losses:  # (nothing compressed yet: f_c's parameters still take part, as DDP needs)
+        losses = [p.sum() * 0.0 for p in model.compress.parameters()]
+    return new_mems + new_cmems, sum(losses, hids[0].new_zeros(())) if train else None
 
 
 def compress_cached(model: nn.Module, cache: object, hids: list[Tensor], attns: list, read: object, T: int) -> None:
@@ -230,21 +234,20 @@ def compress_cached(model: nn.Module, cache: object, hids: list[Tensor], attns: 
     cfg, start, end, S = model.config, cache.start, cache.end, cache.slots
     cache.hidden[:, :, 0, end : end + T] = torch.stack(hids)  # [L, B, T, D]
     memory = start + S  # (the memory's first position)
-    evicted = max(0, end + T - memory - read.mem_len) // cfg.cmem_ratio * cfg.cmem_ratio
+    n = evicted(end + T - memory, read.mem_len, cfg.cmem_ratio)
     cache.end = end + T
-    if not evicted:
+    if not n:
         return
-    G = evicted // cfg.cmem_ratio
+    G = n // cfg.cmem_ratio
     keep = max(0, min(S, read.cmem_len - G))  # (old slots kept, the newest of them)
     new = min(G, read.cmem_len)
-    first = memory + evicted - keep - new  # (>= start: the evicted positions make room for the new slots)
+    first = memory + n - keep - new  # (>= start: the evicted positions make room for the new slots)
     for name in ("k", "v"):  # the kept slots moved up to just before the new ones (source before destination)
         t = getattr(cache, name)
         t[:, :, :, first : first + keep] = t[:, :, :, memory - keep : memory].clone()
     for i, (layer, f_c) in enumerate(zip(model.layers, model.compress, strict=True)):
-        old = cache.hidden[i, :, 0, memory : memory + evicted]  # [B, G c, D]
-        usage = attns[i].mean((1, 2))[:, S : S + evicted] if cfg.compression == "most_used" else None
-        kv = layer.attn.memory_keys_values(f_c(old, usage)[:, G - new :])  # [2, B, H, new, Dh]
+        old = cache.hidden[i, :, 0, memory : memory + n]  # [B, G c, D]
+        kv = layer.attn.memory_keys_values(f_c(old, _usage(cfg, attns, i, S, n))[:, G - new :])  # [2, B, H, new, Dh]
         cache.k[i, :, :, first + keep : first + keep + new] = kv[0]
         cache.v[i, :, :, first + keep : first + keep + new] = kv[1]
     cache.start, cache.slots = first, keep + new

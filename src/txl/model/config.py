@@ -296,9 +296,14 @@ class Reading:
         cmem_len: int | None = None,
     ) -> Reading:  # fmt: skip
         """These settings with the given ones that are not None in their place."""
-        given = {"mem_len": mem_len, "same_length": same_length, "clamp_len": clamp_len, "cmem_len": cmem_len}
-        given = {k: v for k, v in given.items() if v is not None}
-        return dataclasses.replace(self, **given) if given else self
+        if mem_len is None and same_length is None and clamp_len is None and cmem_len is None:
+            return self
+        return Reading(
+            self.mem_len if mem_len is None else mem_len,
+            self.same_length if same_length is None else same_length,
+            self.clamp_len if clamp_len is None else clamp_len,
+            self.cmem_len if cmem_len is None else cmem_len,
+        )
 
     @staticmethod
     def of(reading: Reading | None, config: TransformerXLConfig, **overrides: int | bool | None) -> Reading:

@@ -54,11 +54,9 @@ class AgentMemory:
     steps. Made by ``MemoryTransformer.initial_memory``; every environment starts with an empty memory."""
 
     def __init__(self, config: TransformerXLConfig, n_envs: int, mem_len: int, device, dtype: torch.dtype):
-        L, D = config.n_layer, config.d_model
         self.n_envs, self.mem_len = n_envs, mem_len
         check_fits(self.bytes_per_env(config, mem_len, element_size(dtype)) * n_envs, device, n_envs, mem_len)
-        self.cache = KVCache(config, n_envs, mem_len, 1, device=device, dtype=dtype)
-        self.hidden = torch.zeros(L, n_envs, self.cache.capacity, D, device=device, dtype=dtype)  # layer inputs
+        self.cache = KVCache(config, n_envs, mem_len, 1, inputs=True, device=device, dtype=dtype)
         self.weights: tuple | None = None  # (the key of the weights the cached keys and values were computed with)
 
     @staticmethod
@@ -69,20 +67,20 @@ class AgentMemory:
         per_position = config.n_layer * (2 * config.n_head * config.d_head + config.d_model) * element_size + 1
         return capacity * per_position
 
+    @property
+    def hidden(self) -> Tensor:
+        """Each layer's input at each position of the cache's buffer, [L, N, capacity, D] (the cache keeps them and
+        moves them with its window)."""
+        return self.cache.hidden[:, :, 0]
+
     def _begin(self, reset: Tensor) -> None:
-        """Before a step: forget the memory of the environments that start an episode."""
-        c = self.cache
-        if c.length:
-            gone = c.forget(reset)  # (masked, zeroed: nothing of a past episode, a NaN included, reaches the new one)
-            if len(gone):  # (only the rows that start over are written: none in most steps)
-                self.hidden[:, gone, c.start : c.end] = 0
+        """Before a step: forget the memory of the environments that start an episode (masked, and zeroed with
+        their layer inputs: nothing of a past episode, a NaN included, reaches the new one)."""
+        if self.cache.length:
+            self.cache.forget(reset)
 
     def _record(self, inputs: list[Tensor]) -> None:
-        """After a step: the layer inputs moved as the cache's window slid (``KVCache.slid``, once every mem_len + 1
-        steps), then each layer's input at this step ([N, 1, D] each) at the position the cache wrote."""
-        if self.cache.slid is not None:
-            start, n = self.cache.slid
-            self.hidden[:, :, :n] = self.hidden[:, :, start : start + n].clone()
+        """After a step: each layer's input at this step ([N, 1, D] each) at the position the cache wrote."""
         self.hidden[:, :, self.cache.end - 1] = torch.stack(inputs)[:, :, 0]  # [L, N, D]
 
     def recompute(self, model: MemoryTransformer) -> None:
@@ -95,8 +93,7 @@ class AgentMemory:
         """An independent copy (e.g. to take a step for a bootstrap value without moving this memory on)."""
         copy = object.__new__(AgentMemory)
         copy.n_envs, copy.mem_len, copy.weights = self.n_envs, self.mem_len, self.weights
-        copy.cache = self.cache.take(list(range(self.n_envs)))
-        copy.hidden = self.hidden.clone()
+        copy.cache = self.cache.take(list(range(self.n_envs)))  # (its layer inputs too)
         return copy
 
     def state(self, dtype: torch.dtype | None = None) -> MemoryState:

@@ -514,7 +514,7 @@ class Trainer(TrainingLoop):
         if tc.loss_fraction < 1.0:  # score the last positions only (the model scores targets right-aligned)
             target = target[:, target.shape[1] - scored_positions(target.shape[1], tc.loss_fraction) :]
         inputs, targets = batch.input.chunk(n, dim=0), target.chunk(n, dim=0)
-        loss_sum, recon_sum = (torch.zeros((), dtype=torch.float32, device=w.device) for _ in range(2))
+        loss_sum, recons = torch.zeros((), dtype=torch.float32, device=w.device), []
         for c in range(n):
             sync = self.net.no_sync() if w.distributed and c < n - 1 else contextlib.nullcontext()
             with sync:
@@ -524,8 +524,8 @@ class Trainer(TrainingLoop):
                 self.scaler.scale(loss if recon is None else loss + recon.float() / n).backward()
             self.mems[c] = out.mems
             loss_sum += loss.detach()
-            recon_sum += 0.0 if recon is None else recon.detach().float() / n
-        self._recon = recon_sum if self.cfg.model.cmem_len else None
+            recons += [] if recon is None else [recon.detach().float() / n]
+        self._recon = torch.stack(recons).sum() if recons else None
         return self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
 
     # -- the loop (txl.train.loop) ----------------------------------------------------------------------------
