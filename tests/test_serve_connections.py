@@ -366,6 +366,52 @@ def test_a_slow_reader_and_normal_clients_share_the_server(tmp_path):
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_new_caller_gets_a_row_when_every_caller_holds_one_and_the_parked_room_is_full(reads):
+    """CI's sv20 failure: every running row belonged to a caller holding one, and the parked room (max_parked) was
+    full of another caller's n choices; a plain request waited until a running generation ended (8-15 s on CI, bound
+    5 s). Now, after fair_wait, one of the parked choices ends (503: "not read" if its caller does not read, "the
+    server is full" if it does) so that a running row can be parked for the new caller; that row rejoins later and
+    every other generation ends with all its tokens."""
+    from txl.serve.engine import Engine, Generation
+
+    engine = Engine(_engine_model(), max_batch=2, max_unread=4, max_parked=2, fair_wait=0.1)
+    callers = _Callers()
+    got, ended, gens, emit = callers.got, callers.ended, callers.gens, callers.emit
+    for i in range(2):  # (one caller's n=2, not read: both park, filling the parked room)
+        gens[f"g{i}"] = Generation([1 + i, 2], 50, emit(f"g{i}", False), mem_len=8, temperature=0.0, group="g")
+        engine.submit(gens[f"g{i}"])
+    deadline = time.monotonic() + 30
+    while engine.rows or engine.active < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if reads:  # (its caller now reads: resumable, but no row is free for them)
+        for i in range(2):
+            gens[f"g{i}"].took(gens[f"g{i}"].unread)
+    for name in ("a", "b"):  # (two callers holding one row each, for long)
+        gens[name] = Generation([3], 4000, emit(name, True), mem_len=8, temperature=0.0)
+        engine.submit(gens[name])
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    gens["c"] = Generation([4, 5], 3, emit("c", True), mem_len=8, temperature=0.0)
+    engine.submit(gens["c"])
+    assert ended["c"].wait(10) and time.monotonic() - t0 < 2.0, "a new caller waited for a running generation to end"
+    assert not (ended["a"].is_set() and ended["b"].is_set())  # (they ran all along: c did not wait for them)
+    ended_g = [g for g in ("g0", "g1") if ended[g].is_set()]
+    assert len(ended_g) == 1 and gens[ended_g[0]].error_status == 503
+    assert ("the server is full" if reads else "had not read") in gens[ended_g[0]].error
+    deadline = time.monotonic() + 120
+    while not all(ended[n].is_set() for n in ("a", "b", "g0", "g1")):
+        for g in ("g0", "g1"):
+            gens[g].took(gens[g].unread)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    engine.shutdown()
+    assert len(got["a"]) == len(got["b"]) == 4000 and len(got["c"]) == 3
+    left = ({"g0", "g1"} - set(ended_g)).pop()
+    assert gens[left].finish_reason == "length" and len(got[left]) == 50
+
+
 def test_parked_generations_give_their_rows_to_others():
     """s1 in the engine: 8 generations whose caller takes nothing fill max_batch 8 and park; a plain request then
     runs at once beside them (before, it waited for as long as they were parked). More parked than max_parked hold

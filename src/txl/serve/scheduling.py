@@ -13,6 +13,11 @@ from collections import Counter
 
 from txl.serve.requests import Generation, _Job, _Parked
 
+FULL = (
+    "ended: the server is full, and this request's other choices hold rows while other callers wait (each caller is "
+    "served before a caller gets a second row); ask for fewer choices at once"
+)
+
 
 def caller(item: Generation | _Job) -> object:
     """Whom a request's rows count for: its ``group`` (an HTTP request's n choices share one), else itself."""
@@ -60,9 +65,10 @@ class RowScheduler:
         """A row for ``item`` (lock held), once it has waited ``fair_wait``: the oldest parked generation whose caller
         does not read ends, if parked ones hold rows (:meth:`_preemptable`); else a running row of the caller
         holding the most rows, more than ``item``'s caller, is parked (its memory kept: it rejoins when a row is
-        free and no waiting caller holds fewer), or, when ``max_parked`` are parked (the memory bound), ends if that
-        caller holds more than ``item``'s + 1 (an n > 1 request keeps a row; a caller's only row is never ended for
-        another's). Whether a row was freed."""
+        free and no waiting caller holds fewer). When ``max_parked`` are parked (the memory bound), a parked one
+        ends to make room for it where one may (:meth:`_room`), else the running row ends if its caller holds more
+        than ``item``'s + 1 (an n > 1 request keeps a row; a caller's only row is never ended for another's).
+        Whether a row was freed."""
         slow = self._preemptable(item)
         if slow is not None:
             self._preempt(slow)
@@ -73,14 +79,13 @@ class RowScheduler:
         mem_len, i, margin = victim
         batch = self._batches[mem_len]
         request = batch.rows[i]
+        room = self._room(item) if len(self._parked) >= self.max_parked else None
+        if room is not None:
+            self._preempt(room)
         if len(self._parked) < self.max_parked:
             self._parked.append(_Parked(request, batch.cache.take([i]), int(batch.last[i])))
         elif margin > 1:
-            self._finish(
-                request, "error",
-                "ended: the server is full, and this request's other choices hold rows while other callers wait "
-                "(each caller is served before a caller gets a second row); ask for fewer choices at once", 503,
-            )  # fmt: skip
+            self._finish(request, "error", FULL, 503)
         else:
             return False
         keep = [k for k in range(len(batch.rows)) if k != i]
@@ -113,16 +118,35 @@ class RowScheduler:
         rows (more than ``max_parked`` are parked)."""
         if len(self._parked) <= self.max_parked or time.monotonic() - item.queued_at < self.fair_wait:
             return None
+        return self._stuck(item)
+
+    def _stuck(self, item: Generation | _Job) -> _Parked | None:
+        """The oldest parked generation whose caller is not taking its tokens, of a caller holding more rows than
+        ``item``'s (running or parked), or None."""
         load = self._load()
         mine = load[caller(item)]
         stuck = [p for p in self._parked if not self._resumable(p.request) and load[caller(p.request)] > mine]
         return min(stuck, key=lambda p: p.since) if stuck else None
 
+    def _room(self, item: Generation | _Job) -> _Parked | None:
+        """The parked generation to end so that a running row can be parked for ``item`` when ``max_parked`` are
+        parked: a stuck one (:meth:`_stuck`: a caller that does not read holds a generation only while no one
+        waits), else the oldest of the caller holding the most, if it holds more than ``item``'s + 1 (the rule of
+        running rows: every caller holding one row, a new caller waits for one to end)."""
+        stuck = self._stuck(item)
+        if stuck is not None:
+            return stuck
+        load = self._load()
+        heavy = [p for p in self._parked if load[caller(p.request)] > load[caller(item)] + 1]
+        return min(heavy, key=lambda p: (-load[caller(p.request)], p.since)) if heavy else None
+
     def _preempt(self, parked: _Parked) -> None:
+        """End a parked generation for a request that waited: why, by whether its caller reads."""
         self._parked.remove(parked)
         waited = time.monotonic() - parked.since
         self._finish(
             parked.request, "error",
+            FULL if self._resumable(parked.request) else
             f"ended: its client had not read {parked.request.unread} tokens for {waited:.1f} s while other requests "
             "waited for a row (the server holds a generation for a client that does not read only while no one "
             "waits); read the stream as it comes, or ask for fewer choices at once", 503,
