@@ -1,10 +1,4 @@
-"""txl: Transformer-XL for PyTorch (Dai et al., 2019).
-
-The package is layered (docs/architecture.md): ``txl.util`` < ``txl.kernels`` < ``txl.model`` | ``txl.data`` <
-``txl.config`` < ``txl.infer`` < ``txl.train`` | ``txl.interop`` | ``txl.serve`` < ``txl.cli``. The modules stood
-flat in ``txl/`` before; their old paths (``txl.modeling``, ``txl.trainer``, ...) still import, as the same
-module objects, through the finder at the end of this file.
-"""
+"""txl: Transformer-XL for PyTorch (Dai et al., 2019). Design notes: docs/internals.md#txl."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Typed sections of a training run (``txl train --config X.yaml``): ``model``, ``data``, ``train``, ``eval``.
-
-The field docstrings are the ``--help`` text. A recipe in ``configs/`` is a YAML file with these sections;
-``--train.lr 1e-3`` style flags override single fields.
-
-There is one way to turn a recipe into a :class:`RunConfig`: the parser of :func:`build_run_parser`.
-``txl train`` parses its command line with it, :func:`load_recipe` parses a YAML file (plus overrides) with it,
-and a checkpoint's ``run.json`` is read back with it (:meth:`RunConfig.from_dict`). Every section is built once,
-from the final values, so derived defaults (``model.d_embed`` = ``d_model``, ``model.tie_projs`` from
-``cutoffs``) follow the values the run really uses, never the defaults of another section or of the parser.
-"""
+Design notes: docs/internals.md#txlconfig."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """The ``txl`` command line: ``txl <command> [<subcommand>] ...`` (``txl --help`` lists them).
-
-Every command is a typed function whose docstring is its ``--help``; ``txl train`` is the run-configuration
-parser of :mod:`txl.config` itself (the one ``load_recipe`` uses), plus ``--resume`` and ``--print_config``.
-Errors are one line on stderr: exit code 2 for what the user can fix in the command (a bad option, value, file or
-folder), 1 when a run stopped (a non-finite loss, a full disk, a folder that cannot be written).
-"""
+Design notes: docs/internals.md#txlcliapp."""
 
 from __future__ import annotations
 

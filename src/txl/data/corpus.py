@@ -1,14 +1,5 @@
 """Tokenize a dataset once, cache the ids as memory-mapped numpy arrays, and check the cache on every load.
-
-A cache folder holds ``tokenizer.json``, one ``{split}.bin`` per ordered split (raw ids in the smallest unsigned
-dtype that fits the vocabulary), for One Billion Word one ``{split}-NNNNN.bin`` plus ``.off.bin`` (int64
-sentence starts) per shard, and ``meta.json``, written last, with the format version, the settings, the
-tokenizer's sha256, every source file's size/mtime/ctime/sha256 and every array's dtype, length and sha256. No pickle.
-
-On load the cache is used only if all of that still matches; otherwise it is rebuilt (``on_stale="rebuild"``,
-with a message saying why) or refused (``on_stale="error"``). A cache without ``meta.json`` (a build that was
-interrupted) is never used.
-"""
+Design notes: docs/internals.md#txldatacorpus."""
 
 from __future__ import annotations
 

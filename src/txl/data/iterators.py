@@ -1,20 +1,5 @@
 """Batches for segment-level recurrence: consecutive segments of the same text in the same batch row.
-
-:class:`OrderedIterator` is the reference's ``LMOrderedIterator``: the id stream is cut into ``batch_size``
-contiguous columns (the tail that does not fill a column is dropped) and read ``tgt_len`` tokens at a time, so
-segment ``k+1`` of a row continues segment ``k`` and the memory carried between them is valid. ``varlen=True``
-draws segment lengths like the reference's ``get_varlen_iter`` (``tgt_len`` with probability 0.95, else half, plus
-N(0, 5) noise, clipped to ``[5, tgt_len + 15]``), from a generator seeded per batch so positions can be restored.
-
-:class:`SentenceStreamIterator` is the reference's One Billion Word iterator: each batch row is a stream filled
-with whole sentences (``<S> w1 .. wn <S>``) from a shuffled sentence order, shard after shard; streams restart at
-every shard, and the last partial batch of a shard is dropped.
-
-Both iterate over the *global* batch and hand rank ``r`` of ``world_size`` its own contiguous block of rows, so
-data-parallel training sees exactly the batches of one process with the same global batch size. ``state_dict()``
-is a small dict of ints (JSON-able, ``torch.load(weights_only=True)``-safe); ``load_state_dict`` resumes at the
-exact next batch.
-"""
+Design notes: docs/internals.md#txldataiterators."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """Symbolic music as tokens: MIDI files read with symusic, written as REMI events by MidiTok's tokenizer.
-
-REMI (Huang & Yang, 2020, the Pop Music Transformer's events) writes a piece bar by bar:
-``Bar TimeSig_4/4 Position_0 Pitch_60 Velocity_95 Duration_1.0.8 Pitch_64 ... Position_8 ...``. A piece is read as
-one stream: the notes of all its (non-drum) tracks merged into one, as a keyboard reduction (a chorale's four
-voices, a quartet's four instruments), then quantized by MidiTok to its grid (``beat_res`` positions per beat).
-
-:class:`MusicTokenizer` keeps MidiTok's own ``tokenizer.json`` beside a model (MidiTok's JSON, loaded by
-``miditok.REMI(params=...)``: a MidiTok user reads the same file), and offers the parts of txl's text tokenizer
-that every command calls (``vocab_size``, ``decode`` to event names, ``save``, ``for_model``). Text cannot be
-encoded with it: a music model reads MIDI (``txl generate --prompt_midi``) or ids.
-"""
+Design notes: docs/internals.md#txldatamusic."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
 """``txl data get chorales|quartets``: symbolic music that a pip package ships, rendered to MIDI deterministically.
-
-music21's wheel carries a corpus of scores (MusicXML). Two sets of it are rendered here, each score parsed by
-music21 (from its source, never from music21's pickle cache) and written as a Standard MIDI File by music21's own
-writer, so the same music21 version gives the same bytes:
-
-* ``chorales``: J. S. Bach's four-part chorales (the ``bwv*.mxl`` / ``bwv*.xml`` files, 410 scores, ~1 minute of
-  music each): short pieces, the corpus of the quick recipe;
-* ``quartets``: the string quartets of Beethoven, Mozart and Haydn (46 movements or whole quartets, the longest
-  176,546 REMI events): long pieces whose themes return hundreds of bars later, for the memory experiments.
-
-Each score goes to ``out/{train,valid,test}/NAME.mid`` by a hash of its corpus path (:func:`music_split`, the
-sympy corpus's rule); ``out/.txl-data.json`` lists every file written with its sha256, and the sha256 of that list
-is compared with the one recorded here for the pinned music21 (:data:`MUSIC21_VERSION`): another version may
-render other bytes, which is said (the numbers of docs/music.md are then not comparable) and not refused.
-"""
+Design notes: docs/internals.md#txldatamusic_sources."""
 
 from __future__ import annotations
 

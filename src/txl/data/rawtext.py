@@ -1,19 +1,5 @@
 """How new raw text becomes the symbols a model was trained on: the part of ``tokenizer.json`` that reads text.
-
-The paper's datasets are already tokenized (WikiText-103 is Moses-tokenized, text8 is normalised, enwik8 is raw
-bytes), and txl reads their files with the exact whitespace / character / byte path. Text a user brings (a prompt,
-a document to score) is not in that form; a tokenizer can record how to bring it there:
-
-* :class:`Moses` — Hugging Face's ``TransfoXLTokenizer`` pipeline (the WikiText-103 model): special tokens split
-  out first, ``strip``, optional lower-casing, sacremoses' punctuation normaliser, Moses tokenisation with
-  aggressive dash splits (``-`` → ``@-@``) and no escaping, then numbers split at ``,`` and ``.`` (``1,000`` → ``1
-  @,@ 000``). Decoding is the Moses detokeniser plus the number re-joining, per line.
-* :class:`Text8` — the text8 preparation (Matt Mahoney's ``wikifil.pl``): ASCII letters lower-cased, each digit
-  spelled out between spaces, every other character a space, runs of spaces collapsed to one.
-
-Characters or bytes outside a vocabulary without an unknown token are an error that names them and their
-position, or, with the tokenizer's ``unknown="replace"``, become its ``replacement`` symbol.
-"""
+Design notes: docs/internals.md#txldatarawtext."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
 """Where a dataset's train/valid/test text is, in each layout users have on disk.
-
-Every reader returns byte ranges of files (:class:`FileRange`), so splitting enwik8's single 100 MB file, or
-stripping text8's splits, never copies data.
-
-Layouts accepted, first match wins:
-
-* wt103, wt2: ``{train,valid,test}.txt`` (getdata.sh) or ``wiki.{train,valid,test}.tokens`` (the zip), also in
-  a ``wikitext-103/`` or ``wikitext-2/`` subfolder.
-* ptb: ``{split}.txt`` or ``ptb.{split}.txt``, also under ``simple-examples/data/``.
-* enwik8: ``{split}.txt.raw`` (getdata.sh), the raw ``enwik8`` file (last 5M / 5M bytes = valid / test), or raw
-  ``{split}.txt``.
-* text8: the same three layouts; each split is stripped of leading and trailing spaces as ``prep_text8.py`` does.
-* lm1b: ``training-monolingual.tokenized.shuffled/news.en-*`` (train) and
-  ``heldout-monolingual.tokenized.shuffled/news.en.heldout-000NN-of-00050`` (test = shard 0, valid = a chosen
-  shard), directly or under ``1-billion-word-language-modeling-benchmark-r13output/``, plus ``1b_word_vocab.txt``.
-* anything else: ``{split}.txt``, ``{train,valid,test}/*.txt``, a flat folder of ``*.txt`` documents (sorted;
-  the last ones held out, see :func:`hold_out`), or a single text file (its last ~5% held out, cut at line starts).
-  ``files`` (``data.files``) names other documents than ``*.txt`` with a glob (see :func:`documents`).
-"""
+Design notes: docs/internals.md#txldatareaders."""
 
 from __future__ import annotations
 

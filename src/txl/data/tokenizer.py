@@ -1,27 +1,5 @@
 """Word, character and byte tokenizers with the original code's vocabulary rule, saved as ``tokenizer.json``.
-
-Vocabulary order is the reference's ``Vocab.build_vocab``: the special symbols first, then every symbol by
-decreasing count, ties in first-seen order (``Counter.most_common``), cut by ``max_size`` and ``min_freq``. The
-adaptive softmax's ``cutoffs`` rely on that order, and converted checkpoints rely on the exact ids, so the
-vocabulary is built here in Python and never by ``tokenizers``' ``WordLevelTrainer`` (which breaks ties
-alphabetically).
-
-Kinds:
-
-* ``word`` — ``line.strip().split()`` (Python's Unicode whitespace), optional ``lower()``, then per line either
-  ``<eos>`` appended (``line_end="eos"``: WikiText, PTB) or ``<S> ... <S>`` around it (``line_end="double"``:
-  One Billion Word). ``<unk>`` takes out-of-vocabulary words when the vocabulary has it.
-* ``char`` — one symbol per Unicode character, newline included (text8, Shakespeare).
-* ``byte`` — one symbol per byte. By default all 256 values with id = byte value. ``drop_newlines=True`` is the
-  paper-compatible enwik8 mode: the reference writes enwik8 as decimal byte numbers, one text line per line of
-  the data, and its loader turns lines into tokens without ``<eos>``, so byte 10 never reaches the model and the
-  vocabulary is the 204 bytes that occur, ordered by count. bpc in the two modes differs slightly.
-
-Encoding of files is done here with Python's own ``str.split`` and numpy lookups (exact by construction); the
-``tokenizers`` object from :meth:`Tokenizer.to_hf` gives the same ids for a text as :meth:`encode_file` gives for
-it as a file (each line framed as in training; tested on multi-line text), so Hugging Face users can load the saved
-``tokenizer.json`` with ``tokenizers.Tokenizer.from_file`` or ``PreTrainedTokenizerFast(tokenizer_file=...)``.
-"""
+Design notes: docs/internals.md#txldatatokenizer."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Transformer-XL in Hugging Face transformers 5: Hugging Face's TransfoXL classes (removed from transformers in
 version 5) over txl's model, registered with the Auto classes when this package is imported::
-
-    import txl.hf  # noqa: F401  (registers model_type "transfo-xl")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained("path/to/transfo-xl-folder")
-
-Needs the ``hf`` extra (``pip install 'transformer-xl[hf]'``: transformers 5 and PEFT). docs/interop.md, "Coming
-from transformers", says what differs from transformers 4.x's TransfoXL.
-"""
+Design notes: docs/internals.md#txlhf."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """Generation for txl.hf's language model: transformers' ``GenerationMixin`` with txl's memory as the cache, as
-transformers 4.x's TransfoXL did it.
-
-The contract is txl's own, not a transformers release's naming of its cache (5.24 renamed it from ``past_key_values``
-to ``cache`` and stopped carrying ``mems``): after each forward, ``_update_model_kwargs_for_generation`` keeps the
-memory under ``mems`` (a name every 5.x beam search reorders through ``_reorder_cache``), and
-``prepare_inputs_for_generation`` reads it from there. What it relies on in ``GenerationMixin`` is checked before the
-first step (:func:`check_generation_contract`).
-"""
+transformers 4.x's TransfoXL did it. Design notes: docs/internals.md#txlhfgeneration."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """Hugging Face's TransfoXL models as transformers-5 ``PreTrainedModel`` classes over txl's model.
-
-Each class is a thin adapter: the network is txl's (``txl.model``: ``TransformerXL`` and its adaptive softmax, the
-same modules, so hooks, PEFT's LoRA and quantised layers work on them); the adapter translates Hugging Face's
-arguments and outputs: memories time-major ([mem_len, batch, d_model]), a zero-filled first memory (``mem_init``),
-labels shifted inside, ``losses`` / ``prediction_scores`` (log-probabilities) / ``mems``, and the sequence
-classifier's pooling and problem types. Generation is transformers' ``GenerationMixin`` with ``mems`` as the cache,
-as transformers 4.x's TransfoXL did it.
-"""
+Design notes: docs/internals.md#txlhfmodeling."""
 
 from __future__ import annotations
 

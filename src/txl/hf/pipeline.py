@@ -1,13 +1,5 @@
 """``pipeline("text-generation")`` text for TransfoXL's word-level vocabularies.
-
-transformers 5's text-generation pipeline returns ``prompt_text + tokenizer.decode(new ids)``: right for tokenizers
-whose tokens carry their spaces (BPE, SentencePiece), but a word-level vocabulary's tokens carry none, so the
-continuation was glued to the prompt (``'the king is deadw17 ...'``; probes D4). transformers 4.x decoded the whole
-sequence and cut the decoded prompt off, which keeps the space (or its absence, as Moses detokenises punctuation).
-:class:`TransfoXLTextGenerationPipeline` does that for a :class:`~txl.hf.TransfoXLTokenizer` of words, and is
-transformers' own pipeline for every other tokenizer (it is registered as the task's class when ``txl.hf`` is
-imported, so ``pipeline("text-generation", ...)`` gives it without an argument).
-"""
+Design notes: docs/internals.md#txlhfpipeline."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Attention maps of a trained model (the paper's Appendix D, Figures 5-7): where each head looks, by relative distance.
-
-:func:`attention_maps` reads a text segment by segment with a memory, as evaluation does, and collects the attention
-probabilities of every layer and head (``output_attentions``): their mean over all queries at each relative distance
-``i - j`` (0 = the query itself), and the full [query x key] map of the last segment. ``txl attention`` plots them.
-"""
+Design notes: docs/internals.md#txlinferattention_maps."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Evaluation of a language model over a whole text, with the memory carried from segment to segment.
-
-:func:`evaluate` scores an id stream. For ``txl eval`` (and anything else that scores text with a trained
-model), :func:`eval_settings` resolves the settings (given values, else the run's ``eval`` section, else the
-model's own) and :func:`eval_text` reads the text with the model's own ``tokenizer.json``: the run's dataset, a
-folder of ``.txt`` files or a single text file.
-"""
+Design notes: docs/internals.md#txlinferevaluate."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Sampling from a Transformer-XL LM with a K/V-cached memory: the prompt once, then one token per step.
-
-Each step projects only the new token: the keys and values of the memory stay in a
-:class:`~txl.model.modeling.KVCache` (the last ``mem_len`` positions, the memory the uncached model would keep), and
-W_kR R is projected once. Prompts of different lengths go in one batch with left padding (``padding``), rows stop
-at their own stop token, and :func:`stream` yields every token as soon as it is chosen.
-"""
+Design notes: docs/internals.md#txlinfergeneration."""
 
 from __future__ import annotations
 

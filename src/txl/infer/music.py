@@ -1,16 +1,5 @@
 """Music from a REMI model: continue a piece (or start one) for some bars or events, keeping it valid REMI.
-
-:func:`compose` samples with the model's K/V cache (:func:`txl.infer.generation.stream`), each choice restricted to
-what REMI's grammar allows next (:class:`txl.data.remi_grammar.Grammar`: the event order, time forward inside the
-bar, notes inside their bars, no pitch struck twice at one position). It also measures what the grammar prevented:
-at every step the probability the model gave to invalid events (``invalid_mass``: the rate at which an unconstrained
-sampler at temperature 1 would break the grammar), and, with ``grammar=False``, the invalid events actually sampled.
-With the grammar, a pitch is also never struck while it still sounds (:class:`txl.data.remi_grammar.Sounding`):
-MIDI cannot hold one pitch twice, and the second note would shorten the first, a prompt's note included.
-
-The piece's MIDI is the decoded events (:meth:`txl.data.music.MusicTokenizer.decode_score`), the prompt's events
-first and unchanged, then the new ones, with the prompt's tempo.
-"""
+Design notes: docs/internals.md#txlinfermusic."""
 
 from __future__ import annotations
 

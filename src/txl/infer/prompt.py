@@ -1,19 +1,5 @@
 """Reading a prompt into a K/V cache in pieces, with what one pass of the whole prompt computes.
-
-A prompt read in one pass holds its attention's [T, K] mask (and, where no native kernel reads the scores in blocks,
-every head's [T, K] scores): quadratic in the prompt's length, 17 GB of mask alone for 130,000 characters of a
-character model. Read in pieces of ``chunk`` positions, each piece holds [chunk, K] and attends to what it would have
-attended to in one pass:
-
-- without ``same_length`` a query of the one pass sees the whole memory and every prompt position before it, so the
-  cache keeps everything while the prompt is read (the memory it started with and the prompt), and is cut to the last
-  ``mem_len`` positions after it, which is what the one pass leaves;
-- with ``same_length`` a query sees the last ``mem_len`` keys up to itself (``mem_len`` + 1 with tf_same_length),
-  which a window of ``mem_len`` kept between the pieces holds.
-
-The hidden states are those of the one pass up to the rounding of the products' other blocking
-(tests/test_kv_cache.py holds them to it).
-"""
+Design notes: docs/internals.md#txlinferprompt."""
 
 from __future__ import annotations
 

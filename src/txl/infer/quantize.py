@@ -1,18 +1,5 @@
 """Quantized inference on the CPU: the model's Linear layers in int8, for generation, evaluation and serving.
-
-Two recipes, both the libraries' own, applied to the loaded model as a user would apply them:
-
-- ``int8``: PyTorch's dynamic quantization (``torch.ao.quantization.quantize_dynamic(model, {nn.Linear})``): every
-  ``nn.Linear`` becomes a quantized module whose weights are int8 (per tensor) and whose inputs are quantized per
-  call; the products run on int8 (FBGEMM / oneDNN). Embeddings, LayerNorms, the attention's products and the
-  adaptive softmax's tied tables stay fp32.
-- ``int8-weight-only``: torchao's ``quantize_(model, Int8WeightOnlyConfig())``: each Linear's weight an int8 tensor
-  subclass (per channel) dequantized in the product; needs ``pip install 'transformer-xl[quant]'`` (torchao).
-
-A quantized layer is not a layer the fast paths know: each declines in one line and the model's own code runs, so a
-quantized model computes what its own forward computes (tests/test_quantized.py). What it costs and gains is in
-docs/benchmarks.md (benchmarks/quantized.py).
-"""
+Design notes: docs/internals.md#txlinferquantize."""
 
 from __future__ import annotations
 

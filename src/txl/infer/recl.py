@@ -1,21 +1,5 @@
 """Relative Effective Context Length (RECL, the paper's Sec. 4.3 and Appendix C).
-
-For a group of models M scored on the same tokens at context lengths c_0 < c_1 < ... (step Δ):
-
-* l_m(c, t): the loss of model m on token t with context length c (for Transformer-XL the memory length, for a
-  vanilla model the window length);
-* b(c, t) = min over m in M of l_m(c, t): the baseline, the best any model of the group does at that length;
-* T_r(c): the r-fraction of the tokens with the largest b(c, t) (the hard tokens; r = 1 is every token);
-* f_m(c, c') = mean over t in T_r(c) of min(b(c, t), l_m(c', t)): model m's relative loss at c' with the
-  baseline of c (so f(c, c) = the mean of b(c, t) over T_r(c), the same for every model);
-* g_m(c, c') = (exp f(c, c) - exp f_m(c, c')) / exp f(c, c): the relative gain in perplexity from extending the
-  context from c to c';
-* RECL_m = the first c whose gain to c + Δ is below the threshold (0.01): the context length beyond which more
-  context stops helping model m. If the gain never falls below it, RECL is at least the last length measured.
-
-RECL is relative: it depends on the group (through b), so models are compared within one group, as in the
-paper's Table 8 (r = 0.1, 0.5 and 1.0).
-"""
+Design notes: docs/internals.md#txlinferrecl."""
 
 from __future__ import annotations
 

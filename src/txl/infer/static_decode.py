@@ -1,33 +1,5 @@
 """Generation's one-token step with every shape and address fixed, replayed on CUDA as one graph.
-
-A cached step of one token (:class:`txl.model.modeling.KVCache`, ``TransformerXL._decode``) launches ~25 small kernels
-per layer from Python: on a GPU the step is bound by their launches, not by the arithmetic (the bench-char model:
-~0.35 ms of kernels per token, ~4 ms of launching them). A CUDA graph replays all of them in one launch, but only
-if no shape, address or host-side decision changes between steps. The KVCache's window does change (it grows to
-``mem_len``, then slides along its buffer), so the step here keeps the memory in a ring instead:
-
-* ``C = mem_len + 1`` slots per layer (the memory and the newest position), fixed; the position p of the sequence
-  lives in slot ``p % C``, written in place by ``index_copy_`` at a slot computed on the device;
-* each slot knows the position it holds (``slot_pos``, -1: empty) and whether it is padding (left-padded prompts);
-  the distance of each slot to the newest position is ``pos - slot_pos``;
-* the positional term (b)+(d) of the newest query is computed by distance, ``(q + v) W_kR R_d`` for d = 0..C-1
-  (W_kR R projected once), and read in slot order with one ``gather`` by those distances: the single newest query
-  needs no shift (Appendix B's shift aligns the rows of several queries);
-* empty slots, padding, and with ``same_length`` the keys at distance >= the window get -inf before the softmax.
-
-This is the same attention as the KVCache's, over the same keys, with the same positional terms; only the order in
-which the keys are summed differs (slot order, not time order): the same log-probabilities up to fp32 rounding
-(tested against the uncached model over a sliding window). Everything in a step reads and writes device tensors (the
-token ``ids``, ``pos``, the ring), so the step can be captured once (after a warm-up that is undone) and replayed
-per token: ``txl.infer.generation.stream`` does so on CUDA when ``Backends.graph_decode`` is on
-(:mod:`txl.kernels.backends`) and
-the model is attn_type 0. On the CPU the same step runs eagerly (tests); there the native decode kernel is faster.
-
-Threads: while one thread captures (a few milliseconds, once per generation), CUDA work that other threads of the
-process launch can be refused ("operation not permitted when stream is capturing", seen on an H100 with a thread
-multiplying matrices and synchronizing) or can invalidate the capture, in which case this generation goes on kernel
-by kernel. A process that generates while other threads use the GPU should turn ``graph_decode`` off
-(``txl.kernels.backends.set_backends``)."""
+Design notes: docs/internals.md#txlinferstatic_decode."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
 """Import Hugging Face TransfoXL checkpoints (``TransfoXLLMHeadModel`` / ``TransfoXLModel``).
-
-HF layout -> txl layout (see ``../shared/oracle/hf/README.md`` for the HF side):
-
-=============================================================  ===============================================
-``transformer.word_emb.emb_layers.{i}.weight``                 ``transformer.word_emb.emb_layers.{i}.weight``
-``transformer.word_emb.emb_projs.{i}``                         ``transformer.word_emb.emb_projs.{i}``
-``transformer.r_{w,r}_bias`` (untie_r=False)                   ``transformer.r_{w,r}_bias`` [H, Dh]
-``transformer.layers.{l}.dec_attn.r_{w,r}_bias`` (untie_r)     ``transformer.r_{w,r}_bias[l]`` of [L, H, Dh]
-``transformer.layers.{l}.dec_attn.{qkv,r,o}_net.weight``       ``transformer.layers.{l}.attn.{qkv,r,o}_net.weight``
-``transformer.layers.{l}.dec_attn.layer_norm.*``               ``transformer.layers.{l}.attn.layer_norm.*``
-``transformer.layers.{l}.pos_ff.CoreNet.{0,3}.*``              ``transformer.layers.{l}.ff.layer_{1,2}.*``
-``transformer.layers.{l}.pos_ff.layer_norm.*``                 ``transformer.layers.{l}.ff.layer_norm.*``
-``crit.{cluster_weight,cluster_bias,out_layers.*,out_projs.*}``  same names
-``transformer.pos_emb.inv_freq``                               dropped (checked: it is the standard sinusoid)
-=============================================================  ===============================================
-
-A bare ``TransfoXLModel`` checkpoint (keys without ``transformer.``) converts to the base model
-(``TransformerXL``). Tensors that HF ties but stores twice must be equal; they become one parameter.
-"""
+Design notes: docs/internals.md#txlinteropconvert."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """Import checkpoints of the original PyTorch code (kimiyoung/transformer-xl) and of NVIDIA's port of it
 (DeepLearningExamples ``TransformerXL/pytorch``), running none of their code.
-
-* The original ``train.py`` saves ``torch.save(model, 'model.pt')``: a pickle of the whole ``MemTransformerLM``
-  module, which names the original classes (``mem_transformer.*``, ``utils.proj_adaptive_softmax.*``) and, from
-  PyTorch 0.4/1.x, ``torch.nn`` internals that no longer exist. Its vocabulary is in the corpus cache,
-  ``torch.save(corpus, 'cache.pt')``, another pickle (a ``Corpus`` holding a ``Vocab``).
-* NVIDIA's ``checkpoint_{best,last}.pt`` is a pickled dict: ``model_state`` (a state dict with the original's
-  names), ``model_config`` (the constructor's arguments), ``vocab`` (the same ``Vocab``), ``args`` (an
-  ``argparse.Namespace``) and training state.
-
-Both are read only with ``--trust-pickle``, and then with :class:`Unpickler`, which admits the functions that
-rebuild tensors and plain containers; every class of the original code, of ``torch.nn`` and ``argparse`` becomes
-an inert :class:`Stub` that keeps its state and runs nothing; any other global (``os.system``, ``builtins.eval``,
-...) is refused before it is called, and the error names it. From the stubs, the module tree gives the state dict
-(tied parameters are one object in the pickle) and the attributes give the configuration.
-
-The names are the original's, which Hugging Face's port kept under ``transformer.``: the weights go through the
-same mapping as ``txl convert hf`` (:func:`txl.interop.convert.hf_state_dict_to_txl`), except the order of the adaptive
-softmax's cluster logits: the original's head gives tail cluster i the logit at column -i (``cluster_weight`` rows
-in reverse), txl's (like HF's and the TF code's) the one at ``cutoffs[0] + i - 1``, so those rows are reversed.
-Only the paper's attention (``attn_type`` 0) is imported; the original has one pair of biases u, v shared by all
-layers (``untie_r`` False).
-"""
+Design notes: docs/internals.md#txlinteropconvert_original."""
 
 from __future__ import annotations
 

@@ -1,35 +1,6 @@
 """Import the original TensorFlow code's checkpoints (``tf/``, and the paper's published models of
 ``tf/sota/download.sh``: ``pretrained_xl/tf_{wt103,enwik8,text8,lm1b}/model/model.ckpt-*``) without TensorFlow.
-
-TF variable (``tf/model.py``) -> the original PyTorch names (``txl.interop.convert`` maps those as for Hugging Face):
-
-==============================================================  ============================================
-``transformer/r_{w,r}_bias`` [H, Dh], or [L, H, Dh] (untie_r)  ``r_{w,r}_bias``, or per layer
-``transformer/adaptive_embed/lookup_table``, ``proj_W``        ``word_emb.emb_layers.0.weight``, ``emb_projs.0`` (T)
-``transformer/adaptive_embed/cutoff_{i}/{lookup_table,proj_W}``  ``word_emb.emb_layers.{i}.weight``, ``.emb_projs.{i}``
-``transformer/layer_{l}/rel_attn/{qkv,r,o}/kernel``            ``layers.{l}.dec_attn.{qkv,r,o}_net.weight`` (T)
-``transformer/layer_{l}/rel_attn/LayerNorm/{gamma,beta}``      ``layers.{l}.dec_attn.layer_norm.{weight,bias}``
-``transformer/layer_{l}/ff/layer_{1,2}/{kernel,bias}``         ``layers.{l}.pos_ff.CoreNet.{0,3}.*`` (kernel T)
-``transformer/layer_{l}/ff/LayerNorm/{gamma,beta}``            ``layers.{l}.pos_ff.layer_norm.*``
-``transformer/adaptive_softmax/bias`` (no cutoffs)             ``crit.out_layers.0.bias``
-``transformer/adaptive_softmax/cutoff_{i}/b``, ``proj``        ``crit.out_layers`` biases, ``crit.out_projs.{i}`` (T)
-``transformer/adaptive_softmax/cutoff_0/cluster_{W,b}``        ``crit.cluster_{weight,bias}`` (the same order)
-==============================================================  ============================================
-
-(T): transposed. The softmax weights are always the embedding tables (TF ties them); a softmax projection that is
-not in the file is tied to the embedding's (``proj_share_all_but_first``). A projection the TF code leaves out
-(``proj_same_dim=False`` where a cluster is already d_model wide, One Billion Word's head) is the identity.
-Optimizer slots (``*/Adam``, ``*/Adam_1``), ``global_step`` and the like are ignored. The layer norms of
-``tf.contrib.layers.layer_norm`` use epsilon 1e-12 (PyTorch's default is 1e-5): the converted model keeps 1e-12.
-
-A TF checkpoint holds no configuration: shapes give the architecture; the memory settings come from the options,
-else from the paper's evaluation scripts (``tf/sota/*.sh``) for the four published models, recognised by their
-vocabulary size. The converted model reads with the TF code's ``same_length`` window (``tf_same_length``: mem_len
-+ 1 keys, where the PyTorch code's has mem_len); with ``txl eval --zero_memory true`` (the TF code's memory starts
-as mem_len zero vectors) it reads a text as the TF code's evaluation did. The vocabulary is in the data folder's
-``cache.pkl`` (a pickle of the ``Corpus``: read only with
-``--trust-pickle``, as in :mod:`txl.interop.convert_original`).
-"""
+Design notes: docs/internals.md#txlinteropconvert_tf."""
 
 from __future__ import annotations
 

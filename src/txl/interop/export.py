@@ -1,11 +1,5 @@
 """ONNX export of one Transformer-XL segment step (``txl export onnx``), checked with onnxruntime right after.
-
-The exported graph is :class:`SegmentStep`: token ids ``[B, T]``, the per-layer memories stacked ``[n_layer, B, M,
-d_model]`` and a padding mask ``[B, M + T]`` (True = padding, e.g. left padding, or the slots of a memory that is
-not full yet) in; log-probabilities ``[B, T, V]`` (or ``[B, V]`` of the last position, ``last_only``) and the new
-memories ``[n_layer, B, M', d_model]`` (the last ``mem_len`` layer inputs, M' = min(M + T, mem_len)) out. Batch,
-segment and memory lengths are dynamic. The graph's metadata (``txl.*`` keys) says how to drive it.
-"""
+Design notes: docs/internals.md#txlinteropexport."""
 
 from __future__ import annotations
 

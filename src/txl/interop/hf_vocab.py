@@ -1,22 +1,5 @@
 """Import the vocabulary of a Hugging Face ``TransfoXLTokenizer`` as a txl ``tokenizer.json``, running no code.
-
-HF saves the vocabulary as ``vocab.pkl``, ``pickle.dump`` of the tokenizer's whole ``__dict__``: the symbols
-(``idx2sym``, ``sym2idx``), their counts, the settings, and a few objects (sacremoses' Moses tools, compiled
-regular expressions, ``tokenizers.AddedToken``, HF's ``Trie``). A pickle may name any function to call while it
-is read, which is how HF's own loader became CVE-2023-6730/7018. txl reads ``vocab.pkl`` only when the user
-passes ``--trust-pickle``, and even then with :class:`RestrictedUnpickler`:
-
-* plain data (dicts, lists, tuples, sets, strings, numbers, ``OrderedDict``, ``Counter``) is read as such;
-* the handful of classes and functions that HF's file names (:data:`INERT`) become inert stand-ins that keep
-  their arguments and state and do nothing;
-* any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...) is refused before anything is
-  called, and the error names it.
-
-A plain-text ``vocab.txt`` (HF's ``vocab_file``: the first field of each line, in order) needs no trust.
-The symbols keep HF's ids; ``<unk>``/``<eos>`` come from ``special_tokens_map.json`` or ``tokenizer_config.json``.
-HF reads raw text with Moses tokenisation: the converted tokenizer records the same pipeline (``txl.data.rawtext``),
-so new text (prompts, documents) gets HF's ids, while the already-tokenized dataset files keep the whitespace path.
-"""
+Design notes: docs/internals.md#txlinterophf_vocab."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
 """EleutherAI's lm-evaluation-harness with txl models: the ``txl`` model type (extra: ``transformer-xl[lmeval]``).
-
-    txl lm-eval --model txl --model_args pretrained=RUN_DIR,mem_len=640 --tasks wikitext --batch_size 8
-
-(``txl lm-eval`` is ``lm_eval`` with this module imported, which registers the model; in Python, ``import
-txl.interop.lm_harness`` and then ``lm_eval.simple_evaluate(model="txl", ...)``.) ``model_args``: ``pretrained`` (a run
-folder, step-N checkpoint or model folder), ``tgt_len``, ``mem_len``, ``clamp_len``, ``same_length`` (default: as
-``txl eval``: the run's eval section, else the model's), ``device``, ``precision``, ``threads``, ``max_gen_toks``.
-
-- ``loglikelihood_rolling``: the document scored as the paper evaluates, segment by segment with the memory carried;
-  every token is predicted once, the first from the line end (a text starts after one, as a line of a file does).
-  It equals ``txl eval`` on a file holding a line end and then the text.
-- ``loglikelihood``: context then continuation, read the same way (left-padded batches, the padding masked), the
-  log-probability of the continuation's tokens and whether each is the greedy choice.
-- ``generate_until``: the K/V-cached generation of ``txl generate`` (batched, left-padded prompts), greedy unless
-  ``do_sample``; the text stops before the first stop sequence (``until``). The task's ``generation_kwargs`` that
-  Hugging Face's ``generate()`` also takes: ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
-  ``no_repeat_ngram_size``, and ``num_beams`` (with ``length_penalty``, ``early_stopping``: Hugging Face's beam
-  search, which searches the whole ``max_gen_toks`` before the best text is cut at a stop sequence; with
-  ``do_sample``, sampling without beams, said in a note); any other is named in a note and not used.
-"""
+Design notes: docs/internals.md#txlinteroplm_harness."""
 
 from __future__ import annotations
 

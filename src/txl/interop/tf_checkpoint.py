@@ -1,12 +1,5 @@
 """Read TensorFlow checkpoints without TensorFlow: the TensorBundle format that ``tf.train.Saver`` writes.
-
-A checkpoint ``PREFIX`` is ``PREFIX.index``, a LevelDB-style sorted table whose keys are the variable names and
-whose values are ``BundleEntryProto`` messages (dtype, shape, data shard, offset and size), plus the data shards
-``PREFIX.data-00000-of-0000N`` that hold the raw little-endian tensor bytes. The key ``""`` holds the
-``BundleHeaderProto`` (number of shards, endianness). Only what a checkpoint of plain (unpartitioned) numeric
-variables needs is implemented: table blocks stored raw or snappy-compressed, a minimal protobuf decoder and the
-numeric dtypes. Nothing is executed; a malformed file is a :class:`CheckpointError` naming it.
-"""
+Design notes: docs/internals.md#txlinteroptf_checkpoint."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The network in Keras 3 (``keras.ops``: one definition for TensorFlow, JAX and PyTorch), section by section as the
 paper and ``txl.model`` have it: the adaptive input, the sinusoid table R, the relative attention with Appendix B's
 shift, the position-wise feed-forward layer, the layer, and the projected adaptive log-softmax.
-
-Shapes are batch-first inside (``[B, T, D]``); Hugging Face's time-major memories (``[mem_len, B, D]``) are the
-models' business (txl.keras.models). Every weight has the name and layout of txl's PyTorch weight it mirrors
-(``kernel``s are PyTorch's ``[out, in]``), so that a txl folder loads by name (txl.keras.weights).
-"""
+Design notes: docs/internals.md#txlkeraslayers."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Hugging Face's TensorFlow TransfoXL classes in Keras 3: the backbone (``TFTransfoXLModel``), the language model
 (``TFTransfoXLLMHeadModel``, with ``generate()`` and ``fit()`` over a token stream) and the classifier
-(``TFTransfoXLForSequenceClassification``), on any Keras backend.
-
-Their ``call`` takes Hugging Face's arguments (``input_ids``, ``mems``, ``head_mask``, ``inputs_embeds``, ``labels``,
-``output_attentions``, ``output_hidden_states``) and returns its outputs (``last_hidden_state`` / ``prediction_scores``
-/ ``logits``, ``mems`` as ``n_layer`` tensors ``[mem_len, batch, d_model]``, ``hidden_states``, ``attentions``,
-``losses``, ``loss``) as named tuples: ``out.mems``, ``out["mems"]`` and ``out[0]`` all work, and every backend's
-compiler takes them as a structure of tensors.
-
-The memory: ``mems=None`` starts from ``mem_len`` zero states (Hugging Face's and the TF code's ``mem_init="zeros"``;
-``mem_init="empty"`` starts from none, as the original PyTorch code). For ``fit()`` over a token stream the model
-carries the memory itself, from batch to batch (:meth:`TFTransfoXLLMHeadModel.carry_memory`, a stateful layer as
-Keras's stateful RNNs have: a fixed batch size, ``reset_memory()`` to start over).
-"""
+(``TFTransfoXLForSequenceClassification``), on any Keras backend. Design notes: docs/internals.md#txlkerasmodels."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Weights both ways, no pickle: a txl folder or a Hugging Face 4.x TransfoXL folder into a Keras model, and a Keras
 model back into a txl folder. (Keras's own ``.keras`` files are ``model.save`` / ``keras.saving.load_model``: a zip of
-JSON and HDF5, no pickle either.)
-
-Reading goes through txl's PyTorch loaders (``TransformerXLLM.from_pretrained``, ``txl.interop.convert``), so that a
-folder is checked as ``txl eval`` checks it (its config, every weight's name, shape and dtype, tied copies equal, no
-pickle unless asked) and fails with the same one-line errors. Every weight then goes to the Keras variable of the
-same name (``variables(model)``: txl's state-dict name -> variable; tied names share one variable).
-"""
+JSON and HDF5, no pickle either.) Design notes: docs/internals.md#txlkerasweights."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
 """Whether a fast path may stand in for the user's modules: the one rule, in one place.
-
-A fast path computes a module's math a second time (the one-token decode loop and decode.c, the native and fused
-attention kernels, the native NLL over the output layers' weights, a plain linear layer's weight read directly). It
-is admitted for a module only where that module is *stock*, checked at every call, cheaply (the modules' own dicts,
-no ``nn.Module`` attribute lookups):
-
-* its class is exactly one that txl registered as stock (:func:`stock`: txl's model classes, ``nn.Linear``,
-  ``nn.LayerNorm``...), not a subclass, not a parametrized or wrapped layer (PEFT's LoRA, a quantised layer);
-* no method of its class, or of the stock classes it inherits from, was replaced or added since it was registered
-  (``PositionwiseFF.forward = my_forward``);
-* the instance has no attribute of its own that shadows a method (``layer.ff.forward = ...``);
-* no hook runs when it is called: its own forward, forward-pre and backward hooks, and the global module hooks;
-* for a module tree (the decode paths read every weight of the layers): every module in it.
-
-A change to a stock class's source (an edit of ``PositionwiseFF.forward`` in txl's file) leaves all of this as it
-was: :func:`verified` is the second half of the rule. The first time in a process that a fast path runs for a kind
-of model, it runs the reference too, on the same input, and compares; a fast path that computes something else is
-declined for that kind of model for the rest of the process.
-
-A fast path that is declined says so once per process and reason (a warning of the ``txl`` logger, which the
-commands print): the module, what is changed, the path declined. The model's own code then runs: the result is what
-the changed model computes, at the speed of its general path. An unchanged model keeps every fast path
-(tests/test_changed_models.py asserts both).
-"""
+Design notes: docs/internals.md#txlkernelsadmission."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Which fast paths may run: the one policy that chooses the backends of txl's named operations.
-
-Every fast path computes what the model's reference code computes (up to fp32 rounding; the tests hold each one to
-it), so the choice changes speed, never meaning. :class:`Backends` names each choice; :func:`backends` is the one
-in force: the process's (:func:`set_backends`), or the one a :func:`use_backends` block gives its thread or task.
-
-    with use_backends(native_attention=False):   # the PyTorch kernels, for this block only
-        loss = model(x, y).loss
-
-``txl train`` prints the policy in its log and records it in each checkpoint's ``metadata.json``.
-"""
+Design notes: docs/internals.md#txlkernelsbackends."""
 
 from __future__ import annotations
 

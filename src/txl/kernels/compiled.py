@@ -1,16 +1,7 @@
 """The layer call, a named operation with two backends: the module's own forward (the reference) and, for training
 on the devices of ``Backends.compiled_layers``, the same forward traced by ``torch.compile`` (Inductor): one graph
 per layer shape, shared by every layer of that shape (the modules' parameters are its inputs), forward and backward.
-
-What the compiler gains on a GPU is the passes between the products: the eager step launches a kernel for every add,
-cast, mask, softmax and dropout of the [B, H, T, K] scores and for the layer norms; the graph fuses them (the shift
-of Appendix B becomes an index into the raw (b)+(d) rows), and the launches fall from hundreds per layer to tens.
-
-The traced code is the reference's: the model's own modules are called (hooks, LoRA and quantised layers are traced
-with them), the policy it reads is the caller's (:func:`txl.kernels.backends.traced_policy`, with the native CPU
-kernels off: a graph cannot call them), and nothing is cached on the modules. A memory of another length is another
-shape: the first segment (no memory) and the following ones are two graphs.
-"""
+Design notes: docs/internals.md#txlkernelscompiled."""
 
 from __future__ import annotations
 

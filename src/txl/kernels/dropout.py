@@ -1,19 +1,4 @@
-"""Dropout, the named operation, and where its masks come from.
-
-On the CPU a run's masks come from one of two streams (:func:`masks`), each drawing one value of torch's generator
-per call, so ``torch.manual_seed`` and a saved RNG state fix them:
-
-* ``"philox"``: Philox4x32-10 keyed by a 64-bit seed. The native one-pass kernel (``Backends.native_dropout``, relu
-  fused in: ``Backends.native_relu_dropout``) and its reference, :func:`txl.kernels.philox.dropout` in PyTorch
-  operations, draw the same mask, bit for bit: the backend chosen never changes what a run computes.
-* ``"torch"``: two 24-bit uniforms from every 64-bit word of torch's generator (half the cost of ``nn.Dropout``'s
-  draw, the same distribution); no native kernel.
-
-A new process uses ``"philox"`` where the native dropout can run (its library built, the switch on) and is faster
-than torch's mask here (measured once, ``txl.kernels.measured``: on an AVX2-only CPU it can be slower), else
-``"torch"``; ``txl train`` records the stream of a run in its checkpoints and a resumed run keeps it
-(:func:`use_masks`), whatever this machine has. On other devices, and in code being compiled, ``F.dropout``.
-Kept elements are ``x * (1 / (1 - p))``, as in ``nn.Dropout``."""
+"""Dropout, the named operation, and where its masks come from. Design notes: docs/internals.md#txlkernelsdropout."""
 
 from __future__ import annotations
 

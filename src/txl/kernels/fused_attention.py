@@ -1,28 +1,6 @@
 """attn_type 0's relative attention as one fused Triton kernel, FlashAttention-style, forward and backward: a
 backend of :func:`txl.kernels.attention.rel_attention` (``Backends.fused_attention``, a list of devices).
-
-For query i (absolute position M+i, M = K - T) and key j the score is (q_i+u).k_j + (q_i+v).r[c], c = T-1-i+j: the
-column of W_kR R (laid out [H, Dh, W], column c = distance K-1-c) that the shift of Appendix B would move under key
-j. No [B, H, T, K] tensor is stored: each program walks the keys in blocks with an online softmax. Per tile of
-BLOCK queries x BLOCK keys, the position term is one product of the queries with the 2*BLOCK columns of R the tile
-can read (a [BLOCK, 2*BLOCK] band), from which each (i, j) takes its column by ``tl.gather`` (the shift as an
-index); the backward scatters the scores' gradient back into that band the same way, giving W_kR R's gradient
-(atomic adds: many programs share columns) and the queries'.
-
-* Masks: a boolean [T, K] or [B, 1, T, K] tensor (True = masked), read per tile; a tile with no visible key is
-  skipped. Attention dropout: each kept probability is scaled by 1/(1-p); the mask is Philox keyed by a seed drawn
-  by torch's generator into a device tensor (so a compiled step or a CUDA graph draws a new one each time) and
-  counted by (b, h, i, j), regenerated in the backward (the same distribution as
-  ``F.dropout``, another random stream: :func:`dropout_keep` gives the mask, so that tests compare with it).
-* Precision: the products in the operands' dtype with fp32 accumulation (fp32 operands in IEEE fp32 unless
-  ``torch.backends.cuda.matmul.allow_tf32``), the softmax in fp32, the probabilities rounded to the values' dtype
-  for their product, as the reference does.
-* Registered as ``torch.ops.txl.rel_attention`` / ``rel_attention_backward`` (``torch.library`` custom ops with fake
-  implementations and autograd), so that torch.compile and export see one op, not a Python function.
-* Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported): the
-  test suite holds them to the reference that way. The interpreter's bf16 ``tl.dot`` is wrong in triton 3.9, so under
-  it bf16 operands are multiplied in fp32 (``DOT_F32``); a GPU multiplies them in bf16.
-"""
+Design notes: docs/internals.md#txlkernelsfused_attention."""
 
 from __future__ import annotations
 

@@ -1,34 +1,6 @@
 """A cached segment's pass through every layer (evaluation, scoring), a named operation with two backends: the layers'
 own forward (the reference) and, on the devices of ``Backends.graph_segments`` (CUDA), the same kernels replayed as
-CUDA graphs.
-
-Why: on a GPU a cached evaluation step in bf16 is bound by launching its kernels from Python, not by running them.
-The WT103 base model at NVIDIA's evaluation setting (batch 32, tgt_len 64, mem_len 640; 16 layers of ~30 kernels)
-runs ~4 ms of kernels per step, and launched one by one took 17 ms (117,214 tok/s on an H200, 3.4% MFU); replayed as
-graphs, 7.9 ms (258,887 tok/s; docs/benchmarks.md).
-
-When: a step of T > 1 positions on a K/V cache whose window has the same length as at the step before (once the
-memory is full, every step does), no padding in it, no per-layer output asked for, attn_type 0, its products in half
-precision (under autocast, or a half-precision model). The same step in fp32 is bound by its arithmetic (45% of the
-fp32 GEMM peak), and graphs made it 4-6% slower on the H200: it runs eagerly.
-
-A graph replays fixed kernels on fixed addresses, so it is keyed by everything they read from the host: the
-segment's and the memory's lengths, the mask's settings, clamp_len, the input's shape and dtype, autocast, the cache's
-buffers, the parameters' addresses and dtypes, and the hooks (with a forward hook registered anywhere in the model,
-e.g. after a capture, the reference runs). The cache moves its window along its buffer (``KVCache.begin``) through a
-cycle of offsets: one graph per offset, all sharing one memory pool (at most ``MAX_GRAPHS``; a step at another offset
-runs the reference). The first step of a key runs the reference; from the next one on, the first step at each offset
-runs the layers (the warm-up a capture needs; its result is this step's) and then records them; later steps at that
-offset replay the graph.
-
-Exactness: the graph runs the reference's kernels on the same operands (the keys at another place of the buffer):
-the same values, checked on the GPU by benchmarks/gpu_paper.py (the losses of both paths, step by step: equal). On
-the CPU, where tests run, the stand-in for a graph is the step traced by ``make_fx`` (every host-side value, every
-offset and length, fixed at the trace, as a graph fixes them), replayed on the same static input:
-tests/test_backends_exact.py holds it to the reference. Under autocast the weights' casts are part of the graph (the
-capture runs with autocast's cache off, as CUDA graphs require), so weights changed in place are read at each replay.
-A capture that fails (another thread's CUDA work can break one, see ``txl.infer.static_decode``) leaves the cache's
-steps on the reference."""
+CUDA graphs. Design notes: docs/internals.md#txlkernelsgraphs."""
 
 from __future__ import annotations
 

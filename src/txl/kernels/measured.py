@@ -1,27 +1,5 @@
 """Whether a CPU fast path is faster than the reference on this machine: measured where it is used, kept per machine.
-
-The native kernels were written on AVX-512 machines; on a CPU with AVX2 only, PyTorch's kernels can be faster (the
-native attention made a bench-char training step 1.5x slower on a 2-core AVX2 EPYC). So each CPU fast path runs
-only where it was measured faster here, and a shared, noisy machine must not be able to fool that:
-
-* **paired and alternating** (:func:`paired`, the package's one timer): after one warm-up call of each, ``ROUNDS``
-  rounds that time the fast path and the reference back to back, which goes first alternating; the ratio of each
-  round (reference / fast) is a sample. With gradients the backward is timed too (``torch.autograd.grad`` with
-  respect to the operands: no parameter's ``.grad`` is touched); torch's random state is forked around it;
-* **a confidence rule**: the choice is *settled* only where the median ratio is further from 1 than ``Z`` standard
-  errors of the median (estimated from the samples' spread: 1.2533 x 1.4826 x MAD / sqrt(n), in log space). A
-  choice within the noise is used for now but not settled: it is measured again (its samples pooled with the
-  latest ones, at most ``MAX_SAMPLES``) when the next process first uses it, and in a process after ``RETRY_S``
-  (at most ``MAX_TRIES`` times: a long run pays a bounded cost for a choice that stays within the noise);
-* **re-measured when it may have changed**: the key includes torch's, txl's and the native library's versions (an
-  upgrade measures again, a path measured slower included); a settled choice expires after ``LIFETIME_S`` times the
-  square of its margin (a 1.5x choice made with a 2% error lasts the 30-day cap, one barely past the rule a day);
-* the choice is kept in memory and in ``measured.json`` beside the native library (``~/.cache/txl/native``), under
-  this machine's key (CPU model and flags, versions, threads); every new measurement is logged once (the ``txl``
-  logger) and ``txl --version`` lists each choice with its ratio, error and state.
-
-``Backends.measured`` False (``TXL_MEASURE=0``; the tests) runs every fast path wherever it applies.
-"""
+Design notes: docs/internals.md#txlkernelsmeasured."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Philox4x32-10 in PyTorch operations: the reference of the native dropout's mask stream (native/dropout.c).
-
-Element ``i = 64c + 16j + l`` of a mask keyed by ``seed`` takes 32-bit word ``j`` of the Philox4x32-10 block of
-counter ``16c + l`` (key: the seed's low and high 32 bits) and is kept iff that word is at least
-``round(p * 2**32)``. Each decision depends only on (seed, i), so this mask is the native kernel's, bit for bit, on
-any machine: a run whose masks are Philox's (``txl.kernels.dropout.masks``) continues with the same masks where the
-native library is missing (``TXL_NATIVE=0``, no C compiler), at this code's speed (about 8x the cost of PyTorch's
-own mask, which draws another stream).
-
-The 32 x 32-bit products are made of two 16-bit halves in int64 (no value reaches 2**63).
-"""
+Design notes: docs/internals.md#txlkernelsphilox."""
 
 from __future__ import annotations
 

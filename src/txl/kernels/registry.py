@@ -1,23 +1,5 @@
 """The fast paths: every backend of txl's named operations, in one registry, chosen by one dispatch.
-
-A named operation (``dropout``, ``rel_attention``, ``adaptive_nll``, ``decode_step``...) is a function of kernels/
-that the model calls with its own code as the *reference* (a closure over the module's call). A *backend* is a
-faster way to compute the same thing. :func:`dispatch` runs a backend in place of the reference only where all of
-these hold, checked in this order, the same for every backend:
-
-1. **the policy**: its switch in :class:`~txl.kernels.backends.Backends` is on for the operands' device;
-2. **it applies** (:attr:`Backend.applies`: dtype, device, the library built; silent where it does not);
-3. **the module is stock** (``txl.kernels.admission``: no subclass, patched method, shadowing attribute, hook;
-   deep: every module under it): else declined, said once;
-4. **verified**: the first time in the process for a kind of operands (the module's class, dtype, device, gradients,
-   and what the caller adds), the backend and the reference run on the caller's input, each from the same random
-   state, and must agree (fp32: 1e-4 of the largest value; half precision 3e-2); else declined for that kind;
-5. **measured** (CPU backends): it runs only where it was measured faster than the reference on this machine
-   (``txl.kernels.measured``: paired, alternating, re-measured where the difference is within the noise).
-
-A new fast path is a :func:`register` call (its name, operation, switch, ``applies``) and a :func:`dispatch` call in
-the operation's function; tests/test_registry.py then holds it to every rule above.
-"""
+Design notes: docs/internals.md#txlkernelsregistry."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """Process settings that make txl faster on the machine it runs on, each one checked before it is used.
-
-* :func:`configure_allocator` keeps glibc from returning large freed blocks to the kernel (and from serving
-  blocks of up to 32 MiB with fresh ``mmap`` pages), so the large temporaries of every step are not page-faulted
-  again: 13% of a bench-char training step on a 2-core EPYC (exact: memory management only).
-* :func:`choose_fp32_matmul` decides whether fp32 matrix products may go through oneDNN
-  (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``): where that is faster and exact. On AMD CPUs MKL's
-  fp32 GEMM does not use AVX-512 (measured 2x slower than oneDNN on a Zen 5 EPYC); on a CPU with native bf16
-  matrix units (AMX) the same setting computes in bf16, and which kernel oneDNN picks depends on the product's
-  shape. So the choice changes nothing by itself: :class:`CheckedRoute`, entered around the work (``txl train``
-  enters it around its steps and validations), sends each fp32 product through the route only after the route
-  computed a product of exactly that shape and layout to fp32 accuracy (against float64), and every other one on
-  the default path. Nothing is set process-wide: the setting is on only for the products checked exact.
-
-``txl eval`` and ``txl generate`` set the allocator only: the route pays for the large products of training, but
-evaluation's are narrower (per-head products of d_head columns) and measured slower on it (bench-char / bench-word
-evaluation 0.91x / 0.84x on an AVX-512 EPYC), and one-token products 3x slower (generation keeps the default path:
-``fp32_route(False)`` around its steps).
-"""
+Design notes: docs/internals.md#txlkernelsruntime."""
 
 from __future__ import annotations
 

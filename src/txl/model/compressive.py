@@ -1,33 +1,6 @@
 """12. The Compressive Transformer (Rae, Potapenko, Jayakumar, Lillicrap, "Compressive Transformers for Long-Range
 Sequence Modelling", ICLR 2020): Transformer-XL whose memories are not discarded when they fall out of the memory.
-
-    "At each time step t, we discard the oldest compressed memories (FIFO) and then the oldest n states from
-    ordinary memory are compressed and shifted to the new slot in compressed memory."
-
-Each layer i keeps its memory m^i (the last mem_len layer inputs, as Transformer-XL) and a compressed memory cm^i of
-cmem_len slots. After a segment, the layer inputs that leave the memory are compressed c = cmem_ratio at a time by
-that layer's f_c^i, and the slots are appended to cm^i (its oldest dropped beyond cmem_len). The attention reads
-[cm^i; m^i; h^i] with Transformer-XL's relative encoding over the whole span, a compressed slot counting as one
-position (the index distance, as the authors' Sonnet code and the public ports read it).
-
-Where the paper is silent, txl chooses (docs/compressive.md):
-
-* **Fewer than c leave the memory** (a segment shorter than c, generation one token at a time): they stay in the
-  memory until c of them can be compressed together, so the memory holds mem_len to mem_len + c - 1 positions and
-  the groups are always c consecutive positions counted from the text's start, whatever the segment length.
-* **most_used** keeps, of each group of c, the memory that received the most attention (averaged over the heads
-  and the queries) from the segment that evicts it.
-* **dilated_conv**: a stack of convolutions of kernel 2 with dilations 1, 2, 4, ... over each group of c (its
-  receptive field exactly the group, ReLU between them): one slot per group.
-
-Training (the paper's Sec. 3.2): the memories are stop-gradients, so the language model's loss never reaches f_c;
-f_c is trained by the attention-reconstruction loss alone, which stops the gradient of everything else: the
-layer's input h, the evicted memories and the attention's weights,
-
-    L_attn = sum_i || attn(h^i, old_mem^i) - attn(h^i, f_c^i(old_mem^i)) ||^2,   attn(h, m) = softmax(q k^T) v
-
-(content-based: q from h, k and v from m, by the layer's own projections, no positional term; the mean over the
-elements, summed over the layers)."""
+Design notes: docs/internals.md#txlmodelcompressive."""
 
 from __future__ import annotations
 

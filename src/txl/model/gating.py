@@ -1,12 +1,7 @@
 """11. GTrXL (Parisotto et al., "Stabilizing Transformers for Reinforcement Learning", 2020): the gating layers that
 replace the residual additions. With the identity-map reordering (``identity_map``: LayerNorm at each sub-module's
 input, ReLU on its output) each layer computes, for its sub-modules f (the attention, then the feed-forward),
-
-    y = ReLU(f(LN(x)))          x' = g(x, y)
-
-where g is x + y (TrXL-I) or one of the gates below (the GTrXL paper's Sec. 3.2 and Table 2; x is the residual
-stream, the layer's input, y the sub-module's output). b_g starts at ``gate_bias``: a large b_g closes the gates that
-have one, so each block starts near the identity map (the paper's GRU gate; RLlib and DI-engine use 2.0)."""
+Design notes: docs/internals.md#txlmodelgating."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Saving and loading models: ``config.json`` + ``model.safetensors``, never pickle.
-
-Tied parameters (embedding/softmax weights, tied projections) are one ``nn.Parameter`` in the model; the file
-stores each of them once, under its first name; loading rebuilds the model and re-ties them (``tie_weights``).
-"""
+Design notes: docs/internals.md#txlmodelpretrained."""
 
 from __future__ import annotations
 

@@ -1,32 +1,5 @@
 """Acting with every shape and address fixed: the step of N environments replayed on CUDA as one graph.
-
-``MemoryTransformer.step`` over an :class:`~txl.rl.memory.AgentMemory` (a ``KVCache``) decides on the host where the
-window is (it grows to ``mem_len``, slides along its buffer once every ``mem_len + 1`` steps) and launches some 25
-small kernels per layer from Python: on a GPU, with thousands of environments, the step is bound by those launches.
-:class:`RingMemory` keeps the memory in a ring instead, as generation's static step does (txl.infer.static_decode):
-
-* ``C = mem_len + 1`` slots per layer (the memory and the newest step); step p of the run lives in slot ``p % C``,
-  written in place at a slot computed on the device; every environment steps together, so one ``slot_pos`` [C]
-  says which step each slot holds (-1: none yet);
-* ``valid`` [N, C]: the slot holds a step of the environment's current episode. A reset clears the environment's
-  row (its whole memory is masked, never attended again) and zeroes its keys, values and layer inputs (a NaN of the
-  earlier episode must not reach the new one as 0 x NaN);
-* the positional term (b)+(d) of the newest query is computed by distance, ``(q + v) W_kR R_d`` for d = 0..C-1, and
-  read in slot order by one ``gather``; masked slots get -inf before the softmax;
-* the layer inputs are kept per slot too (``hidden``): ``state()`` reads the last ``mem_len`` of them in time order,
-  a training window's start, and an update's new weights recompute every slot's keys and values from them.
-
-The arithmetic is the one-token step of the layers (``TransformerXLLayer.step``: the layers' own output, gate and
-feed-forward modules called), over the same keys with the same positional terms; only the order in which the keys
-are summed differs (slot order): what ``AgentMemory``'s step computes up to fp32 rounding (tests/test_rl_acting.py).
-Everything a step reads and writes is a device tensor (the observations and resets are copied into fixed buffers),
-so on CUDA it is captured once (after a warm-up that is undone) and replayed per step. On the CPU the same step runs
-eagerly: a stand-in the tests hold to the reference (there the KVCache's step in C is faster).
-
-It applies only to stock layers (``txl.kernels.admission``, the path ``graph_act``): where a hook, an adapter or a
-changed class is on the layers, each step is the reference (``MemoryTransformer.window`` of one step, which calls
-the modules), said once in the log; where one is on the input layer, the step runs without the graph.
-"""
+Design notes: docs/internals.md#txlrlacting."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """Memory for agents: Transformer-XL (or GTrXL) over any vectors, the memory of N parallel environments with their
 episode boundaries, a one-step acting path and a window path for training.
-
-- ``step(x [N, d_input], reset [N])`` acts for every environment at once, against a cache of each layer's keys and
-  values that is updated in place (``AgentMemory``). A reset masks that environment's whole memory: nothing from
-  before its episode's start is attended (a zero memory would still be).
-- ``window(x [N, T, d_input], resets [N, T], state)`` replays T steps with gradients from the memory at the window's
-  start (``MemoryState``: each layer's input at the last M steps, what a rollout stores once per window). Each query
-  sees the last M steps and itself, never a key from an earlier episode (block-diagonal in time). It computes what T
-  calls of ``step`` compute (tests/test_rl_memory.py).
-
-Memory cost per environment (L layers, memory M, width D, H heads of Dh, b bytes per value):
-- acting (``AgentMemory``): the cache's keys and values and the layer inputs, for 2 (M + 1) positions (the buffer
-  slides to its front once every M + 1 steps instead of shifting every step): 2 (M + 1) L (2 H Dh + D) b bytes;
-- a training window's start (``MemoryState``): L M D b bytes and M flags, once per window of T steps: L M D b / T
-  bytes per stored sample.
-"""
+Design notes: docs/internals.md#txlrlmemory."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """txl's GTrXL as a TorchRL module: TensorDict in, TensorDict out, with the conventions of TorchRL's own recurrent
 modules (``torchrl.modules.LSTMModule`` / ``GRUModule``), so that a TorchRL user swaps it in for an LSTM:
-
-- ``in_keys`` = [input, memory, valid, "is_init"], ``out_keys`` = [output, ("next", memory), ("next", valid)];
-- the memory (each layer's input at the last M steps, [L, M, D] per environment) and its validity ([M], bool) are
-  state entries of the tensordict, made by ``make_tensordict_primer()`` (zeros: an empty, all-invalid memory);
-- ``is_init`` (from ``torchrl.envs.InitTracker``) starts an episode: the memory before it is masked, not zeroed;
-- sequential mode (collection): one step per call, any batch shape; recurrent mode
-  (``with torchrl.modules.set_recurrent_mode(True)``: losses, GAE) takes [B, T] and replays each row as one window
-  from the memory stored at its first step, episodes block-diagonal in time: the same features as the steps.
-
-Needs the ``rl`` extra (torchrl, tensordict). The fast acting path of txl itself (a key/value cache updated in place,
-``MemoryTransformer.step``) keeps its memory out of the tensordict; this module keeps TorchRL's stateless contract.
-"""
+Design notes: docs/internals.md#txlrltorchrl_module."""
 
 from __future__ import annotations
 

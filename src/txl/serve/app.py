@@ -1,25 +1,5 @@
 """``txl serve``: an HTTP API (FastAPI) over a trained model, with a web page, batched streaming generation and
-long-text scoring.
-
-Endpoints: ``POST /v1/generate`` (JSON, or server-sent events with ``"stream": true``), ``POST /v1/score``,
-``GET /v1/model``, ``GET /health``, ``GET /`` (the page; OpenAPI docs at ``/docs``), OpenAI's
-``POST /v1/completions`` and ``GET /v1/models``, so that clients of that API work unchanged, and vLLM's
-``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``, so that lm-evaluation-harness's
-``local-completions`` model scores and generates through the server with the model's own tokenizer. Every model
-call runs on the :class:`~txl.serve.engine.Engine`'s thread, which batches concurrent generations step by step; the
-event
-loop only decodes text and talks HTTP.
-
-No request can take the server down: every request's cost is bounded before it is admitted (:class:`ServeLimits`),
-one that fails ends alone with an error (OpenAI's shape, :mod:`txl.serve.http`; a stream ends with an error event
-and ``[DONE]``), and :meth:`Server.drain` (SIGTERM) stops admitting, lets the work in flight finish for a grace time
-and ends what is left with ``finish_reason: "shutdown"``.
-
-The app is assembled here from its parts: the request schemas and limits (:mod:`txl.serve.schemas`), the server's
-state (:mod:`txl.serve.state`), how a generation reaches its client (:mod:`txl.serve.streams`), the routers of each
-endpoint group (:mod:`txl.serve.routes_txl`, :mod:`txl.serve.routes_openai`, :mod:`txl.serve.routes_pages`) and the
-HTTP plumbing in front of them (:mod:`txl.serve.http`: the gate, the errors, the connection timeouts).
-"""
+long-text scoring. Design notes: docs/internals.md#txlserveapp."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
 """The engine behind ``txl serve``: one thread owns the model and runs every model call, so none run concurrently.
-
-Generation requests are batched step by step (continuous batching): a new request's prompt is run alone into its
-own :class:`~txl.model.modeling.KVCache`, then the cache joins the running batch (:meth:`KVCache.merge`, each row's
-memory
-right-aligned, so each row computes what it would alone); every decoding step runs one token for every row at
-once; a finished or cancelled request leaves between two steps (:meth:`KVCache.select`). Requests with different
-memory lengths run in separate batches, taken in turn. Each request samples with its own random generator, so a
-seed gives the same tokens whatever else is running. Other work is a job: run whole between two steps, or (a
-scored text) one segment per step beside the generations. Models whose keys cannot be cached (absolute positions,
-attn_type 2 and 3) generate one request at a time, a token per step.
-A beam search (``num_beams`` > 1, :func:`txl.infer.generation.beam_steps`) is a batch of its own, one step of it beside
-each decoding step of the others; when it ends it emits its best text token by token, and a cancelled one stops at
-its next step.
-One cap holds for all of it: at most ``max_batch`` rows in flight (a generation is a row, a beam search one per beam,
-a scored text one), whatever their memory lengths; the rest waits in a queue of at most ``max_queue``
-(:class:`QueueFull` beyond), admitted by fairness across callers (:mod:`txl.serve.scheduling`).
-A request can ask for the log-probabilities of its tokens (the model's, before temperature and filtering): of each
-new token with its most likely alternatives (``logprobs``), and of each prompt token given the ones before it
-(``prompt_logprobs``, from the prompt's own forward pass).
-
-Failures stay with their request: whatever goes wrong in one request's step (sampling, penalties that leave no
-token, non-finite log-probabilities, a beam step, a caller whose callback raises) ends that request alone with
-``finish_reason`` error; a failing model call ends the batch it ran. :meth:`Engine.drain` ends the engine's work
-cleanly (no new work, a grace time, then finish_reason shutdown for what is left).
-
-The engine knows nothing about HTTP: tokens go to a callback, from the engine's thread.
-"""
+Design notes: docs/internals.md#txlserveengine."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """The HTTP plumbing of ``txl serve`` around its endpoints: OpenAI's error bodies, the gate every request passes
 (the API key, the body-size limit, the count of responses in flight) and the offline API page at ``/docs``.
-
-Every error, on every endpoint, is OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with
-OpenAI's status codes (400 invalid request, 401 no or wrong key, 404 unknown model or path, 413 body too large, 429
-busy, 500 the server failed the request, 503 shutting down or failed), so OpenAI's clients show the message.
-"""
+Design notes: docs/internals.md#txlservehttp."""
 
 from __future__ import annotations
 

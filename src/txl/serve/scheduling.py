@@ -1,10 +1,5 @@
 """Who gets a row of the serving engine (txl.serve.engine): the counts, the order of admission, the rows taken back.
-
-At most ``max_batch`` rows are in flight; parked generations (waiting for their callers) hold none up to
-``max_parked`` of them, one each beyond. Waiting requests are admitted by max-min fairness across callers (a
-request's ``group``: the caller holding the fewest rows first, first come first served among equals), and once one
-has waited ``fair_wait`` a row is taken back for it from a caller holding more (:meth:`RowScheduler._reclaim`).
-The engine's thread alone calls these (with the lock held where they read the waiting queue)."""
+Design notes: docs/internals.md#txlservescheduling."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """How a generation travels from the engine to a client, for both generation endpoints (txl's and OpenAI's): its
 submission (refusals as 429 / 503), its tokens as text (cut before stop strings), as one summary or as server-sent
 events, and the bounds that keep a client that does not read (or has left) from holding memory or a row:
-
-* the engine generates at most ``ServeLimits.stream_buffer_tokens`` tokens that the client has not taken
-  (:attr:`Generation.read`, advanced here as the response takes each token); with as many, the generation waits,
-  its row given to others, until the client takes half of them (``Engine.max_unread``);
-* the several choices of one OpenAI request are merged through a queue of one item per choice (:func:`merged`), so
-  nothing is produced ahead of what the response sends;
-* a response whose client reads nothing for ``ServeLimits.stream_timeout`` seconds is closed (``txl.serve.http.Gate``);
-* a client that leaves before a whole (non-streamed) answer or a score is ready cancels it within
-  ``DISCONNECT_POLL`` seconds (:func:`unless_disconnected`), freeing its row.
-"""
+Design notes: docs/internals.md#txlservestreams."""
 
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
 """Training checkpoints: ``RUN/checkpoints/step-N/`` folders that count only once their marker is written.
-
-A checkpoint folder holds
-
-- ``model.safetensors`` + ``config.json``: the model (loadable with ``TransformerXLLM.from_pretrained``);
-- ``tokenizer.json``: the tokenizer the model was trained with;
-- ``run.json``: the resolved run configuration (all sections);
-- ``train_state-rank{r}.pt``: everything else process ``r`` needs to continue exactly: step and token counts,
-  optimizer, scheduler and grad-scaler state, every RNG, the data iterator's position, the memories of each of
-  its gradient-accumulation chunks, and the logging accumulators. Tensors and primitives only, read with
-  ``torch.load(weights_only=True)``;
-- ``metadata.json``: step, tokens, validation loss, best step, world size, versions, the fp32 GEMM route (CPU);
-- ``COMPLETE``: the marker, written last.
-
-It is written as ``.step-N.partial/`` and renamed to ``step-N/`` after the marker, so a folder named ``step-N``
-without a marker never exists unless something outside txl made it; both are ignored when resuming. Every file
-is written through :func:`txl.util.fileio.atomic_path` (fsync of the file and its folder before the rename).
-
-A run folder is used by one ``txl train`` at a time: :class:`RunLock` holds an exclusive ``flock`` on
-``RUN/.lock`` for the whole run. The kernel releases it when the process dies, however it dies, so a lock left
-by a killed run never blocks the next one.
-"""
+Design notes: docs/internals.md#txltraincheckpoint."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
 """Fine-tuning the sequence-classification head (``txl finetune``) and predicting with it (``txl predict``).
-
-A document of any length is read segment by segment with the memory carried, as the paper evaluates; the label is
-predicted from the last position's hidden state. Documents of a batch are left-padded to a whole number of segments
-(the padding is masked out, and, being on the left, changes no relative distance), so each is read exactly as it
-would be alone. The gradient reaches the last ``grad_segments`` segments (through the memory between them); earlier
-segments only provide the memory. ``memory: false`` reads the last segment alone (the fixed-context baseline).
-
-Data: a folder with ``train.csv`` or ``train.jsonl`` (and ``valid.*``; without one, every tenth training row is held
-out), each row a ``text`` and a ``label``: a class name (``task: single``), a list of class names (``task: multi``;
-in CSV separated by ``|``) or a number (``task: regression``). A run folder holds ``finetune.json`` (this
-configuration and the label names), ``metrics.jsonl`` and ``checkpoints/step-N/`` folders (model, tokenizer, state),
-from which a run resumes exactly.
-"""
+Design notes: docs/internals.md#txltrainfinetune."""
 
 from __future__ import annotations
 

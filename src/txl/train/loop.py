@@ -1,19 +1,6 @@
 """What every training loop of txl shares: ``txl train``'s :class:`~txl.train.trainer.Trainer` and ``txl finetune``'s
 :class:`~txl.train.finetune.Finetuner` are both a :class:`TrainingLoop`.
-
-The loop owns one optimizer update (unscale, clip, the non-finite checks, the GradScaler's step), the stop
-conditions (``max_steps``, ``max_time``, SIGTERM or a first Ctrl-C: the step finishes, a checkpoint is saved, the
-run stops; a second Ctrl-C interrupts at once), the cadence of validation and checkpoints, and the final validation
-and save. A subclass says how one step computes its loss (:meth:`train_one`), how it validates (:meth:`validate`)
-and what it saves (:meth:`save`).
-
-Nothing is lost with a step or a validation that fails (out of memory, a non-finite loss, a bad batch): where one
-process runs, the steps before it are saved first, then the error goes up; under torchrun, where every process fails
-alike (a non-finite loss or gradient norm, all-reduced), all of them save together. A step that fails before the
-optimizer changes the weights is undone first (:meth:`progress` and :meth:`rewind`: the data's position, the
-memories, the random state), so that its checkpoint is the one a run saving at that step writes, and ``--resume``
-goes on exactly.
-"""
+Design notes: docs/internals.md#txltrainloop."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """The training loop: segment-level recurrence over an ordered stream, with exact resume.
-
-One optimizer step takes one (global) batch of ``tgt_len`` tokens per column. Each process owns a contiguous
-block of the columns (``torchrun``: DistributedDataParallel averages the gradients); its columns are split into
-``batch_chunk`` chunks that accumulate gradients, and every chunk carries its own memory from step to step.
-Before every update the loss and the gradient norm are checked: a non-finite value stops training with an error
-naming the step, and the weights never see it.
-
-Everything the next step depends on is in the checkpoint (see ``txl.train.checkpoint``), so a run stopped anywhere -
-SIGTERM, SIGKILL, a crash while writing a checkpoint - and resumed from its last complete checkpoint produces the
-same losses and weights, bit for bit, as one that never stopped (same device, process count and threads).
-"""
+Design notes: docs/internals.md#txltraintrainer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Process-group plumbing for ``torchrun``: who am I, which device, and the few collectives the trainer needs.
-
-Launched by ``torchrun`` the environment has ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; otherwise this is a
-world of one and every collective is a no-op. CPU uses the gloo backend, CUDA nccl.
-"""
+Design notes: docs/internals.md#txlutildistributed."""
 
 from __future__ import annotations
 

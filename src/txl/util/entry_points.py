@@ -1,10 +1,5 @@
 """Methods of a lower layer's classes that a higher layer carries out, named here and imported when first called.
-
-``TransformerXLLM.generate`` (Hugging Face's ``model.generate``) is the one: generation is built on the model
-(``txl.infer.generation``: the K/V cache, the sampling loop), so the model layer cannot import it, yet users call it on
-the model. The model's method asks :func:`implementation` for the function; nothing patches the class from outside,
-and ``import txl`` imports nothing it does not use. tests/test_architecture.py checks that every name resolves.
-"""
+Design notes: docs/internals.md#txlutilentry_points."""
 
 from __future__ import annotations
 

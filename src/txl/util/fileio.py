@@ -1,19 +1,5 @@
 """Crash-safe writes: after a crash a file holds its old content or its complete new content, never a torn mix.
-
-Every file txl writes (weights, training state, metadata, checkpoint markers, tokenizers, cached ids, extracted
-datasets) goes through :func:`atomic_path`: the content is written to a temporary file in the same folder, the
-temporary file is fsynced, renamed over the destination, and the folder is fsynced, so the rename itself survives
-a power cut. On any error the temporary file is removed and the destination is untouched. A failure to write (a
-full disk, a read-only folder, a file-size limit) is an ``OSError`` that names the destination: torch's and
-safetensors' own writers report such failures as ``RuntimeError``/``SafetensorError``, so :func:`save_torch` and
-:func:`save_safetensors` turn them back into the ``OSError`` they came from.
-
-A folder that one command writes over its whole life (a run folder, a corpus cache) is held with
-:class:`FolderLock`: an exclusive ``flock`` on ``FOLDER/.lock``, which the kernel releases when the process dies,
-however it dies. Every command that writes such a folder takes it, and a second one gets the same message.
-Commands that write their whole output at once (:func:`staged_folder`, :func:`staged_file`) check first that
-they would not write, or replace, anything inside a locked folder another command is writing.
-"""
+Design notes: docs/internals.md#txlutilfileio."""
 
 from __future__ import annotations
 

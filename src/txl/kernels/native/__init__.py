@@ -1,25 +1,6 @@
 """Native kernels, built on first use with the machine's C compiler: the cached one-token decoding step, the
 attention (inference, and training's forward and backward), dropout (and relu + dropout) and the softmax's negative
-log-likelihood.
-
-Generation spends most of its time in the Python and dispatch around small kernels: one token of the bench-char
-model is ~15 MFLOP, run as ~20 PyTorch calls per layer. ``decode.c`` runs every layer of one cached step in one
-call (the same computation as ``TransformerXL._decode``, up to fp32 rounding), reading each weight once.
-``attention.c`` runs the attention of evaluation and prompts per head without a [B, H, T, K] tensor in memory (the
-(b)+(d) rows read at their shift in place, the mask, the softmax, the value sum); in training it keeps the
-probabilities, and ``attention_grad.c`` is its backward (the shift undone in place, the causally masked keys
-skipped). ``dropout.c`` is dropout in one pass with a counter-based random stream (Philox4x32-10) keyed by a seed
-drawn from torch's generator: PyTorch's CPU generator draws its words one at a time on one core. ``nll.c`` is the
-adaptive softmax's loss per cluster, -log_softmax(x)[target] and its gradient, without the [N, V] log-probabilities
-(and, in the backward, without PyTorch's zero-filled [N, V] gradient of the gather).
-
-The library is compiled the first time it is needed (``cc -O3 -march=native -fopenmp``, about a second), into
-``$TXL_NATIVE_CACHE`` (default ``~/.cache/txl/native``), under a name that depends on the source, the compiler
-and the CPU, so a changed source, compiler or machine builds again. Without a compiler, or if the build fails,
-txl uses the PyTorch path: :func:`status` says which and why. ``TXL_NATIVE=0`` in the environment (or
-``txl.set_backends(native_kernels=False)``) turns the kernels off; ``TXL_NATIVE_CFLAGS`` replaces the compiler
-flags (e.g. ``"-O3 -march=x86-64-v3 -fopenmp"`` for one library that runs on every AVX2 machine of a cluster).
-"""
+log-likelihood. Design notes: docs/internals.md#txlkernelsnative."""
 
 from __future__ import annotations
 
