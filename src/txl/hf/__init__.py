@@ -1,5 +1,5 @@
 """Transformer-XL in Hugging Face transformers 5: Hugging Face's TransfoXL classes (removed from transformers in
-version 5) over txl's model, registered with the Auto classes when this package is imported::
+version 5) over txl's model, registered with the Auto classes when this package is imported.
 Design notes: docs/internals.md#txlhf."""
 
 from __future__ import annotations

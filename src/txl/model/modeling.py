@@ -1,5 +1,5 @@
 """Transformer-XL (Dai et al., 2019, "Attentive Language Models Beyond a Fixed-Length Context"): the model, as one
-import. Read it top to bottom like the paper, one file per concept (each under ~500 lines):
+import. Read it top to bottom like the paper, one file per concept (each under ~500 lines), as imported below.
 Design notes: docs/internals.md#txlmodelmodeling."""
 
 from txl.kernels.dropout import Dropout, dropout_seed

@@ -1,5 +1,5 @@
 """txl's GTrXL as a TorchRL module: TensorDict in, TensorDict out, with the conventions of TorchRL's own recurrent
-modules (``torchrl.modules.LSTMModule`` / ``GRUModule``), so that a TorchRL user swaps it in for an LSTM:
+modules (``torchrl.modules.LSTMModule`` / ``GRUModule``), so that a TorchRL user swaps it in for an LSTM.
 Design notes: docs/internals.md#txlrltorchrl_module."""
 
 from __future__ import annotations

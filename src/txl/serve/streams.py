@@ -1,6 +1,6 @@
 """How a generation travels from the engine to a client, for both generation endpoints (txl's and OpenAI's): its
 submission (refusals as 429 / 503), its tokens as text (cut before stop strings), as one summary or as server-sent
-events, and the bounds that keep a client that does not read (or has left) from holding memory or a row:
+events, and the bounds that keep a client that does not read (or has left) from holding memory or a row.
 Design notes: docs/internals.md#txlservestreams."""
 
 from __future__ import annotations
