@@ -12,6 +12,7 @@ import torch
 
 from train_helpers import ROOT, assert_same_weights, final_weights, losses, train_args
 from txl.train.checkpoint import list_checkpoints, load_states
+from txl.util.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # torchrun processes (make test-all and CI run them)
 
@@ -138,6 +139,10 @@ def test_a_compressive_transformer_trains_under_ddp_as_on_one_process(tmp_path):
     _launch(train_args(tmp_path, "single", **settings), 1)
     _launch(train_args(tmp_path, "ddp", **settings), 2)
     _close(losses(tmp_path / "ddp"), losses(tmp_path / "single"), 1e-5)
+    recon = {run: [(r["step"], r["recon"]) for r in read_metrics(tmp_path / run) if r["split"] == "train"]
+             for run in ("single", "ddp")}  # fmt: skip
+    assert any(v > 0 for _, v in recon["single"])  # (the logged recon: the mean over processes, as the loss)
+    _close(recon["ddp"], recon["single"], 1e-5)
     w1, w2 = final_weights(tmp_path / "single"), final_weights(tmp_path / "ddp")
     assert any(k.startswith("transformer.compress.") for k in w1)
     for k in w1:

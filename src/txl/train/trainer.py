@@ -216,7 +216,7 @@ class Trainer(TrainingLoop):
         self.tokens = 0
         self.acc = {"loss": 0.0, "steps": 0, "tokens": 0, "time": 0.0}
         self._epoch = 0
-        self._batch_tokens, self._recon = 0, None
+        self._batch_tokens, self._recon = 0, None  # (recon: a float, the mean over processes)
         if self.checkpoint_to_load is not None:
             self._check_resumable(self.checkpoint_to_load)
             with naming_an_earlier_checkpoint(self.checkpoint_to_load):
@@ -515,8 +515,10 @@ class Trainer(TrainingLoop):
             self.mems[c] = out.mems
             loss_sum += loss.detach()
             recons += [] if recon is None else [recon.detach().float() / n]
-        self._recon = torch.stack(recons).sum() if recons else None
-        return self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
+        done = self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
+        recon = float(torch.stack(recons).sum()) if recons else None  # (the mean over processes, as the loss's)
+        self._recon = None if recon is None else all_reduce_sum(w, recon)[0] / w.size
+        return done
 
     # -- the loop (txl.train.loop) ----------------------------------------------------------------------------
 
@@ -549,8 +551,8 @@ class Trainer(TrainingLoop):
         self.tokens += self._batch_tokens
         for key, value in (("loss", loss), ("steps", 1), ("tokens", self._batch_tokens), ("time", seconds)):
             self.acc[key] += value
-        if self._recon is not None:  # (this process's attention-reconstruction loss)
-            self.acc["recon"] = self.acc.get("recon", 0.0) + float(self._recon)
+        if self._recon is not None:  # (the attention-reconstruction loss)
+            self.acc["recon"] = self.acc.get("recon", 0.0) + self._recon
         self.reporter.advance(1, loss=f"{loss:.3f}")
         if self.step % self.tc.log_interval == 0:
             self._log_train(norm)
