@@ -93,6 +93,7 @@ class Engine(RowScheduler):
         self._draining = False  # no new work is taken
         self._cut = False  # what is left ends now (finish_reason shutdown)
         self._stopping = False  # the thread ends once nothing is left
+        self._warm()
         self._thread = threading.Thread(target=self._run, name="txl-engine", daemon=True)
         self._thread.start()
 
@@ -187,6 +188,17 @@ class Engine(RowScheduler):
                 self._loop()
         except BaseException as e:  # noqa: B036 - every request is ended and the failure reported below
             self._die(e)
+
+    def _warm(self) -> None:
+        """One forward of two tokens before the engine takes requests: the first call of torch's custom ops (the fast
+        paths') imports torch._dynamo (2 s on a 2-core machine), which the first request would pay on the engine's
+        thread, every other request and a leaving client's cancel waiting behind it. A failure is left to the first
+        request."""
+        try:
+            with torch.no_grad(), fp32_route(False):
+                self.model.transformer(torch.zeros(1, 2, dtype=torch.long, device=self.device), reading=self.reading)
+        except Exception as e:  # (the same call fails again, for a request, with its error)
+            print(f"txl serve: the warm-up call failed ({type(e).__name__}: {e})", file=sys.stderr)
 
     def _die(self, e: BaseException) -> None:
         """The thread failed outside any one request: end everything with an error and take no more work."""
