@@ -299,10 +299,10 @@ class Reading:
         if mem_len is None and same_length is None and clamp_len is None and cmem_len is None:
             return self
         return Reading(
-            self.mem_len if mem_len is None else mem_len,
-            self.same_length if same_length is None else same_length,
-            self.clamp_len if clamp_len is None else clamp_len,
-            self.cmem_len if cmem_len is None else cmem_len,
+            mem_len=self.mem_len if mem_len is None else mem_len,
+            same_length=self.same_length if same_length is None else same_length,
+            clamp_len=self.clamp_len if clamp_len is None else clamp_len,
+            cmem_len=self.cmem_len if cmem_len is None else cmem_len,
         )
 
     @staticmethod

@@ -115,10 +115,10 @@ class RowScheduler:
             return None
         return self._stuck(item)
 
-    def _stuck(self, item: Generation | _Job) -> _Parked | None:
+    def _stuck(self, item: Generation | _Job, load: Counter | None = None) -> _Parked | None:
         """The oldest parked generation whose caller is not taking its tokens, of a caller holding more rows than
-        ``item``'s (running or parked), or None."""
-        load = self._load()
+        ``item``'s (running or parked; ``load``: :meth:`_load`'s, if the caller has it), or None."""
+        load = self._load() if load is None else load
         mine = load[caller(item)]
         stuck = [p for p in self._parked if not self._resumable(p.request) and load[caller(p.request)] > mine]
         return min(stuck, key=lambda p: p.since) if stuck else None
@@ -128,10 +128,10 @@ class RowScheduler:
         parked: a stuck one (:meth:`_stuck`: a caller that does not read holds a generation only while no one
         waits), else the oldest of the caller holding the most, if it holds more than ``item``'s + 1 (the rule of
         running rows: every caller holding one row, a new caller waits for one to end)."""
-        stuck = self._stuck(item)
+        load = self._load()
+        stuck = self._stuck(item, load)
         if stuck is not None:
             return stuck
-        load = self._load()
         heavy = [p for p in self._parked if load[caller(p.request)] > load[caller(item)] + 1]
         return min(heavy, key=lambda p: (-load[caller(p.request)], p.since)) if heavy else None
 

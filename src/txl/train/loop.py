@@ -130,15 +130,17 @@ class TrainingLoop:
 
     # -- one update -----------------------------------------------------------------------------------------------
 
-    def update(self, loss_sum: torch.Tensor, where: str) -> tuple[float, float]:
+    def update(self, loss_sum: torch.Tensor, where: str, *extra: torch.Tensor) -> tuple[float, ...]:
         """After the backward pass(es) of a step: unscale, clip the global gradient norm to ``clip`` (0: no clipping;
         the norm is still checked), refuse a non-finite loss or gradient before the weights change, and step.
-        ``loss_sum`` is this process's loss (a 0-d tensor); returns (the mean loss over processes, the norm)."""
+        ``loss_sum`` is this process's loss (a 0-d tensor), ``extra`` other 0-d values of this process's to log (a
+        Compressive Transformer's reconstruction loss); returns (the mean loss over processes, the norm, the mean of
+        each extra value): one device-to-host copy and one reduction for all of them."""
         w = self.world
         self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip > 0 else math.inf)
-        local_loss, norm_value = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one device-to-host copy
-        loss_value = all_reduce_sum(w, local_loss)[0] / w.size
+        local_loss, norm_value, *local_extra = torch.stack([loss_sum.float(), norm.float(), *extra]).tolist()
+        loss_value, *extra_values = (v / w.size for v in all_reduce_sum(w, local_loss, *local_extra))
         if not math.isfinite(loss_value):
             raise NonFiniteStep(f"non-finite training loss ({loss_value}) at {where}: {self.retry_hint}")
         if not math.isfinite(norm_value) and not self.scaler.is_enabled():
@@ -146,7 +148,7 @@ class TrainingLoop:
         self._updating = True  # (from here a failure may leave the weights half updated: nothing is saved then)
         self.scaler.step(self.optimizer)  # fp16: skips the update (and lowers the scale) on inf/nan gradients
         self.scaler.update()
-        return loss_value, norm_value
+        return loss_value, norm_value, *extra_values
 
     # -- the loop -------------------------------------------------------------------------------------------------
 

@@ -515,10 +515,10 @@ class Trainer(TrainingLoop):
             self.mems[c] = out.mems
             loss_sum += loss.detach()
             recons += [] if recon is None else [recon.detach().float() / n]
-        done = self.update(loss_sum, f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})")
-        recon = float(torch.stack(recons).sum()) if recons else None  # (the mean over processes, as the loss's)
-        self._recon = None if recon is None else all_reduce_sum(w, recon)[0] / w.size
-        return done
+        where = f"step {self.step + 1:,} (after {self.tokens:,} tokens, lr {lr:.3g})"
+        loss, norm, *recon = self.update(loss_sum, where, *([torch.stack(recons).sum()] if recons else []))
+        self._recon = recon[0] if recon else None  # (the mean over processes, as the loss's)
+        return loss, norm
 
     # -- the loop (txl.train.loop) ----------------------------------------------------------------------------
 
