@@ -7,21 +7,3 @@ from txl.data.readers import Layout, find_splits
 from txl.data.sources import DATASETS, get_dataset
 from txl.data.text import FileRange
 from txl.data.tokenizer import Tokenizer
-
-__all__ = [
-    "DATASETS",
-    "Batch",
-    "Corpus",
-    "DataConfig",
-    "DataError",
-    "FileRange",
-    "Layout",
-    "OrderedIterator",
-    "SentenceShard",
-    "SentenceStreamIterator",
-    "Tokenizer",
-    "cached_corpus",
-    "find_splits",
-    "get_dataset",
-    "prepare_corpus",
-]

@@ -36,20 +36,6 @@ from txl.hf.modeling import (  # noqa: E402
 from txl.hf.pipeline import TransfoXLTextGenerationPipeline, register  # noqa: E402
 from txl.hf.tokenization import TransfoXLTokenizer  # noqa: E402
 
-__all__ = [
-    "TransfoXLConfig",
-    "TransfoXLForSequenceClassification",
-    "TransfoXLLMHeadModel",
-    "TransfoXLLMHeadModelOutput",
-    "TransfoXLModel",
-    "TransfoXLModelOutput",
-    "TransfoXLPreTrainedModel",
-    "TransfoXLSequenceClassifierOutputWithPast",
-    "TransfoXLTextGenerationPipeline",
-    "TransfoXLTokenizer",
-    "txl_config",
-]
-
 # transformers' own registry (the model type is no longer built in, so nothing is overridden)
 AutoConfig.register("transfo-xl", TransfoXLConfig, exist_ok=True)
 AutoModel.register(TransfoXLConfig, TransfoXLModel, exist_ok=True)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from txl.interop.convert import hf_config_to_txl
+from txl.interop.convert import SAME_NAMES, hf_config_to_txl
 from txl.model.modeling import TransformerXLConfig
 
 
@@ -102,11 +102,7 @@ class TransfoXLConfig(PreTrainedConfig):
         Hugging Face's TransfoXL cannot describe (txl's own variants: attn_type 1-3, GTrXL gates, identity_map,
         tf_same_length) is one error naming what differs."""
         d = config.to_dict()
-        fields = {k: d[k] for k in (
-            "cutoffs", "d_model", "d_embed", "n_head", "d_head", "d_inner", "div_val", "pre_lnorm", "n_layer",
-            "mem_len", "clamp_len", "same_length", "tie_projs", "attn_type", "dropout", "dropatt", "untie_r", "init",
-            "init_range", "proj_init_std", "init_std", "layer_norm_epsilon", "pad_token_id", "num_labels",
-        )}  # fmt: skip
+        fields = {k: d[k] for k in (*SAME_NAMES, "attn_type", "num_labels")}
         out = cls(vocab_size=d["n_token"], tie_word_embeddings=d["tie_weight"], mem_init="empty", **fields | kwargs)
         back = out.to_txl().to_dict()
         differ = sorted(k for k in d if k not in kwargs and back.get(k) != d[k])
@@ -120,11 +116,7 @@ class TransfoXLConfig(PreTrainedConfig):
 
 def txl_config(config: TransfoXLConfig) -> TransformerXLConfig:
     """txl's :class:`~txl.model.modeling.TransformerXLConfig` of a Hugging Face TransfoXL configuration."""
-    fields = {k: getattr(config, k) for k in (
-        "vocab_size", "cutoffs", "d_model", "d_embed", "n_head", "d_head", "d_inner", "div_val", "pre_lnorm",
-        "n_layer", "mem_len", "clamp_len", "same_length", "tie_projs", "attn_type", "dropout", "dropatt", "untie_r",
-        "init", "init_range", "proj_init_std", "init_std", "layer_norm_epsilon", "pad_token_id",
-        "tie_word_embeddings", "num_labels",
-    )}  # fmt: skip
+    names = (*SAME_NAMES, "vocab_size", "tie_word_embeddings", "attn_type", "num_labels")
+    fields = {k: getattr(config, k) for k in names}
     fields["model_type"] = "transfo-xl"
     return hf_config_to_txl(fields, "TransfoXLConfig")

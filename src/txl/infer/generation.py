@@ -157,6 +157,27 @@ def choose(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def _new_cache(
+    model: TransformerXLLM, input_ids: Tensor, mems: list[Tensor] | None, reading: Reading, max_new_tokens: int
+) -> KVCache:
+    """A K/V cache for ``input_ids`` [B, T] and ``max_new_tokens`` after them (a short generation: a small buffer),
+    holding ``mems`` where they are given."""
+    B, T = input_ids.shape
+    written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.config, B, reading.mem_len, T, positions=written, device=input_ids.device, dtype=dtype)
+    if mems:
+        model.transformer.fill_cache(cache, mems, reading.mem_len)
+    return cache
+
+
+def _reading(model: TransformerXLLM, reading: Reading | None, mem_len: int | None) -> Reading:
+    reading = Reading.of(reading, model.config, mem_len=mem_len)
+    if reading.mem_len <= 0:
+        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    return reading
+
+
 def _stepper(
     model: TransformerXLLM, input_ids: Tensor, padding: Tensor | None, mems: list[Tensor] | None, reading: Reading,
     max_new_tokens: int,
@@ -164,13 +185,8 @@ def _stepper(
     """The step of :func:`stream` (ids [B, n] and their padding -> the last position's hidden state [B, D]) and the
     K/V cache it reads through (None for attn_type 2, 3: absolute positions move with the window, so the memory is
     recomputed each step)."""
-    B, T = input_ids.shape
     if supports_kv_cache(model.config):
-        written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens  # (a short generation: a small buffer)
-        dtype = next(model.parameters()).dtype
-        cache = KVCache(model.config, B, reading.mem_len, T, positions=written, device=input_ids.device, dtype=dtype)
-        if mems:
-            model.transformer.fill_cache(cache, mems, reading.mem_len)
+        cache = _new_cache(model, input_ids, mems, reading, max_new_tokens)
 
         def cached(ids: Tensor, pad: Tensor | None = None) -> Tensor:  # (a long prompt in pieces; a token in one)
             with contextlib.nullcontext() if ids.shape[1] > 1 else fp32_route(False):  # (3x slower routed)
@@ -229,10 +245,7 @@ def stream(
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty [batch, seq_len] tensor")
-    reading = Reading.of(reading, model.config, mem_len=mem_len)
-    mem_len = reading.mem_len
-    if mem_len <= 0:
-        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    reading = _reading(model, reading, mem_len)
     if padding is not None and (padding.shape != input_ids.shape or bool(padding[:, -1].any())):
         raise ValueError("padding must be [batch, seq_len], True on the left of each prompt (its last token is real)")
     was_training = model.training
@@ -244,9 +257,8 @@ def stream(
             h = step(input_ids, padding)
             decoder = None  # the later steps as one CUDA graph, where it applies
             if static_decode.applies(model, h.device, max_new_tokens):  # (attn_type 0: the K/V cache above)
-                decoder = static_decode.StaticDecoder(
-                    model, cache, mem_len, graph=h.device.type == "cuda", reading=reading
-                )
+                graph = h.device.type == "cuda"
+                decoder = static_decode.StaticDecoder(model, cache, reading.mem_len, graph=graph, reading=reading)
                 cache = None  # (the decoder's ring holds the memory now: the cache's buffers can go)
             stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
             pad_id = int(stops[0]) if pad_id is None and len(stops) else pad_id
@@ -322,8 +334,7 @@ def beam_steps(
     new token) and returns the result (``StopIteration.value``), so a caller can run other work between two steps
     or stop the search (``close()``). Arguments and result as :func:`beam_search`'s. Until it ends or is closed the
     model stays in eval mode and a :func:`~txl.model.modeling.transposed_weights` scope stays open: do not train the
-    model
-    between two steps."""
+    model between two steps."""
     if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"beam search needs num_beams >= 2 and 1 <= num_return_sequences <= num_beams ({num_beams})")
     if not supports_kv_cache(model.config):
@@ -331,10 +342,7 @@ def beam_steps(
     check_sampling(max_new_tokens)
     B, T = input_ids.shape
     K, dev = num_beams, input_ids.device
-    reading = Reading.of(reading, model.config, mem_len=mem_len)
-    mem_len = reading.mem_len
-    if mem_len <= 0:
-        raise ValueError("generation carries memory between steps: set mem_len > 0")
+    reading = _reading(model, reading, mem_len)
     eos = [int(e) for e in eos_token_ids]
     fill = pad_id if pad_id is not None else (eos[0] if eos else 0)  # (after a hypothesis, and in done rows)
     if max_new_tokens == 0:  # (nothing to search: every hypothesis is the prompt)
@@ -345,12 +353,7 @@ def beam_steps(
     was_training = model.training
     model.eval()
     try:
-        written = (mems[0].shape[1] if mems else 0) + T + max_new_tokens
-        cache = KVCache(
-            model.config, B, mem_len, T, positions=written, device=dev, dtype=next(model.parameters()).dtype
-        )
-        if mems:
-            model.transformer.fill_cache(cache, mems, mem_len)
+        cache = _new_cache(model, input_ids, mems, reading, max_new_tokens)
         with transposed_weights():
             # The prompt's one pass, once per prompt: its K beams start from copies of its keys, values and state.
             h = read_prompt(model, input_ids, cache, reading, padding)[:, -1]  # [B, D]
@@ -490,11 +493,9 @@ def generate_like_hf(
         raise ValueError("give min_new_tokens or min_length (which counts the prompt), not both")
     least = min_new_tokens if min_new_tokens is not None else max(0, (min_length or 0) - input_ids.shape[-1])
     penalties = Penalties(
-        repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        min_new_tokens=least,
+        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=least,
         eos_token_ids=tuple(stops),
-    )
+    )  # fmt: skip
     if beams:
         return beam_search(
             model, input_ids, max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
@@ -506,20 +507,10 @@ def generate_like_hf(
         padding = None if padding is None else padding.repeat_interleave(num_return_sequences, 0)
         mems = None if mems is None else [m.repeat_interleave(num_return_sequences, 0) for m in mems]
     return generate(
-        model,
-        input_ids,
-        max_new_tokens,
-        temperature=temperature if do_sample else 0.0,
-        top_k=top_k if do_sample else 0,
-        top_p=top_p if do_sample else 1.0,
-        mem_len=mem_len,
-        generator=generator,
-        padding=padding,
-        stop_tokens=stops,
-        pad_id=pad_token_id,
-        mems=mems,
-        penalties=penalties,
-    )
+        model, input_ids, max_new_tokens, temperature=temperature if do_sample else 0.0,
+        top_k=top_k if do_sample else 0, top_p=top_p if do_sample else 1.0, mem_len=mem_len, generator=generator,
+        padding=padding, stop_tokens=stops, pad_id=pad_token_id, mems=mems, penalties=penalties,
+    )  # fmt: skip
 
 
 # Hugging Face generate() options: their values that change nothing here, and why the others are not honoured.

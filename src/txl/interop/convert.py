@@ -21,60 +21,24 @@ from txl.model.pretrained import (
     tied_aliases,
 )
 
-# HF config field -> txl config field (fields not listed are ignored: the hub's files carry many).
-_CONFIG_MAP = {
-    "vocab_size": "n_token",
-    "n_token": "n_token",
-    "n_layer": "n_layer",
-    "d_model": "d_model",
-    "n_head": "n_head",
-    "d_head": "d_head",
-    "d_inner": "d_inner",
-    "d_embed": "d_embed",
-    "div_val": "div_val",
-    "cutoffs": "cutoffs",
-    "tie_word_embeddings": "tie_weight",
-    "tie_projs": "tie_projs",
-    "dropout": "dropout",
-    "dropatt": "dropatt",
-    "pre_lnorm": "pre_lnorm",
-    "untie_r": "untie_r",
-    "same_length": "same_length",
-    "clamp_len": "clamp_len",
-    "mem_len": "mem_len",
-    "layer_norm_epsilon": "layer_norm_epsilon",
-    "init": "init",
-    "init_std": "init_std",
-    "init_range": "init_range",
-    "proj_init_std": "proj_init_std",
-    "pad_token_id": "pad_token_id",
+SAME_NAMES = (
+    "n_layer", "d_model", "n_head", "d_head", "d_inner", "d_embed", "div_val", "cutoffs", "tie_projs", "dropout",
+    "dropatt", "pre_lnorm", "untie_r", "same_length", "clamp_len", "mem_len", "layer_norm_epsilon", "init", "init_std",
+    "init_range", "proj_init_std", "pad_token_id",
+)  # fmt: skip
+"""The configuration fields Hugging Face's TransfoXL and txl both have under one name."""
+CONFIG_MAP = {"vocab_size": "n_token", "n_token": "n_token", "tie_word_embeddings": "tie_weight"} | {
+    k: k for k in SAME_NAMES
 }
-# HF's TransfoXLConfig defaults (the WT103 model), for fields a config.json leaves out.
-_HF_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 267735,
-    "cutoffs": [20000, 40000, 200000],
-    "d_model": 1024,
-    "d_embed": 1024,
-    "n_head": 16,
-    "d_head": 64,
-    "d_inner": 4096,
-    "div_val": 4,
-    "pre_lnorm": False,
-    "n_layer": 18,
-    "mem_len": 1600,
-    "clamp_len": 1000,
-    "same_length": True,
-    "proj_share_all_but_first": True,
-    "dropout": 0.1,
-    "dropatt": 0.0,
-    "untie_r": True,
-    "init": "normal",
-    "init_range": 0.01,
-    "proj_init_std": 0.01,
-    "init_std": 0.02,
-    "layer_norm_epsilon": 1e-5,
+"""HF config field -> txl config field (fields not listed are ignored: the hub's files carry many)."""
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 267735, "cutoffs": [20000, 40000, 200000], "d_model": 1024, "d_embed": 1024, "n_head": 16,
+    "d_head": 64, "d_inner": 4096, "div_val": 4, "pre_lnorm": False, "n_layer": 18, "mem_len": 1600, "clamp_len": 1000,
+    "same_length": True, "proj_share_all_but_first": True, "dropout": 0.1, "dropatt": 0.0, "untie_r": True,
+    "init": "normal", "init_range": 0.01, "proj_init_std": 0.01, "init_std": 0.02, "layer_norm_epsilon": 1e-5,
     "tie_word_embeddings": True,
-}
+}  # fmt: skip
+"""HF's TransfoXLConfig defaults (the WT103 model), for fields a config.json leaves out."""
 
 
 def hf_config_to_txl(hf: dict[str, Any], source: str = "config.json") -> TransformerXLConfig:
@@ -83,11 +47,11 @@ def hf_config_to_txl(hf: dict[str, Any], source: str = "config.json") -> Transfo
         raise CheckpointError(f"{source}: model_type is {hf['model_type']!r}, expected 'transfo-xl'")
     if hf.get("attn_type", 0) != 0:
         raise CheckpointError(f"{source}: attn_type {hf['attn_type']} is not supported (only 0, Transformer-XL)")
-    full = {**_HF_DEFAULTS, **hf}
+    full = {**HF_DEFAULTS, **hf}
     if "tie_projs" not in full:  # HF derives it in the constructor from proj_share_all_but_first
         share = full["proj_share_all_but_first"]
         full["tie_projs"] = [False] + [bool(share)] * len(full["cutoffs"])
-    ours = {dst: full[src] for src, dst in _CONFIG_MAP.items() if src in full}
+    ours = {dst: full[src] for src, dst in CONFIG_MAP.items() if src in full}
     id2label = hf.get("id2label")
     if hf.get("num_labels") is not None:
         ours["num_labels"] = int(hf["num_labels"])

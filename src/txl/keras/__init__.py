@@ -20,26 +20,3 @@ from txl.keras.models import (
     TransfoXLBackbone,
 )
 from txl.keras.training import TxlAdam, TxlSchedule, txl_adam
-
-__all__ = [
-    "AdaptiveEmbedding",
-    "AdaptiveSoftmax",
-    "PositionwiseFF",
-    "RelPartialLearnableMultiHeadAttn",
-    "ResetMemory",
-    "TFAdaptiveEmbedding",
-    "TFAdaptiveSoftmaxMask",
-    "TFTransfoXLForSequenceClassification",
-    "TFTransfoXLLMHeadModel",
-    "TFTransfoXLLMHeadModelOutput",
-    "TFTransfoXLMainLayer",
-    "TFTransfoXLModel",
-    "TFTransfoXLModelOutput",
-    "TFTransfoXLSequenceClassifierOutputWithPast",
-    "TokenStream",
-    "TransfoXLBackbone",
-    "TxlAdam",
-    "TxlSchedule",
-    "layout_map",
-    "txl_adam",
-]

@@ -14,15 +14,3 @@ from txl.serve.app import (
     TokenizeRequest,
     create_app,
 )
-
-__all__ = [
-    "CompletionRequest",
-    "DetokenizeRequest",
-    "DrainingServer",
-    "GenerateRequest",
-    "ScoreRequest",
-    "ServeLimits",
-    "Server",
-    "TokenizeRequest",
-    "create_app",
-]
