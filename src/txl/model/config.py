@@ -258,6 +258,21 @@ class TransformerXLConfig:
         return cls(**data)
 
 
+def check_time_major_mems(mems: Any, batch: int | None, cfg: TransformerXLConfig) -> None:
+    """Hugging Face's memories (PyTorch's or Keras'): a list of n_layer tensors [M, batch, d_model] (time-major), every
+    layer's of one length; one error naming what differs."""
+    if not isinstance(mems, list | tuple) or len(mems) != cfg.n_layer:
+        n = len(mems) if isinstance(mems, list | tuple) else type(mems).__name__
+        raise ValueError(f"mems must be a list of n_layer = {cfg.n_layer} tensors [mem_len, batch, d_model], got {n}")
+    shapes = [tuple(getattr(m, "shape", ())) for m in mems]
+    for i, shape in enumerate(shapes):
+        if len(shape) != 3 or shape[1] not in (batch, None) or shape[2] != cfg.d_model or shape[0] != shapes[0][0]:
+            raise ValueError(
+                f"mems[{i}] must be [mem_len, batch={batch}, d_model={cfg.d_model}] (time-major, as the model returns "
+                f"them; every layer's of one length), got {list(shape)}"
+            )
+
+
 def _with_hf_names(init: Callable[..., None]) -> Callable[..., None]:
     """The config's constructor, also taking Hugging Face's names of its fields (``vocab_size=``)."""
 
