@@ -139,18 +139,10 @@ def recl(args: ReclArgs) -> None:
 
 
 def attention(
-    model: Path | None = None,
-    data: str | None = None,
-    text: str | None = None,
-    out: Path = Path("attention"),
-    tokens: int = 2000,
-    tgt_len: int | None = None,
-    mem_len: int | None = None,
-    same_length: bool | None = None,
-    layer: int = -1,
-    head: int = 0,
-    threads: int | None = None,
-) -> None:
+    model: Path | None = None, data: str | None = None, text: str | None = None, out: Path = Path("attention"),
+    tokens: int = 2000, tgt_len: int | None = None, mem_len: int | None = None, same_length: bool | None = None,
+    layer: int = -1, head: int = 0, threads: int | None = None,
+) -> None:  # fmt: skip
     """Plot where the model attends (the paper's Appendix D): attention probabilities by relative distance, averaged
     over queries, for every layer and head, and the full [query x key] map of the last segment.
 

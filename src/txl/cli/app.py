@@ -29,20 +29,11 @@ from txl.cli.train import _recorded_run_args, train
 from txl.config import build_run_parser, one_line, run_config_from_namespace
 
 COMMANDS = {
-    "train": train,
-    "eval": eval,
-    "generate": generate,
-    "plot": plot,
-    "recl": recl,
-    "attention": attention,
-    "serve": serve,
-    "finetune": finetune,
-    "predict": predict,
-    "tokenize": tokenize,
-    "convert": {"hf": convert_hf, "original": convert_original, "tf": convert_tf},
-    "export": {"onnx": export_onnx},
+    "train": train, "eval": eval, "generate": generate, "plot": plot, "recl": recl, "attention": attention,
+    "serve": serve, "finetune": finetune, "predict": predict, "tokenize": tokenize,
+    "convert": {"hf": convert_hf, "original": convert_original, "tf": convert_tf}, "export": {"onnx": export_onnx},
     "data": {"get": data_get, "prepare": data_prepare},
-}
+}  # fmt: skip
 HELP = {
     "convert": "Import checkpoints of other implementations.",
     "export": "Export models to other runtimes (ONNX).",
@@ -50,18 +41,9 @@ HELP = {
 }
 # boolean options that may be given without a value
 FLAGS = {
-    "--trust_pickle",
-    "--last_only",
-    "--json",
-    "--same_length",
-    "--verify",
-    "--print_config",
-    "--stream",
-    "--allow_remote",
-    "--ids",
-    "--decode",
-    "--raw_text",
-}
+    "--trust_pickle", "--last_only", "--json", "--same_length", "--verify", "--print_config", "--stream",
+    "--allow_remote", "--ids", "--decode", "--raw_text",
+}  # fmt: skip
 
 
 NUMBER_LISTS = {"--mem_len", "--contexts", "--r", "--model.cutoffs", "--train.betas", "--prompt_ids", "--stop_ids"}

@@ -76,18 +76,9 @@ class OrderedIterator(_Stateful):
     _state_keys = ("epoch", "pos", "index")
 
     def __init__(
-        self,
-        data: np.ndarray,
-        batch_size: int,
-        tgt_len: int,
-        *,
-        ext_len: int = 0,
-        varlen: bool = False,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        device: torch.device | str | None = None,
-    ) -> None:
+        self, data: np.ndarray, batch_size: int, tgt_len: int, *, ext_len: int = 0, varlen: bool = False, seed: int = 0,
+        rank: int = 0, world_size: int = 1, device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
         if batch_size < 1 or tgt_len < 1 or ext_len < 0:
             raise DataError(f"need batch_size, tgt_len >= 1 and ext_len >= 0 (got {batch_size}, {tgt_len}, {ext_len})")
         self.data, self.n_tokens = data, len(data)
@@ -150,17 +141,9 @@ class SentenceStreamIterator(_Stateful):
     _state_keys = ("epoch", "shard_pos", "next_sentence", "streams", "index")
 
     def __init__(
-        self,
-        shards: list[SentenceShard],
-        batch_size: int,
-        tgt_len: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        device: torch.device | str | None = None,
-    ) -> None:
+        self, shards: list[SentenceShard], batch_size: int, tgt_len: int, *, shuffle: bool = True, seed: int = 0,
+        rank: int = 0, world_size: int = 1, device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
         if not shards or not any(len(s) for s in shards):
             raise DataError("no sentences to iterate over")
         self.shards, self.batch_size, self.tgt_len, self.shuffle, self.seed = shards, batch_size, tgt_len, shuffle, seed

@@ -164,20 +164,10 @@ class Tokenizer:
 
     @classmethod
     def build(
-        cls,
-        kind: Kind,
-        sources: Sequence[FileRange],
-        *,
-        specials: Sequence[str] | None = None,
-        min_freq: int = 1,
-        max_size: int | None = None,
-        line_end: LineEnd = "none",
-        lower_case: bool = False,
-        drop_newlines: bool = False,
-        unk_token: str | None = "<unk>",
-        errors: str = "strict",
-        raw_text: RawText | None = None,
-    ) -> Tokenizer:
+        cls, kind: Kind, sources: Sequence[FileRange], *, specials: Sequence[str] | None = None, min_freq: int = 1,
+        max_size: int | None = None, line_end: LineEnd = "none", lower_case: bool = False, drop_newlines: bool = False,
+        unk_token: str | None = "<unk>", errors: str = "strict", raw_text: RawText | None = None,
+    ) -> Tokenizer:  # fmt: skip
         """Count ``sources`` and order the vocabulary like the reference (see the module docstring).
 
         ``specials`` default to ``[<eos>]`` or ``[<S>]`` for word tokenizers with line ends. ``unk_token`` is used

@@ -94,22 +94,11 @@ def evaluate(model: TransformerXLLM, data: np.ndarray | list, **kwargs: Any) -> 
 
 
 def evaluate_steps(
-    model: TransformerXLLM,
-    data: np.ndarray | list,
-    *,
-    batch_size: int,
-    tgt_len: int,
-    mem_len: int,
-    clamp_len: int | None = None,
-    same_length: bool | None = None,
-    cmem_len: int | None = None,
-    max_batches: int | None = None,
-    precision: str = "fp32",
-    world: World | None = None,
-    cache: bool = True,
-    return_losses: bool = False,
-    zero_memory: bool = False,
-) -> Generator[None, None, EvalResult]:
+    model: TransformerXLLM, data: np.ndarray | list, *, batch_size: int, tgt_len: int, mem_len: int,
+    clamp_len: int | None = None, same_length: bool | None = None, cmem_len: int | None = None,
+    max_batches: int | None = None, precision: str = "fp32", world: World | None = None, cache: bool = True,
+    return_losses: bool = False, zero_memory: bool = False,
+) -> Generator[None, None, EvalResult]:  # fmt: skip
     """:func:`evaluate` one segment at a time: the generator yields after each model call and returns the
     :class:`EvalResult` (``StopIteration.value``), so a caller (the server's engine) can run other work between two
     segments or stop early (``close()``). The caller runs it without gradients; the model is in eval mode until it
@@ -198,18 +187,10 @@ def sliding_windows(n_targets: int, window: int, stride: int) -> list[tuple[int,
 @torch.no_grad()
 @transposed_weights()
 def evaluate_sliding(
-    model: TransformerXLLM,
-    data: np.ndarray | list,
-    *,
-    window: int,
-    stride: int = 1,
-    batch_size: int = 16,
-    clamp_len: int | None = None,
-    max_batches: int | None = None,
-    precision: str = "fp32",
-    world: World | None = None,
+    model: TransformerXLLM, data: np.ndarray | list, *, window: int, stride: int = 1, batch_size: int = 16,
+    clamp_len: int | None = None, max_batches: int | None = None, precision: str = "fp32", world: World | None = None,
     return_losses: bool = False,
-) -> EvalResult:
+) -> EvalResult:  # fmt: skip
     """Mean NLL of an id stream scored the way Al-Rfou et al. evaluate a vanilla Transformer (the paper's Table 9
     baseline): every prediction sees a fixed window of at most ``window`` previous tokens, recomputed from scratch
     (no memory, nothing reused between windows). The window slides by ``stride`` tokens and scores its last

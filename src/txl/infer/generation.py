@@ -209,24 +209,12 @@ def _stepper(
 
 @torch.no_grad()
 def stream(
-    model: TransformerXLLM,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    mem_len: int | None = None,
-    generator: torch.Generator | None = None,
-    padding: Tensor | None = None,
-    stop_tokens: Sequence[int] = (),
-    pad_id: int | None = None,
-    mems: list[Tensor] | None = None,
-    observe: Callable[[Tensor, Tensor], None] | None = None,
-    penalties: Penalties | None = None,
-    reading: Reading | None = None,
-    allowed: Callable[[], Tensor] | None = None,
-) -> Iterator[Tensor]:
+    model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+    top_p: float = 1.0, mem_len: int | None = None, generator: torch.Generator | None = None,
+    padding: Tensor | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None,
+    mems: list[Tensor] | None = None, observe: Callable[[Tensor, Tensor], None] | None = None,
+    penalties: Penalties | None = None, reading: Reading | None = None, allowed: Callable[[], Tensor] | None = None,
+) -> Iterator[Tensor]:  # fmt: skip
     """Yield up to ``max_new_tokens`` tokens [B, 1] continuing ``input_ids`` [B, T], each as soon as it is chosen.
 
     ``temperature == 0`` is greedy. ``padding`` [B, T] (True = padding) lets prompts of different lengths share
@@ -314,22 +302,11 @@ def beam_search(model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, 
 
 @torch.no_grad()  # (on a generator: gradients off while it runs, the caller's own setting between its steps)
 def beam_steps(
-    model: TransformerXLLM,
-    input_ids: Tensor,
-    max_new_tokens: int,
-    *,
-    num_beams: int,
-    length_penalty: float = 1.0,
-    early_stopping: bool = False,
-    num_return_sequences: int = 1,
-    eos_token_ids: Sequence[int] = (),
-    pad_id: int | None = None,
-    mem_len: int | None = None,
-    padding: Tensor | None = None,
-    mems: list[Tensor] | None = None,
-    penalties: Penalties | None = None,
-    reading: Reading | None = None,
-) -> Generator[None, None, Tensor]:
+    model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int, *, num_beams: int, length_penalty: float = 1.0,
+    early_stopping: bool = False, num_return_sequences: int = 1, eos_token_ids: Sequence[int] = (),
+    pad_id: int | None = None, mem_len: int | None = None, padding: Tensor | None = None,
+    mems: list[Tensor] | None = None, penalties: Penalties | None = None, reading: Reading | None = None,
+) -> Generator[None, None, Tensor]:  # fmt: skip
     """:func:`beam_search` one model call at a time: the generator yields after each call (the prompt's, then one per
     new token) and returns the result (``StopIteration.value``), so a caller can run other work between two steps
     or stop the search (``close()``). Arguments and result as :func:`beam_search`'s. Until it ends or is closed the
@@ -435,31 +412,14 @@ def _hf_padding(attention_mask: Tensor | None, input_ids: Tensor) -> Tensor | No
 
 
 def generate_like_hf(
-    model: TransformerXLLM,
-    input_ids: Tensor,
-    max_new_tokens: int | None = None,
-    *,
-    max_length: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 50,
-    top_p: float = 1.0,
-    attention_mask: Tensor | None = None,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    mem_len: int | None = None,
-    generator: torch.Generator | None = None,
-    mems: list[Tensor] | None = None,
-    num_return_sequences: int = 1,
-    repetition_penalty: float = 1.0,
-    no_repeat_ngram_size: int = 0,
-    min_new_tokens: int | None = None,
-    min_length: int | None = None,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    early_stopping: bool = False,
-    **hf_options: Any,
-) -> Tensor:
+    model: TransformerXLLM, input_ids: Tensor, max_new_tokens: int | None = None, *, max_length: int | None = None,
+    do_sample: bool = False, temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0,
+    attention_mask: Tensor | None = None, eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None, mem_len: int | None = None, generator: torch.Generator | None = None,
+    mems: list[Tensor] | None = None, num_return_sequences: int = 1, repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0, min_new_tokens: int | None = None, min_length: int | None = None, num_beams: int = 1,
+    length_penalty: float = 1.0, early_stopping: bool = False, **hf_options: Any,
+) -> Tensor:  # fmt: skip
     """``model.generate`` with Hugging Face's arguments and defaults, on the K/V-cached :func:`stream`.
 
     Greedy unless ``do_sample`` (then ``temperature``, ``top_k`` = 50 and ``top_p`` as HF's defaults);

@@ -59,20 +59,10 @@ def compose(*args, **kwargs) -> Composition:
 
 
 def compose_steps(
-    model: TransformerXLLM,
-    tok: MusicTokenizer,
-    prompt_ids: list[int],
-    *,
-    bars: int | None = None,
-    max_new_tokens: int = 1024,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    grammar: bool = True,
-    generator: torch.Generator | None = None,
-    reading: Reading | None = None,
-    mems: list[torch.Tensor] | None = None,
-) -> Generator[None, None, Composition]:
+    model: TransformerXLLM, tok: MusicTokenizer, prompt_ids: list[int], *, bars: int | None = None,
+    max_new_tokens: int = 1024, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, grammar: bool = True,
+    generator: torch.Generator | None = None, reading: Reading | None = None, mems: list[torch.Tensor] | None = None,
+) -> Generator[None, None, Composition]:  # fmt: skip
     """Continue ``prompt_ids`` (a piece's start: its BOS and events) by up to ``max_new_tokens`` ids, stopping
     before the event that would begin bar ``bars + 1`` of the new music (None: no bar limit). ``grammar``: keep every
     new event valid (else sample freely, stop at EOS, and count the invalid events). A generator that yields after

@@ -78,18 +78,9 @@ def recl(losses: Mapping[str, np.ndarray], contexts: Sequence[int], r: float, th
 
 
 def context_losses(
-    model,
-    ids: np.ndarray,
-    contexts: Sequence[int],
-    *,
-    sliding: bool,
-    tgt_len: int,
-    clamp_len: int | None = None,
-    same_length: bool | None = None,
-    batch_size: int = 16,
-    max_window: int | None = None,
-    world: World | None = None,
-) -> np.ndarray:
+    model, ids: np.ndarray, contexts: Sequence[int], *, sliding: bool, tgt_len: int, clamp_len: int | None = None,
+    same_length: bool | None = None, batch_size: int = 16, max_window: int | None = None, world: World | None = None,
+) -> np.ndarray:  # fmt: skip
     """[n_contexts, len(ids) - 1] per-token losses of one model: with a memory of c (Transformer-XL: segments of
     ``tgt_len``, one column so that every token has the whole text before it) or, with ``sliding``, a window of c
     tokens recomputed for every prediction (a vanilla model). ``max_window`` (sliding): the longest window the model

@@ -27,18 +27,9 @@ from txl.model.pretrained import CheckpointError
 
 # Modules whose classes become stubs: the original code's, NVIDIA's (same names), torch.nn's and argparse's.
 STUB_MODULES = (
-    "mem_transformer",
-    "proj_adaptive_softmax",
-    "log_uniform_sampler",
-    "vocabulary",
-    "data_utils",
-    "data_parallel",
-    "utils.",
-    "torch.nn.modules.",
-    "torch.nn.backends.",
-    "torch.nn.parallel.",
-    "argparse",
-)
+    "mem_transformer", "proj_adaptive_softmax", "log_uniform_sampler", "vocabulary", "data_utils", "data_parallel",
+    "utils.", "torch.nn.modules.", "torch.nn.backends.", "torch.nn.parallel.", "argparse",
+)  # fmt: skip
 # Functions that rebuild tensors (called with the file's storages only), and plain containers.
 TENSOR_FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
@@ -200,25 +191,14 @@ def _config(fields: dict[str, Any], state: dict[str, torch.Tensor], source: str)
     d_model = int(state["layers.0.dec_attn.qkv_net.weight"].shape[1])
     try:
         return TransformerXLConfig(
-            n_token=n_token,
-            n_layer=n_layer,
-            d_model=d_model,
-            n_head=int(n_head),
-            d_head=int(d_head),
+            n_token=n_token, n_layer=n_layer, d_model=d_model, n_head=int(n_head), d_head=int(d_head),
             d_inner=int(state["layers.0.pos_ff.CoreNet.0.weight"].shape[0]),
-            d_embed=int(fields.get("d_embed") or d_model),
-            div_val=div_val,
-            cutoffs=cutoffs,
-            tie_weight=tie_weight,
-            tie_projs=tie_projs,
-            dropout=float(fields.get("dropout", 0.0)),
-            dropatt=float(fields.get("dropatt", 0.0)),
-            pre_lnorm=bool(fields.get("pre_lnorm", False)),
-            untie_r=False,
-            same_length=bool(fields.get("same_length", False)),
-            clamp_len=int(fields.get("clamp_len", -1)),
+            d_embed=int(fields.get("d_embed") or d_model), div_val=div_val, cutoffs=cutoffs, tie_weight=tie_weight,
+            tie_projs=tie_projs, dropout=float(fields.get("dropout", 0.0)), dropatt=float(fields.get("dropatt", 0.0)),
+            pre_lnorm=bool(fields.get("pre_lnorm", False)), untie_r=False,
+            same_length=bool(fields.get("same_length", False)), clamp_len=int(fields.get("clamp_len", -1)),
             mem_len=int(fields.get("mem_len") or 0),
-        )
+        )  # fmt: skip
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: {e}") from None
 

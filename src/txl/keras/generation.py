@@ -114,17 +114,9 @@ def _with_mem_len(fn):  # noqa: ANN001, ANN202
 
 @_with_mem_len
 def generate(
-    model: Any,
-    input_ids: Any,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    num_beams: int = 1,
-    mems: list | None = None,
-    seed: int | None = None,
-    **beam_options: Any,
-) -> np.ndarray:
+    model: Any, input_ids: Any, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0, num_beams: int = 1,
+    mems: list | None = None, seed: int | None = None, **beam_options: Any,
+) -> np.ndarray:  # fmt: skip
     """``input_ids`` [B, T] followed by the new tokens ([B, T + max_new_tokens]; beam search: txl's
     ``beam_search`` result). ``temperature=0``: greedy; ``top_k``: sample among the k likeliest. ``mems``: the memory to
     start from (Hugging Face's n_layer x [M, B, d_model]; default: none). ``mem_len``: the memory length to use
@@ -156,18 +148,10 @@ def generate(
 
 @_with_mem_len
 def beam_search(
-    model: Any,
-    input_ids: Any,
-    max_new_tokens: int,
-    *,
-    num_beams: int,
-    length_penalty: float = 1.0,
-    early_stopping: bool = False,
-    num_return_sequences: int = 1,
-    eos_token_ids: tuple[int, ...] | list[int] = (),
-    pad_id: int | None = None,
-    mems: list | None = None,
-) -> np.ndarray:
+    model: Any, input_ids: Any, max_new_tokens: int, *, num_beams: int, length_penalty: float = 1.0,
+    early_stopping: bool = False, num_return_sequences: int = 1, eos_token_ids: tuple[int, ...] | list[int] = (),
+    pad_id: int | None = None, mems: list | None = None,
+) -> np.ndarray:  # fmt: skip
     """txl's ``beam_search`` (Hugging Face's rule): the best ``num_return_sequences`` of ``num_beams`` hypotheses per
     prompt, [B * n, T + new]; the memories follow the beams."""
     if num_beams < 2 or not 1 <= num_return_sequences <= num_beams:

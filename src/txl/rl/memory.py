@@ -378,17 +378,9 @@ def _same(p: Tensor, copy: Tensor) -> bool:
 
 
 def gtrxl_config(
-    d_model: int = 64,
-    n_layer: int = 2,
-    n_head: int = 4,
-    d_head: int | None = None,
-    d_inner: int | None = None,
-    mem_len: int = 64,
-    gate: str = "gru",
-    gate_bias: float = 2.0,
-    dropout: float = 0.0,
-    **overrides,
-) -> TransformerXLConfig:
+    d_model: int = 64, n_layer: int = 2, n_head: int = 4, d_head: int | None = None, d_inner: int | None = None,
+    mem_len: int = 64, gate: str = "gru", gate_bias: float = 2.0, dropout: float = 0.0, **overrides,
+) -> TransformerXLConfig:  # fmt: skip
     """A GTrXL configuration (identity-map reordering, pre-LN, gates; ``gate="residual"``: TrXL-I) over vectors;
     ``overrides``: any other ``TransformerXLConfig`` field."""
     return TransformerXLConfig(

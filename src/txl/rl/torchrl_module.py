@@ -22,18 +22,10 @@ class GTrXLModule(TensorDictModuleBase):
     ``memory_key``/``valid_key`` the state entries."""
 
     def __init__(
-        self,
-        input_size: int | None = None,
-        *,
-        in_key: str = "observation",
-        out_key: str = "features",
-        memory_key: str = "gtrxl_memory",
-        valid_key: str = "gtrxl_valid",
-        config: TransformerXLConfig | None = None,
-        model: MemoryTransformer | None = None,
-        default_recurrent_mode: bool | None = None,
-        **sizes,
-    ):
+        self, input_size: int | None = None, *, in_key: str = "observation", out_key: str = "features",
+        memory_key: str = "gtrxl_memory", valid_key: str = "gtrxl_valid", config: TransformerXLConfig | None = None,
+        model: MemoryTransformer | None = None, default_recurrent_mode: bool | None = None, **sizes,
+    ):  # fmt: skip
         super().__init__()
         if model is None:
             if input_size is None:

@@ -68,19 +68,10 @@ def _json_bytes(obj: dict[str, Any]) -> bytes:
 
 
 def save_checkpoint(
-    world: World,
-    run_dir: Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    state: dict[str, Any],
-    tokenizer_file: Path,
-    run_config: dict[str, Any],
-    metadata: dict[str, Any],
-    keep_last: int,
-    keep_steps: set[int],
+    world: World, run_dir: Path, step: int, *, model: torch.nn.Module, state: dict[str, Any], tokenizer_file: Path,
+    run_config: dict[str, Any], metadata: dict[str, Any], keep_last: int, keep_steps: set[int],
     config_name: str = RUN_CONFIG,
-) -> Path:
+) -> Path:  # fmt: skip
     """Write ``step-N`` collectively (every process writes its own state file), then apply retention.
 
     If a write fails (a full disk, a read-only folder, a file size limit), the partial folder is removed and the
