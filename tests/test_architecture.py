@@ -4,6 +4,7 @@ cycle; short model files; the old module paths still import."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import shutil
 import subprocess
@@ -62,6 +63,21 @@ def test_model_files_are_short_and_the_folders_are_the_layers():
     named = {m.strip() for layer in contract["layers"] for m in layer.split("|")}
     for layer in ("cli", "serve", "interop", "train", "infer", "config", "data", "model", "kernels", "util"):
         assert layer in named, layer
+
+
+def test_the_house_stays_small():
+    """The size limits of DEVELOPERS.md and issues 75/76: no file in src/txl over 700 lines, no function over 100, and
+    src/txl at most 25,500 lines of Python in all."""
+    sizes, long_functions = {}, []
+    for path in (ROOT / "src" / "txl").rglob("*.py"):
+        text = path.read_text()
+        sizes[path] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 100:
+                long_functions.append(f"{path.name}:{node.name}")
+    assert not {p.name: n for p, n in sizes.items() if n > 700}
+    assert not long_functions, long_functions
+    assert sum(sizes.values()) <= 25_500, sum(sizes.values())
 
 
 def test_old_module_paths_import_the_same_modules():
