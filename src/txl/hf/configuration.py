@@ -10,7 +10,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from txl.interop.convert import SAME_NAMES, hf_config_to_txl
-from txl.model.modeling import TransformerXLConfig
+from txl.model.modeling import HF_CONFIG_NAMES, TransformerXLConfig
 
 
 @strict
@@ -103,7 +103,8 @@ class TransfoXLConfig(PreTrainedConfig):
         tf_same_length) is one error naming what differs."""
         d = config.to_dict()
         fields = {k: d[k] for k in (*SAME_NAMES, "attn_type", "num_labels")}
-        out = cls(vocab_size=d["n_token"], tie_word_embeddings=d["tie_weight"], mem_init="empty", **fields | kwargs)
+        fields |= {hf: d[ours] for hf, ours in HF_CONFIG_NAMES.items()}  # (vocab_size, tie_word_embeddings)
+        out = cls(mem_init="empty", **fields | kwargs)
         back = out.to_txl().to_dict()
         differ = sorted(k for k in d if k not in kwargs and back.get(k) != d[k])
         if differ:
@@ -116,7 +117,7 @@ class TransfoXLConfig(PreTrainedConfig):
 
 def txl_config(config: TransfoXLConfig) -> TransformerXLConfig:
     """txl's :class:`~txl.model.modeling.TransformerXLConfig` of a Hugging Face TransfoXL configuration."""
-    names = (*SAME_NAMES, "vocab_size", "tie_word_embeddings", "attn_type", "num_labels")
+    names = (*SAME_NAMES, *HF_CONFIG_NAMES, "attn_type", "num_labels")
     fields = {k: getattr(config, k) for k in names}
     fields["model_type"] = "transfo-xl"
     return hf_config_to_txl(fields, "TransfoXLConfig")

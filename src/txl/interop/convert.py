@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from txl.interop.hf_vocab import TEXT_VOCAB, convert_hf_tokenizer
-from txl.model.modeling import TransformerXL, TransformerXLConfig, TransformerXLLM
+from txl.model.modeling import HF_CONFIG_NAMES, TransformerXL, TransformerXLConfig, TransformerXLLM
 from txl.model.pretrained import (
     CheckpointError,
     check_config_fits_weights,
@@ -27,9 +27,7 @@ SAME_NAMES = (
     "init_range", "proj_init_std", "pad_token_id",
 )  # fmt: skip
 """The configuration fields Hugging Face's TransfoXL and txl both have under one name."""
-CONFIG_MAP = {"vocab_size": "n_token", "n_token": "n_token", "tie_word_embeddings": "tie_weight"} | {
-    k: k for k in SAME_NAMES
-}
+CONFIG_MAP = HF_CONFIG_NAMES | {"n_token": "n_token"} | {k: k for k in SAME_NAMES}
 """HF config field -> txl config field (fields not listed are ignored: the hub's files carry many)."""
 HF_DEFAULTS: dict[str, Any] = {
     "vocab_size": 267735, "cutoffs": [20000, 40000, 200000], "d_model": 1024, "d_embed": 1024, "n_head": 16,
